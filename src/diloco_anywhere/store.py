@@ -1,0 +1,345 @@
+"""The bucket: create-only writes, whole or ranged reads, batched polling, listing, deletion.
+
+Every byte replicas exchange passes through one ``Store``. Keys are never overwritten: a write
+either creates the key or raises ``FileExistsError``, which makes the create-only write the one
+consensus primitive the collective builds on (first writer of a SEAL wins). A reader never sees a
+partial object, on every backend:
+
+- S3: ``PutObject`` / ``CompleteMultipartUpload`` with ``If-None-Match: *`` (s3fs ``mode="create"``;
+  AWS docs, "Conditional writes"). A 409 ConditionalRequestConflict is retried.
+- GCS: ``ifGenerationMatch=0`` (gcsfs ``mode="create"``; GCS docs, "Request preconditions").
+- Azure Blob: ``If-None-Match: *`` (adlfs ``mode="create"`` -> ``upload_blob(overwrite=False)``).
+- Local: write a temp file in the same folder, then ``os.link`` it to the final name; link(2)
+  fails with EEXIST when the name exists and publishes the whole file at once. (fsspec's local
+  ``pipe_file(mode="create")`` checks, then writes: two writers can both win, and a reader can
+  see a half-written file.)
+- Memory (tests, one process): a lock around check-and-write.
+
+This module imports no torch: processes that only move bytes start fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+import uuid
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import fsspec
+from fsspec.utils import get_protocol
+
+from diloco_anywhere.retry import RetryPolicy, call_with_retry
+
+T = TypeVar("T")
+Buffer = bytes | bytearray
+
+# Store schemes and how each does a create-only write.
+LOCAL_PROTOCOLS = frozenset({"file", "local"})
+MEMORY_PROTOCOLS = frozenset({"memory"})
+CONDITIONAL_PUT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
+SUPPORTED_SCHEMES = "a local path, file://, memory://, s3://, gs://, az://"
+
+# Defaults per remote protocol; a user's storage options override them.
+REMOTE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "s3": {
+        # With max_concurrency > 1, s3fs sends a HEAD before every whole-object GET.
+        "max_concurrency": 1,
+        # Our deadline-bound retry owns 5xx/409 retries; botocore tries once. (s3fs still
+        # re-sends connection errors and SlowDown a few times within a second or two.)
+        "config_kwargs": {"retries": {"total_max_attempts": 1}},
+    },
+}
+# Listings must be fresh: peers create keys all the time.
+COMMON_REMOTE_DEFAULTS = {"use_listings_cache": False, "skip_instance_cache": True}
+
+TEMP_PREFIX = ".tmp-"
+_KEY_SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.=-]{0,254}")
+MAX_KEY_LENGTH = 1024  # S3's limit, the strictest of the supported stores
+
+
+class StoreError(OSError):
+    """A store operation failed for good (not a missing or an existing key)."""
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """Traffic through one Store. Requests count every attempt; bytes count completed transfers."""
+
+    bytes_up: int = 0
+    bytes_down: int = 0
+    puts: int = 0
+    gets: int = 0
+    lists: int = 0
+    deletes: int = 0
+    retries: int = 0
+
+    def __sub__(self, other: StoreStats) -> StoreStats:
+        return StoreStats(
+            **{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)}
+        )
+
+
+class _Counters:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values = {f.name: 0 for f in fields(StoreStats)}
+
+    def add(self, **increments: int) -> None:
+        with self._lock:
+            for name, amount in increments.items():
+                self._values[name] += amount
+
+    def snapshot(self) -> StoreStats:
+        with self._lock:
+            return StoreStats(**self._values)
+
+
+def check_key(key: str) -> str:
+    """A key is '/'-separated segments of letters, digits and ``_ . = -`` (not leading '.')."""
+    segments = key.split("/")
+    bad = next((s for s in segments if not _KEY_SEGMENT.fullmatch(s)), None)
+    if bad is not None or len(key) > MAX_KEY_LENGTH:
+        raise ValueError(
+            f"store key {key!r} is not allowed: use '/'-separated segments of letters, digits, "
+            f"'_', '.', '=', '-' (not starting with '.'), at most {MAX_KEY_LENGTH} characters"
+        )
+    return key
+
+
+def redact_url(url: str) -> str:
+    """The URL without credentials or query (SAS tokens live there), safe for logs."""
+    parts = urlsplit(url)
+    netloc = parts.netloc.rpartition("@")[2]
+    if "@" in parts.netloc:
+        netloc = "***@" + netloc
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def _protocols(url: str) -> frozenset[str]:
+    cls = fsspec.get_filesystem_class(get_protocol(url))
+    protocol = cls.protocol
+    return frozenset([protocol] if isinstance(protocol, str) else protocol)
+
+
+def _storage_options(protocols: frozenset[str], user: dict[str, Any]) -> dict[str, Any]:
+    if not protocols & CONDITIONAL_PUT_PROTOCOLS:
+        return dict(user)
+    options: dict[str, Any] = dict(COMMON_REMOTE_DEFAULTS)
+    for protocol in sorted(protocols):
+        options.update(REMOTE_DEFAULTS.get(protocol, {}))
+    return options | user
+
+
+def _create_local(path: str, data: Buffer) -> None:
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    temp = os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
+    with open(temp, "xb") as file:
+        file.write(data)
+    try:
+        os.link(temp, path)
+    except FileExistsError:
+        raise
+    except OSError as exc:  # EPERM / ENOTSUP: no hard links here (some FUSE and SMB mounts)
+        raise StoreError(
+            f"cannot publish {path} atomically: this filesystem does not support hard links "
+            f"({exc.strerror}); put the store on a local disk or use a bucket URL"
+        ) from exc
+    finally:
+        os.unlink(temp)
+
+
+class Store:
+    """One bucket prefix, addressed by keys relative to ``url``.
+
+    ``storage_options`` go to the fsspec filesystem (endpoint, credentials); by default each
+    backend takes credentials from its platform's standard environment. ``max_workers`` bounds the
+    concurrent requests of ``get_many``.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+        max_workers: int = 32,
+    ) -> None:
+        protocols = _protocols(url)
+        self.url = redact_url(url)
+        if not protocols & (LOCAL_PROTOCOLS | MEMORY_PROTOCOLS | CONDITIONAL_PUT_PROTOCOLS):
+            raise ValueError(
+                f"store {self.url}: scheme {sorted(protocols)} has no create-only write; "
+                f"use {SUPPORTED_SCHEMES}"
+            )
+        self._retry = retry or RetryPolicy()
+        self._counters = _Counters()
+        self._max_workers = max_workers
+        self._pool: ThreadPoolExecutor | None = None
+        self._fs, root = fsspec.url_to_fs(url, **_storage_options(protocols, storage_options or {}))
+        self._root = root.rstrip("/")
+        self._is_local = bool(protocols & LOCAL_PROTOCOLS)
+        self._create = self._exclusive_writer(protocols)
+
+    def _exclusive_writer(self, protocols: frozenset[str]) -> Callable[[str, Buffer], None]:
+        if self._is_local:
+            return _create_local
+        if protocols & MEMORY_PROTOCOLS:
+            lock = threading.Lock()
+
+            def create_in_memory(path: str, data: Buffer) -> None:
+                with lock:
+                    self._fs.pipe_file(path, bytes(data), mode="create")
+
+            return create_in_memory
+        # bytes, not bytearray: azure-storage-blob iterates a bytearray as ints.
+        return lambda path, data: self._fs.pipe_file(path, bytes(data), mode="create")
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _path(self, key: str) -> str:
+        return f"{self._root}/{check_key(key)}" if key else self._root
+
+    def _where(self, key: str) -> str:
+        return f"{key!r} in store {self.url}"
+
+    def _run(self, operation: str, key: str, call: Callable[[], T]) -> T:
+        """Retry transient errors; name the key and the store in every error that surfaces."""
+        try:
+            return call_with_retry(call, self._retry, on_retry=lambda _: self._add(retries=1))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self._where(key)} does not exist") from None
+        except FileExistsError:
+            raise
+        except PermissionError as exc:
+            raise StoreError(
+                f"{operation} {self._where(key)}: access denied ({exc}); check this store's "
+                f"credentials in the environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS, AZURE_*)"
+            ) from exc
+        except StoreError:
+            raise
+        except Exception as exc:
+            raise StoreError(f"{operation} {self._where(key)} failed: {exc}") from exc
+
+    def _add(self, **increments: int) -> None:
+        self._counters.add(**increments)
+
+    # -- operations ----------------------------------------------------------------------------
+
+    def put(self, key: str, data: Buffer) -> None:
+        """Create ``key`` with ``data``; ``FileExistsError`` if it exists. Never overwrites.
+
+        If an attempt failed ambiguously (a timeout after the store applied it) and the retry
+        finds the key taken, the object is read back: identical bytes mean our write landed.
+        """
+        path = self._path(key)
+        attempts = 0
+
+        def attempt() -> None:
+            nonlocal attempts
+            attempts += 1
+            self._add(puts=1)
+            self._create(path, data)
+
+        try:
+            self._run("put", key, attempt)
+        except FileExistsError:
+            if attempts == 1 or self.get(key) != data:
+                raise FileExistsError(
+                    f"{self._where(key)} already exists; keys are create-only"
+                ) from None
+        self._add(bytes_up=len(data))
+
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """The object's bytes, or bytes ``[start, end)``; one GET, no HEAD before it."""
+        if (start is None) != (end is None) or (start is not None and not 0 <= start <= end):
+            raise ValueError(f"byte range [{start}, {end}) of {key!r}: give 0 <= start <= end")
+        path = self._path(key)
+        if start is not None and start == end:
+            return b""  # s3fs would send "bytes=0--1", which S3 answers with the whole object
+
+        def attempt() -> bytes:
+            self._add(gets=1)
+            return self._fs.cat_file(path, start=start, end=end)
+
+        data = self._run("get", key, attempt)
+        self._add(bytes_down=len(data))
+        return data
+
+    def get_many(self, keys: Iterable[str]) -> dict[str, bytes | None]:
+        """Every key's bytes, or None where the key does not exist, fetched concurrently.
+
+        Used to poll all peers at once: one call, one GET per key, no listing.
+        """
+
+        def get_or_none(key: str) -> bytes | None:
+            try:
+                return self.get(key)
+            except FileNotFoundError:
+                return None
+
+        keys = list(keys)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="store")
+        return dict(zip(keys, self._pool.map(get_or_none, keys), strict=True))
+
+    def list_prefix(self, prefix: str = "") -> list[str]:
+        """Sorted keys under the folder ``prefix`` ('' for all), at any depth."""
+        base = self._path(prefix)
+
+        def attempt() -> list[str]:
+            self._add(lists=1)
+            return self._fs.find(base)
+
+        try:
+            paths = self._run("list", prefix, attempt)
+        except FileNotFoundError:
+            return []
+        start = len(self._root) + 1
+        return sorted(p[start:] for p in paths if not os.path.basename(p).startswith(TEMP_PREFIX))
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every key under the folder ``prefix``; returns how many were deleted."""
+        keys = self.list_prefix(prefix)
+        if not keys:
+            return 0
+        paths = [self._path(k) for k in keys]
+
+        def attempt() -> None:
+            self._add(deletes=1)
+            self._fs.rm(paths)
+
+        self._run("delete", prefix, attempt)
+        if self._is_local:
+            _remove_empty_dirs(self._path(prefix))
+        return len(keys)
+
+    def stats(self) -> StoreStats:
+        return self._counters.snapshot()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Store({self.url!r})"
+
+
+def _remove_empty_dirs(top: str) -> None:
+    """Remove ``top`` and folders below it that are empty (local stores leave them behind)."""
+    for directory, _, _ in os.walk(top, topdown=False):
+        with contextlib.suppress(OSError):  # not empty: a key was created there meanwhile
+            os.rmdir(directory)

@@ -1,0 +1,82 @@
+"""Shared fixtures: stand-in servers (started once per session) and a fresh store per test."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from diloco_anywhere.standins import StandIn, StandInUnavailableError, standin
+from diloco_anywhere.store import Store
+
+LOCAL_BACKENDS = ("path", "file", "memory")
+SERVER_BACKENDS = ("s3", "gcs", "azure")
+
+
+@dataclass
+class Backend:
+    """Where a test's store lives: URL, options, and whether create-only is enforced."""
+
+    name: str
+    url: str
+    storage_options: dict[str, Any]
+    exclusive_create: bool = True
+    multiprocess: bool = True
+
+    def store(self, **kwargs: Any) -> Store:
+        return Store(self.url, storage_options=self.storage_options, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def standins() -> Iterator[Callable[[str], StandIn]]:
+    """Each stand-in server, started lazily; a str value is the reason it is unavailable."""
+    started: dict[str, StandIn | str] = {}
+    contexts = []
+
+    def get(name: str) -> StandIn:
+        if name not in started:
+            context = standin(name)
+            try:
+                started[name] = context.__enter__()
+                contexts.append(context)
+            except StandInUnavailableError as exc:
+                started[name] = str(exc)
+        value = started[name]
+        if isinstance(value, str):
+            pytest.skip(value)
+        return value
+
+    yield get
+    for context in reversed(contexts):
+        context.__exit__(None, None, None)
+
+
+def _backend(name: str, standins, tmp_path) -> Backend:
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    if name == "path":
+        return Backend(name, str(tmp_path / "store"), {})
+    if name == "file":
+        return Backend(name, f"file://{tmp_path}/store", {})
+    if name == "memory":
+        return Backend(name, f"memory://{prefix}", {}, multiprocess=False)
+    server = standins(name)
+    return Backend(
+        name,
+        f"{server.url}/{prefix}",
+        server.storage_options,
+        exclusive_create=server.exclusive_create,
+    )
+
+
+@pytest.fixture
+def make_backend(standins, tmp_path) -> Callable[[str], Backend]:
+    """A fresh, empty store on the named backend (a stand-in server is started if needed)."""
+    return lambda name: _backend(name, standins, tmp_path)
+
+
+@pytest.fixture(params=LOCAL_BACKENDS + SERVER_BACKENDS)
+def backend(request, make_backend) -> Backend:
+    return make_backend(request.param)

@@ -1,0 +1,152 @@
+"""Store behaviour on every backend: local path, file://, memory://, S3 (moto), GCS, Azure."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+
+from diloco_anywhere.store import Store, check_key, redact_url
+
+
+def test_put_then_get_whole_and_range(backend):
+    store = backend.store()
+    payload = bytes(range(256)) * 40
+    store.put("rounds/0/a", payload)
+    assert store.get("rounds/0/a") == payload
+    assert store.get("rounds/0/a", 100, 1100) == payload[100:1100]
+    assert store.get("rounds/0/a", 0, 0) == b""
+
+
+def test_put_accepts_bytearray(backend):
+    store = backend.store()
+    store.put("k", bytearray(b"abc"))
+    assert store.get("k") == b"abc"
+
+
+def test_put_never_overwrites(backend):
+    if not backend.exclusive_create:
+        pytest.skip(f"{backend.name} stand-in ignores create-only preconditions")
+    store = backend.store()
+    store.put("seal", b"first")
+    with pytest.raises(FileExistsError, match=r"'seal' in store .* already exists"):
+        store.put("seal", b"second")
+    assert store.get("seal") == b"first"
+
+
+def test_get_missing_names_key_and_store(backend):
+    store = backend.store()
+    with pytest.raises(FileNotFoundError, match=r"'nope/x' in store .* does not exist"):
+        store.get("nope/x")
+
+
+def test_get_many_returns_bytes_or_none_per_key(backend):
+    store = backend.store()
+    for i in range(5):
+        store.put(f"peers/{i}", f"data{i}".encode())
+    keys = [f"peers/{i}" for i in range(8)]
+    result = store.get_many(keys)
+    assert list(result) == keys
+    assert result == {k: (f"data{k[-1]}".encode() if int(k[-1]) < 5 else None) for k in keys}
+
+
+def test_list_and_delete_prefix(backend):
+    store = backend.store()
+    for key in ["rounds/1/a", "rounds/1/b/c", "rounds/2/a", "rounds/10/a", "meta"]:
+        store.put(key, b"x")
+    assert store.list_prefix("rounds/1") == ["rounds/1/a", "rounds/1/b/c"]
+    assert store.list_prefix() == [
+        "meta",
+        "rounds/1/a",
+        "rounds/1/b/c",
+        "rounds/10/a",
+        "rounds/2/a",
+    ]
+    assert store.delete_prefix("rounds/1") == 2
+    assert store.list_prefix("rounds") == ["rounds/10/a", "rounds/2/a"]
+    assert store.delete_prefix("rounds/1") == 0
+    assert store.list_prefix("missing") == []
+
+
+def test_counters_track_requests_and_bytes(backend):
+    store = backend.store()
+    store.put("a", b"12345")
+    store.get("a")
+    store.get("a", 0, 2)
+    store.get_many(["a", "b"])
+    stats = store.stats()
+    assert (stats.puts, stats.gets, stats.bytes_up, stats.bytes_down) == (1, 4, 5, 12)
+    assert (store.stats() - stats).gets == 0
+
+
+@pytest.mark.parametrize("key", ["", "/a", "a/", "a//b", "../x", ".tmp-x", "a b", "é", "a" * 1025])
+def test_bad_keys_are_rejected_with_the_rule(key):
+    with pytest.raises(ValueError, match="is not allowed: use '/'-separated segments"):
+        check_key(key)
+
+
+def test_bad_byte_range_is_rejected(tmp_path):
+    store = Store(str(tmp_path))
+    with pytest.raises(ValueError, match=r"byte range \[5, 2\)"):
+        store.get("k", 5, 2)
+
+
+def test_unsupported_scheme_says_what_is_supported():
+    with pytest.raises(ValueError, match="has no create-only write; use a local path"):
+        Store("ftp://host/path")
+
+
+def test_urls_are_redacted_of_credentials():
+    assert redact_url("s3://AKIA:secret@bucket/run") == "s3://***@bucket/run"
+    assert redact_url("az://c/p?sv=1&sig=SECRET") == "az://c/p"
+    store = Store("memory://redact/x?token=SECRET")
+    assert "SECRET" not in repr(store)
+
+
+def test_local_store_hides_temp_files_and_leaves_no_empty_folders(tmp_path):
+    store = Store(str(tmp_path))
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / ".tmp-abandoned").write_bytes(b"half")  # a writer died mid-write
+    store.put("r/a/b", b"x")
+    assert store.list_prefix("r") == ["r/a/b"]
+    store.delete_prefix("r/a")
+    assert not (tmp_path / "r" / "a").exists()
+
+
+# -- racing: exactly one winner ------------------------------------------------------------------
+
+RACERS = 16
+
+
+def _race(url, options, key, racer, barrier, results):
+    store = Store(url, storage_options=options)
+    barrier.wait()
+    try:
+        store.put(key, f"racer-{racer}".encode())
+        results.put((racer, "won"))
+    except FileExistsError:
+        results.put((racer, "lost"))
+    except Exception as exc:  # reported, so the test shows it instead of hanging
+        results.put((racer, f"error: {exc!r}"))
+
+
+@pytest.mark.parametrize("name", ["path", "s3", "azure"])
+def test_racing_creates_have_exactly_one_winner(name, make_backend):
+    backend = make_backend(name)
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(RACERS), context.Queue()
+    processes = [
+        context.Process(
+            target=_race,
+            args=(backend.url, backend.storage_options, "seal", i, barrier, results),
+        )
+        for i in range(RACERS)
+    ]
+    for process in processes:
+        process.start()
+    outcomes = dict(results.get(timeout=120) for _ in processes)
+    for process in processes:
+        process.join(timeout=30)
+    winners = [racer for racer, outcome in outcomes.items() if outcome == "won"]
+    assert sorted(outcomes.values()) == ["lost"] * (RACERS - 1) + ["won"], outcomes
+    assert backend.store().get("seal") == f"racer-{winners[0]}".encode()
