@@ -50,11 +50,13 @@ REMOTE_DEFAULTS: dict[str, dict[str, Any]] = {
     "s3": {
         # With max_concurrency > 1, s3fs sends a HEAD before every whole-object GET.
         "max_concurrency": 1,
-        # Our deadline-bound retry owns 5xx/409 retries; botocore tries once. (s3fs still
-        # re-sends connection errors and SlowDown a few times within a second or two.)
+        # One retry layer owns the deadline and the counters: ours. botocore tries once;
+        # s3fs's own loop is set to one attempt below (SDK_ATTRIBUTES).
         "config_kwargs": {"retries": {"total_max_attempts": 1}},
     },
 }
+# Settings some SDKs take only as attributes (s3fs: ``retries``, a class attribute).
+SDK_ATTRIBUTES: dict[str, dict[str, Any]] = {"s3": {"retries": 1}}
 # Listings must be fresh: peers create keys all the time.
 COMMON_REMOTE_DEFAULTS = {"use_listings_cache": False, "skip_instance_cache": True}
 
@@ -184,6 +186,9 @@ class Store:
         self._pool: ThreadPoolExecutor | None = None
         self._fs, root = fsspec.url_to_fs(url, **_storage_options(protocols, storage_options or {}))
         self._root = root.rstrip("/")
+        for protocol in protocols:
+            for attribute, value in SDK_ATTRIBUTES.get(protocol, {}).items():
+                setattr(self._fs, attribute, value)
         self._is_local = bool(protocols & LOCAL_PROTOCOLS)
         self._create = self._exclusive_writer(protocols)
 

@@ -124,12 +124,14 @@ def encode(tensor: torch.Tensor, codec: Codec, meta: ObjectMeta) -> bytearray:
     return buffer
 
 
+def _field_error(error: dict) -> str:
+    field = ".".join(map(str, error["loc"]))
+    got = "" if error["type"] == "missing" else f" (got {error['input']!r:.80})"
+    return f"header{' field ' + field if field else ''}: {error['msg']}{got}"
+
+
 def _field_errors(exc: ValidationError) -> str:
-    return "; ".join(
-        f"header field {'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}"
-        + (f" (got {e['input']!r:.80})" if e["type"] != "missing" else "")
-        for e in exc.errors(include_url=False)
-    )
+    return "; ".join(_field_error(e) for e in exc.errors(include_url=False))
 
 
 def _check_prefix(view: memoryview, key: str) -> int:
