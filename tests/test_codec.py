@@ -6,21 +6,12 @@ import pytest
 import torch
 
 from diloco_anywhere import wire
+from diloco_anywhere.bench.store import sample_tensor as sample
 from diloco_anywhere.codec import make_codec
 from diloco_anywhere.feedback import ErrorFeedback
 
 META = wire.ObjectMeta(run="r", round=0, replica="a", incarnation=0, shard=0)
 NUMEL = 1 << 20
-
-
-def sample(kind: str, numel: int = NUMEL, seed: int = 0) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    if kind == "gaussian":
-        return torch.randn(numel, generator=generator)
-    # Student-t with 3 degrees of freedom: heavy tails, like real pseudo-gradients.
-    normal = torch.randn(numel, generator=generator)
-    chi2 = torch.randn(3, numel, generator=generator).pow(2).sum(0)
-    return normal / (chi2 / 3).sqrt()
 
 
 def relative_l2(codec_name: str, tensor: torch.Tensor, **params: int) -> float:
@@ -29,25 +20,23 @@ def relative_l2(codec_name: str, tensor: torch.Tensor, **params: int) -> float:
 
 
 def test_int8_is_at_most_027_of_fp32_bytes():
-    tensor = sample("gaussian")
+    tensor = sample("gaussian", NUMEL)
     fp32 = len(wire.encode(tensor, make_codec("fp32"), META))
     int8 = len(wire.encode(tensor, make_codec("int8", block=64), META))
     assert int8 / fp32 <= 0.27
 
 
 def test_int8_block64_error_on_heavy_tails_is_within_two_percent():
-    assert relative_l2("int8", sample("student_t"), block=64) <= 0.02
+    assert relative_l2("int8", sample("student_t", NUMEL), block=64) <= 0.02
 
 
-@pytest.mark.parametrize(
-    ("codec", "bound"), [("fp32", 0.0), ("bf16", 2**-8), ("int8", 0.01)]
-)
+@pytest.mark.parametrize(("codec", "bound"), [("fp32", 0.0), ("bf16", 2**-8), ("int8", 0.01)])
 def test_gaussian_error_bounds(codec, bound):
-    assert relative_l2(codec, sample("gaussian")) <= bound
+    assert relative_l2(codec, sample("gaussian", NUMEL)) <= bound
 
 
 def test_smaller_blocks_are_more_accurate_on_heavy_tails():
-    tensor = sample("student_t")
+    tensor = sample("student_t", NUMEL)
     errors = [relative_l2("int8", tensor, block=b) for b in (4096, 512, 64)]
     assert errors == sorted(errors, reverse=True)
 

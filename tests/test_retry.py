@@ -100,7 +100,7 @@ def test_deadline_error_keeps_the_last_cause():
     def always_down():
         raise ConnectionRefusedError("down")
 
-    with pytest.raises(RetryDeadlineError, match="still failing after 0.05s") as info:
+    with pytest.raises(RetryDeadlineError, match=r"still failing after 0\.05s") as info:
         call_with_retry(always_down, RetryPolicy(deadline=0.05, base_delay=0.01))
     assert isinstance(info.value.__cause__, ConnectionRefusedError)
 

@@ -111,6 +111,9 @@ def test_local_store_hides_temp_files_and_leaves_no_empty_folders(tmp_path):
     assert store.list_prefix("r") == ["r/a/b"]
     store.delete_prefix("r/a")
     assert not (tmp_path / "r" / "a").exists()
+    (tmp_path / "r" / ".tmp-abandoned").unlink()
+    assert store.delete_prefix("r") == 0
+    assert not (tmp_path / "r").exists()
 
 
 # -- racing: exactly one winner ------------------------------------------------------------------

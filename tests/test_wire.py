@@ -194,7 +194,7 @@ def test_unknown_version_and_reserved_bytes_are_rejected():
 def test_encode_refuses_what_it_cannot_send():
     with pytest.raises(ValueError, match="2 non-finite"):
         wire.encode(torch.tensor([1.0, float("nan"), float("inf")]), Fp32Codec(), META)
-    with pytest.raises(ValueError, match="cannot encode dtype torch.int64; allowed: float32"):
+    with pytest.raises(ValueError, match=r"cannot encode dtype torch\.int64; allowed: float32"):
         wire.encode(torch.ones(2, dtype=torch.int64), Fp32Codec(), META)
     with pytest.raises(ValueError, match="at most 8 dims"):
         wire.encode(torch.ones([1] * 9), Fp32Codec(), META)

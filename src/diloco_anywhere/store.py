@@ -312,15 +312,14 @@ class Store:
     def delete_prefix(self, prefix: str) -> int:
         """Delete every key under the folder ``prefix``; returns how many were deleted."""
         keys = self.list_prefix(prefix)
-        if not keys:
-            return 0
         paths = [self._path(k) for k in keys]
 
         def attempt() -> None:
             self._add(deletes=1)
             self._fs.rm(paths)
 
-        self._run("delete", prefix, attempt)
+        if paths:
+            self._run("delete", prefix, attempt)
         if self._is_local:
             _remove_empty_dirs(self._path(prefix))
         return len(keys)

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``diloco bench``: measured numbers, never timed tests."""

@@ -1,0 +1,169 @@
+"""The ``diloco`` command line."""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from diloco_anywhere.standins import STANDINS, StandInUnavailableError, standin
+from diloco_anywhere.store import Store, StoreError
+
+app = typer.Typer(
+    help="DiLoCo training across platforms that share nothing but an object store.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+bench_app = typer.Typer(
+    help="Benchmarks: measured numbers (docs/benchmarks.md), never timed tests.",
+    no_args_is_help=True,
+)
+app.add_typer(bench_app, name="bench")
+
+stdout = Console()
+stderr = Console(stderr=True)
+
+SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9,
+    "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,
+}  # fmt: skip
+USER_ERRORS = (StoreError, StandInUnavailableError, ValueError, FileNotFoundError)
+
+
+def parse_size(text: str) -> int:
+    """``67108864``, ``64MiB``, ``64M`` (binary) or ``64MB`` (decimal) -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = match and match.group(2).lower()
+    if not match or unit not in SIZE_UNITS or float(match.group(1)) <= 0:
+        raise typer.BadParameter(
+            f"{text!r}: give a positive number of bytes, optionally with KiB, MiB, GiB, KB, MB, GB"
+        )
+    return int(float(match.group(1)) * SIZE_UNITS[unit])
+
+
+@contextmanager
+def progress_display() -> Iterator[Callable[[str], None]]:
+    """A spinner on stderr showing the current step (stdout stays clean for --json)."""
+    with Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+        console=stderr, transient=True,
+    ) as progress:  # fmt: skip
+        task = progress.add_task("starting")
+        yield lambda step: progress.update(task, description=step)
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Errors a user can fix print as one line, not a traceback."""
+    try:
+        yield
+    except USER_ERRORS as exc:
+        stderr.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+
+
+def _open_bench_store(
+    stack: ExitStack, url: str | None, standin_name: str | None, status: Callable[[str], None]
+) -> Store:
+    if url and standin_name:
+        raise typer.BadParameter("give --store or --standin, not both")
+    if standin_name:
+        status(f"starting the {standin_name} stand-in")
+        server = stack.enter_context(standin(standin_name))
+        return stack.enter_context(
+            Store(f"{server.url}/bench", storage_options=server.storage_options)
+        )
+    url = url or stack.enter_context(tempfile.TemporaryDirectory(prefix="diloco-bench-"))
+    return stack.enter_context(Store(url))
+
+
+def _store_table(result: dict[str, Any]) -> Table:
+    size = result["size_bytes"] / 2**20
+    table = Table(title=f"Store: {size:.0f} MiB in {result['objects']} objects "
+                  f"(median of {result['repeats']})")  # fmt: skip
+    for column in ("path", "write MiB/s", "read MiB/s", "write s", "read s"):
+        table.add_column(column, justify="left" if column == "path" else "right")
+    for name, row in ((result["url"], result), ("raw file copy", result["raw_copy"])):
+        table.add_row(
+            name, f"{row['put_mib_s']:.0f}", f"{row['get_mib_s']:.0f}",
+            f"{row['put_seconds']:.3f}", f"{row['get_seconds']:.3f}",
+        )  # fmt: skip
+    requests = result["requests_per_round"]
+    table.caption = (
+        f"store time / raw time: write {result['put_vs_raw']:.2f}x, read "
+        f"{result['get_vs_raw']:.2f}x; requests per round: {requests['puts']} puts, "
+        f"{requests['gets']} gets, {requests['retries']} retries"
+    )
+    return table
+
+
+def _codec_table(codecs: dict[str, dict[str, float]], numel: int) -> Table:
+    table = Table(title=f"Codecs on {numel:,} float32 values (wire path: header + CRC32C)")
+    columns = ("codec", "bytes vs fp32", "rel L2 Gaussian", "rel L2 Student-t(3)",
+               "encode GiB/s", "decode GiB/s")  # fmt: skip
+    for column in columns:
+        table.add_column(column, justify="left" if column == "codec" else "right")
+    for name, row in codecs.items():
+        table.add_row(
+            name, f"{row['ratio']:.4f}", f"{row['rel_l2_gaussian']:.2e}",
+            f"{row['rel_l2_student_t']:.2e}", f"{row['encode_gib_s']:.2f}",
+            f"{row['decode_gib_s']:.2f}",
+        )  # fmt: skip
+    return table
+
+
+@bench_app.command("store")
+def bench_store_command(
+    store_url: Annotated[
+        str | None,
+        typer.Option(
+            "--store",
+            help="Store URL to measure: a path, file://, s3://, gs://, az:// "
+            "(credentials from the environment). Default: a temporary local folder.",
+        ),
+    ] = None,
+    standin_name: Annotated[
+        str | None,
+        typer.Option(
+            "--standin",
+            help=f"Start a local stand-in server and measure it: {', '.join(STANDINS)}.",
+        ),
+    ] = None,
+    size: Annotated[
+        int,
+        typer.Option(
+            parser=parse_size,
+            help="Bytes per round (e.g. 64MiB), split into --objects objects; "
+            "the codecs run on size/4 float32 values.",
+        ),
+    ] = "64MiB",  # type: ignore[assignment]
+    objects: Annotated[int, typer.Option(min=1, help="Objects per round, sent concurrently.")] = 16,
+    repeats: Annotated[int, typer.Option(min=1, help="Rounds to take the median of.")] = 3,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object instead of tables.")
+    ] = False,
+) -> None:
+    """Store put/get throughput beside a raw file copy of the same bytes, and codec speed,
+    size and error (Gaussian and Student-t(3) tensors)."""
+    from diloco_anywhere.bench.store import bench_codecs, bench_store
+
+    with user_errors(), ExitStack() as stack, progress_display() as status:
+        store = _open_bench_store(stack, store_url, standin_name, status)
+        result = {
+            "store": bench_store(store, size, objects, repeats, status),
+            "codecs": bench_codecs(size // 4, repeats, status),
+        }
+    if json_output:
+        print(json.dumps(result, indent=2))
+        return
+    stdout.print(_store_table(result["store"]))
+    stdout.print(_codec_table(result["codecs"], size // 4))

@@ -1,0 +1,74 @@
+"""The ``diloco`` CLI, invoked through typer's runner (the same parser and code as the shell)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from diloco_anywhere.cli import app, parse_size
+
+runner = CliRunner()
+SMALL = ["--size", "256KiB", "--objects", "4", "--repeats", "1"]
+
+
+def run(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def test_help_explains_commands():
+    result = run("bench", "store", "--help")
+    assert result.exit_code == 0
+    assert "raw file copy" in result.output
+    assert "--standin" in result.output
+
+
+def test_bench_store_json_has_the_documented_keys(tmp_path):
+    result = run("bench", "store", "--store", f"file://{tmp_path}", "--json", *SMALL)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["store"]["size_bytes"] == 256 * 1024
+    assert report["store"]["requests_per_round"]["puts"] == 4
+    assert report["store"]["raw_copy"]["put_mib_s"] > 0
+    codecs = report["codecs"]
+    assert set(codecs) == {"fp32", "bf16", "int8"}
+    assert codecs["fp32"]["rel_l2_gaussian"] == 0
+    assert codecs["int8"]["ratio"] <= 0.27
+    assert codecs["int8"]["rel_l2_student_t"] <= 0.02
+    assert list(tmp_path.iterdir()) == []  # the benchmark cleans up after itself
+
+
+def test_bench_store_table_against_the_s3_standin():
+    result = run("bench", "store", "--standin", "s3", *SMALL)
+    assert result.exit_code == 0, result.output
+    assert "s3://diloco/bench" in result.stdout
+    assert "raw file copy" in result.stdout
+    assert "int8" in result.stdout
+
+
+def test_store_and_standin_are_exclusive():
+    result = run("bench", "store", "--store", "/tmp/x", "--standin", "s3", *SMALL)
+    assert result.exit_code != 0
+    assert "give --store or --standin, not both" in result.output
+
+
+def test_unsupported_store_is_one_line_with_the_fix():
+    result = run("bench", "store", "--store", "ftp://host/x", *SMALL)
+    assert result.exit_code == 1
+    assert "has no create-only write; use a local path" in result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("text", "size"), [("1024", 1024), ("64MiB", 64 << 20), ("64M", 64 << 20), ("2MB", 2_000_000)]
+)
+def test_sizes_parse(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "-1", "0", "12 parsecs"])
+def test_bad_sizes_say_what_is_allowed(text):
+    result = run("bench", "store", "--size", text)
+    assert result.exit_code == 2
+    assert "give a positive number of bytes" in result.output
