@@ -11,16 +11,26 @@ TORCH_SPEC ?= torch==2.13.0
 AZURITE_VERSION := 3.37.0
 AZURITE := .tools/node_modules/.bin/azurite-blob
 
-.PHONY: setup demo test lint format clean
+.PHONY: setup demo test lint format lock clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# constraints.txt pins the tested versions of everything but torch: fast, reproducible installs.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
+
+# Re-resolve the newest versions that fit pyproject.toml, in a scratch venv, into constraints.txt.
+lock:
+	rm -rf .lock-venv && $(PYTHON) -m venv .lock-venv
+	.lock-venv/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	.lock-venv/bin/python -m pip install --quiet -e ".[dev]"
+	{ sed -n '1,3p' constraints.txt; .lock-venv/bin/python -m pip freeze --exclude-editable \
+		| grep -viE '^(torch|pip|setuptools)==' | sort -f; } > constraints.new
+	mv constraints.new constraints.txt && rm -rf .lock-venv
 
 $(AZURITE):
 	@if command -v npm >/dev/null 2>&1; then \

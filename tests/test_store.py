@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import threading
 
 import pytest
 
@@ -153,3 +154,25 @@ def test_racing_creates_have_exactly_one_winner(name, make_backend):
     winners = [racer for racer, outcome in outcomes.items() if outcome == "won"]
     assert sorted(outcomes.values()) == ["lost"] * (RACERS - 1) + ["won"], outcomes
     assert backend.store().get("seal") == f"racer-{winners[0]}".encode()
+
+
+def test_racing_threads_on_memory_have_exactly_one_winner():
+    """memory:// is per process, so its racers are threads (its lock is what is tested)."""
+    store = Store("memory://race-threads")
+    barrier, outcomes = threading.Barrier(RACERS), []
+
+    def race(racer: int) -> None:
+        barrier.wait()
+        try:
+            store.put("seal", f"racer-{racer}".encode())
+            outcomes.append(racer)
+        except FileExistsError:
+            pass
+
+    threads = [threading.Thread(target=race, args=(i,)) for i in range(RACERS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(outcomes) == 1
+    assert store.get("seal") == f"racer-{outcomes[0]}".encode()
