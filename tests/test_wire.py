@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import struct
 
 import crc32c
 import pytest
@@ -110,6 +111,10 @@ def test_pickle_payload_is_rejected_and_never_run(tmp_path):
     assert not marker.exists()
 
 
+def floats(*values: float) -> bytes:
+    return struct.pack(f"<{len(values)}f", *values)
+
+
 def craft_raw(header: bytes, payload: bytes) -> bytes:
     """A well-checksummed object with any header, to reach the checks behind the checksum."""
     body = header + payload
@@ -127,7 +132,7 @@ def good_header(**changes) -> dict:
 
 
 def test_crafted_valid_object_decodes():
-    decoded = wire.decode(craft(good_header(), torch.tensor([1.0, 2.0]).numpy().tobytes()))
+    decoded = wire.decode(craft(good_header(), floats(1.0, 2.0)))
     assert decoded.tensor.tolist() == [1.0, 2.0]
 
 
@@ -174,9 +179,9 @@ def test_huge_header_length_is_rejected_before_use():
 @pytest.mark.parametrize(
     ("codec", "payload", "message"),
     [
-        ("fp32", torch.tensor([float("nan"), 1.0]).numpy().tobytes(), "1 non-finite"),
-        ("int8", torch.tensor([float("inf")]).numpy().tobytes() + bytes(2), "int8 scales has 1"),
-        ("int8", torch.tensor([-1.0]).numpy().tobytes() + bytes(2), "scales must be >= 0"),
+        ("fp32", floats(float("nan"), 1.0), "1 non-finite"),
+        ("int8", floats(float("inf")) + bytes(2), "int8 scales has 1"),
+        ("int8", floats(-1.0) + bytes(2), "scales must be >= 0"),
     ],
 )
 def test_non_finite_payloads_are_rejected(codec, payload, message):
@@ -203,7 +208,7 @@ def test_encode_refuses_what_it_cannot_send():
 def test_decode_of_a_writable_buffer_is_zero_copy():
     obj = wire.encode(torch.tensor([1.0, 2.0]), Fp32Codec(), META)
     decoded = wire.decode(obj)
-    obj[-4:] = torch.tensor([5.0]).numpy().tobytes()  # the payload's last float, in place
+    obj[-4:] = floats(5.0)  # the payload's last float, in place
     assert decoded.tensor.tolist() == [1.0, 5.0]
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
@@ -54,38 +54,35 @@ class _CodecBase(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
 
-class Fp32Codec(_CodecBase):
+class _CastCodec(_CodecBase):
+    """Values cast to ``wire_dtype`` and sent as its raw bytes."""
+
+    wire_dtype: ClassVar[torch.dtype]
+
+    def payload_nbytes(self, numel: int) -> int:
+        return self.wire_dtype.itemsize * numel
+
+    def encode_into(self, flat: torch.Tensor, out: memoryview) -> None:
+        _view(out, self.wire_dtype, flat.numel()).copy_(flat)
+
+    def decode(self, payload: memoryview, numel: int) -> torch.Tensor:
+        values = _view(payload, self.wire_dtype, numel).float()  # fp32: the view itself
+        require_finite(values, f"{self.name} payload")
+        return values
+
+
+class Fp32Codec(_CastCodec):
     """Exact: the float32 bytes themselves."""
 
     name: Literal["fp32"] = "fp32"
-
-    def payload_nbytes(self, numel: int) -> int:
-        return 4 * numel
-
-    def encode_into(self, flat: torch.Tensor, out: memoryview) -> None:
-        _view(out, torch.float32, flat.numel()).copy_(flat)
-
-    def decode(self, payload: memoryview, numel: int) -> torch.Tensor:
-        values = _view(payload, torch.float32, numel)
-        require_finite(values, "fp32 payload")
-        return values
+    wire_dtype: ClassVar[torch.dtype] = torch.float32
 
 
-class Bf16Codec(_CodecBase):
+class Bf16Codec(_CastCodec):
     """bfloat16: float32's range with 8 bits of mantissa."""
 
     name: Literal["bf16"] = "bf16"
-
-    def payload_nbytes(self, numel: int) -> int:
-        return 2 * numel
-
-    def encode_into(self, flat: torch.Tensor, out: memoryview) -> None:
-        _view(out, torch.bfloat16, flat.numel()).copy_(flat)
-
-    def decode(self, payload: memoryview, numel: int) -> torch.Tensor:
-        values = _view(payload, torch.bfloat16, numel).float()
-        require_finite(values, "bf16 payload")
-        return values
+    wire_dtype: ClassVar[torch.dtype] = torch.bfloat16
 
 
 class Int8Codec(_CodecBase):
