@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -9,8 +10,11 @@ from typing import Any
 
 import pytest
 
-from diloco_anywhere.standins import StandIn, StandInUnavailableError, standin
+from diloco_anywhere.standins import GCS_EMULATOR_ENV, StandIn, StandInUnavailableError, standin
 from diloco_anywhere.store import Store
+
+# gcsfs reads this once, at its first import, which a test module may do at collection time.
+os.environ.update(GCS_EMULATOR_ENV)
 
 LOCAL_BACKENDS = ("path", "file", "memory")
 SERVER_BACKENDS = ("s3", "gcs", "azure")

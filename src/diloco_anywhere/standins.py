@@ -138,6 +138,11 @@ def azurite(container: str = "diloco") -> Iterator[StandIn]:
 @contextmanager
 def gcs_emulator(bucket: str = "diloco") -> Iterator[StandIn]:
     os.environ.update(GCS_EMULATOR_ENV)  # read when gcsfs is first imported
+    if fsspec.get_filesystem_class("gs").__name__ != "GCSFileSystem":
+        raise StandInUnavailableError(
+            "gcsfs was imported with its experimental zonal/HNS layer, which cannot talk to the "
+            "GCS emulator: set GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false before importing gcsfs"
+        )
     port = free_port()
     command = [
         sys.executable, "-m", "gcp_storage_emulator", "start",
