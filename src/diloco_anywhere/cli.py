@@ -91,7 +91,7 @@ def _store_table(result: dict[str, Any]) -> Table:
     table = Table(title=f"Store: {size:.0f} MiB in {result['objects']} objects "
                   f"(median of {result['repeats']})")  # fmt: skip
     for column in ("path", "write MiB/s", "read MiB/s", "write s", "read s"):
-        table.add_column(column, justify="left" if column == "path" else "right")
+        table.add_column(column, justify="left" if column == "path" else "right", overflow="fold")
     for name, row in ((result["url"], result), ("raw file copy", result["raw_copy"])):
         table.add_row(
             name, f"{row['put_mib_s']:.0f}", f"{row['get_mib_s']:.0f}",
@@ -108,8 +108,8 @@ def _store_table(result: dict[str, Any]) -> Table:
 
 def _codec_table(codecs: dict[str, dict[str, float]], numel: int) -> Table:
     table = Table(title=f"Codecs on {numel:,} float32 values (wire path: header + CRC32C)")
-    columns = ("codec", "bytes vs fp32", "rel L2 Gaussian", "rel L2 Student-t(3)",
-               "encode GiB/s", "decode GiB/s")  # fmt: skip
+    table.caption = "err: relative L2 error on Gaussian and on Student-t(3) values"
+    columns = ("codec", "size/fp32", "err Gauss", "err t(3)", "enc GiB/s", "dec GiB/s")
     for column in columns:
         table.add_column(column, justify="left" if column == "codec" else "right")
     for name, row in codecs.items():
