@@ -23,6 +23,7 @@ class Fault:
     method: str
     status: int = 503
     code: str = "SlowDown"
+    message: str = "injected by the test proxy"
     times: int = 1
     path_contains: str = ""
     # "respond": answer without forwarding; "after": forward, then answer with the fault
@@ -35,7 +36,7 @@ class Fault:
     def body(self) -> bytes:
         return (
             f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{self.code}</Code>'
-            f"<Message>injected by the test proxy</Message></Error>"
+            f"<Message>{self.message}</Message></Error>"
         ).encode()
 
 

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from diloco_anywhere.store import Store, check_key, redact_url
+from diloco_anywhere.store import Store, check_key, redact_url, scrub_secrets
 
 
 def test_put_then_get_whole_and_range(backend):
@@ -102,6 +102,13 @@ def test_urls_are_redacted_of_credentials():
     assert redact_url("az://c/p?sv=1&sig=SECRET") == "az://c/p"
     store = Store("memory://redact/x?token=SECRET")
     assert "SECRET" not in repr(store)
+
+
+def test_secret_parameters_are_scrubbed():
+    text = "AccountKey=abc==;BlobEndpoint=x; url?X-Amz-Signature=deadbeef&token=t0k&sig=s1g"
+    assert scrub_secrets(text) == (
+        "AccountKey=***;BlobEndpoint=x; url?X-Amz-Signature=***&token=***&sig=***"
+    )
 
 
 def test_local_store_hides_temp_files_and_leaves_no_empty_folders(tmp_path):

@@ -113,3 +113,16 @@ def test_gcs_writes_carry_if_generation_match_zero(standins):
     uploads = [r for r in proxy.requests("POST") if "/upload/" in r.path]
     assert len(uploads) == 1
     assert "ifGenerationMatch=0" in uploads[0].query
+
+
+def test_errors_never_echo_credentials(s3_proxy):
+    proxy, _ = s3_proxy
+    store = proxied_store(s3_proxy, "secrets")
+    echoed = "denied for https://a.blob.core.windows.net/c/k?sv=1&amp;sig=SECRETSIG"
+    proxy.inject(Fault("GET", status=400, code="InvalidArgument", message=echoed))
+    with pytest.raises(StoreError) as info:
+        store.get("obj")
+    assert "SECRETSIG" not in str(info.value)
+    assert "sig=***" in str(info.value)
+    assert info.value.__cause__ is None
+    assert info.value.__suppress_context__

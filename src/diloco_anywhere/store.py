@@ -66,7 +66,11 @@ MAX_KEY_LENGTH = 1024  # S3's limit, the strictest of the supported stores
 
 
 class StoreError(OSError):
-    """A store operation failed for good (not a missing or an existing key)."""
+    """A store operation failed for good (not a missing or an existing key).
+
+    Raised without the SDK's exception chained (its text may echo credentials); the message
+    carries the cause's type and its text with credential parameters scrubbed.
+    """
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,19 @@ def redact_url(url: str) -> str:
     if "@" in parts.netloc:
         netloc = "***@" + netloc
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+# Credential-bearing parameters that SDK error texts may echo (SAS tokens, presigned URLs,
+# connection strings).
+_SECRET_PARAMETER = re.compile(
+    r"(?i)\b(sig|AccountKey|SharedAccessSignature|SharedAccessKey|X-Amz-Signature|"
+    r"X-Amz-Credential|X-Amz-Security-Token|access_token|token|secret|password)=([^&;\s'\"]+)"
+)
+
+
+def scrub_secrets(text: str) -> str:
+    """``text`` with the values of credential parameters replaced by ``***``."""
+    return _SECRET_PARAMETER.sub(lambda m: f"{m.group(1)}=***", text)
 
 
 def _protocols(url: str) -> frozenset[str]:
@@ -224,13 +241,17 @@ class Store:
             raise
         except PermissionError as exc:
             raise StoreError(
-                f"{operation} {self._where(key)}: access denied ({exc}); check this store's "
-                f"credentials in the environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS, AZURE_*)"
-            ) from exc
+                f"{operation} {self._where(key)}: access denied ({scrub_secrets(str(exc))}); "
+                f"check this store's credentials in the environment "
+                f"(AWS_*, GOOGLE_APPLICATION_CREDENTIALS, AZURE_*)"
+            ) from None
         except StoreError:
             raise
         except Exception as exc:
-            raise StoreError(f"{operation} {self._where(key)} failed: {exc}") from exc
+            raise StoreError(
+                f"{operation} {self._where(key)} failed: "
+                f"{type(exc).__name__}: {scrub_secrets(str(exc))}"
+            ) from None
 
     def _add(self, **increments: int) -> None:
         self._counters.add(**increments)
