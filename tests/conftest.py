@@ -28,7 +28,6 @@ class Backend:
     url: str
     storage_options: dict[str, Any]
     exclusive_create: bool = True
-    multiprocess: bool = True
 
     def store(self, **kwargs: Any) -> Store:
         return Store(self.url, storage_options=self.storage_options, **kwargs)
@@ -65,7 +64,7 @@ def _backend(name: str, standins, tmp_path) -> Backend:
     if name == "file":
         return Backend(name, f"file://{tmp_path}/store", {})
     if name == "memory":
-        return Backend(name, f"memory://{prefix}", {}, multiprocess=False)
+        return Backend(name, f"memory://{prefix}", {})
     server = standins(name)
     return Backend(
         name,

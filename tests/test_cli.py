@@ -67,8 +67,8 @@ def test_sizes_parse(text, size):
     assert parse_size(text) == size
 
 
-@pytest.mark.parametrize("text", ["", "-1", "0", "12 parsecs"])
+@pytest.mark.parametrize("text", ["", "-1", "0", "0.5", "1000", "12 parsecs"])
 def test_bad_sizes_say_what_is_allowed(text):
     result = run("bench", "store", "--size", text)
     assert result.exit_code == 2
-    assert "give a positive number of bytes" in result.output
+    assert "give at least 1024 bytes" in result.output

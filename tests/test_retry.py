@@ -105,8 +105,9 @@ def test_deadline_error_keeps_the_last_cause():
     assert isinstance(info.value.__cause__, ConnectionRefusedError)
 
 
-def test_backoff_is_jittered_and_capped():
+def test_backoff_is_jittered_exponential_and_capped():
     delays = RetryPolicy(base_delay=0.1, max_delay=1.0).delays()
-    first = [next(delays) for _ in range(12)]
-    assert all(0 <= d <= 1.0 for d in first)
-    assert len(set(first)) > 1
+    drawn = [next(delays) for _ in range(2000)]
+    assert all(0 <= d <= min(1.0, 0.1 * 2 ** min(i, 64)) for i, d in enumerate(drawn))
+    assert len(set(drawn[:12])) == 12
+    assert max(drawn[:3]) < max(drawn[10:20])  # the window grows (0.1, 0.2, 0.4 ... 1.0)

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from diloco_anywhere.store import Store, check_key, redact_url, scrub_secrets
+from diloco_anywhere.store import Store, StoreError, check_key, redact_url, scrub_secrets
 
 
 def test_put_then_get_whole_and_range(backend):
@@ -17,6 +17,13 @@ def test_put_then_get_whole_and_range(backend):
     assert store.get("rounds/0/a") == payload
     assert store.get("rounds/0/a", 100, 1100) == payload[100:1100]
     assert store.get("rounds/0/a", 0, 0) == b""
+
+
+def test_put_is_idempotent_for_identical_bytes(backend):
+    store = backend.store()
+    store.put("reduced/0", b"same deterministic bytes")
+    store.put("reduced/0", bytearray(b"same deterministic bytes"))
+    assert store.get("reduced/0") == b"same deterministic bytes"
 
 
 def test_put_accepts_bytearray(backend):
@@ -80,9 +87,14 @@ def test_counters_track_requests_and_bytes(backend):
     assert (store.stats() - stats).gets == 0
 
 
-@pytest.mark.parametrize("key", ["", "/a", "a/", "a//b", "../x", ".tmp-x", "a b", "é", "a" * 1025])
+LONG_KEY = "/".join(["a" * 255] * 5)  # every segment allowed, the whole too long
+
+
+@pytest.mark.parametrize(
+    "key", ["", "/a", "a/", "a//b", "../x", ".tmp-x", "-x", "a b", "é", "a" * 256, LONG_KEY]
+)
 def test_bad_keys_are_rejected_with_the_rule(key):
-    with pytest.raises(ValueError, match="is not allowed: use '/'-separated segments"):
+    with pytest.raises(ValueError, match="is not allowed: use '/'-separated segments of 1-255"):
         check_key(key)
 
 
@@ -109,6 +121,15 @@ def test_secret_parameters_are_scrubbed():
     assert scrub_secrets(text) == (
         "AccountKey=***;BlobEndpoint=x; url?X-Amz-Signature=***&token=***&sig=***"
     )
+
+
+@pytest.mark.parametrize(("first", "second"), [("a", "a/b"), ("c/d", "c")])
+def test_local_key_and_folder_clash_says_so(tmp_path, first, second):
+    store = Store(str(tmp_path))
+    store.put(first, b"x")
+    with pytest.raises(StoreError, match="on a local store a key cannot also be a folder of keys"):
+        store.put(second, b"y")
+    assert store.list_prefix() == [first]
 
 
 def test_local_store_hides_temp_files_and_leaves_no_empty_folders(tmp_path):
@@ -164,11 +185,12 @@ def test_racing_creates_have_exactly_one_winner(name, make_backend):
 
 
 def test_racing_threads_on_memory_have_exactly_one_winner():
-    """memory:// is per process, so its racers are threads (its lock is what is tested)."""
-    store = Store("memory://race-threads")
+    """memory:// is one filesystem per process, so its racers are threads, each with its own
+    Store (the lock must be the process's, not the instance's)."""
     barrier, outcomes = threading.Barrier(RACERS), []
 
     def race(racer: int) -> None:
+        store = Store("memory://race-threads")
         barrier.wait()
         try:
             store.put("seal", f"racer-{racer}".encode())
@@ -182,4 +204,4 @@ def test_racing_threads_on_memory_have_exactly_one_winner():
     for thread in threads:
         thread.join()
     assert len(outcomes) == 1
-    assert store.get("seal") == f"racer-{outcomes[0]}".encode()
+    assert Store("memory://race-threads").get("seal") == f"racer-{outcomes[0]}".encode()

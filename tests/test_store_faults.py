@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from diloco_anywhere.retry import RetryPolicy
@@ -40,8 +42,8 @@ def test_transient_errors_are_retried(s3_proxy, method, status, code):
     proxy.inject(Fault(method, status=status, code=code, times=2, path_contains="/obj"))
     store.put("obj", b"payload")
     assert store.get("obj") == b"payload"
-    assert [r.status for r in proxy.requests(method)][:2] == [status, status]
-    assert store.stats().retries >= 1
+    assert [r.status for r in proxy.requests(method)] == [status, status, 200]
+    assert store.stats().retries == 2
 
 
 def test_connection_reset_is_retried(s3_proxy):
@@ -88,9 +90,27 @@ def test_deadline_bounds_the_retries(s3_proxy):
     proxy, _ = s3_proxy
     store = proxied_store(s3_proxy, "deadline", RetryPolicy(deadline=2.0, base_delay=0.05))
     proxy.inject(Fault("GET", status=503, code="SlowDown", times=10_000))
+    started = time.monotonic()
     with pytest.raises(StoreError, match=r"get 'obj' in store .*still failing after 2s"):
         store.get("obj")
+    assert time.monotonic() - started < 2.0 + 1.0  # the deadline, plus one request's time
     assert len(proxy.requests("GET")) >= 2
+
+
+def test_user_sdk_options_keep_retries_ours(s3_proxy):
+    """A user's botocore config is merged into ours, not swapped for it: botocore still tries
+    once, so our layer sees (and counts) the fault."""
+    proxy, server = s3_proxy
+    options = server.storage_options | {
+        "endpoint_url": proxy.url,
+        "config_kwargs": {"connect_timeout": 5},
+    }
+    store = Store(f"{server.url}/merged", storage_options=options, retry=FAST_RETRY)
+    proxy.inject(Fault("GET", status=500, code="InternalError", path_contains="/obj"))
+    with pytest.raises(FileNotFoundError):
+        store.get("obj")
+    assert [r.status for r in proxy.requests("GET")] == [500, 404]
+    assert store.stats().retries == 1
 
 
 def test_reads_send_no_head_before_get(s3_proxy):

@@ -216,3 +216,44 @@ def test_decode_of_bytes_gives_a_writable_tensor():
     decoded = wire.decode(bytes(wire.encode(torch.ones(4), make_codec("fp32"), META)))
     decoded.tensor.add_(1)
     assert decoded.tensor.tolist() == [2.0] * 4
+
+
+@FUZZ
+@given(
+    shape=st.lists(st.integers(0, 2**64), max_size=4),
+    codec=st.sampled_from([{"name": "fp32"}, {"name": "bf16"}, {"name": "int8", "block": 8}]),
+    payload=st.binary(max_size=96),
+)
+def test_checksummed_objects_with_any_header_decode_or_raise_the_documented_error(
+    shape, codec, payload
+):
+    """Past the checksum, forged shapes and payloads still yield a tensor or WireFormatError."""
+    try:
+        decoded = wire.decode(craft(good_header(shape=shape, codec=codec), payload))
+    except wire.WireFormatError:
+        return
+    assert list(decoded.tensor.shape) == shape
+    assert bool(torch.isfinite(decoded.tensor).all())
+
+
+@pytest.mark.parametrize(
+    ("header", "payload", "message"),
+    [
+        (good_header(shape=[2**62, 2**62, 0]), b"", "product of the non-zero sizes"),
+        (
+            good_header(shape=[8], codec={"name": "int8", "block": 8}),
+            floats(3e38) + bytes([127]) * 8,
+            "int8 payload (scale x 127 overflows) has 8 non-finite",
+        ),
+    ],
+)
+def test_forged_sizes_and_overflowing_scales_are_rejected(header, payload, message):
+    assert message in assert_rejected(craft(header, payload)).problem
+
+
+@pytest.mark.parametrize(
+    ("codec", "message"), [(Bf16Codec(), "cast to bf16"), (Int8Codec(block=8), "int8 block range")]
+)
+def test_encode_refuses_values_beyond_the_codec_range(codec, message):
+    with pytest.raises(ValueError, match=message):
+        wire.encode(torch.full((8,), torch.finfo(torch.float32).max), codec, META)

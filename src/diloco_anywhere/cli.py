@@ -36,18 +36,21 @@ SIZE_UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9,
     "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,
 }  # fmt: skip
+MIN_BENCH_SIZE = 1024
 USER_ERRORS = (StoreError, StandInUnavailableError, ValueError, FileNotFoundError)
 
 
 def parse_size(text: str) -> int:
-    """``67108864``, ``64MiB``, ``64M`` (binary) or ``64MB`` (decimal) -> bytes."""
+    """``67108864``, ``64MiB``, ``64M`` (binary) or ``64MB`` (decimal) -> bytes (>= 1 KiB)."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
     unit = match and match.group(2).lower()
-    if not match or unit not in SIZE_UNITS or float(match.group(1)) <= 0:
+    size = int(float(match.group(1)) * SIZE_UNITS[unit]) if unit in SIZE_UNITS else 0
+    if size < MIN_BENCH_SIZE:
         raise typer.BadParameter(
-            f"{text!r}: give a positive number of bytes, optionally with KiB, MiB, GiB, KB, MB, GB"
+            f"{text!r}: give at least {MIN_BENCH_SIZE} bytes, as a number optionally followed "
+            f"by KiB, MiB, GiB, KB, MB or GB"
         )
-    return int(float(match.group(1)) * SIZE_UNITS[unit])
+    return size
 
 
 @contextmanager

@@ -1,23 +1,24 @@
 """Codecs: how a pseudo-gradient becomes payload bytes, and back to float32 for reduction.
 
 - ``fp32``: exact.
-- ``bf16``: half the bytes; round-to-nearest-even, relative error <= 2**-9 per element.
+- ``bf16``: half the bytes; round-to-nearest-even, relative error <= 2**-8 per element.
 - ``int8``: blockwise absmax quantization, one float32 scale per ``block`` elements
   (``q = round(x * 127 / absmax(block))``). Per-block scales keep heavy-tailed tensors accurate
-  where one per-tensor scale does not: on Student-t(3) data the relative L2 error is ~1% at
-  block 64 against ~50% per-tensor (shared/REFERENCE.md; ``diloco bench store`` measures it).
+  where one scale for a whole tensor does not: one outlier coarsens the steps of only its own
+  block. ``diloco bench store`` measures ~1% relative L2 error on Student-t(3) data at block 64.
   Payload: ``ceil(n / block)`` float32 scales, then ``n`` int8 values: 0.266x fp32 at block 64.
 
 A codec is a pydantic model, so its parameters travel in the wire header and are validated on
-decode. Codecs reject non-finite values both ways: a NaN in one replica's pseudo-gradient would
-otherwise poison every replica's average.
+decode. Codecs reject non-finite values both ways, including values that only overflow in the
+codec (float32 beyond bfloat16's range, an int8 scale whose 127 steps overflow): a NaN or inf in
+one replica's pseudo-gradient would otherwise poison every replica's average.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal, get_args
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
@@ -63,7 +64,9 @@ class _CastCodec(_CodecBase):
         return self.wire_dtype.itemsize * numel
 
     def encode_into(self, flat: torch.Tensor, out: memoryview) -> None:
-        _view(out, self.wire_dtype, flat.numel()).copy_(flat)
+        values = _view(out, self.wire_dtype, flat.numel())
+        values.copy_(flat)
+        require_finite(values, f"tensor cast to {self.name} (beyond its range?)", ValueError)
 
     def decode(self, payload: memoryview, numel: int) -> torch.Tensor:
         values = _view(payload, self.wire_dtype, numel).float()  # fp32: the view itself
@@ -114,6 +117,9 @@ class Int8Codec(_CodecBase):
             block_values = flat[elements].view(rows, -1)
             absmax = torch.linalg.vector_norm(block_values, ord=math.inf, dim=1)
             scales[scale_span] = absmax / 127
+            require_finite(
+                scales[scale_span] * 127, "int8 block range (beyond float32?)", ValueError
+            )
             inverse = torch.where(absmax > 0, 127 / absmax, torch.zeros_like(absmax))
             levels = (block_values * inverse[:, None]).round_().clamp_(-127, 127)
             quantized[elements].view(rows, -1).copy_(levels)
@@ -131,11 +137,14 @@ class Int8Codec(_CodecBase):
             block_values = values[elements].view(rows, -1)
             block_values.copy_(quantized[elements].view(rows, -1))
             block_values.mul_(scales[scale_span][:, None])
+        require_finite(values, "int8 payload (scale x 127 overflows)")
         return values
 
 
 Codec = Annotated[Fp32Codec | Bf16Codec | Int8Codec, Field(discriminator="name")]
-CODEC_NAMES = ("fp32", "bf16", "int8")
+CODEC_NAMES = tuple(
+    get_args(codec.model_fields["name"].annotation)[0] for codec in get_args(get_args(Codec)[0])
+)
 _CODEC_ADAPTER: TypeAdapter[Codec] = TypeAdapter(Codec)
 
 

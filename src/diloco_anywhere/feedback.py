@@ -35,7 +35,8 @@ class ErrorFeedback:
                 )
             compensated = compensated + residual
         encoded = wire.encode(compensated, codec, meta)
-        self._residuals[stream] = compensated - wire.decode(encoded).tensor
+        sent = wire.decode(encoded).tensor.to(compensated.device)
+        self._residuals[stream] = compensated - sent
         return encoded
 
     def residual(self, stream: str) -> torch.Tensor | None:

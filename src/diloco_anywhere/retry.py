@@ -70,7 +70,7 @@ class RetryPolicy:
         attempt = 0
         while True:
             yield random.uniform(0.0, min(self.max_delay, self.base_delay * 2**attempt))
-            attempt += 1
+            attempt = min(attempt + 1, 64)  # past the cap anyway; 2**1024 would overflow a float
 
 
 class RetryDeadlineError(TimeoutError):

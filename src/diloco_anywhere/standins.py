@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,6 @@ class StandIn:
     name: str
     url: str
     storage_options: dict[str, Any]
-    env: dict[str, str] = field(default_factory=dict)
     exclusive_create: bool = True
 
 
@@ -151,9 +150,7 @@ def gcs_emulator(bucket: str = "diloco") -> Iterator[StandIn]:
     ]  # fmt: skip
     with _server("GCS emulator", command, port, GCS_EMULATOR_ENV):
         options = {"endpoint_url": f"http://127.0.0.1:{port}", "token": "anon", "project": "test"}
-        yield StandIn(
-            "gcs", f"gs://{bucket}", options, env=GCS_EMULATOR_ENV, exclusive_create=False
-        )
+        yield StandIn("gcs", f"gs://{bucket}", options, exclusive_create=False)
 
 
 STANDINS = {"s3": moto_s3, "gcs": gcs_emulator, "azure": azurite}

@@ -21,6 +21,7 @@ This module imports no torch: processes that only move bytes start fast.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import threading
@@ -61,6 +62,7 @@ SDK_ATTRIBUTES: dict[str, dict[str, Any]] = {"s3": {"retries": 1}}
 COMMON_REMOTE_DEFAULTS = {"use_listings_cache": False, "skip_instance_cache": True}
 
 TEMP_PREFIX = ".tmp-"
+_MEMORY_LOCK = threading.Lock()
 _KEY_SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.=-]{0,254}")
 MAX_KEY_LENGTH = 1024  # S3's limit, the strictest of the supported stores
 
@@ -107,13 +109,15 @@ class _Counters:
 
 
 def check_key(key: str) -> str:
-    """A key is '/'-separated segments of letters, digits and ``_ . = -`` (not leading '.')."""
+    """A key is '/'-separated segments of 1-255 of ``A-Z a-z 0-9 _ . = -``, each starting with a
+    letter, digit or '_' (so no '.', '..' or hidden temp names), at most 1024 characters in all."""
     segments = key.split("/")
     bad = next((s for s in segments if not _KEY_SEGMENT.fullmatch(s)), None)
     if bad is not None or len(key) > MAX_KEY_LENGTH:
         raise ValueError(
-            f"store key {key!r} is not allowed: use '/'-separated segments of letters, digits, "
-            f"'_', '.', '=', '-' (not starting with '.'), at most {MAX_KEY_LENGTH} characters"
+            f"store key {key!r} is not allowed: use '/'-separated segments of 1-255 letters, "
+            f"digits, '_', '.', '=', '-', each starting with a letter, digit or '_'; "
+            f"at most {MAX_KEY_LENGTH} characters in all"
         )
     return key
 
@@ -151,27 +155,52 @@ def _storage_options(protocols: frozenset[str], user: dict[str, Any]) -> dict[st
         return dict(user)
     options: dict[str, Any] = dict(COMMON_REMOTE_DEFAULTS)
     for protocol in sorted(protocols):
-        options.update(REMOTE_DEFAULTS.get(protocol, {}))
-    return options | user
+        options = _merged(options, REMOTE_DEFAULTS.get(protocol, {}))
+    return _merged(options, user)
+
+
+def _merged(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """``override`` on top of ``base``, nested dicts merged (a user's ``config_kwargs`` keeps
+    our ``retries`` setting unless it sets ``retries`` itself)."""
+    merged = dict(base)
+    for name, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(name), dict):
+            value = _merged(merged[name], value)
+        merged[name] = value
+    return merged
 
 
 def _create_local(path: str, data: Buffer) -> None:
+    """Not fsynced: a process crash loses nothing (the page cache survives it); an OS crash
+    takes the local store's replicas down with it anyway."""
     directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    temp = os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
-    with open(temp, "xb") as file:
-        file.write(data)
     try:
-        os.link(temp, path)
-    except FileExistsError:
-        raise
-    except OSError as exc:  # EPERM / ENOTSUP: no hard links here (some FUSE and SMB mounts)
+        os.makedirs(directory, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
         raise StoreError(
-            f"cannot publish {path} atomically: this filesystem does not support hard links "
-            f"({exc.strerror}); put the store on a local disk or use a bucket URL"
-        ) from exc
+            f"cannot create {path}: a folder on its path is already a key; on a local store a "
+            f"key cannot also be a folder of keys"
+        ) from None
+    if os.path.isdir(path):
+        raise StoreError(
+            f"cannot create {path}: it is a folder of other keys; on a local store a key "
+            f"cannot also be a folder of keys"
+        )
+    temp = os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
+    try:
+        with open(temp, "xb") as file:
+            file.write(data)
+        os.link(temp, path)
+    except OSError as exc:
+        if exc.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise StoreError(
+                f"cannot publish {path} atomically: this filesystem does not support hard "
+                f"links ({exc.strerror}); put the store on a local disk or use a bucket URL"
+            ) from exc
+        raise
     finally:
-        os.unlink(temp)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
 
 
 class Store:
@@ -199,8 +228,7 @@ class Store:
             )
         self._retry = retry or RetryPolicy()
         self._counters = _Counters()
-        self._max_workers = max_workers
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="store")
         self._fs, root = fsspec.url_to_fs(url, **_storage_options(protocols, storage_options or {}))
         self._root = root.rstrip("/")
         for protocol in protocols:
@@ -213,10 +241,9 @@ class Store:
         if self._is_local:
             return _create_local
         if protocols & MEMORY_PROTOCOLS:
-            lock = threading.Lock()
 
             def create_in_memory(path: str, data: Buffer) -> None:
-                with lock:
+                with _MEMORY_LOCK:  # memory:// is one filesystem per process
                     self._fs.pipe_file(path, bytes(data), mode="create")
 
             return create_in_memory
@@ -259,24 +286,25 @@ class Store:
     # -- operations ----------------------------------------------------------------------------
 
     def put(self, key: str, data: Buffer) -> None:
-        """Create ``key`` with ``data``; ``FileExistsError`` if it exists. Never overwrites.
+        """Create ``key`` holding ``data``; never overwrites. Idempotent: succeeds when the key
+        ends up holding exactly ``data``, and raises ``FileExistsError`` when it holds other bytes.
 
-        If an attempt failed ambiguously (a timeout after the store applied it) and the retry
-        finds the key taken, the object is read back: identical bytes mean our write landed.
+        Idempotence is what makes retries safe: an attempt may fail ambiguously (the store applied
+        it, the response was lost; gcsfs and azure-storage-blob also retry inside one call), and
+        the retry then finds the key taken, so a taken key is always read back and compared.
+        Writers of identical bytes (e.g. the same deterministic reduction) therefore all succeed;
+        callers must not treat success as "I alone wrote it" unless their bytes name the writer.
         """
         path = self._path(key)
-        attempts = 0
 
         def attempt() -> None:
-            nonlocal attempts
-            attempts += 1
             self._add(puts=1)
             self._create(path, data)
 
         try:
             self._run("put", key, attempt)
         except FileExistsError:
-            if attempts == 1 or self.get(key) != data:
+            if self.get(key) != data:
                 raise FileExistsError(
                     f"{self._where(key)} already exists; keys are create-only"
                 ) from None
@@ -311,8 +339,6 @@ class Store:
                 return None
 
         keys = list(keys)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="store")
         return dict(zip(keys, self._pool.map(get_or_none, keys), strict=True))
 
     def list_prefix(self, prefix: str = "") -> list[str]:
@@ -349,9 +375,7 @@ class Store:
         return self._counters.snapshot()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
+        self._pool.shutdown()
 
     def __enter__(self) -> Store:
         return self

@@ -28,11 +28,11 @@ import math
 import struct
 import sys
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 import crc32c
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from diloco_anywhere.codec import Codec, CodecDataError, require_finite
 
@@ -44,12 +44,9 @@ VERSION = 1
 PREFIX = struct.Struct("<4sB3sII")
 MAX_HEADER_BYTES = 64 * 1024
 MAX_DIMS = 8
-DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float64": torch.float64,
-}
+MAX_NUMEL = 2**63 - 1
+DtypeName = Literal["float32", "bfloat16", "float16", "float64"]
+DTYPES = {name: getattr(torch, name) for name in get_args(DtypeName)}
 
 Count = Annotated[int, Field(ge=0, le=2**63 - 1)]
 # Run and replica names end up as store key segments.
@@ -80,9 +77,17 @@ class ObjectMeta(BaseModel):
 class Header(ObjectMeta):
     """``dtype`` is the encoded tensor's dtype; decoding always yields float32 for reduction."""
 
-    dtype: Literal["float32", "bfloat16", "float16", "float64"]
+    dtype: DtypeName
     shape: tuple[Count, ...] = Field(max_length=MAX_DIMS)
     codec: Codec
+
+    @field_validator("shape")
+    @classmethod
+    def _numel_fits(cls, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Zero-size shapes too: torch refuses [2**62, 2**62, 0] although it holds nothing."""
+        if math.prod(size for size in shape if size) > MAX_NUMEL:
+            raise ValueError(f"the product of the non-zero sizes must be at most {MAX_NUMEL}")
+        return shape
 
     @property
     def numel(self) -> int:
@@ -110,7 +115,7 @@ def encode(tensor: torch.Tensor, codec: Codec, meta: ObjectMeta) -> bytearray:
         **meta.model_dump(), dtype=_dtype_name(tensor), shape=tuple(tensor.shape), codec=codec
     )
     flat = tensor.detach().reshape(-1).float()
-    require_finite(flat, f"tensor to encode for {meta}", ValueError)
+    require_finite(flat, f"tensor to encode for {meta} (as float32)", ValueError)
     header_bytes = header.model_dump_json().encode()
     if len(header_bytes) > MAX_HEADER_BYTES:
         raise ValueError(f"header is {len(header_bytes)} bytes; at most {MAX_HEADER_BYTES}")
@@ -167,10 +172,13 @@ def decode(data: bytes | bytearray | memoryview, *, key: str = "<bytes>") -> Dec
     With a writable buffer (``bytearray``) the fp32 tensor is a view of it: no copy. Read-only
     ``bytes`` are copied once, so the returned tensor never aliases immutable memory.
     """
-    view = memoryview(data).cast("B")
-    if view.readonly:
-        view = memoryview(bytearray(view))
+    view = memoryview(data)
+    if not view.c_contiguous:
+        view = memoryview(view.tobytes())
+    view = view.cast("B")
     header_length = _check_prefix(view, key)
+    if view.readonly:  # checked first, so junk is never copied
+        view = memoryview(bytearray(view))
     payload_start = PREFIX.size + header_length
     try:
         header = Header.model_validate_json(bytes(view[PREFIX.size : payload_start]))
