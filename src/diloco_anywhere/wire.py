@@ -35,11 +35,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from diloco_anywhere.codec import Codec, CodecDataError, require_finite
+from diloco_anywhere.layout import NAME
 
 if sys.byteorder != "little":  # every platform we target is little-endian; say so if not
     raise ImportError("diloco_anywhere.wire supports little-endian machines only")
 
 MAGIC = b"DLAW"
+KINDS = {MAGIC: "diloco-anywhere wire object", b"DLAR": "diloco-anywhere record"}
 VERSION = 1
 PREFIX = struct.Struct("<4sB3sII")
 MAX_HEADER_BYTES = 64 * 1024
@@ -50,7 +52,7 @@ DTYPES = {name: getattr(torch, name) for name in get_args(DtypeName)}
 
 Count = Annotated[int, Field(ge=0, le=2**63 - 1)]
 # Run and replica names end up as store key segments.
-Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.=-]{0,127}$")]
+Name = Annotated[str, Field(pattern=rf"^{NAME.pattern}$")]
 
 
 class WireFormatError(ValueError):
@@ -129,25 +131,24 @@ def encode(tensor: torch.Tensor, codec: Codec, meta: ObjectMeta) -> bytearray:
     return buffer
 
 
-def _field_error(error: dict) -> str:
+def _field_error(error: dict, what: str) -> str:
     field = ".".join(map(str, error["loc"]))
     got = "" if error["type"] == "missing" else f" (got {error['input']!r:.80})"
-    return f"header{' field ' + field if field else ''}: {error['msg']}{got}"
+    return f"{what}{' field ' + field if field else ''}: {error['msg']}{got}"
 
 
-def _field_errors(exc: ValidationError) -> str:
-    return "; ".join(_field_error(e) for e in exc.errors(include_url=False))
+def field_errors(exc: ValidationError, what: str = "header") -> str:
+    """One '<what> field <path>: <problem> (got <value>)' per bad field, joined by '; '."""
+    return "; ".join(_field_error(e, what) for e in exc.errors(include_url=False))
 
 
-def _check_prefix(view: memoryview, key: str) -> int:
+def check_prefix(view: memoryview, key: str, magic: bytes = MAGIC) -> int:
     """Validate the fixed prefix and the checksum; return the header length."""
     if len(view) < PREFIX.size:
         raise WireFormatError(key, f"{len(view)} bytes, shorter than the {PREFIX.size}-byte prefix")
-    magic, version, reserved, header_length, checksum = PREFIX.unpack_from(view)
-    if magic != MAGIC:
-        raise WireFormatError(
-            key, f"magic {magic!r} is not {MAGIC!r}: not a diloco-anywhere wire object"
-        )
+    found, version, reserved, header_length, checksum = PREFIX.unpack_from(view)
+    if found != magic:
+        raise WireFormatError(key, f"magic {found!r} is not {magic!r}: not a {KINDS[magic]}")
     if version != VERSION:
         raise WireFormatError(key, f"format version {version}; this build reads {VERSION}")
     if reserved != bytes(3):
@@ -176,14 +177,14 @@ def decode(data: bytes | bytearray | memoryview, *, key: str = "<bytes>") -> Dec
     if not view.c_contiguous:
         view = memoryview(view.tobytes())
     view = view.cast("B")
-    header_length = _check_prefix(view, key)
+    header_length = check_prefix(view, key)
     if view.readonly:  # checked first, so junk is never copied
         view = memoryview(bytearray(view))
     payload_start = PREFIX.size + header_length
     try:
         header = Header.model_validate_json(bytes(view[PREFIX.size : payload_start]))
     except ValidationError as exc:
-        raise WireFormatError(key, _field_errors(exc)) from None
+        raise WireFormatError(key, field_errors(exc)) from None
     payload = view[payload_start:]
     expected = header.codec.payload_nbytes(header.numel)
     if len(payload) != expected:

@@ -1,0 +1,93 @@
+"""Where a run's objects live in its store: one method per kind of key (docs/collective.md).
+
+Round numbers are zero-padded so that a listing sorts rounds in order. A contributor is named
+``{replica}-{incarnation}``; the incarnation is digits only, so the name splits back
+unambiguously even when the replica name contains '-'.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+ROUND_DIGITS = 10
+MAX_ROUND = 10**ROUND_DIGITS - 1
+# Same rule as the wire header's names: usable as one store key segment.
+NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.=-]{0,127}")
+
+
+def check_name(name: str, what: str) -> str:
+    if not NAME.fullmatch(name):
+        raise ValueError(
+            f"{what} {name!r} is not allowed: 1-128 letters, digits, '_', '.', '=', '-', "
+            f"starting with a letter, digit or '_'"
+        )
+    return name
+
+
+def _check_count(value: int, what: str, maximum: int = 2**63 - 1) -> int:
+    if not (isinstance(value, int) and 0 <= value <= maximum):
+        raise ValueError(f"{what} {value!r} is not allowed: an integer from 0 to {maximum}")
+    return value
+
+
+def contributor(replica: str, incarnation: int) -> str:
+    return f"{check_name(replica, 'replica')}-{_check_count(incarnation, 'incarnation')}"
+
+
+def parse_contributor(name: str) -> tuple[str, int]:
+    """``'modal-0-3'`` -> ``('modal-0', 3)``."""
+    replica, _, incarnation = name.rpartition("-")
+    if not (replica and incarnation.isdigit() and NAME.fullmatch(replica)):
+        raise ValueError(f"contributor {name!r} is not '<replica>-<incarnation>'")
+    return replica, int(incarnation)
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    run: str
+
+    def __post_init__(self) -> None:
+        check_name(self.run, "run")
+
+    # -- membership ------------------------------------------------------------------------
+
+    def members(self) -> str:
+        return f"{self.run}/members"
+
+    def incarnations(self, replica: str) -> str:
+        return f"{self.members()}/{check_name(replica, 'replica')}"
+
+    def claim(self, replica: str, incarnation: int) -> str:
+        return f"{self.incarnations(replica)}/{_check_count(incarnation, 'incarnation')}/claim"
+
+    def lease(self, replica: str, incarnation: int, period: int) -> str:
+        folder = f"{self.incarnations(replica)}/{_check_count(incarnation, 'incarnation')}"
+        return f"{folder}/lease-{_check_count(period, 'lease period')}"
+
+    # -- rounds --------------------------------------------------------------------------------
+
+    def round(self, round_: int) -> str:
+        return f"{self.run}/rounds/{_check_count(round_, 'round', MAX_ROUND):0{ROUND_DIGITS}d}"
+
+    def fragment(self, round_: int, fragment: int) -> str:
+        return f"{self.round(round_)}/{_check_count(fragment, 'fragment')}"
+
+    def parts(self, round_: int, fragment: int, replica: str, incarnation: int) -> str:
+        return f"{self.fragment(round_, fragment)}/parts/{contributor(replica, incarnation)}"
+
+    def part(self, round_: int, fragment: int, replica: str, incarnation: int, shard: int) -> str:
+        folder = self.parts(round_, fragment, replica, incarnation)
+        return f"{folder}/{_check_count(shard, 'shard')}"
+
+    def manifests(self, round_: int, fragment: int) -> str:
+        return f"{self.fragment(round_, fragment)}/manifests"
+
+    def manifest(self, round_: int, fragment: int, replica: str, incarnation: int) -> str:
+        return f"{self.manifests(round_, fragment)}/{contributor(replica, incarnation)}"
+
+    def seal(self, round_: int, fragment: int) -> str:
+        return f"{self.fragment(round_, fragment)}/SEAL"
+
+    def reduced(self, round_: int, fragment: int, shard: int) -> str:
+        return f"{self.fragment(round_, fragment)}/reduced/{_check_count(shard, 'shard')}"

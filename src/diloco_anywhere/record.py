@@ -1,0 +1,65 @@
+"""Records: small checksummed JSON objects (manifests, SEALs, incarnation claims, leases).
+
+A record is the wire format's prefix with magic ``DLAR`` and a JSON body, and no payload:
+
+    offset  size  field
+    0       4     magic b"DLAR"
+    4       1     format version (1)
+    5       3     reserved, zero
+    8       4     body length B, at most 64 KiB
+    12      4     CRC32C of the body
+    16      B     body: UTF-8 JSON, validated against the record's pydantic model
+
+JSON alone is not enough for a bucket: a flipped digit in a weight still parses. The checksum
+catches it, and the strict model (no extra fields, no coercion) catches anything written by
+something other than this code. Errors are ``WireFormatError`` naming the key.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import crc32c
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from diloco_anywhere.wire import (
+    MAX_HEADER_BYTES,
+    PREFIX,
+    VERSION,
+    WireFormatError,
+    check_prefix,
+    field_errors,
+)
+
+RECORD_MAGIC = b"DLAR"
+R = TypeVar("R", bound="Record")
+
+
+class Record(BaseModel):
+    """Base of every record model: immutable, strict, no unknown fields."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+def encode_record(record: Record) -> bytes:
+    body = record.model_dump_json().encode()
+    if len(body) > MAX_HEADER_BYTES:
+        raise ValueError(
+            f"{type(record).__name__} is {len(body)} bytes; at most {MAX_HEADER_BYTES}"
+        )
+    prefix = PREFIX.pack(RECORD_MAGIC, VERSION, bytes(3), len(body), crc32c.crc32c(body))
+    return prefix + body
+
+
+def decode_record(data: bytes | bytearray, model: type[R], *, key: str) -> R:
+    """Check and parse a record of type ``model``; ``WireFormatError`` naming ``key`` if bad."""
+    view = memoryview(data).cast("B")
+    body_length = check_prefix(view, key, magic=RECORD_MAGIC)
+    if len(view) != PREFIX.size + body_length:
+        raise WireFormatError(
+            key, f"record is {len(view)} bytes; its prefix says {PREFIX.size + body_length}"
+        )
+    try:
+        return model.model_validate_json(bytes(view[PREFIX.size :]))
+    except ValidationError as exc:
+        raise WireFormatError(key, field_errors(exc, what=model.__name__)) from None

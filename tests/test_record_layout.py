@@ -1,0 +1,114 @@
+"""Checked records and the run's key layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from crc32c import crc32c
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from diloco_anywhere import wire
+from diloco_anywhere.codec import make_codec
+from diloco_anywhere.layout import RunLayout, contributor, parse_contributor
+from diloco_anywhere.record import RECORD_MAGIC, Record, decode_record, encode_record
+from diloco_anywhere.store import check_key
+
+
+class Sealed(Record):
+    contributors: tuple[str, ...]
+    weight: float
+
+
+SEALED = Sealed(contributors=("a-0", "b-2"), weight=1536.0)
+
+
+def test_record_round_trip():
+    assert decode_record(encode_record(SEALED), Sealed, key="k") == SEALED
+
+
+@settings(max_examples=200, deadline=None)
+@given(bit=st.integers(0, len(encode_record(SEALED)) * 8 - 1))
+def test_any_flipped_bit_in_a_record_is_rejected(bit):
+    data = bytearray(encode_record(SEALED))
+    data[bit // 8] ^= 1 << (bit % 8)
+    with pytest.raises(wire.WireFormatError) as info:
+        decode_record(bytes(data), Sealed, key="rounds/1/0/SEAL")
+    assert info.value.key == "rounds/1/0/SEAL"
+
+
+def test_record_of_another_model_names_the_fields():
+    class Lease(Record):
+        until: float
+
+    with pytest.raises(wire.WireFormatError, match="Lease field until: Field required"):
+        decode_record(encode_record(SEALED), Lease, key="k")
+
+
+def test_wire_object_is_not_a_record_and_vice_versa():
+    meta = wire.ObjectMeta(run="r", round=0, replica="a", incarnation=0, shard=0)
+    tensor_object = wire.encode(torch.ones(2), make_codec("fp32"), meta)
+    with pytest.raises(wire.WireFormatError, match="not a diloco-anywhere record"):
+        decode_record(bytes(tensor_object), Sealed, key="k")
+    with pytest.raises(wire.WireFormatError, match="not a diloco-anywhere wire object"):
+        wire.decode(encode_record(SEALED), key="k")
+
+
+def craft_record(body: bytes, declared_length: int | None = None) -> bytes:
+    """A record whose checksum is right for ``body``, to reach the checks behind it."""
+    length = len(body) if declared_length is None else declared_length
+    return wire.PREFIX.pack(RECORD_MAGIC, wire.VERSION, bytes(3), length, crc32c(body)) + body
+
+
+def test_trailing_bytes_after_a_record_are_rejected():
+    body = SEALED.model_dump_json().encode()
+    with pytest.raises(wire.WireFormatError, match="its prefix says"):
+        decode_record(craft_record(body + b"x", len(body)), Sealed, key="k")
+
+
+def test_strict_types_no_coercion():
+    body = b'{"contributors": ["a-0"], "weight": "15"}'
+    with pytest.raises(wire.WireFormatError, match="Sealed field weight: Input should be"):
+        decode_record(craft_record(body), Sealed, key="k")
+
+
+LAYOUT = RunLayout("run-1")
+
+
+def test_layout_keys_are_valid_store_keys_and_rounds_sort_numerically():
+    keys = [
+        LAYOUT.claim("modal-0", 3),
+        LAYOUT.lease("modal-0", 3, 1_700_000_000),
+        LAYOUT.part(12, 0, "modal-0", 3, 7),
+        LAYOUT.manifest(12, 0, "modal-0", 3),
+        LAYOUT.seal(12, 0),
+        LAYOUT.reduced(12, 0, 7),
+    ]
+    assert [check_key(k) for k in keys] == keys
+    assert LAYOUT.seal(12, 1) == "run-1/rounds/0000000012/1/SEAL"
+    rounds = [LAYOUT.round(r) for r in (2, 10, 100, 9)]
+    assert sorted(rounds) == [LAYOUT.round(r) for r in (2, 9, 10, 100)]
+
+
+@given(
+    replica=st.from_regex(r"[A-Za-z0-9_][A-Za-z0-9_.=-]{0,20}", fullmatch=True),
+    incarnation=st.integers(0, 2**63 - 1),
+)
+def test_contributor_names_split_back_even_with_dashes(replica, incarnation):
+    assert parse_contributor(contributor(replica, incarnation)) == (replica, incarnation)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: RunLayout("../etc"), "run '../etc' is not allowed"),
+        (lambda: LAYOUT.claim("a/b", 0), "replica 'a/b' is not allowed"),
+        (lambda: LAYOUT.round(-1), "round -1 is not allowed"),
+        (lambda: LAYOUT.round(10**10), "an integer from 0 to 9999999999"),
+        (lambda: LAYOUT.part(0, 0, "a", 0, True + 0.5), "shard 1.5 is not allowed"),
+        (lambda: parse_contributor("nodigits-x"), "is not '<replica>-<incarnation>'"),
+    ],
+)
+def test_bad_layout_inputs_say_what_is_allowed(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
