@@ -102,6 +102,13 @@ class Decoded:
     tensor: torch.Tensor
 
 
+def stored_checksum(data: bytes | bytearray) -> int:
+    """The CRC32C in an object's prefix (unchecked: ``decode`` verifies it)."""
+    if len(data) < PREFIX.size:
+        return 0
+    return PREFIX.unpack_from(data)[4]
+
+
 def _dtype_name(tensor: torch.Tensor) -> str:
     for name, dtype in DTYPES.items():
         if tensor.dtype == dtype:

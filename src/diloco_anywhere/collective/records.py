@@ -1,0 +1,63 @@
+"""The records of one round: a contributor's manifest and the round's SEAL."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated
+
+from pydantic import Field, field_validator, model_validator
+
+from diloco_anywhere.codec import Codec
+from diloco_anywhere.record import Record
+from diloco_anywhere.wire import Count, Name
+
+
+class PartEntry(Record):
+    """One part of a contribution: its key, exact size and checksum, and its element range."""
+
+    key: str
+    size: Count
+    crc32c: Annotated[int, Field(ge=0, le=2**32 - 1)]
+    start: Count
+    stop: Count
+
+
+class Manifest(Record):
+    """Written last by a contributor: the round may count it once this exists."""
+
+    run: Name
+    round: Count
+    fragment: Count
+    replica: Name
+    incarnation: Count
+    weight: float
+    fingerprint: str = Field(max_length=128)
+    codec: Codec
+    numel: Count
+    parts: tuple[PartEntry, ...]
+
+    @field_validator("weight")
+    @classmethod
+    def _positive_finite(cls, weight: float) -> float:
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError("weight must be a finite number > 0")
+        return weight
+
+    @model_validator(mode="after")
+    def _parts_tile_the_tensor(self) -> Manifest:
+        edges = (
+            [0] + [edge for part in self.parts for edge in (part.start, part.stop)] + [self.numel]
+        )
+        if not self.parts or any(edges[i] != edges[i + 1] for i in range(0, len(edges), 2)):
+            raise ValueError(f"parts must cover elements [0, {self.numel}) in order, without gaps")
+        return self
+
+
+class Seal(Record):
+    """The contributor set of a round, decided once by the first writer."""
+
+    run: Name
+    round: Count
+    fragment: Count
+    contributors: tuple[str, ...]
+    sealed_by: str
