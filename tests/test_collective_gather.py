@@ -13,13 +13,12 @@ from diloco_anywhere.bench.store import sample_tensor
 from diloco_anywhere.codec import make_codec
 from diloco_anywhere.collective.gather import (
     GatherRound,
-    Participant,
     RoundPolicy,
     RoundTimeoutError,
     weighted_mean,
 )
 from diloco_anywhere.collective.records import Manifest, PartEntry
-from diloco_anywhere.layout import RunLayout
+from diloco_anywhere.layout import Participant, RunLayout
 from diloco_anywhere.record import encode_record
 from diloco_anywhere.store import Store
 

@@ -76,6 +76,15 @@ def test_list_and_delete_prefix(backend):
     assert store.list_prefix("missing") == []
 
 
+def test_delete_one_key_and_missing_keys_are_fine(backend):
+    store = backend.store()
+    store.put("leases/1", b"x")
+    store.put("leases/2", b"y")
+    store.delete("leases/1")
+    store.delete("leases/1")
+    assert store.list_prefix("leases") == ["leases/2"]
+
+
 def test_counters_track_requests_and_bytes(backend):
     store = backend.store()
     store.put("a", b"12345")

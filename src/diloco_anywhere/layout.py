@@ -44,6 +44,18 @@ def parse_contributor(name: str) -> tuple[str, int]:
 
 
 @dataclass(frozen=True)
+class Participant:
+    """One incarnation of one replica: the unit that contributes to rounds."""
+
+    replica: str
+    incarnation: int
+
+    @property
+    def name(self) -> str:
+        return contributor(self.replica, self.incarnation)
+
+
+@dataclass(frozen=True)
 class RunLayout:
     run: str
 
@@ -64,6 +76,18 @@ class RunLayout:
     def lease(self, replica: str, incarnation: int, period: int) -> str:
         folder = f"{self.incarnations(replica)}/{_check_count(incarnation, 'incarnation')}"
         return f"{folder}/lease-{_check_count(period, 'lease period')}"
+
+    def parse_member_key(self, key: str) -> tuple[str, int, int | None] | None:
+        """``members/{replica}/{incarnation}/claim`` -> (replica, incarnation, None);
+        ``.../lease-{period}`` -> (replica, incarnation, period); anything else -> None."""
+        prefix = f"{self.members()}/"
+        parts = key.removeprefix(prefix).split("/") if key.startswith(prefix) else []
+        if len(parts) != 3 or not NAME.fullmatch(parts[0]) or not parts[1].isdigit():
+            return None
+        if parts[2] == "claim":
+            return parts[0], int(parts[1]), None
+        period = parts[2].removeprefix("lease-")
+        return (parts[0], int(parts[1]), int(period)) if period.isdigit() else None
 
     # -- rounds --------------------------------------------------------------------------------
 

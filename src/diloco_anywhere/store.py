@@ -356,6 +356,18 @@ class Store:
         start = len(self._root) + 1
         return sorted(p[start:] for p in paths if not os.path.basename(p).startswith(TEMP_PREFIX))
 
+    def delete(self, key: str) -> None:
+        """Delete one key; nothing happens if it does not exist (S3 and GCS deletes are
+        idempotent too)."""
+        path = self._path(key)
+
+        def attempt() -> None:
+            self._add(deletes=1)
+            self._fs.rm_file(path)
+
+        with contextlib.suppress(FileNotFoundError):
+            self._run("delete", key, attempt)
+
     def delete_prefix(self, prefix: str) -> int:
         """Delete every key under the folder ``prefix``; returns how many were deleted."""
         keys = self.list_prefix(prefix)

@@ -21,7 +21,7 @@ import torch
 from diloco_anywhere import wire
 from diloco_anywhere.codec import Codec, Int8Codec
 from diloco_anywhere.collective.records import Manifest, PartEntry, Seal
-from diloco_anywhere.layout import RunLayout, contributor, parse_contributor
+from diloco_anywhere.layout import Participant, RunLayout, parse_contributor
 from diloco_anywhere.record import decode_record, encode_record
 from diloco_anywhere.store import Store
 
@@ -38,16 +38,6 @@ class RoundPolicy:
     part_elements: int = 4 << 20  # 16 MiB of float32 per part: parallel, retry-sized reads
     poll_min: float = 0.05
     poll_max: float = 0.2
-
-
-@dataclass(frozen=True)
-class Participant:
-    replica: str
-    incarnation: int
-
-    @property
-    def name(self) -> str:
-        return contributor(self.replica, self.incarnation)
 
 
 @dataclass(frozen=True)
@@ -216,8 +206,13 @@ class GatherRound:
 
     # -- sealing and reducing ----------------------------------------------------------------
 
+    def _sealable(self) -> list[str]:
+        """Verified contributions of members: a non-member (a zombie, or a replica missing
+        from the member list) never counts, not even its own contribution."""
+        return sorted(self._verified.keys() & self.members.keys())
+
     def _ready_to_seal(self, first_seen: float | None) -> bool:
-        count = len(self._verified)
+        count = len(self._sealable())
         if count == len(self.members.keys() - self._excluded.keys()) and count:
             return count >= self.policy.min_replicas
         grace_over = first_seen is not None and time.monotonic() - first_seen >= self.policy.grace
@@ -228,7 +223,7 @@ class GatherRound:
             run=self.layout.run,
             round=self.round,
             fragment=self.fragment,
-            contributors=tuple(sorted(self._verified)),
+            contributors=tuple(self._sealable()),
             sealed_by=self.me.name,
         )
         with contextlib.suppress(FileExistsError):  # sealed first by another; next poll reads it
