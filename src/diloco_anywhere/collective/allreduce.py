@@ -1,0 +1,128 @@
+"""The all-reduce a replica calls: one bucket round per call, run in the background.
+
+``allreduce`` returns at once with a ``Work``; the round (contribute, seal, reduce) runs on a
+background thread, so inner steps go on meanwhile (the overlap of Streaming DiLoCo, arXiv
+2501.18512). Several rounds can be in flight, one per fragment.
+
+Membership is taken at the start of each round: this process claims a fresh incarnation when
+the collective opens and keeps its lease alive with a heartbeat until it closes.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from diloco_anywhere.codec import Codec, make_codec
+from diloco_anywhere.collective.gather import GatherRound, RoundPolicy, RoundResult
+from diloco_anywhere.collective.membership import (
+    Heartbeat,
+    LeasePolicy,
+    claim_incarnation,
+    live_members,
+)
+from diloco_anywhere.layout import Participant, RunLayout
+from diloco_anywhere.store import Store
+
+
+@dataclass(frozen=True)
+class CollectiveConfig:
+    codec: Codec = field(default_factory=lambda: make_codec("fp32"))
+    round: RoundPolicy = field(default_factory=RoundPolicy)
+    lease: LeasePolicy = field(default_factory=LeasePolicy)
+    max_rounds_in_flight: int = 4  # e.g. one per Streaming DiLoCo fragment
+
+
+class Work:
+    """A round in flight. ``wait`` raises the round's error; ``get_future`` gives a
+    ``torch.futures.Future`` completed with the mean (the shape of the input tensor)."""
+
+    def __init__(self, future: Future[RoundResult], shape: torch.Size) -> None:
+        self._future = future
+        self._shape = shape
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the round is done (``TimeoutError`` after ``timeout`` seconds)."""
+        self._future.result(timeout)
+        return True
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> RoundResult:
+        return self._future.result()
+
+    def mean(self) -> torch.Tensor:
+        return self.result().mean.view(self._shape)
+
+    def get_future(self) -> torch.futures.Future:
+        torch_future: torch.futures.Future = torch.futures.Future()
+
+        def complete(future: Future[RoundResult]) -> None:
+            if (error := future.exception()) is not None:
+                torch_future.set_exception(error)
+            else:
+                torch_future.set_result(future.result().mean.view(self._shape))
+
+        self._future.add_done_callback(complete)
+        return torch_future
+
+
+class BucketCollective:
+    """Weighted-mean all-reduce through ``store`` among the live replicas of ``run``."""
+
+    def __init__(
+        self, store: Store, run: str, replica: str, config: CollectiveConfig | None = None
+    ) -> None:
+        self.store = store
+        self.config = config or CollectiveConfig()
+        self.layout = RunLayout(run)
+        self.me = Participant(replica, claim_incarnation(store, self.layout, replica))
+        self._heartbeat = Heartbeat(store, self.layout, self.me, self.config.lease).start()
+        self._executor = ThreadPoolExecutor(
+            self.config.max_rounds_in_flight, thread_name_prefix="allreduce"
+        )
+
+    def allreduce(
+        self,
+        tensor: torch.Tensor,
+        *,
+        round_: int,
+        fragment: int = 0,
+        weight: float = 1.0,
+        codec: Codec | None = None,
+    ) -> Work:
+        """Start round ``round_`` of ``fragment`` with this replica's ``tensor``; returns at once.
+
+        The tensor is copied (to CPU float32) before this returns, so the caller may change it.
+        """
+        flat = tensor.detach().reshape(-1).to("cpu", torch.float32, copy=True)
+        future = self._executor.submit(
+            self._run_round, flat, round_, fragment, weight, codec or self.config.codec
+        )
+        return Work(future, tensor.shape)
+
+    def _run_round(
+        self, flat: torch.Tensor, round_: int, fragment: int, weight: float, codec: Codec
+    ) -> RoundResult:
+        members = live_members(self.store, self.layout, self.config.lease, time.time())
+        if self.me not in members:  # our lease was late (e.g. a stalled store); we are a member
+            members = sorted([*members, self.me], key=lambda member: member.name)
+        round_state = GatherRound(
+            self.store, self.layout, round_, fragment, self.me, members, self.config.round
+        )
+        round_state.contribute(flat, weight, codec)
+        return round_state.result()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        self._heartbeat.stop()
+
+    def __enter__(self) -> BucketCollective:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,84 @@
+"""The async all-reduce: Work objects, futures, rounds in flight, across processes."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+
+from diloco_anywhere.bench.store import sample_tensor
+from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig
+from diloco_anywhere.collective.gather import RoundPolicy, RoundTimeoutError, weighted_mean
+from diloco_anywhere.collective.membership import Heartbeat, LeasePolicy, claim_incarnation
+from diloco_anywhere.layout import Participant, RunLayout
+from diloco_anywhere.store import Store
+
+CONFIG = CollectiveConfig(
+    round=RoundPolicy(min_replicas=1, grace=5.0, timeout=60.0), lease=LeasePolicy(period=5.0)
+)
+SHAPE = (40, 25)
+
+
+def tensor(replica: int, round_: int) -> torch.Tensor:
+    return sample_tensor("gaussian", 1000, seed=100 * round_ + replica).view(SHAPE)
+
+
+def _replica(url, index, barrier, results):
+    with BucketCollective(Store(url), "run", f"r{index}", CONFIG) as collective:
+        barrier.wait()  # every replica has claimed and leased before the first round
+        first = collective.allreduce(tensor(index, 0), round_=0, weight=index + 1)
+        second = collective.allreduce(tensor(index, 1), round_=1, fragment=1, weight=1.0)
+        future = second.get_future()
+        first.wait(timeout=60)
+        means = [first.mean(), future.wait()]
+        results.put((index, [m.numpy().tobytes() for m in means], means[0].shape))
+
+
+def test_rounds_in_flight_across_processes_agree_with_the_reference(tmp_path):
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(3), context.Queue()
+    processes = [
+        context.Process(target=_replica, args=(str(tmp_path), i, barrier, results))
+        for i in range(3)
+    ]
+    for process in processes:
+        process.start()
+    outcomes = [results.get(timeout=120) for _ in processes]
+    for process in processes:
+        process.join(timeout=30)
+    expected = [
+        weighted_mean([(tensor(i, 0).reshape(-1), float(i + 1)) for i in range(3)]),
+        weighted_mean([(tensor(i, 1).reshape(-1), 1.0) for i in range(3)]),
+    ]
+    for _, means, shape in outcomes:
+        assert shape == SHAPE
+        assert means == [e.numpy().tobytes() for e in expected]
+
+
+def test_allreduce_returns_before_the_round_ends_and_errors_reach_wait_and_future():
+    store, layout = Store("memory://allreduce-async"), RunLayout("run")
+    silent = Participant("silent", claim_incarnation(store, layout, "silent"))
+    Heartbeat(store, layout, silent, LeasePolicy()).beat()  # a member that never contributes
+    config = CollectiveConfig(round=RoundPolicy(min_replicas=2, grace=0.1, timeout=1.0))
+    with BucketCollective(store, "run", "me", config) as collective:
+        data = torch.ones(8)
+        work = collective.allreduce(data, round_=0)
+        data.zero_()  # the collective copied it
+        assert not work.done()
+        with pytest.raises(TimeoutError):
+            work.wait(timeout=0.1)
+        future = work.get_future()
+        with pytest.raises(RoundTimeoutError, match=r"missing \['silent-0'\]"):
+            work.wait()
+        with pytest.raises(RoundTimeoutError):
+            future.wait()
+
+
+def test_a_replica_alone_seals_as_soon_as_every_member_is_in():
+    """With an hour of grace, only the every-member-is-in path can seal (else pytest-timeout)."""
+    config = CollectiveConfig(round=RoundPolicy(min_replicas=1, grace=3600.0, timeout=3600.0))
+    with BucketCollective(Store("memory://allreduce-alone"), "run", "solo", config) as collective:
+        work = collective.allreduce(torch.arange(6.0).view(2, 3), round_=0)
+        assert work.mean().tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    assert work.result().seal.contributors == ("solo-0",)
