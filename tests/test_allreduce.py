@@ -82,3 +82,17 @@ def test_a_replica_alone_seals_as_soon_as_every_member_is_in():
         work = collective.allreduce(torch.arange(6.0).view(2, 3), round_=0)
         assert work.mean().tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
     assert work.result().seal.contributors == ("solo-0",)
+
+
+def test_rounds_older_than_keep_rounds_are_deleted():
+    store = Store("memory://allreduce-gc")
+    config = CollectiveConfig(round=RoundPolicy(grace=3600.0, timeout=3600.0), keep_rounds=2)
+    with BucketCollective(store, "run", "solo", config) as collective:
+        for round_ in range(5):
+            for fragment in (0, 1):
+                collective.allreduce(torch.ones(4), round_=round_, fragment=fragment).wait()
+    rounds = {
+        key.split("/")[2:4] and tuple(key.split("/")[2:4])
+        for key in store.list_prefix("run/rounds")
+    }
+    assert rounds == {(f"{r:010d}", f) for r in (3, 4) for f in ("0", "1")}

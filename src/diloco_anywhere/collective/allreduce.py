@@ -34,6 +34,7 @@ class CollectiveConfig:
     round: RoundPolicy = field(default_factory=RoundPolicy)
     lease: LeasePolicy = field(default_factory=LeasePolicy)
     max_rounds_in_flight: int = 4  # e.g. one per Streaming DiLoCo fragment
+    keep_rounds: int = 2  # per fragment; older rounds are deleted (docs/collective.md)
 
 
 class Work:
@@ -115,7 +116,17 @@ class BucketCollective:
             self.store, self.layout, round_, fragment, self.me, members, self.config.round
         )
         round_state.contribute(flat, weight, codec)
-        return round_state.result()
+        result = round_state.result()
+        self._collect_garbage(round_, fragment, result)
+        return result
+
+    def _collect_garbage(self, round_: int, fragment: int, result: RoundResult) -> None:
+        """The first sealed contributor deletes round ``round_ - keep_rounds`` of the fragment:
+        one deleter per round, and every replica has already read that round. The bucket's
+        lifecycle rule removes whatever a crash leaves behind."""
+        old = round_ - self.config.keep_rounds
+        if old >= 0 and result.seal.contributors[0] == self.me.name:
+            self.store.delete_prefix(self.layout.fragment(old, fragment))
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
