@@ -91,8 +91,5 @@ def test_rounds_older_than_keep_rounds_are_deleted():
         for round_ in range(5):
             for fragment in (0, 1):
                 collective.allreduce(torch.ones(4), round_=round_, fragment=fragment).wait()
-    rounds = {
-        key.split("/")[2:4] and tuple(key.split("/")[2:4])
-        for key in store.list_prefix("run/rounds")
-    }
+    rounds = {tuple(key.split("/")[2:4]) for key in store.list_prefix("run/rounds")}
     assert rounds == {(f"{r:010d}", f) for r in (3, 4) for f in ("0", "1")}
