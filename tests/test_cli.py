@@ -72,3 +72,25 @@ def test_bad_sizes_say_what_is_allowed(text):
     result = run("bench", "store", "--size", text)
     assert result.exit_code == 2
     assert "give at least 1024 bytes" in result.output
+
+
+def test_bench_sync_json_reports_gather_traffic(tmp_path):
+    result = run("bench", "sync", "--replicas", "3", "--size", "64KiB", "--rounds", "1",
+                 "--store", str(tmp_path), "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    payload = 64 * 1024
+    # gather: each replica uploads its contribution once and downloads the other two
+    assert payload <= report["bytes_up_per_replica"] < 1.02 * payload
+    assert 2 * payload <= report["bytes_down_per_replica"] < 2.04 * payload
+    assert report["round_seconds"] > 0
+    assert report["raw_copy_seconds"] > 0
+
+
+@pytest.mark.parametrize(
+    ("option", "message"), [("--mode=sharded", "this build has gather"), ("--codec=fp4", "fp4")]
+)
+def test_bench_sync_rejects_what_it_cannot_run(option, message):
+    result = run("bench", "sync", option)
+    assert result.exit_code == 2
+    assert message in result.output

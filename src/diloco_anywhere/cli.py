@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from diloco_anywhere.codec import CODEC_NAMES
 from diloco_anywhere.standins import STANDINS, StandInUnavailableError, standin
 from diloco_anywhere.store import Store, StoreError
 
@@ -74,19 +75,17 @@ def user_errors() -> Iterator[None]:
         raise typer.Exit(1) from None
 
 
-def _open_bench_store(
+def _bench_target(
     stack: ExitStack, url: str | None, standin_name: str | None, status: Callable[[str], None]
-) -> Store:
+) -> tuple[str, dict[str, Any]]:
+    """The store URL and storage options to measure: given, a stand-in, or a temp folder."""
     if url and standin_name:
         raise typer.BadParameter("give --store or --standin, not both")
     if standin_name:
         status(f"starting the {standin_name} stand-in")
         server = stack.enter_context(standin(standin_name))
-        return stack.enter_context(
-            Store(f"{server.url}/bench", storage_options=server.storage_options)
-        )
-    url = url or stack.enter_context(tempfile.TemporaryDirectory(prefix="diloco-bench-"))
-    return stack.enter_context(Store(url))
+        return f"{server.url}/bench", server.storage_options
+    return url or stack.enter_context(tempfile.TemporaryDirectory(prefix="diloco-bench-")), {}
 
 
 def _store_table(result: dict[str, Any]) -> Table:
@@ -124,23 +123,20 @@ def _codec_table(codecs: dict[str, dict[str, float]], numel: int) -> Table:
     return table
 
 
+STORE_OPTION = typer.Option(
+    "--store",
+    help="Store URL to measure: a path, file://, s3://, gs://, az:// "
+    "(credentials from the environment). Default: a temporary local folder.",
+)
+STANDIN_OPTION = typer.Option(
+    "--standin", help=f"Start a local stand-in server and measure it: {', '.join(STANDINS)}."
+)
+
+
 @bench_app.command("store")
 def bench_store_command(
-    store_url: Annotated[
-        str | None,
-        typer.Option(
-            "--store",
-            help="Store URL to measure: a path, file://, s3://, gs://, az:// "
-            "(credentials from the environment). Default: a temporary local folder.",
-        ),
-    ] = None,
-    standin_name: Annotated[
-        str | None,
-        typer.Option(
-            "--standin",
-            help=f"Start a local stand-in server and measure it: {', '.join(STANDINS)}.",
-        ),
-    ] = None,
+    store_url: Annotated[str | None, STORE_OPTION] = None,
+    standin_name: Annotated[str | None, STANDIN_OPTION] = None,
     size: Annotated[
         int,
         typer.Option(
@@ -160,7 +156,8 @@ def bench_store_command(
     from diloco_anywhere.bench.store import bench_codecs, bench_store
 
     with user_errors(), ExitStack() as stack, progress_display() as status:
-        store = _open_bench_store(stack, store_url, standin_name, status)
+        url, options = _bench_target(stack, store_url, standin_name, status)
+        store = stack.enter_context(Store(url, storage_options=options))
         result = {
             "store": bench_store(store, size, objects, repeats, status),
             "codecs": bench_codecs(size // 4, repeats, status),
@@ -170,3 +167,59 @@ def bench_store_command(
         return
     stdout.print(_store_table(result["store"]))
     stdout.print(_codec_table(result["codecs"], size // 4))
+
+
+@bench_app.command("sync")
+def bench_sync_command(
+    replicas: Annotated[int, typer.Option(min=1, max=64, help="Replica processes.")] = 4,
+    size: Annotated[
+        int, typer.Option(parser=parse_size, help="Bytes of float32 pseudo-gradient per replica.")
+    ] = "16MiB",  # type: ignore[assignment]
+    mode: Annotated[
+        str, typer.Option(help="gather: every replica reads every contribution.")
+    ] = "gather",
+    codec: Annotated[str, typer.Option(help="fp32, bf16 or int8.")] = "fp32",
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds to take medians over.")] = 3,
+    store_url: Annotated[str | None, STORE_OPTION] = None,
+    standin_name: Annotated[str | None, STANDIN_OPTION] = None,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object instead of a table.")
+    ] = False,
+) -> None:
+    """N replica processes all-reduce through one store for R rounds: per-replica bytes up and
+    down, requests, wall time per round, and a raw parallel copy of the same bytes."""
+    from diloco_anywhere.bench.sync import MODES, bench_sync
+
+    if mode not in MODES:
+        raise typer.BadParameter(f"--mode {mode!r}: this build has {', '.join(MODES)}")
+    if codec not in CODEC_NAMES:
+        raise typer.BadParameter(f"--codec {codec!r}: choose one of {', '.join(CODEC_NAMES)}")
+    with user_errors(), ExitStack() as stack, progress_display() as status:
+        url, options = _bench_target(stack, store_url, standin_name, status)
+        result = bench_sync(url, options, replicas, size, rounds, codec, status)
+    if json_output:
+        print(json.dumps(result, indent=2))
+        return
+    table = Table(
+        title=f"Sync: {replicas} replicas, {size / 2**20:.0f} MiB each, {codec}, "
+        f"{mode} (median of {rounds} rounds)"
+    )
+    for column in (
+        "bytes up / replica",
+        "bytes down / replica",
+        "requests",
+        "round s",
+        "raw copy s",
+        "round / raw",
+    ):
+        table.add_column(column, justify="right")
+    table.add_row(
+        f"{result['bytes_up_per_replica']:,} ({result['up_vs_payload']:.2f}x)",
+        f"{result['bytes_down_per_replica']:,} ({result['down_vs_payload']:.2f}x)",
+        str(result["requests_per_replica"]),
+        f"{result['round_seconds']:.3f}",
+        f"{result['raw_copy_seconds']:.3f}",
+        f"{result['round_vs_raw']:.2f}x",
+    )
+    table.caption = f"store {result['url']}; x = multiple of the {size:,}-byte float32 payload"
+    stdout.print(table)
