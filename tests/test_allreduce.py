@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
+import time
 
 import pytest
 import torch
 
 from diloco_anywhere.bench.store import sample_tensor
 from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig
-from diloco_anywhere.collective.gather import RoundPolicy, RoundTimeoutError, weighted_mean
+from diloco_anywhere.collective.mean import weighted_mean
 from diloco_anywhere.collective.membership import Heartbeat, LeasePolicy, claim_incarnation
+from diloco_anywhere.collective.round import RoundPolicy, RoundTimeoutError
 from diloco_anywhere.layout import Participant, RunLayout
 from diloco_anywhere.store import Store
 
@@ -93,3 +97,47 @@ def test_rounds_older_than_keep_rounds_are_deleted():
                 collective.allreduce(torch.ones(4), round_=round_, fragment=fragment).wait()
     rounds = {tuple(key.split("/")[2:4]) for key in store.list_prefix("run/rounds")}
     assert rounds == {(f"{r:010d}", f) for r in (3, 4) for f in ("0", "1")}
+
+
+KILL_CONFIG = CollectiveConfig(
+    round=RoundPolicy(
+        min_replicas=2, grace=1.0, timeout=60.0, mode="sharded", expected_replicas=3,
+        orphan_grace=2.0,
+    ),
+    lease=LeasePolicy(period=1.0),
+)  # fmt: skip
+
+
+def _member(url, index, barrier, doomed, results):
+    with BucketCollective(Store(url), "run", f"r{index}", KILL_CONFIG) as collective:
+        barrier.wait()
+        if index == 2:
+            doomed.set()
+            time.sleep(3600)  # SIGKILLed by the test while the others are in round 0
+        works = [collective.allreduce(tensor(index, r), round_=r) for r in range(3)]
+        results.put((index, [w.mean().numpy().tobytes() for w in works], works[-1].result().seal))
+
+
+def test_survivors_of_a_sigkilled_member_seal_without_it(tmp_path):
+    """r2 dies holding a live lease: round 0 seals after the grace window; once its lease
+    lapses, later rounds no longer wait for it."""
+    context = multiprocessing.get_context("spawn")
+    barrier, doomed, results = context.Barrier(3), context.Event(), context.Queue()
+    processes = [
+        context.Process(target=_member, args=(str(tmp_path), i, barrier, doomed, results))
+        for i in range(3)
+    ]
+    for process in processes:
+        process.start()
+    assert doomed.wait(timeout=120)
+    os.kill(processes[2].pid, signal.SIGKILL)
+    outcomes = [results.get(timeout=120) for _ in range(2)]
+    for process in processes:
+        process.join(timeout=30)
+    expected = [
+        weighted_mean([(tensor(i, r).reshape(-1), 1.0) for i in range(2)]).numpy().tobytes()
+        for r in range(3)
+    ]
+    for _, means, seal in outcomes:
+        assert means == expected
+        assert (seal.contributors, seal.mode) == (("r0-0", "r1-0"), "sharded")

@@ -10,13 +10,15 @@ import pytest
 
 from diloco_anywhere.bench.store import sample_tensor
 from diloco_anywhere.codec import make_codec
-from diloco_anywhere.collective.gather import GatherRound, RoundPolicy, weighted_mean
+from diloco_anywhere.collective.allreduce import finish_round
+from diloco_anywhere.collective.mean import weighted_mean
 from diloco_anywhere.collective.membership import (
     Heartbeat,
     LeasePolicy,
     claim_incarnation,
     live_members,
 )
+from diloco_anywhere.collective.round import Round, RoundPolicy
 from diloco_anywhere.layout import Participant, RunLayout
 from diloco_anywhere.store import Store
 
@@ -110,9 +112,9 @@ def test_zombie_contribution_is_ignored():
     results = {}
 
     def replica(me: Participant) -> None:
-        round_ = GatherRound(store, RUN, 0, 0, me, members, RoundPolicy(grace=5, timeout=30))
+        round_ = Round(store, RUN, 0, 0, me, members, RoundPolicy(grace=5, timeout=30))
         round_.contribute(tensors[me], 1.0, make_codec("fp32"))
-        results[me] = round_.result()
+        results[me] = finish_round(round_)
 
     # The zombie starts once the restarted replica has contributed and before the other one:
     # it then sees exactly as many contributions as there are members, its own included.

@@ -26,7 +26,7 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
@@ -309,6 +309,11 @@ class Store:
                     f"{self._where(key)} already exists; keys are create-only"
                 ) from None
         self._add(bytes_up=len(data))
+
+    def put_many(self, objects: Mapping[str, Buffer]) -> None:
+        """``put`` every key concurrently (a contribution's parts, an owner's reduced shards);
+        the first failure in key order is raised."""
+        list(self._pool.map(lambda item: self.put(*item), objects.items()))
 
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """The object's bytes, or bytes ``[start, end)``; one GET, no HEAD before it."""

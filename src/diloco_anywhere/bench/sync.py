@@ -20,7 +20,7 @@ from typing import Any
 from diloco_anywhere.bench.store import sample_tensor
 from diloco_anywhere.codec import make_codec
 from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig
-from diloco_anywhere.collective.gather import RoundPolicy
+from diloco_anywhere.collective.round import RoundPolicy
 from diloco_anywhere.store import Store
 
 MODES = ("gather",)

@@ -4,6 +4,10 @@
 background thread, so inner steps go on meanwhile (the overlap of Streaming DiLoCo, arXiv
 2501.18512). Several rounds can be in flight, one per fragment.
 
+Rounds of one fragment run in order, each after the previous one has finished, while rounds of
+different fragments overlap. So a replica's contribution to round ``r`` of a fragment proves it
+is done with round ``r - 1``, which is what makes deleting old rounds safe.
+
 Membership is taken at the start of each round: this process claims a fresh incarnation when
 the collective opens and keeps its lease alive with a heartbeat until it closes.
 """
@@ -11,21 +15,40 @@ the collective opens and keeps its lease alive with a heartbeat until it closes.
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
 
 from diloco_anywhere.codec import Codec, make_codec
-from diloco_anywhere.collective.gather import GatherRound, RoundPolicy, RoundResult
+from diloco_anywhere.collective.gather import gather_mean
 from diloco_anywhere.collective.membership import (
     Heartbeat,
     LeasePolicy,
     claim_incarnation,
     live_members,
 )
+from diloco_anywhere.collective.records import Seal
+from diloco_anywhere.collective.round import Round, RoundPolicy
+from diloco_anywhere.collective.sharded import sharded_mean
 from diloco_anywhere.layout import Participant, RunLayout
 from diloco_anywhere.store import Store
+
+EXCHANGES = {"gather": gather_mean, "sharded": sharded_mean}
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    mean: torch.Tensor  # flat float32
+    seal: Seal
+    excluded: dict[str, str] = field(default_factory=dict)  # contributor -> why
+
+
+def finish_round(round_: Round) -> RoundResult:
+    """Wait for the round's SEAL, then exchange in the mode the SEAL names."""
+    seal = round_.wait_for_seal()
+    mean = EXCHANGES[seal.mode](round_, seal)
+    return RoundResult(mean, seal, dict(round_.excluded))
 
 
 @dataclass(frozen=True)
@@ -86,6 +109,7 @@ class BucketCollective:
         self._executor = ThreadPoolExecutor(
             self.config.max_rounds_in_flight, thread_name_prefix="allreduce"
         )
+        self._latest: dict[int, Future[RoundResult]] = {}  # per fragment
 
     def allreduce(
         self,
@@ -102,28 +126,40 @@ class BucketCollective:
         """
         flat = tensor.detach().reshape(-1).to("cpu", torch.float32, copy=True)
         future = self._executor.submit(
-            self._run_round, flat, round_, fragment, weight, codec or self.config.codec
-        )
+            self._run_round,
+            flat, round_, fragment, weight, codec or self.config.codec, self._latest.get(fragment),
+        )  # fmt: skip
+        self._latest[fragment] = future
         return Work(future, tensor.shape)
 
     def _run_round(
-        self, flat: torch.Tensor, round_: int, fragment: int, weight: float, codec: Codec
+        self,
+        flat: torch.Tensor,
+        round_: int,
+        fragment: int,
+        weight: float,
+        codec: Codec,
+        previous: Future[RoundResult] | None,
     ) -> RoundResult:
+        if previous is not None:  # submitted earlier, so running or done: no deadlock
+            wait([previous])
         members = live_members(self.store, self.layout, self.config.lease, time.time())
         if self.me not in members:  # our lease was late (e.g. a stalled store); we are a member
             members = sorted([*members, self.me], key=lambda member: member.name)
-        round_state = GatherRound(
+        round_state = Round(
             self.store, self.layout, round_, fragment, self.me, members, self.config.round
         )
         round_state.contribute(flat, weight, codec)
-        result = round_state.result()
+        result = finish_round(round_state)
         self._collect_garbage(round_, fragment, result)
         return result
 
     def _collect_garbage(self, round_: int, fragment: int, result: RoundResult) -> None:
         """The first sealed contributor deletes round ``round_ - keep_rounds`` of the fragment:
-        one deleter per round, and every replica has already read that round. The bucket's
-        lifecycle rule removes whatever a crash leaves behind."""
+        one deleter per round, and every sealed contributor of this round has finished the
+        previous one (rounds of a fragment run in order). A replica more than ``keep_rounds``
+        behind finds its round gone and fails it; healing (a later issue) brings it back. The
+        bucket's lifecycle rule removes whatever a crash leaves behind."""
         old = round_ - self.config.keep_rounds
         if old >= 0 and result.seal.contributors[0] == self.me.name:
             self.store.delete_prefix(self.layout.fragment(old, fragment))

@@ -1,9 +1,9 @@
-"""The records of one round: a contributor's manifest and the round's SEAL."""
+"""The records of one round: a contributor's manifest, the round's SEAL, and a shard's failure."""
 
 from __future__ import annotations
 
 import math
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -53,11 +53,35 @@ class Manifest(Record):
         return self
 
 
+ExchangeMode = Literal["gather", "sharded"]
+
+
 class Seal(Record):
-    """The contributor set of a round, decided once by the first writer."""
+    """The contributor set of a round and how it is exchanged, decided once by the first writer.
+
+    The mode is part of the SEAL so that every replica exchanges the same way, whatever its own
+    configuration or its view of the membership said before the SEAL existed.
+    """
 
     run: Name
     round: Count
     fragment: Count
     contributors: tuple[str, ...]
+    mode: ExchangeMode
     sealed_by: str
+
+
+class ShardFailure(Record):
+    """Written instead of a reduced shard when a sealed part of it cannot be read intact.
+
+    It takes the reduced shard's key (create-only, first writer wins), so every replica sees the
+    same outcome for that shard and the round fails on all of them alike; nothing is averaged
+    without it. Its bytes name no writer: an owner and a stand-in write identical records.
+    """
+
+    run: Name
+    round: Count
+    fragment: Count
+    shard: Count
+    key: str
+    problem: str = Field(max_length=4096)

@@ -1,0 +1,300 @@
+"""Rounds in both exchange modes across separate OS processes sharing only a store."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from dataclasses import asdict, replace
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from diloco_anywhere import wire
+from diloco_anywhere.bench.store import sample_tensor
+from diloco_anywhere.codec import make_codec
+from diloco_anywhere.collective.allreduce import finish_round
+from diloco_anywhere.collective.mean import weighted_mean
+from diloco_anywhere.collective.records import Manifest, PartEntry, Seal
+from diloco_anywhere.collective.round import (
+    Round,
+    RoundPolicy,
+    RoundTimeoutError,
+    part_ranges,
+)
+from diloco_anywhere.layout import Participant, RunLayout
+from diloco_anywhere.record import decode_record, encode_record
+from diloco_anywhere.store import Store
+
+RUN = RunLayout("run")
+NUMEL = 10_000
+PARTS = 4_096  # several parts per contribution, the last one short
+MODES = ("gather", "sharded")
+
+
+def contribution(index: int) -> torch.Tensor:
+    return sample_tensor("student_t", NUMEL, seed=index)
+
+
+def weight(index: int) -> float:
+    return float(100 * (index + 1))  # unequal, e.g. tokens processed
+
+
+def policy(mode: str, replicas: int, **changes) -> RoundPolicy:
+    base = RoundPolicy(
+        min_replicas=1,
+        grace=5.0,
+        timeout=60.0,
+        mode=mode,
+        expected_replicas=replicas,
+        orphan_grace=2.0,
+        part_elements=PARTS,
+    )
+    return replace(base, **changes)
+
+
+def _replica(url, options, index, members, policy_fields, codec, delay, die, results):
+    time.sleep(delay)
+    store = Store(url, storage_options=options)
+    me = Participant(f"r{index}", 0)
+    round_ = Round(
+        store, RUN, 0, 0, me, [Participant(m, 0) for m in members], RoundPolicy(**policy_fields)
+    )
+    round_.contribute(contribution(index), weight(index), make_codec(codec))
+    if die:  # a replica lost right after contributing: its shards are orphans
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        result = finish_round(round_)
+        mean = result.mean.numpy().tobytes()
+        results.put((me.replica, mean, result.seal, result.excluded))
+    except Exception as exc:
+        results.put((me.replica, f"error: {exc}", None, {}))
+
+
+def run_replicas(backend, indices, members, policy, codec="fp32", delays=None, dying=()):
+    """Run replica ``indices`` as processes; return {replica: (mean or error, seal, excluded)}."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    delays = delays or {}
+    shared = (backend.url, backend.storage_options)
+    processes = [
+        context.Process(
+            target=_replica,
+            args=(
+                *shared,
+                i,
+                members,
+                asdict(policy),
+                codec,
+                delays.get(i, 0.0),
+                i in dying,
+                results,
+            ),
+        )
+        for i in indices
+    ]
+    for process in processes:
+        process.start()
+    outcomes = {}
+    for _ in range(len(processes) - len(dying)):
+        replica, mean, seal, excluded = results.get(timeout=120)
+        outcomes[replica] = (mean, seal, excluded)
+    for process in processes:
+        process.join(timeout=30)
+    return outcomes
+
+
+def means(outcomes) -> set:
+    errors = {r: m for r, (m, _, _) in outcomes.items() if isinstance(m, str)}
+    assert not errors, errors
+    return {mean for mean, _, _ in outcomes.values()}
+
+
+def contributors(outcomes) -> set:
+    return {seal.contributors for _, seal, _ in outcomes.values()}
+
+
+def reference(indices) -> bytes:
+    pairs = [(contribution(i), weight(i)) for i in sorted(indices, key=lambda i: f"r{i}-0")]
+    return weighted_mean(pairs).numpy().tobytes()
+
+
+@pytest.mark.parametrize(
+    ("name", "replicas", "mode"),
+    [
+        ("path", 2, "gather"),
+        ("path", 8, "gather"),
+        ("s3", 3, "gather"),
+        ("path", 3, "sharded"),
+        ("path", 8, "sharded"),
+        ("s3", 4, "sharded"),
+    ],
+)
+def test_all_replicas_get_identical_bytes_equal_to_the_reference_mean(
+    make_backend, name, replicas, mode
+):
+    """fp32 in either mode is bit-exact against the reference order (mean.py)."""
+    indices = range(replicas)
+    members = [f"r{i}" for i in indices]
+    outcomes = run_replicas(make_backend(name), indices, members, policy(mode, replicas))
+    assert means(outcomes) == {reference(indices)}
+    assert contributors(outcomes) == {tuple(sorted(f"{m}-0" for m in members))}
+    assert {seal.mode for _, seal, _ in outcomes.values()} == {mode}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_int8_mean_is_within_the_codec_bound(make_backend, mode):
+    """Sharded mode quantizes twice (contributions, then reduced shards): still < 2%."""
+    outcomes = run_replicas(
+        make_backend("path"), range(4), ["r0", "r1", "r2", "r3"], policy(mode, 4), "int8"
+    )
+    (mean_bytes,) = means(outcomes)
+    mean = torch.frombuffer(bytearray(mean_bytes), dtype=torch.float32)
+    exact = torch.frombuffer(bytearray(reference(range(4))), dtype=torch.float32)
+    assert 0 < float((mean - exact).norm() / exact.norm()) < 0.02
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_absent_member_is_sealed_out_after_the_grace_window(make_backend, mode):
+    """Sharded: three shards over two owners, so one owner reduces two."""
+    outcomes = run_replicas(
+        make_backend("path"), [0, 1], ["r0", "r1", "r2"],
+        policy(mode, 3, min_replicas=2, grace=1.0),
+    )  # fmt: skip
+    assert contributors(outcomes) == {("r0-0", "r1-0")}
+    assert means(outcomes) == {reference([0, 1])}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_late_replica_is_excluded_but_gets_the_same_result(make_backend, mode):
+    outcomes = run_replicas(
+        make_backend("path"), [0, 1, 2], ["r0", "r1", "r2"],
+        policy(mode, 3, min_replicas=2, grace=0.5), delays={2: 6.0},
+    )  # fmt: skip
+    assert contributors(outcomes) == {("r0-0", "r1-0")}
+    assert means(outcomes) == {reference([0, 1])}
+
+
+def test_orphaned_shards_of_a_killed_owner_are_reduced_by_the_others(make_backend):
+    """r0 contributes, is sealed, and is SIGKILLed before reducing its shards."""
+    outcomes = run_replicas(
+        make_backend("path"), [0, 1, 2], ["r0", "r1", "r2"], policy("sharded", 3, grace=30.0),
+        delays={1: 1.0, 2: 1.0}, dying={0},
+    )  # fmt: skip
+    assert set(outcomes) == {"r1", "r2"}
+    assert contributors(outcomes) == {("r0-0", "r1-0", "r2-0")}
+    assert means(outcomes) == {reference([0, 1, 2])}
+
+
+def _corrupt_contribution(store: Store, bad_part: bool) -> str:
+    """A contribution by member "bad": one flipped payload bit, or a manifest whose record
+    checksum no longer matches. Returns the key of the damaged object."""
+    codec = make_codec("fp32")
+    ranges = part_ranges(NUMEL, codec, PARTS, 3)
+    entries = []
+    for shard, elements in enumerate(ranges):
+        meta = wire.ObjectMeta(run="run", round=0, replica="bad", incarnation=0, shard=shard)
+        encoded = wire.encode(contribution(9)[elements.start : elements.stop], codec, meta)
+        checksum = wire.stored_checksum(encoded)
+        if bad_part and shard == 1:
+            encoded[-1] ^= 0x01  # the prefix still claims the old CRC
+        key = RUN.part(0, 0, "bad", 0, shard)
+        store.put(key, encoded)
+        entries.append(
+            PartEntry(
+                key=key, size=len(encoded), crc32c=checksum,
+                start=elements.start, stop=elements.stop,
+            )
+        )  # fmt: skip
+    manifest = encode_record(
+        Manifest(
+            run="run", round=0, fragment=0, replica="bad", incarnation=0, weight=1.0,
+            fingerprint="", codec=codec, numel=NUMEL, parts=tuple(entries),
+        )
+    )  # fmt: skip
+    if not bad_part:
+        manifest = manifest[:-2] + b"9}"  # a digit changed in the JSON body
+    store.put(RUN.manifest(0, 0, "bad", 0), manifest)
+    return RUN.part(0, 0, "bad", 0, 1) if bad_part else RUN.manifest(0, 0, "bad", 0)
+
+
+@pytest.mark.parametrize(("mode", "bad_part"), [("gather", True), ("sharded", False)])
+def test_corrupt_contribution_is_excluded_before_sealing_and_named(make_backend, mode, bad_part):
+    """Gather checks whole contributions before sealing; sharded checks manifests."""
+    backend = make_backend("path")
+    key = _corrupt_contribution(backend.store(), bad_part)
+    outcomes = run_replicas(
+        backend, [0, 1], ["r0", "r1", "bad"], policy(mode, 3, min_replicas=2, grace=1.0)
+    )
+    for _, seal, excluded in outcomes.values():
+        assert seal.contributors == ("r0-0", "r1-0")
+        assert list(excluded) == ["bad-0"]
+        assert excluded["bad-0"].startswith(f"{key}: checksum mismatch")
+    assert means(outcomes) == {reference([0, 1])}
+
+
+def test_corrupt_sealed_part_fails_the_round_on_every_replica_naming_it(make_backend):
+    """Sharded seals on manifests; the owner of the bad part's shard finds it, records the
+    failure at the shard's key, and every replica fails alike: nothing is averaged."""
+    backend = make_backend("path")
+    key = _corrupt_contribution(backend.store(), bad_part=True)
+    outcomes = run_replicas(backend, [0, 1], ["r0", "r1", "bad"], policy("sharded", 3))
+    seal = decode_record(backend.store().get(RUN.seal(0, 0)), Seal, key="SEAL")
+    assert seal.contributors == ("bad-0", "r0-0", "r1-0")
+    for mean, _, _ in outcomes.values():
+        assert isinstance(mean, str)
+        assert "round 0 fragment 0 shard 1: sealed part" in mean
+        assert f"{key} is unreadable: checksum mismatch" in mean
+
+
+def test_timeout_names_round_missing_members_and_store():
+    store = Store("memory://round-timeout")
+    round_ = Round(
+        store, RUN, 3, 1, Participant("r0", 0), [Participant("r0", 0), Participant("r1", 0)],
+        RoundPolicy(min_replicas=2, grace=0.1, timeout=0.5),
+    )  # fmt: skip
+    round_.contribute(contribution(0), 1.0, make_codec("fp32"))
+    with pytest.raises(
+        RoundTimeoutError, match=r"round 3 fragment 1: .*missing \['r1-0'\].*memory://round"
+    ):
+        round_.wait_for_seal()
+
+
+@pytest.mark.parametrize(
+    ("contributors", "payload", "mode"),
+    [
+        (1, 1 << 30, "gather"),
+        (2, 1 << 30, "gather"),  # sharding saves nothing at n = 2
+        (3, 64 << 20, "gather"),  # saves P/3 = 21 MiB
+        (3, 256 << 20, "sharded"),  # saves 85 MiB
+        (8, 1 << 20, "gather"),  # saves 5 MiB: latency dominates
+        (8, 16 << 20, "sharded"),  # saves 84 MiB
+    ],
+)
+def test_auto_mode_shards_when_it_saves_enough_download(contributors, payload, mode):
+    assert RoundPolicy().exchange_mode(contributors, payload) == mode
+    assert RoundPolicy(mode="gather").exchange_mode(contributors, payload) == "gather"
+
+
+@given(
+    numel=st.integers(1, 50_000),
+    codec=st.sampled_from([make_codec("fp32"), make_codec("int8", block=64)]),
+    part_elements=st.integers(1, 20_000),
+    multiple=st.integers(1, 8),
+)
+def test_parts_tile_the_tensor_in_whole_blocks_and_come_in_multiples(
+    numel, codec, part_elements, multiple
+):
+    ranges = part_ranges(numel, codec, part_elements, multiple)
+    align = getattr(codec, "block", 1)
+    assert [r.start for r in ranges[1:]] == [r.stop for r in ranges[:-1]]
+    assert (ranges[0].start, ranges[-1].stop) == (0, numel)
+    assert all(r.start % align == 0 and len(r) > 0 for r in ranges)
+    if len(ranges) < -(-numel // align):  # else there are too few blocks: one part each
+        assert len(ranges) % multiple == 0
+        assert max(map(len, ranges)) < part_elements + align
+    sizes = [len(r) for r in ranges[:-1]]  # the last part may be short by a partial block
+    assert not sizes or max(sizes) - min(sizes) <= align
