@@ -59,6 +59,7 @@ class _CastCodec(_CodecBase):
     """Values cast to ``wire_dtype`` and sent as its raw bytes."""
 
     wire_dtype: ClassVar[torch.dtype]
+    narrows: ClassVar[bool]  # the cast can overflow a finite float32 to inf
 
     def payload_nbytes(self, numel: int) -> int:
         return self.wire_dtype.itemsize * numel
@@ -66,10 +67,14 @@ class _CastCodec(_CodecBase):
     def encode_into(self, flat: torch.Tensor, out: memoryview) -> None:
         values = _view(out, self.wire_dtype, flat.numel())
         values.copy_(flat)
-        require_finite(values, f"tensor cast to {self.name} (beyond its range?)", ValueError)
+        if self.narrows:
+            require_finite(values, f"tensor cast to {self.name} (beyond its range?)", ValueError)
+
+    def dequantize(self, payload: memoryview, numel: int) -> torch.Tensor:
+        return _view(payload, self.wire_dtype, numel).float()  # fp32: the view itself
 
     def decode(self, payload: memoryview, numel: int) -> torch.Tensor:
-        values = _view(payload, self.wire_dtype, numel).float()  # fp32: the view itself
+        values = self.dequantize(payload, numel)
         require_finite(values, f"{self.name} payload")
         return values
 
@@ -79,6 +84,7 @@ class Fp32Codec(_CastCodec):
 
     name: Literal["fp32"] = "fp32"
     wire_dtype: ClassVar[torch.dtype] = torch.float32
+    narrows: ClassVar[bool] = False
 
 
 class Bf16Codec(_CastCodec):
@@ -86,6 +92,7 @@ class Bf16Codec(_CastCodec):
 
     name: Literal["bf16"] = "bf16"
     wire_dtype: ClassVar[torch.dtype] = torch.bfloat16
+    narrows: ClassVar[bool] = True
 
 
 class Int8Codec(_CodecBase):
@@ -124,19 +131,23 @@ class Int8Codec(_CodecBase):
             levels = (block_values * inverse[:, None]).round_().clamp_(-127, 127)
             quantized[elements].view(rows, -1).copy_(levels)
 
-    def decode(self, payload: memoryview, numel: int) -> torch.Tensor:
-        blocks = self._blocks(numel)
-        scales = _view(payload, torch.float32, blocks)
-        require_finite(scales, "int8 scales")
-        if bool((scales < 0).any()):
-            raise CodecDataError("int8 scales must be >= 0 (they are absmax / 127)")
-        quantized = _view(payload, torch.int8, numel, offset=4 * blocks)
+    def dequantize(self, payload: memoryview, numel: int) -> torch.Tensor:
+        scales = _view(payload, torch.float32, self._blocks(numel))
+        quantized = _view(payload, torch.int8, numel, offset=4 * len(scales))
         values = torch.empty(numel, dtype=torch.float32)
         for elements, scale_span in self._spans(numel):
             rows = scale_span.stop - scale_span.start
             block_values = values[elements].view(rows, -1)
             block_values.copy_(quantized[elements].view(rows, -1))
             block_values.mul_(scales[scale_span][:, None])
+        return values
+
+    def decode(self, payload: memoryview, numel: int) -> torch.Tensor:
+        scales = _view(payload, torch.float32, self._blocks(numel))
+        require_finite(scales, "int8 scales")
+        if bool((scales < 0).any()):
+            raise CodecDataError("int8 scales must be >= 0 (they are absmax / 127)")
+        values = self.dequantize(payload, numel)
         require_finite(values, "int8 payload (scale x 127 overflows)")
         return values
 

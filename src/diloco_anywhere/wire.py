@@ -138,6 +138,14 @@ def encode(tensor: torch.Tensor, codec: Codec, meta: ObjectMeta) -> bytearray:
     return buffer
 
 
+def sent_values(encoded: bytearray, codec: Codec, numel: int) -> torch.Tensor:
+    """The flat float32 values a receiver decodes from ``encoded``, an object this process has
+    just made with ``encode``: the codec's dequantization alone. The checks of ``decode`` guard
+    bytes from a bucket; a sender knows its own bytes (and skips a CRC pass over them)."""
+    payload = memoryview(encoded)[len(encoded) - codec.payload_nbytes(numel) :]
+    return codec.dequantize(payload, numel)
+
+
 def _field_error(error: dict, what: str) -> str:
     field = ".".join(map(str, error["loc"]))
     got = "" if error["type"] == "missing" else f" (got {error['input']!r:.80})"

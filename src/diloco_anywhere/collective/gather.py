@@ -25,8 +25,11 @@ def gather_mean(round_: Round, seal: Seal) -> torch.Tensor:
                 f"round {round_.round} fragment {round_.fragment}: sealed contribution {name} "
                 f"is unreadable: {part}"
             )
-    contributions = [
-        (torch.cat([parts[name, shard] for shard in shards]), manifest.weight)  # type: ignore[misc]
-        for name, manifest in zip(seal.contributors, manifests, strict=True)
-    ]
-    return weighted_mean(contributions)
+    mean = torch.empty(manifests[0].numel)
+    for shard, part in enumerate(manifests[0].parts):  # part by part: no copy of contributions
+        contributions = [
+            (parts[name, shard], manifest.weight)
+            for name, manifest in zip(seal.contributors, manifests, strict=True)
+        ]
+        weighted_mean(contributions, out=mean[part.start : part.stop])  # type: ignore[arg-type]
+    return mean

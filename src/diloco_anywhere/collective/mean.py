@@ -5,15 +5,18 @@ from __future__ import annotations
 import torch
 
 
-def weighted_mean(contributions: list[tuple[torch.Tensor, float]]) -> torch.Tensor:
+def weighted_mean(
+    contributions: list[tuple[torch.Tensor, float]], out: torch.Tensor | None = None
+) -> torch.Tensor:
     """sum(w_i * g_i) / sum(w_i) in the given order, each step one IEEE float32 operation
     (a multiply, then an add; no fused multiply-add), so any machine gets the same bits.
 
     The order is the SEAL's (sorted contributor names). Element-wise, gather and sharded mode
     run the same operations in the same order, so with an exact codec they agree bit for bit.
+    ``out`` (e.g. a slice of the whole result) receives the mean instead of a new tensor.
     """
     total = sum(weight for _, weight in contributions)
-    accumulator = torch.zeros_like(contributions[0][0])
+    accumulator = torch.zeros_like(contributions[0][0]) if out is None else out.zero_()
     scaled = torch.empty_like(accumulator)
     for tensor, weight in contributions:
         torch.mul(tensor, weight, out=scaled)

@@ -16,7 +16,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -53,6 +53,15 @@ class RoundPolicy:
     part_elements: int = 4 << 20  # at most 16 MiB of float32 per part: parallel, retry-sized
     poll_min: float = 0.05
     poll_max: float = 0.2
+
+    def poll_delays(self) -> Iterator[float]:
+        """Seconds between polls: jittered exponential backoff. The upper bound doubles from
+        ``poll_min`` to ``poll_max``; each delay is uniform between ``poll_min`` and it, so
+        replicas polling the same keys spread out. Restart it when a poll finds something."""
+        upper = self.poll_min
+        while True:
+            yield random.uniform(self.poll_min, upper)
+            upper = min(self.poll_max, 2 * upper)
 
     def exchange_mode(self, contributors: int, payload_bytes: int) -> ExchangeMode:
         """``gather`` downloads ``(n - 1) P`` per replica, ``sharded`` ``2 P (n - 1) / n`` but
@@ -157,7 +166,8 @@ class Round:
         self.store.put(key, encode_record(manifest))
         self.manifests[me.name] = manifest
         self._parts[me.name] = [
-            wire.decode(data, key=key).tensor for key, data in zip(keys, encoded, strict=True)
+            wire.sent_values(data, codec, len(elements))
+            for data, elements in zip(encoded, ranges, strict=True)
         ]
         return manifest
 
@@ -324,6 +334,7 @@ class Round:
         deadline = time.monotonic() + self.policy.timeout
         first_seen = time.monotonic() if self.manifests else None
         prefetch = self._mode_for(len(self.members)) == "gather"
+        delays = self.policy.poll_delays()
         while True:
             seen = self.manifests.keys() | self.excluded.keys()
             pending = [name for name in self.members if name not in seen]
@@ -334,6 +345,7 @@ class Round:
                 if (data := objects[self.manifest_key(name)]) is not None:
                     self._take(name, data, prefetch)
                     first_seen = first_seen or time.monotonic()
+                    delays = self.policy.poll_delays()
             if self._ready_to_seal(first_seen):
                 self._try_seal()
                 continue
@@ -345,7 +357,7 @@ class Round:
                     f"{missing} (min_replicas={self.policy.min_replicas}) in store "
                     f"{self.store.url}"
                 )
-            time.sleep(random.uniform(self.policy.poll_min, self.policy.poll_max))
+            time.sleep(next(delays))
 
     def _load_seal(self, data: bytes) -> Seal:
         """The SEAL, with every sealed contributor's manifest at hand and checked. The sealer's

@@ -19,7 +19,6 @@ A sealed part that cannot be read intact is never averaged: the reducer puts a
 from __future__ import annotations
 
 import logging
-import random
 import time
 
 import torch
@@ -65,7 +64,7 @@ class _ShardedExchange:
 
     def _reduced_object(
         self, shard: int, parts: dict[PartId, torch.Tensor | wire.WireFormatError]
-    ) -> bytes:
+    ) -> bytes | bytearray:
         """The reduced shard as a wire object, or a ``ShardFailure`` record if a part is bad."""
         tensors = [parts[name, shard] for name in self.seal.contributors]
         bad = next((t for t in tensors if isinstance(t, wire.WireFormatError)), None)
@@ -87,7 +86,7 @@ class _ShardedExchange:
             incarnation=0,
             shard=shard,
         )
-        return bytes(wire.encode(mean, self.reference.codec, meta))
+        return wire.encode(mean, self.reference.codec, meta)
 
     def reduce(self, shards: list[int]) -> dict[int, torch.Tensor]:
         """Reduce ``shards`` from the sealed parts, put them, and return them decoded."""
@@ -95,7 +94,13 @@ class _ShardedExchange:
         parts = self.round.read_parts(wanted)
         objects = {shard: self._reduced_object(shard, parts) for shard in shards}
         self.round.store.put_many({self._key(s): data for s, data in objects.items()})
-        return {shard: self._decode(shard, data) for shard, data in objects.items()}
+        return {shard: self._decode_own(shard, data) for shard, data in objects.items()}
+
+    def _decode_own(self, shard: int, data: bytes | bytearray) -> torch.Tensor:
+        if data[: len(RECORD_MAGIC)] == RECORD_MAGIC:  # a ShardFailure: fail the round
+            return self._decode(shard, data)
+        part = self.reference.parts[shard]
+        return wire.sent_values(data, self.reference.codec, part.stop - part.start)
 
     # -- collecting --------------------------------------------------------------------------
 
@@ -128,11 +133,13 @@ class _ShardedExchange:
         shards = range(len(self.owners))
         held = self.reduce([s for s in shards if self.owners[s] == self.round.me.name])
         policy, seal_seen = self.round.policy, time.monotonic()
+        delays = policy.poll_delays()
         while missing := [s for s in shards if s not in held]:
             objects = self.round.store.get_many(map(self._key, missing))
             for shard in missing:
                 if (data := objects[self._key(shard)]) is not None:
                     held[shard] = self._decode(shard, data)
+                    delays = policy.poll_delays()
             missing = [s for s in missing if s not in held]
             waited = time.monotonic() - seal_seen
             if missing and waited >= policy.orphan_grace:
@@ -143,5 +150,5 @@ class _ShardedExchange:
                 )  # fmt: skip
                 held.update(self.reduce(missing))
             elif missing:
-                time.sleep(random.uniform(policy.poll_min, policy.poll_max))
+                time.sleep(next(delays))
         return torch.cat([held[shard] for shard in shards])
