@@ -15,6 +15,7 @@ the collective opens and keeps its lease alive with a heartbeat until it closes.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -78,6 +79,10 @@ class Work:
 
     def result(self) -> RoundResult:
         return self._future.result()
+
+    def add_done_callback(self, callback: Callable[[Work], None]) -> None:
+        """``callback(self)`` once the round is done (at once if it is), on the round's thread."""
+        self._future.add_done_callback(lambda _: callback(self))
 
     def mean(self) -> torch.Tensor:
         return self.result().mean.view(self._shape)
