@@ -141,3 +141,21 @@ def test_survivors_of_a_sigkilled_member_seal_without_it(tmp_path):
     for _, means, seal in outcomes:
         assert means == expected
         assert (seal.contributors, seal.mode) == (("r0-0", "r1-0"), "sharded")
+
+
+def test_a_replica_that_starts_mid_round_counts_in_it():
+    """The first replica's round began when it was the only member; min_replicas = 2 and an
+    hour of grace mean only a refreshed member list can let it seal (else pytest-timeout)."""
+    store = Store("memory://allreduce-late-joiner")
+    config = CollectiveConfig(
+        round=RoundPolicy(min_replicas=2, grace=3600.0, timeout=3600.0),
+        lease=LeasePolicy(period=0.2),
+    )
+    with BucketCollective(store, "run", "first", config) as first:
+        work = first.allreduce(torch.ones(4), round_=0)
+        time.sleep(0.5)
+        with BucketCollective(store, "run", "second", config) as second:
+            joined = second.allreduce(torch.full((4,), 3.0), round_=0)
+            assert joined.mean().tolist() == [2.0] * 4
+        assert work.mean().tolist() == [2.0] * 4
+    assert work.result().seal.contributors == ("first-0", "second-0")

@@ -115,3 +115,14 @@ class RunLayout:
 
     def reduced(self, round_: int, fragment: int, shard: int) -> str:
         return f"{self.fragment(round_, fragment)}/reduced/{_check_count(shard, 'shard')}"
+
+    # -- metrics -------------------------------------------------------------------------------
+
+    def metrics(self) -> str:
+        return f"{self.run}/metrics"
+
+    def metrics_chunk(self, replica: str, incarnation: int, seq: int) -> str:
+        """One chunk of a replica incarnation's metrics; ``seq`` counts its chunks."""
+        folder = f"{self.metrics()}/{check_name(replica, 'replica')}"
+        incarnation, seq = _check_count(incarnation, "incarnation"), _check_count(seq, "seq")
+        return f"{folder}/{incarnation:06d}-{seq:08d}"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -88,6 +89,8 @@ class BucketManager:
         self._last: RoundResult | None = None
         self._errored: Exception | None = None
         self._state_dict_fns: dict[str, StateDictFns] = {}
+        self.syncs_attempted = 0  # should_commit calls: one per fragment sync
+        self.exposed_seconds = 0.0  # time the training thread spent blocked on syncs
 
     # -- a sync --------------------------------------------------------------------------------
 
@@ -115,6 +118,7 @@ class BucketManager:
         """Send the batch as one round (once; later calls do nothing)."""
         if self._round is not None or not self._pending:
             return
+        started = time.perf_counter()
         flat = torch.cat(
             [t.detach().reshape(-1).to("cpu", torch.float32) for t, _ in self._pending]
         )
@@ -125,6 +129,7 @@ class BucketManager:
         self._sync += 1
         self._written_back.clear()
         self._round.add_done_callback(self._complete(list(self._pending)))
+        self.exposed_seconds += time.perf_counter() - started
 
     def _complete(self, batch: list[tuple[torch.Tensor, torch.futures.Future]]):
         """Write the mean back into the batch's tensors and complete their futures; on error
@@ -153,20 +158,23 @@ class BucketManager:
         """Wait until the round's results are in the tensors, or keep a timeout as the error."""
         if self._round is None:
             return
+        started = time.perf_counter()
         try:
             self._round.wait((timeout or self._timeout).total_seconds())
+            self._written_back.wait()
         except TimeoutError as exc:
             self.report_error(exc)
-            return
         except Exception:  # the round's own error: the done callback keeps it
-            pass
-        self._written_back.wait()
+            self._written_back.wait()
+        finally:
+            self.exposed_seconds += time.perf_counter() - started
 
     def should_commit(self, timeout: timedelta | None = None) -> bool:
         """True when this sync's round finished without error among at least ``min_replicas``;
         then the step advances. DiLoCo restores the global weights on False."""
         self.send()
         self.wait_for_round(timeout)
+        self.syncs_attempted += 1
         commit = self._errored is None and (
             self._round is None or self.num_participants() >= self._min_replicas
         )

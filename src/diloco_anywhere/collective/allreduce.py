@@ -148,16 +148,20 @@ class BucketCollective:
     ) -> RoundResult:
         if previous is not None:  # submitted earlier, so running or done: no deadlock
             wait([previous])
-        members = live_members(self.store, self.layout, self.config.lease, time.time())
-        if self.me not in members:  # our lease was late (e.g. a stalled store); we are a member
-            members = sorted([*members, self.me], key=lambda member: member.name)
         round_state = Round(
-            self.store, self.layout, round_, fragment, self.me, members, self.config.round
-        )
+            self.store, self.layout, round_, fragment, self.me, self._members(),
+            self.config.round, self._members, self.config.lease.period,
+        )  # fmt: skip
         round_state.contribute(flat, weight, codec)
         result = finish_round(round_state)
         self._collect_garbage(round_, fragment, result)
         return result
+
+    def _members(self) -> list[Participant]:
+        members = live_members(self.store, self.layout, self.config.lease, time.time())
+        if self.me not in members:  # our lease was late (e.g. a stalled store); we are a member
+            members = sorted([*members, self.me], key=lambda member: member.name)
+        return members
 
     def _collect_garbage(self, round_: int, fragment: int, result: RoundResult) -> None:
         """The first sealed contributor deletes round ``round_ - keep_rounds`` of the fragment:

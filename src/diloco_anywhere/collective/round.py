@@ -16,7 +16,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -113,10 +113,15 @@ class Round:
         me: Participant,
         members: list[Participant],
         policy: RoundPolicy,
+        refresh_members: Callable[[], list[Participant]] | None = None,
+        refresh_every: float = 10.0,
     ) -> None:
+        """``refresh_members`` (called every ``refresh_every`` seconds while the round waits
+        for its SEAL) lets a replica that starts mid-round count in it."""
         self.store, self.layout, self.policy = store, layout, policy
         self.round, self.fragment, self.me = round_, fragment, me
         self.members = {member.name: member for member in members}
+        self._refresh_members, self._refresh_every = refresh_members, refresh_every
         self.seal_key = layout.seal(round_, fragment)
         self.manifests: dict[str, Manifest] = {}  # checked manifests
         self.excluded: dict[str, str] = {}  # contributor -> why
@@ -335,7 +340,11 @@ class Round:
         first_seen = time.monotonic() if self.manifests else None
         prefetch = self._mode_for(len(self.members)) == "gather"
         delays = self.policy.poll_delays()
+        refreshed = time.monotonic()
         while True:
+            if self._refresh_members and time.monotonic() - refreshed >= self._refresh_every:
+                self.members = {member.name: member for member in self._refresh_members()}
+                refreshed = time.monotonic()
             seen = self.manifests.keys() | self.excluded.keys()
             pending = [name for name in self.members if name not in seen]
             objects = self.store.get_many([self.seal_key, *map(self.manifest_key, pending)])

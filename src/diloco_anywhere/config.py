@@ -1,0 +1,153 @@
+"""run.toml: one file describes a run. Validated on load; a bad file starts nothing.
+
+Every field has a default except where a run cannot guess (none today: the embedded default,
+``default_run.toml``, is a complete run of the built-in task on local processes). Errors list
+every bad field on its own line: its path, the value found, and what is allowed.
+
+DiLoCo defaults follow the paper (arXiv 2311.08105, section 3): inner AdamW, outer SGD with
+Nesterov momentum 0.9 and learning rate 0.7.
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from diloco_anywhere.codec import CODEC_NAMES
+from diloco_anywhere.layout import NAME
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+PositiveInt = Annotated[int, Field(ge=1)]
+Seconds = Annotated[float, Field(gt=0)]
+DEFAULT_CONFIG = "default_run.toml"
+
+
+class ConfigError(ValueError):
+    """A run.toml that cannot start a run; the message has one line per problem."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunSection(_Section):
+    name: Annotated[str, Field(pattern=rf"^{NAME.pattern}$")] = "demo"
+    # A path, file://, s3://, gs://, az://; a relative path is relative to run.toml's folder.
+    store: str = ".diloco/demo/store"
+    replicas: PositiveInt = 4
+    min_replicas: PositiveInt = 1
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _quorum_fits(self) -> RunSection:
+        if self.min_replicas > self.replicas:
+            raise ValueError(
+                f"min_replicas ({self.min_replicas}) must be at most replicas ({self.replicas})"
+            )
+        return self
+
+
+class DilocoSection(_Section):
+    sync_every: PositiveInt = 50  # H: inner steps between two syncs of the same fragment set
+    outer_steps: PositiveInt = 10  # the run ends after this many committed outer steps
+    fragments: PositiveInt = 1  # > 1: Streaming DiLoCo (arXiv 2501.18512)
+    fragment_sync_delay: Annotated[int, Field(ge=0)] = 0  # tau, in inner steps
+    codec: Literal[CODEC_NAMES] = "fp32"  # type: ignore[valid-type]
+    inner_lr: Annotated[float, Field(gt=0)] = 1e-3
+    inner_weight_decay: Annotated[float, Field(ge=0)] = 0.1
+    outer_lr: Annotated[float, Field(gt=0)] = 0.7
+    outer_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    outer_nesterov: bool = True
+
+    @model_validator(mode="after")
+    def _streaming_schedule(self) -> DilocoSection:
+        """torchft's DiLoCo syncs one fragment every sync_every / fragments steps and needs
+        each fragment's sync done before its next one starts."""
+        if self.sync_every % self.fragments:
+            raise ValueError(
+                f"sync_every ({self.sync_every}) must be a multiple of fragments ({self.fragments})"
+            )
+        if self.fragment_sync_delay >= self.sync_every // self.fragments:
+            raise ValueError(
+                f"fragment_sync_delay ({self.fragment_sync_delay}) must be less than "
+                f"sync_every / fragments ({self.sync_every // self.fragments})"
+            )
+        return self
+
+
+class SyncSection(_Section):
+    mode: Literal["auto", "gather", "sharded"] = "auto"
+    grace: Seconds = 10.0  # wait this long for stragglers once min_replicas are in
+    timeout: Seconds = 600.0
+    lease_period: Seconds = 10.0
+    keep_rounds: PositiveInt = 2
+
+
+class TaskSection(_Section):
+    entrypoint: Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")] = (
+        "diloco_anywhere.tasks.gpt:build"
+    )
+    device: str = "auto"  # auto: cuda when there is one, else cpu
+    options: dict[str, Any] = Field(default_factory=dict)
+    log_every: PositiveInt = 10  # inner steps between two loss lines in the metrics
+
+
+class RunConfig(_Section):
+    run: RunSection = Field(default_factory=RunSection)
+    diloco: DilocoSection = Field(default_factory=DilocoSection)
+    sync: SyncSection = Field(default_factory=SyncSection)
+    task: TaskSection = Field(default_factory=TaskSection)
+    # Per-backend settings ([backends.modal] ...), validated by each backend when it launches.
+    backends: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    source: Path | None = Field(default=None, exclude=True)  # where it was loaded from
+
+    def store_url(self) -> str:
+        """The store URL, with a relative local path made absolute against run.toml's folder."""
+        url = self.run.store
+        if "://" in url or Path(url).is_absolute():
+            return url
+        base = self.source.parent if self.source else Path.cwd()
+        return str((base / url).resolve())
+
+
+def _problems(exc: ValidationError, where: str) -> str:
+    lines = []
+    for error in exc.errors(include_url=False):
+        path = ".".join(str(part) for part in error["loc"])
+        shown = error["type"] != "missing" and not isinstance(error["input"], dict)
+        found = f" = {error['input']!r:.60}" if shown else ""
+        message = error["msg"].removeprefix("Value error, ")
+        lines.append(f"{where}: {path or '(top level)'}{found}: {message}")
+    return "\n".join(lines)
+
+
+def parse_config(text: str, where: str, source: Path | None = None) -> RunConfig:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{where}: not valid TOML: {exc}") from None
+    try:
+        return RunConfig.model_validate({**data, "source": source})
+    except ValidationError as exc:
+        raise ConfigError(_problems(exc, where)) from None
+
+
+def load_config(path: str | Path | None = None) -> RunConfig:
+    """run.toml at ``path``, or the embedded default (local processes, a local store)."""
+    if path is None:
+        text = resources.files("diloco_anywhere").joinpath(DEFAULT_CONFIG).read_text()
+        return parse_config(text, f"(embedded {DEFAULT_CONFIG})")
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc.strerror})") from None
+    return parse_config(text, str(path), source=path.resolve())

@@ -1,0 +1,153 @@
+"""Per-replica training metrics, kept in the run's bucket so every platform reports the same way.
+
+A replica writes its metrics as chunks: create-only records (checksummed JSON, ``record.py``)
+under ``{run}/metrics/{replica}/{incarnation}-{seq}``, one chunk per sync plus one at start and
+one at the end. Each holds JSON lines of three kinds: ``step`` (loss every few inner steps),
+``sync`` (an outer step: committed or not, eval loss, throughput, exposed sync time, traffic)
+and ``event`` (started, done, failed). ``diloco status`` reads the newest chunk of each
+replica; ``diloco report`` reads them all. A chunk that fails its checks is skipped and named
+in the log, never guessed at.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from diloco_anywhere.layout import RunLayout
+from diloco_anywhere.record import Record, decode_record, encode_record
+from diloco_anywhere.store import Store
+from diloco_anywhere.wire import Count, Name, WireFormatError
+
+log = logging.getLogger(__name__)
+MAX_LINES = 400  # keeps a chunk well under the 64 KiB record cap
+
+
+class StepLine(Record):
+    kind: Literal["step"] = "step"
+    step: Count  # inner steps of this incarnation
+    loss: float
+    tokens: Count  # tokens this replica trained on so far
+    time: float
+
+
+class SyncLine(Record):
+    kind: Literal["sync"] = "sync"
+    outer_step: Count  # the manager's step after this sync (advances on commit)
+    committed: bool
+    participants: Count
+    eval_loss: float | None
+    tokens: Count
+    tokens_per_second: float  # since the previous sync, sync time included
+    sync_exposed_seconds: float  # total time training waited on syncs
+    bytes_up: Count
+    bytes_down: Count
+    error: str | None = Field(default=None, max_length=2000)
+    time: float
+
+
+class EventLine(Record):
+    kind: Literal["event"] = "event"
+    event: Literal["started", "done", "failed"]
+    detail: str = Field(default="", max_length=2000)
+    time: float
+
+
+Line = Annotated[StepLine | SyncLine | EventLine, Field(discriminator="kind")]
+
+
+class MetricsChunk(Record):
+    run: Name
+    replica: Name
+    incarnation: Count
+    platform: Name
+    seq: Count
+    lines: tuple[Line, ...] = Field(max_length=MAX_LINES)
+
+
+class MetricsWriter:
+    """Buffers one replica incarnation's lines and puts them as a chunk on ``flush``."""
+
+    def __init__(
+        self, store: Store, layout: RunLayout, replica: str, incarnation: int, platform: str
+    ) -> None:
+        self.store, self.layout = store, layout
+        self.replica, self.incarnation, self.platform = replica, incarnation, platform
+        self._seq = 0
+        self._lines: list[StepLine | SyncLine | EventLine] = []
+
+    def add(self, line: StepLine | SyncLine | EventLine) -> None:
+        self._lines.append(line)
+        if len(self._lines) >= MAX_LINES:
+            self.flush()
+
+    def event(self, event: str, detail: str = "") -> None:
+        self.add(EventLine(event=event, detail=detail, time=time.time()))  # type: ignore[arg-type]
+        self.flush()
+
+    def flush(self) -> None:
+        if not self._lines:
+            return
+        chunk = MetricsChunk(
+            run=self.layout.run,
+            replica=self.replica,
+            incarnation=self.incarnation,
+            platform=self.platform,
+            seq=self._seq,
+            lines=tuple(self._lines),
+        )
+        key = self.layout.metrics_chunk(self.replica, self.incarnation, self._seq)
+        self.store.put(key, encode_record(chunk))
+        self._seq += 1
+        self._lines = []
+
+
+@dataclass
+class ReplicaMetrics:
+    """Everything one replica wrote, all incarnations, in order."""
+
+    replica: str
+    platform: str = ""
+    incarnation: int = 0
+    steps: list[StepLine] = field(default_factory=list)
+    syncs: list[SyncLine] = field(default_factory=list)
+    events: list[EventLine] = field(default_factory=list)
+
+    def last_seen(self) -> float:
+        times = [lines[-1].time for lines in (self.steps, self.syncs, self.events) if lines]
+        return max(times, default=0.0)
+
+    def state(self) -> str:
+        """started / running / done / failed, from the newest incarnation's events."""
+        return self.events[-1].event if self.events else "running"
+
+
+def _chunks(store: Store, keys: Iterable[str]) -> list[MetricsChunk]:
+    chunks = []
+    for key, data in store.get_many(keys).items():
+        if data is None:
+            continue  # deleted between the listing and the read
+        try:
+            chunks.append(decode_record(data, MetricsChunk, key=key))
+        except WireFormatError as exc:
+            log.warning("skipping metrics chunk: %s", exc)
+    return sorted(chunks, key=lambda chunk: (chunk.replica, chunk.incarnation, chunk.seq))
+
+
+def read_metrics(store: Store, layout: RunLayout) -> dict[str, ReplicaMetrics]:
+    """Every replica's metrics, by replica id."""
+    replicas: dict[str, ReplicaMetrics] = {}
+    for chunk in _chunks(store, store.list_prefix(layout.metrics())):
+        metrics = replicas.setdefault(chunk.replica, ReplicaMetrics(chunk.replica))
+        if chunk.incarnation != metrics.incarnation:
+            metrics.events = []  # a restarted replica's state is its newest incarnation's
+        metrics.platform, metrics.incarnation = chunk.platform, chunk.incarnation
+        by_kind = {"step": metrics.steps, "sync": metrics.syncs, "event": metrics.events}
+        for line in chunk.lines:
+            by_kind[line.kind].append(line)  # type: ignore[arg-type]
+    return replicas

@@ -1,0 +1,124 @@
+"""The replica entrypoint every backend starts: ``python -m diloco_anywhere.replica``.
+
+    python -m diloco_anywhere.replica --config run.toml [--replica-id ID] [--replica-index I]
+
+Backends pass who this replica is through the environment (``DILOCO_REPLICA_ID``,
+``DILOCO_REPLICA_INDEX``, ``DILOCO_PLATFORM``) and may override the run and store
+(``DILOCO_RUN``, ``DILOCO_STORE``), so one image and one command serve every platform. Store
+credentials come from the platform's standard environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS,
+AZURE_*), read by the store's SDK, never by us.
+
+Exit codes: 0 when the run's outer steps are done, 2 for a bad run.toml or arguments (nothing
+started), 1 when training failed (the reason is printed and recorded in the run's metrics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+
+from diloco_anywhere.collective.allreduce import BucketCollective
+from diloco_anywhere.config import ConfigError, RunConfig, load_config
+from diloco_anywhere.layout import RunLayout, check_name
+from diloco_anywhere.metrics import MetricsWriter
+from diloco_anywhere.store import Store, StoreError
+from diloco_anywhere.training import collective_config, train
+
+log = logging.getLogger("diloco_anywhere.replica")
+ENV_REPLICA_ID = "DILOCO_REPLICA_ID"
+ENV_REPLICA_INDEX = "DILOCO_REPLICA_INDEX"
+ENV_PLATFORM = "DILOCO_PLATFORM"
+ENV_RUN = "DILOCO_RUN"
+ENV_STORE = "DILOCO_STORE"
+
+
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m diloco_anywhere.replica",
+        description="Train one DiLoCo replica of the run that run.toml describes.",
+    )
+    parser.add_argument("--config", help="run.toml (default: the embedded demo run)")
+    parser.add_argument(
+        "--replica-id", default=os.environ.get(ENV_REPLICA_ID), help=f"or ${ENV_REPLICA_ID}"
+    )
+    parser.add_argument(
+        "--replica-index",
+        type=int,
+        default=os.environ.get(ENV_REPLICA_INDEX),
+        help=f"data shard, 0..replicas-1 (or ${ENV_REPLICA_INDEX}; default: the id's number)",
+    )
+    return parser.parse_args(argv)
+
+
+def replica_index(replica_id: str, given: int | None, replicas: int) -> int:
+    """The data shard: given, else the trailing number of the id (``modal-3`` -> 3)."""
+    if given is None:
+        match = re.search(r"(\d+)$", replica_id)
+        if match is None:
+            raise ValueError(
+                f"replica {replica_id!r} has no trailing number: give --replica-index "
+                f"or ${ENV_REPLICA_INDEX}"
+            )
+        given = int(match.group(1))
+    if not 0 <= given < replicas:
+        raise ValueError(f"replica index {given} is not in 0..{replicas - 1} (run.replicas)")
+    return given
+
+
+def _with_overrides(config: RunConfig) -> RunConfig:
+    """``DILOCO_RUN`` / ``DILOCO_STORE`` replace run.name / run.store (launchers set them)."""
+    run = config.run.model_copy(
+        update={
+            key: os.environ[env]
+            for key, env in (("name", ENV_RUN), ("store", ENV_STORE))
+            if os.environ.get(env)
+        }
+    )
+    return config.model_copy(update={"run": run})
+
+
+def run_replica(config: RunConfig, replica_id: str, index: int, platform: str) -> int:
+    store = Store(config.store_url())
+    layout = RunLayout(config.run.name)
+    with BucketCollective(store, layout.run, replica_id, collective_config(config)) as collective:
+        incarnation = collective.me.incarnation
+        metrics = MetricsWriter(store, layout, replica_id, incarnation, platform)
+        metrics.event("started", f"index {index} of {config.run.replicas} on {platform}")
+        try:
+            result = train(config, store, collective, metrics, index)
+        except Exception as exc:
+            metrics.flush()
+            metrics.event("failed", f"{type(exc).__name__}: {exc}"[:2000])
+            raise
+        metrics.event(
+            "done", f"{result.outer_steps} outer steps, {result.tokens} tokens, "
+            f"eval loss {result.eval_loss}",
+        )  # fmt: skip
+    log.info("replica %s done: %s", replica_id, result)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    arguments = _arguments(argv)
+    try:
+        config = _with_overrides(load_config(arguments.config))
+        replica_id = check_name(arguments.replica_id or "", "replica id (--replica-id)")
+        index = replica_index(replica_id, arguments.replica_index, config.run.replicas)
+    except (ConfigError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return run_replica(config, replica_id, index, os.environ.get(ENV_PLATFORM, "local"))
+    except (StoreError, ValueError, RuntimeError) as exc:
+        print(f"error: replica {replica_id} failed: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

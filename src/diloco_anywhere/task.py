@@ -1,0 +1,68 @@
+"""What a replica trains: a model, its data and its loss, built by a ``package.module:function``.
+
+A task is the user's code; everything around it (DiLoCo, the bucket, metrics) is ours. run.toml
+names the function (``[task] entrypoint``); the replica imports it and calls it with a
+``TaskContext``. The built-in task is ``diloco_anywhere.tasks.gpt:build``.
+
+Data must be sharded by ``context.replica_index`` so replicas see different data (DiLoCo's
+workers each train on their own shard, arXiv 2311.08105 section 2), and must be deterministic
+for a given ``context.seed``, so a run can be reproduced.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+Batch = Any  # whatever the task's ``loss`` takes
+
+
+@dataclass(frozen=True)
+class TaskContext:
+    replica_index: int  # 0 .. replicas - 1: which data shard
+    replicas: int
+    seed: int
+    device: torch.device
+    options: dict[str, Any] = field(default_factory=dict)  # run.toml [task.options]
+
+
+@dataclass
+class Task:
+    model: nn.Module
+    batches: Iterator[Batch]  # endless training batches of this replica's shard
+    loss: Callable[[nn.Module, Batch], torch.Tensor]
+    tokens_per_batch: int  # weights the replica's contribution and drives tokens/s
+    evaluate: Callable[[nn.Module], float] | None = None  # held-out loss, same on every replica
+
+
+def load_entrypoint(entrypoint: str) -> Callable[[TaskContext], Task]:
+    """``'package.module:function'`` -> the function; errors say what was wrong and the fix."""
+    module_name, _, function_name = entrypoint.partition(":")
+    if not module_name or not function_name.isidentifier():
+        raise ValueError(f"task entrypoint {entrypoint!r}: write it as 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(
+            f"task entrypoint {entrypoint!r}: cannot import {module_name!r} ({exc}); install "
+            f"the package that holds it in the replica's environment or image"
+        ) from None
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise ValueError(f"task entrypoint {entrypoint!r}: {module_name} has no {function_name}()")
+    return function
+
+
+def build_task(entrypoint: str, context: TaskContext) -> Task:
+    task = load_entrypoint(entrypoint)(context)
+    if not isinstance(task, Task):
+        raise TypeError(
+            f"task entrypoint {entrypoint!r} returned {type(task).__name__}; it must return a "
+            f"diloco_anywhere.task.Task"
+        )
+    return task

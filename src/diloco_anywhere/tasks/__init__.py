@@ -1,0 +1,1 @@
+"""Built-in tasks (see diloco_anywhere.task)."""

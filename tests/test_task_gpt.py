@@ -1,0 +1,111 @@
+"""The built-in byte-level GPT task: identical starts, sharded data, a real learning signal."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from diloco_anywhere.task import Task, TaskContext
+from diloco_anywhere.tasks.gpt import build
+
+
+def make(replica: int = 0, replicas: int = 2, seed: int = 0, **options: Any) -> Task:
+    return build(TaskContext(replica, replicas, seed, torch.device("cpu"), options))
+
+
+def first_batches(task: Task, count: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [next(task.batches) for _ in range(count)]
+
+
+def test_replicas_start_from_identical_weights() -> None:
+    torch.manual_seed(123)  # the global RNG must not matter
+    first = make(replica=0, seed=5).model.state_dict()
+    second = make(replica=1, seed=5).model.state_dict()
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[name], second[name]) for name in first)
+    other_seed = make(replica=0, seed=6).model.state_dict()
+    assert not torch.equal(first["token_embedding.weight"], other_seed["token_embedding.weight"])
+
+
+def test_batches_differ_by_replica_and_repeat_by_seed() -> None:
+    replica0, replica0_again, replica1 = make(0), make(0), make(1)
+    batches = first_batches(replica0)
+    for (inputs, targets), (inputs_again, targets_again) in zip(
+        batches, first_batches(replica0_again), strict=True
+    ):
+        assert torch.equal(inputs, inputs_again)
+        assert torch.equal(targets, targets_again)
+    assert not torch.equal(batches[0][0], next(replica1.batches)[0])
+    inputs, targets = batches[0]
+    assert inputs.shape == targets.shape == (16, 64)
+    assert inputs.dtype == targets.dtype == torch.long
+    assert replica0.tokens_per_batch == 16 * 64
+
+
+def test_targets_are_the_next_bytes(tmp_path: Path) -> None:
+    corpus = tmp_path / "ramp.txt"
+    corpus.write_bytes(bytes(range(256)) * 64)  # each byte's successor is known
+    task = make(corpus=str(corpus), seq_len=32, batch_size=8)
+    for inputs, targets in first_batches(task):
+        assert torch.equal(targets, (inputs + 1) % 256)
+    inputs, targets = next(make().batches)  # and on the stdlib corpus
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+
+
+def test_shards_are_contiguous_slices_before_the_eval_split(tmp_path: Path) -> None:
+    corpus = tmp_path / "regions.txt"
+    corpus.write_bytes(b"a" * 950 + b"b" * 950 + b"c" * 100)  # 95% train in 2 shards, 5% eval
+    for replica, byte in enumerate(b"ab"):
+        for inputs, targets in first_batches(make(replica, corpus=str(corpus), seq_len=16)):
+            assert bool((inputs == byte).all())
+            assert bool((targets == byte).all())
+
+
+def test_untrained_eval_is_shared_and_near_uniform() -> None:
+    first, second = make(replica=0, seed=3), make(replica=1, seed=3)
+    loss = first.evaluate(first.model)
+    assert loss == second.evaluate(second.model)
+    assert loss == pytest.approx(math.log(256), abs=0.5)
+    assert first.model.training
+
+
+def test_training_lowers_the_loss() -> None:
+    task = make(seed=1)
+    optimizer = torch.optim.AdamW(task.model.parameters(), lr=3e-3)
+    eval_before = task.evaluate(task.model)
+    losses = []
+    for _ in range(40):
+        loss = task.loss(task.model, next(task.batches))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5
+    assert task.evaluate(task.model) < eval_before - 0.5
+
+
+def test_custom_corpus_file(tmp_path: Path) -> None:
+    corpus = tmp_path / "text.txt"
+    corpus.write_bytes(b"the quick brown fox jumps over the lazy dog\n" * 500)
+    task = make(corpus=str(corpus), seq_len=32, batch_size=4, eval_batches=2)
+    inputs, _ = next(task.batches)
+    assert inputs.shape == (4, 32)
+    assert math.isfinite(task.evaluate(task.model))
+
+
+def test_missing_corpus_names_the_path(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere.txt"
+    with pytest.raises(ValueError, match=r"nowhere\.txt.*'stdlib'.*fsspec URL"):
+        make(corpus=str(missing))
+
+
+def test_corpus_too_small_for_the_replicas(tmp_path: Path) -> None:
+    corpus = tmp_path / "small.txt"
+    corpus.write_bytes(b"x" * 3000)
+    make(replicas=2, corpus=str(corpus))  # fine for two
+    with pytest.raises(ValueError, match="too small for 64 replicas"):
+        make(replicas=64, corpus=str(corpus))
