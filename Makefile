@@ -39,8 +39,9 @@ $(AZURITE):
 		echo "npm not found: Azure (Azurite) tests will be skipped"; \
 	fi
 
+# The main job: the embedded default run (4 local replicas, a local store), its summary and plot.
 demo: setup
-	$(VENV)/bin/diloco bench store --store file://$(CURDIR)/.diloco/bench
+	$(VENV)/bin/diloco launch --fresh
 
 lint: setup
 	$(VENV)/bin/ruff check src tests

@@ -129,15 +129,19 @@ def _problems(exc: ValidationError, where: str) -> str:
     return "\n".join(lines)
 
 
+def validate_config(data: dict[str, Any], where: str, source: Path | None = None) -> RunConfig:
+    try:
+        return RunConfig.model_validate({**data, "source": source})
+    except ValidationError as exc:
+        raise ConfigError(_problems(exc, where)) from None
+
+
 def parse_config(text: str, where: str, source: Path | None = None) -> RunConfig:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{where}: not valid TOML: {exc}") from None
-    try:
-        return RunConfig.model_validate({**data, "source": source})
-    except ValidationError as exc:
-        raise ConfigError(_problems(exc, where)) from None
+    return validate_config(data, where, source)
 
 
 def load_config(path: str | Path | None = None) -> RunConfig:

@@ -4,8 +4,8 @@ A replica writes its metrics as chunks: create-only records (checksummed JSON, `
 under ``{run}/metrics/{replica}/{incarnation}-{seq}``, one chunk per sync plus one at start and
 one at the end. Each holds JSON lines of three kinds: ``step`` (loss every few inner steps),
 ``sync`` (an outer step: committed or not, eval loss, throughput, exposed sync time, traffic)
-and ``event`` (started, done, failed). ``diloco status`` reads the newest chunk of each
-replica; ``diloco report`` reads them all. A chunk that fails its checks is skipped and named
+and ``event`` (started, done, failed). ``diloco status`` and ``diloco report`` read them all,
+each chunk once. A chunk that fails its checks is skipped and named
 in the log, never guessed at.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
@@ -55,6 +54,7 @@ class EventLine(Record):
     kind: Literal["event"] = "event"
     event: Literal["started", "done", "failed"]
     detail: str = Field(default="", max_length=2000)
+    parameters: Count = 0  # "started": the model's size, for comparisons with data parallel
     time: float
 
 
@@ -86,8 +86,9 @@ class MetricsWriter:
         if len(self._lines) >= MAX_LINES:
             self.flush()
 
-    def event(self, event: str, detail: str = "") -> None:
-        self.add(EventLine(event=event, detail=detail, time=time.time()))  # type: ignore[arg-type]
+    def event(self, event: str, detail: str = "", parameters: int = 0) -> None:
+        line = EventLine(event=event, detail=detail, parameters=parameters, time=time.time())  # type: ignore[arg-type]
+        self.add(line)
         self.flush()
 
     def flush(self) -> None:
@@ -122,32 +123,50 @@ class ReplicaMetrics:
         times = [lines[-1].time for lines in (self.steps, self.syncs, self.events) if lines]
         return max(times, default=0.0)
 
+    def latest_eval_loss(self) -> float | None:
+        return next((s.eval_loss for s in reversed(self.syncs) if s.eval_loss is not None), None)
+
+    def parameters(self) -> int:
+        return max((event.parameters for event in self.events), default=0)
+
     def state(self) -> str:
         """started / running / done / failed, from the newest incarnation's events."""
         return self.events[-1].event if self.events else "running"
 
 
-def _chunks(store: Store, keys: Iterable[str]) -> list[MetricsChunk]:
-    chunks = []
-    for key, data in store.get_many(keys).items():
-        if data is None:
-            continue  # deleted between the listing and the read
-        try:
-            chunks.append(decode_record(data, MetricsChunk, key=key))
-        except WireFormatError as exc:
-            log.warning("skipping metrics chunk: %s", exc)
-    return sorted(chunks, key=lambda chunk: (chunk.replica, chunk.incarnation, chunk.seq))
+class MetricsReader:
+    """Reads a run's metrics; chunks are create-only, so each is fetched and checked once."""
 
+    def __init__(self, store: Store, layout: RunLayout) -> None:
+        self.store, self.layout = store, layout
+        self._chunks: dict[str, MetricsChunk | None] = {}  # None: failed its checks
 
-def read_metrics(store: Store, layout: RunLayout) -> dict[str, ReplicaMetrics]:
-    """Every replica's metrics, by replica id."""
-    replicas: dict[str, ReplicaMetrics] = {}
-    for chunk in _chunks(store, store.list_prefix(layout.metrics())):
-        metrics = replicas.setdefault(chunk.replica, ReplicaMetrics(chunk.replica))
-        if chunk.incarnation != metrics.incarnation:
-            metrics.events = []  # a restarted replica's state is its newest incarnation's
-        metrics.platform, metrics.incarnation = chunk.platform, chunk.incarnation
-        by_kind = {"step": metrics.steps, "sync": metrics.syncs, "event": metrics.events}
-        for line in chunk.lines:
-            by_kind[line.kind].append(line)  # type: ignore[arg-type]
-    return replicas
+    def _fetch(self, keys: list[str]) -> None:
+        for key, data in self.store.get_many(keys).items():
+            if data is None:
+                continue  # deleted between the listing and the read
+            try:
+                self._chunks[key] = decode_record(data, MetricsChunk, key=key)
+            except WireFormatError as exc:
+                log.warning("skipping metrics chunk: %s", exc)
+                self._chunks[key] = None
+
+    def read(self) -> dict[str, ReplicaMetrics]:
+        """Every replica's metrics, by replica id."""
+        self._fetch(
+            [k for k in self.store.list_prefix(self.layout.metrics()) if k not in self._chunks]
+        )
+        chunks = sorted(
+            (chunk for chunk in self._chunks.values() if chunk is not None),
+            key=lambda chunk: (chunk.replica, chunk.incarnation, chunk.seq),
+        )
+        replicas: dict[str, ReplicaMetrics] = {}
+        for chunk in chunks:
+            metrics = replicas.setdefault(chunk.replica, ReplicaMetrics(chunk.replica))
+            if chunk.incarnation != metrics.incarnation:
+                metrics.events = [e for e in metrics.events if e.event == "started"]  # sizes
+            metrics.platform, metrics.incarnation = chunk.platform, chunk.incarnation
+            by_kind = {"step": metrics.steps, "sync": metrics.syncs, "event": metrics.events}
+            for line in chunk.lines:
+                by_kind[line.kind].append(line)  # type: ignore[arg-type]
+        return replicas

@@ -21,7 +21,7 @@ import re
 import sys
 
 from diloco_anywhere.collective.allreduce import BucketCollective
-from diloco_anywhere.config import ConfigError, RunConfig, load_config
+from diloco_anywhere.config import ConfigError, RunConfig, load_config, validate_config
 from diloco_anywhere.layout import RunLayout, check_name
 from diloco_anywhere.metrics import MetricsWriter
 from diloco_anywhere.store import Store, StoreError
@@ -33,6 +33,7 @@ ENV_REPLICA_INDEX = "DILOCO_REPLICA_INDEX"
 ENV_PLATFORM = "DILOCO_PLATFORM"
 ENV_RUN = "DILOCO_RUN"
 ENV_STORE = "DILOCO_STORE"
+ENV_REPLICAS = "DILOCO_REPLICAS"
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -68,16 +69,19 @@ def replica_index(replica_id: str, given: int | None, replicas: int) -> int:
     return given
 
 
-def _with_overrides(config: RunConfig) -> RunConfig:
-    """``DILOCO_RUN`` / ``DILOCO_STORE`` replace run.name / run.store (launchers set them)."""
-    run = config.run.model_copy(
-        update={
-            key: os.environ[env]
-            for key, env in (("name", ENV_RUN), ("store", ENV_STORE))
-            if os.environ.get(env)
-        }
-    )
-    return config.model_copy(update={"run": run})
+OVERRIDES = {"name": ENV_RUN, "store": ENV_STORE, "replicas": ENV_REPLICAS}
+
+
+def with_overrides(config: RunConfig, environ: dict[str, str]) -> RunConfig:
+    """``DILOCO_RUN`` / ``DILOCO_STORE`` / ``DILOCO_REPLICAS`` replace run.name / run.store /
+    run.replicas (launchers set them), validated like the file itself."""
+    changes = {key: environ[env] for key, env in OVERRIDES.items() if environ.get(env)}
+    if not changes:
+        return config
+    where = f"{config.source or 'run.toml'} with ${' $'.join(OVERRIDES[k] for k in changes)}"
+    data = config.model_dump()
+    data["run"].update(changes)
+    return validate_config(data, where, config.source)
 
 
 def run_replica(config: RunConfig, replica_id: str, index: int, platform: str) -> int:
@@ -86,7 +90,6 @@ def run_replica(config: RunConfig, replica_id: str, index: int, platform: str) -
     with BucketCollective(store, layout.run, replica_id, collective_config(config)) as collective:
         incarnation = collective.me.incarnation
         metrics = MetricsWriter(store, layout, replica_id, incarnation, platform)
-        metrics.event("started", f"index {index} of {config.run.replicas} on {platform}")
         try:
             result = train(config, store, collective, metrics, index)
         except Exception as exc:
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     arguments = _arguments(argv)
     try:
-        config = _with_overrides(load_config(arguments.config))
+        config = with_overrides(load_config(arguments.config), dict(os.environ))
         replica_id = check_name(arguments.replica_id or "", "replica id (--replica-id)")
         index = replica_index(replica_id, arguments.replica_index, config.run.replicas)
     except (ConfigError, ValueError) as exc:

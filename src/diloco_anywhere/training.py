@@ -157,6 +157,11 @@ def train(
         ),
     )
     model = task.model
+    metrics.event(
+        "started",
+        f"shard {replica_index} of {config.run.replicas}",
+        parameters=sum(p.numel() for p in model.parameters()),
+    )
     manager = BucketManager(collective, min_replicas=config.run.min_replicas)
     manager.set_weight(task.tokens_per_batch * diloco.sync_every / diloco.fragments)
     fragments = split_fragments(model, diloco.fragments)

@@ -1,78 +1,20 @@
-"""The ``diloco`` command line."""
+"""``diloco bench ...``: measured numbers (docs/benchmarks.md), never timed tests."""
 
 from __future__ import annotations
 
 import json
-import re
 import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from diloco_anywhere.cli.common import parse_size, progress_display, stdout, user_errors
 from diloco_anywhere.codec import CODEC_NAMES
-from diloco_anywhere.standins import STANDINS, StandInUnavailableError, standin
-from diloco_anywhere.store import Store, StoreError
-
-app = typer.Typer(
-    help="DiLoCo training across platforms that share nothing but an object store.",
-    no_args_is_help=True,
-    add_completion=False,
-)
-bench_app = typer.Typer(
-    help="Benchmarks: measured numbers (docs/benchmarks.md), never timed tests.",
-    no_args_is_help=True,
-)
-app.add_typer(bench_app, name="bench")
-
-stdout = Console()
-stderr = Console(stderr=True)
-
-SIZE_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9,
-    "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,
-}  # fmt: skip
-MIN_BENCH_SIZE = 1024
-USER_ERRORS = (StoreError, StandInUnavailableError, ValueError, FileNotFoundError)
-
-
-def parse_size(text: str) -> int:
-    """``67108864``, ``64MiB``, ``64M`` (binary) or ``64MB`` (decimal) -> bytes (>= 1 KiB)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
-    unit = match and match.group(2).lower()
-    size = int(float(match.group(1)) * SIZE_UNITS[unit]) if unit in SIZE_UNITS else 0
-    if size < MIN_BENCH_SIZE:
-        raise typer.BadParameter(
-            f"{text!r}: give at least {MIN_BENCH_SIZE} bytes, as a number optionally followed "
-            f"by KiB, MiB, GiB, KB, MB or GB"
-        )
-    return size
-
-
-@contextmanager
-def progress_display() -> Iterator[Callable[[str], None]]:
-    """A spinner on stderr showing the current step (stdout stays clean for --json)."""
-    with Progress(
-        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-        console=stderr, transient=True,
-    ) as progress:  # fmt: skip
-        task = progress.add_task("starting")
-        yield lambda step: progress.update(task, description=step)
-
-
-@contextmanager
-def user_errors() -> Iterator[None]:
-    """Errors a user can fix print as one line, not a traceback."""
-    try:
-        yield
-    except USER_ERRORS as exc:
-        stderr.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
-        raise typer.Exit(1) from None
+from diloco_anywhere.standins import STANDINS, standin
+from diloco_anywhere.store import Store
 
 
 def _bench_target(
@@ -133,6 +75,12 @@ STANDIN_OPTION = typer.Option(
 )
 
 
+bench_app = typer.Typer(
+    help="Benchmarks: measured numbers (docs/benchmarks.md), never timed tests.",
+    no_args_is_help=True,
+)
+
+
 @bench_app.command("store")
 def bench_store_command(
     store_url: Annotated[str | None, STORE_OPTION] = None,
@@ -151,8 +99,10 @@ def bench_store_command(
         bool, typer.Option("--json", help="Print one JSON object instead of tables.")
     ] = False,
 ) -> None:
-    """Store put/get throughput beside a raw file copy of the same bytes, and codec speed,
-    size and error (Gaussian and Student-t(3) tensors)."""
+    """Measure store put/get against a raw file copy, and codec speed, size and error.
+
+    Codec error is measured on Gaussian and Student-t(3) tensors.
+    """
     from diloco_anywhere.bench.store import bench_codecs, bench_store
 
     with user_errors(), ExitStack() as stack, progress_display() as status:
@@ -191,8 +141,11 @@ def bench_sync_command(
         bool, typer.Option("--json", help="Print one JSON object instead of a table.")
     ] = False,
 ) -> None:
-    """N replica processes all-reduce through one store for R rounds: per-replica bytes up and
-    down, requests, wall time per round, and a raw parallel copy of the same bytes."""
+    """Measure N replica processes all-reducing through one store for R rounds.
+
+    Reports per-replica bytes up and down against the mode's bound, requests, wall time per
+    round, and a raw parallel copy of the same bytes.
+    """
     from diloco_anywhere.bench.sync import MODES, bench_sync
 
     if mode not in MODES:

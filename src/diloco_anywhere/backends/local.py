@@ -1,0 +1,85 @@
+"""Replicas as local processes: the embedded default, ``make demo``, and the tests.
+
+Each replica is a process in its own session (so ``diloco stop`` can signal its whole group and
+a detached launch outlives the CLI), writing stdout and stderr to ``logs/{replica}.log`` in the
+run folder. It inherits this environment, so the store's credentials reach it as they reach
+the CLI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from diloco_anywhere.backends.base import JobState, ReplicaHandle, ReplicaSpec
+
+
+class LocalBackend:
+    name = "local"
+
+    def __init__(self) -> None:
+        self._processes: dict[int, subprocess.Popen] = {}  # the ones this process started
+
+    def launch(self, specs: list[ReplicaSpec], run_dir: Path) -> list[ReplicaHandle]:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        return [self._start(spec, run_dir / "logs" / f"{spec.replica_id}.log") for spec in specs]
+
+    def _start(self, spec: ReplicaSpec, log_path: Path) -> ReplicaHandle:
+        with log_path.open("ab") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "diloco_anywhere.replica", *spec.args],
+                env={**os.environ, **spec.env},
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self._processes[process.pid] = process
+        return ReplicaHandle(spec.replica_id, self.name, {"pid": process.pid, "log": str(log_path)})
+
+    def state(self, handle: ReplicaHandle) -> JobState:
+        pid = handle.job["pid"]
+        if pid in self._processes:
+            code = self._processes[pid].poll()
+            return "running" if code is None else ("exited" if code == 0 else "failed")
+        try:  # our child (a detached launch from this process): reap it if it has ended
+            ended, _ = os.waitpid(pid, os.WNOHANG)
+            return "running" if ended == 0 else "exited"
+        except ChildProcessError:
+            pass
+        try:
+            os.kill(pid, 0)  # started by another CLI process: alive or not is all we can see
+        except ProcessLookupError:
+            return "exited"
+        except PermissionError:
+            return "unknown"
+        return "running"
+
+    def exit_code(self, handle: ReplicaHandle) -> int | None:
+        process = self._processes.get(handle.job["pid"])
+        return None if process is None else process.poll()
+
+    def logs(self, handle: ReplicaHandle) -> str:
+        try:
+            return Path(handle.job["log"]).read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def stop(self, handle: ReplicaHandle) -> None:
+        pid = handle.job["pid"]
+        if self.state(handle) == "running" and _is_replica(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGTERM)
+
+
+def _is_replica(pid: int) -> bool:
+    """Whether ``pid`` still runs our replica entrypoint (not a recycled pid), where /proc
+    tells; elsewhere we trust the handle."""
+    try:
+        return b"diloco_anywhere.replica" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return not Path("/proc/self").exists()

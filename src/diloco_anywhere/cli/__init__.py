@@ -1,0 +1,20 @@
+"""The ``diloco`` command line: run commands (``run.py``) and benchmarks (``bench.py``)."""
+
+from __future__ import annotations
+
+import typer
+
+from diloco_anywhere.cli import run
+from diloco_anywhere.cli.bench import bench_app
+from diloco_anywhere.cli.common import parse_size
+
+app = typer.Typer(
+    help="DiLoCo training across platforms that share nothing but an object store.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+for command in (run.launch, run.status, run.logs, run.stop, run.report):
+    app.command()(command)
+app.add_typer(bench_app, name="bench")
+
+__all__ = ["app", "parse_size"]

@@ -1,0 +1,60 @@
+"""What every ``diloco`` command shares: consoles, one-line errors, a progress spinner, sizes."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import typer
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from diloco_anywhere.config import ConfigError
+from diloco_anywhere.standins import StandInUnavailableError
+from diloco_anywhere.store import StoreError
+
+stdout = Console()
+stderr = Console(stderr=True)
+
+SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9,
+    "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,
+}  # fmt: skip
+MIN_BENCH_SIZE = 1024
+USER_ERRORS = (StoreError, StandInUnavailableError, ConfigError, ValueError, FileNotFoundError)
+
+
+def parse_size(text: str) -> int:
+    """``67108864``, ``64MiB``, ``64M`` (binary) or ``64MB`` (decimal) -> bytes (>= 1 KiB)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = match and match.group(2).lower()
+    size = int(float(match.group(1)) * SIZE_UNITS[unit]) if unit in SIZE_UNITS else 0
+    if size < MIN_BENCH_SIZE:
+        raise typer.BadParameter(
+            f"{text!r}: give at least {MIN_BENCH_SIZE} bytes, as a number optionally followed "
+            f"by KiB, MiB, GiB, KB, MB or GB"
+        )
+    return size
+
+
+@contextmanager
+def progress_display() -> Iterator[Callable[[str], None]]:
+    """A spinner on stderr showing the current step (stdout stays clean for --json)."""
+    with Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+        console=stderr, transient=True,
+    ) as progress:  # fmt: skip
+        task = progress.add_task("starting")
+        yield lambda step: progress.update(task, description=step)
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Errors a user can fix print as one line, not a traceback."""
+    try:
+        yield
+    except USER_ERRORS as exc:
+        stderr.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None

@@ -1,0 +1,264 @@
+"""``diloco launch | status | logs | stop | report``: a run, from run.toml to its loss plot."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.live import Live
+from rich.table import Table
+
+from diloco_anywhere.backends import BACKENDS, get_backend
+from diloco_anywhere.backends.base import Backend, ReplicaHandle
+from diloco_anywhere.cli.common import stderr, stdout, user_errors
+from diloco_anywhere.config import RunConfig, load_config, validate_config
+from diloco_anywhere.launch import (
+    LaunchPlan,
+    delete_run_objects,
+    load_handles,
+    plan_launch,
+    run_dir,
+    start,
+    store_has_run,
+)
+from diloco_anywhere.layout import RunLayout
+from diloco_anywhere.metrics import MetricsReader
+from diloco_anywhere.report import RunSummary, plot_losses, summarize
+from diloco_anywhere.status import ReplicaStatus, replica_statuses
+from diloco_anywhere.store import Store
+
+CONFIG_OPTION = typer.Option(
+    "--config", help="run.toml of the run. Default: the embedded demo run (4 local replicas)."
+)
+JSON_OPTION = typer.Option("--json", help="Print JSON instead of a table (for scripts).")
+ConfigPath = Annotated[Path | None, CONFIG_OPTION]
+JsonFlag = Annotated[bool, JSON_OPTION]
+
+
+def parse_backends(values: list[str], replicas: int) -> dict[str, int]:
+    """``["local"]`` -> ``{"local": replicas}``; ``["modal=2", "local=1"]`` -> counts."""
+    counts = {}
+    for value in values:
+        name, _, count = value.partition("=")
+        if name not in BACKENDS:
+            raise ValueError(f"--backend {value!r}: choose from {', '.join(BACKENDS)}")
+        if not count and len(values) > 1:
+            raise ValueError(f"--backend {value!r}: with several backends give each a count")
+        if count and not (count.isdigit() and int(count) > 0):
+            raise ValueError(f"--backend {value!r}: the count must be a whole number >= 1")
+        counts[name] = int(count) if count else replicas
+    return counts
+
+
+def _sized(config: RunConfig, replicas: int) -> RunConfig:
+    """The config as the launched replicas will see it (``DILOCO_REPLICAS``), checked now."""
+    data = config.model_dump()
+    data["run"]["replicas"] = replicas
+    where = f"{config.source or 'the embedded run'} with {replicas} replicas"
+    return validate_config(data, where, config.source)
+
+
+def _status_table(rows: list[ReplicaStatus], title: str) -> Table:
+    table = Table(title=title)
+    columns = ("replica", "platform", "state", "outer step", "loss", "eval loss", "tokens/s",
+               "last seen")  # fmt: skip
+    for column in columns:
+        table.add_column(column, justify="left" if column in columns[:3] else "right")
+    for row in rows:
+        table.add_row(
+            row.replica, row.platform, row.state, str(row.outer_step),
+            "-" if row.loss is None else f"{row.loss:.3f}",
+            "-" if row.eval_loss is None else f"{row.eval_loss:.3f}",
+            "-" if row.tokens_per_second is None else f"{row.tokens_per_second:,.0f}",
+            "-" if row.last_seen_seconds is None else f"{row.last_seen_seconds:.0f}s ago",
+        )  # fmt: skip
+    return table
+
+
+def _job_state(started: dict[str, tuple[Backend, list[ReplicaHandle]]]):
+    """Ask the backend that started a job (it knows exit codes), else a fresh one."""
+    backends = {platform: backend for platform, (backend, _) in started.items()}
+    return lambda handle: (backends.get(handle.platform) or get_backend(handle.platform)).state(
+        handle
+    )
+
+
+def _follow(plan: LaunchPlan, started: dict[str, tuple[Backend, list[ReplicaHandle]]]) -> int:
+    """Show live status until every replica's job has ended; 0 if all of them are done."""
+    handles = [h for _, hs in started.values() for h in hs]
+    reader = MetricsReader(Store(plan.config.store_url()), RunLayout(plan.config.run.name))
+    job_state = _job_state(started)
+    target = plan.config.diloco.outer_steps * plan.config.diloco.fragments
+    title = f"run {plan.config.run.name}: {len(handles)} replicas, {target} outer steps"
+    try:
+        with Live(console=stderr, refresh_per_second=2) as live:
+            while True:
+                rows = replica_statuses(reader.read(), handles, job_state)
+                live.update(_status_table(rows, title))
+                if all(job_state(handle) != "running" for handle in handles):
+                    break
+                time.sleep(1.0)
+    except KeyboardInterrupt:
+        stderr.print("interrupted: stopping every replica of this launch")
+        for handle in handles:
+            get_backend(handle.platform).stop(handle)
+        return 130
+    rows = replica_statuses(reader.read(), handles, job_state)
+    stdout.print(_status_table(rows, title))
+    failed = [row.replica for row in rows if row.state != "done"]
+    if failed:
+        stderr.print(f"[red]error:[/red] replicas {', '.join(failed)} did not finish; "
+                     f"see `diloco logs REPLICA`")  # fmt: skip
+    return 1 if failed else 0
+
+
+def launch(
+    config_path: ConfigPath = None,
+    backend: Annotated[
+        list[str],
+        typer.Option(
+            help="Where replicas run: a backend name, or name=count; repeat the "
+            f"option for a run across platforms. Backends: {', '.join(BACKENDS)}."
+        ),
+    ] = ["local"],  # noqa: B006 (typer reads the default; it is never mutated)
+    replicas: Annotated[
+        int | None, typer.Option(min=1, help="Replicas (one backend). Default: run.replicas.")
+    ] = None,
+    detach: Annotated[
+        bool, typer.Option(help="Return once started; follow with `diloco status`.")
+    ] = False,
+    dry_run: Annotated[bool, typer.Option(help="Print every replica spec; start nothing.")] = False,
+    fresh: Annotated[
+        bool, typer.Option(help="Delete this run's objects in its store first (a re-run).")
+    ] = False,
+) -> None:
+    """Start a run's replicas and follow them until they finish.
+
+    Exits 0 when every replica completed its outer steps, non-zero with the reason otherwise.
+    Ctrl-C stops the replicas of this launch. Then prints the run summary and the loss plot.
+    """
+    with user_errors():
+        config = load_config(config_path)
+        counts = parse_backends(backend, replicas or config.run.replicas)
+        config = _sized(config, sum(counts.values()))
+        plan = plan_launch(config, counts)
+        if dry_run:
+            print(json.dumps([spec.__dict__ for spec in plan.specs], indent=2, default=list))
+            return
+        if store_has_run(config):
+            if not fresh:
+                raise ValueError(
+                    f"run {config.run.name!r} already has objects in {config.run.store}: "
+                    f"pass --fresh to delete them and start over, or choose another run.name"
+                )
+            delete_run_objects(config)
+        started = start(plan)
+    count = len(plan.specs)
+    if detach:
+        stdout.print(f"started {count} replicas of run {config.run.name}; "
+                     f"follow with `diloco status`, stop with `diloco stop`")  # fmt: skip
+        return
+    code = _follow(plan, started)
+    if code == 0:
+        _print_report(config, plan.run_dir / "report.png")
+    raise typer.Exit(code)
+
+
+def status(config_path: ConfigPath = None, json_output: JsonFlag = False) -> None:
+    """Show one row per replica: platform, state, outer step, loss, tokens/s, last seen."""
+    with user_errors():
+        config = load_config(config_path)
+        reader = MetricsReader(Store(config.store_url()), RunLayout(config.run.name))
+        rows = replica_statuses(reader.read(), load_handles(config), _job_state({}))
+    if json_output:
+        print(json.dumps([row.as_dict() for row in rows], indent=2))
+    elif not rows:
+        stdout.print(f"run {config.run.name}: no replicas launched or reporting yet")
+    else:
+        stdout.print(_status_table(rows, f"run {config.run.name}"))
+
+
+def logs(
+    replica: Annotated[str | None, typer.Argument(help="One replica id (default: all).")] = None,
+    config_path: ConfigPath = None,
+    tail: Annotated[int, typer.Option(min=1, help="Last lines per replica.")] = 40,
+) -> None:
+    """Print the replicas' own output (stdout and stderr), as their platform keeps it."""
+    with user_errors():
+        handles = load_handles(load_config(config_path))
+        chosen = [h for h in handles if replica in (None, h.replica_id)]
+        if not chosen:
+            known = ", ".join(h.replica_id for h in handles) or "none launched from here"
+            raise ValueError(f"no replica {replica!r} in this run's launch; replicas: {known}")
+        for handle in chosen:
+            lines = get_backend(handle.platform).logs(handle).splitlines()[-tail:]
+            stdout.rule(f"{handle.replica_id} ({handle.platform})")
+            print("\n".join(lines))
+
+
+def stop(config_path: ConfigPath = None) -> None:
+    """Stop every replica of the run's last launch."""
+    with user_errors():
+        handles = load_handles(load_config(config_path))
+        for handle in handles:
+            get_backend(handle.platform).stop(handle)
+    stdout.print(f"stop sent to {len(handles)} replicas")
+
+
+def _summary_table(summary: RunSummary) -> Table:
+    table = Table(title="Run summary", show_header=False)
+    table.add_column(justify="left")
+    table.add_column(justify="right")
+    saved = summary.bytes_saved_factor
+    for name, value in (
+        ("replicas", str(summary.replicas)),
+        ("outer steps", str(summary.outer_steps)),
+        ("inner steps per replica", str(summary.inner_steps_per_replica)),
+        ("tokens (all replicas)", f"{summary.tokens:,}"),
+        ("final training loss (mean)", _maybe(summary.final_loss)),
+        ("held-out loss", _maybe(summary.eval_loss)),
+        ("sent per replica", f"{summary.bytes_up_per_replica / 1e6:,.2f} MB"),
+        ("received per replica", f"{summary.bytes_down_per_replica / 1e6:,.2f} MB"),
+        ("data parallel would send", f"{summary.data_parallel_bytes_per_replica / 1e6:,.2f} MB"
+         + (f" ({saved:,.0f}x more)" if saved else "")),
+        ("sync time exposed per replica", f"{summary.sync_exposed_seconds:.2f} s"),
+    ):  # fmt: skip
+        table.add_row(name, value)
+    return table
+
+
+def _maybe(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def _print_report(config: RunConfig, output: Path) -> RunSummary:
+    metrics = MetricsReader(Store(config.store_url()), RunLayout(config.run.name)).read()
+    if not metrics:
+        raise ValueError(f"run {config.run.name!r} has no metrics in its store yet")
+    summary = summarize(metrics)
+    plot_losses(metrics, output, f"run {config.run.name}")
+    stdout.print(_summary_table(summary))
+    stdout.print(f"loss plot: {output}")
+    return summary
+
+
+def report(
+    config_path: ConfigPath = None,
+    output: Annotated[
+        Path | None, typer.Option(help="PNG path. Default: .diloco/<run>/report.png.")
+    ] = None,
+    json_output: JsonFlag = False,
+) -> None:
+    """Plot loss against tokens per replica (PNG) and summarize what the syncs cost."""
+    with user_errors():
+        config = load_config(config_path)
+        path = output or run_dir(config) / "report.png"
+        if json_output:
+            metrics = MetricsReader(Store(config.store_url()), RunLayout(config.run.name)).read()
+            plot_losses(metrics, path, f"run {config.run.name}")
+            print(json.dumps({**summarize(metrics).as_dict(), "plot": str(path)}, indent=2))
+        else:
+            _print_report(config, path)

@@ -1,0 +1,93 @@
+"""``diloco report``: a run's loss curves as a PNG, and what its syncs cost.
+
+Communication is set against synchronous data parallel on the same replicas and steps: a ring
+all-reduce of fp32 gradients after every inner step sends ``2 (N - 1) / N x 4 x parameters``
+bytes per replica per step (Patarasuk and Yuan 2009; what DDP over NCCL or gloo moves). DiLoCo
+sends its pseudo-gradients once per outer step (arXiv 2311.08105, section 3).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from diloco_anywhere.metrics import ReplicaMetrics
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    replicas: int
+    outer_steps: int
+    inner_steps_per_replica: int
+    tokens: int  # all replicas
+    final_loss: float | None  # mean over replicas of their last logged training loss
+    eval_loss: float | None  # held-out loss at the last global weights
+    bytes_up_per_replica: int  # mean
+    bytes_down_per_replica: int
+    data_parallel_bytes_per_replica: int  # what DDP would have sent for the same steps
+    sync_exposed_seconds: float  # mean per replica
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def bytes_saved_factor(self) -> float | None:
+        if not self.bytes_up_per_replica:
+            return None
+        return self.data_parallel_bytes_per_replica / self.bytes_up_per_replica
+
+
+def summarize(metrics: dict[str, ReplicaMetrics]) -> RunSummary:
+    replicas = [m for m in metrics.values() if m.steps or m.syncs]
+    n = len(replicas)
+    last_syncs = [m.syncs[-1] for m in replicas if m.syncs]
+    steps = max((m.steps[-1].step for m in replicas if m.steps), default=0)
+    parameters = max((m.parameters() for m in replicas), default=0)
+    eval_losses = [loss for m in replicas if (loss := m.latest_eval_loss()) is not None]
+
+    def mean(values: list[float]) -> float:
+        return statistics.fmean(values) if values else 0.0
+
+    return RunSummary(
+        replicas=n,
+        outer_steps=max((s.outer_step for s in last_syncs), default=0),
+        inner_steps_per_replica=steps,
+        tokens=sum(m.steps[-1].tokens for m in replicas if m.steps),
+        final_loss=mean([m.steps[-1].loss for m in replicas if m.steps]) if replicas else None,
+        eval_loss=eval_losses[-1] if eval_losses else None,
+        bytes_up_per_replica=round(mean([s.bytes_up for s in last_syncs])),
+        bytes_down_per_replica=round(mean([s.bytes_down for s in last_syncs])),
+        data_parallel_bytes_per_replica=round(2 * (n - 1) / n * 4 * parameters * steps) if n else 0,
+        sync_exposed_seconds=mean([s.sync_exposed_seconds for s in last_syncs]),
+    )
+
+
+def plot_losses(metrics: dict[str, ReplicaMetrics], path: Path, title: str) -> Path:
+    """Training loss per replica and held-out loss at each committed sync, against tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers and CI
+    from matplotlib import pyplot
+
+    figure, axes = pyplot.subplots(figsize=(8, 4.5))
+    for replica, m in sorted(metrics.items()):
+        if m.steps:
+            axes.plot([s.tokens for s in m.steps], [s.loss for s in m.steps], lw=1, label=replica)
+    evals = [
+        (s.tokens, s.eval_loss)
+        for m in metrics.values()
+        for s in m.syncs
+        if s.committed and s.eval_loss is not None
+    ]
+    if evals:
+        axes.scatter(*zip(*sorted(evals), strict=True), s=18, c="black", zorder=3,
+                     label="held-out (global weights)")  # fmt: skip
+    axes.set(xlabel="tokens per replica", ylabel="loss (nats per byte)", title=title)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize="small")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    pyplot.close(figure)
+    return path

@@ -1,0 +1,74 @@
+"""A run's status, one row per replica: from its metrics in the bucket and its job's state.
+
+The bucket is the one place every platform reports to, so training progress (outer step, loss,
+throughput, last seen) comes from there; the backend adds whether the job is still running.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from diloco_anywhere.backends.base import JobState, ReplicaHandle
+from diloco_anywhere.metrics import ReplicaMetrics
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    replica: str
+    platform: str
+    state: str  # starting, running, done, failed, exited (without saying done), unknown
+    outer_step: int
+    loss: float | None
+    eval_loss: float | None
+    tokens: int
+    tokens_per_second: float | None
+    bytes_up: int
+    bytes_down: int
+    last_seen_seconds: float | None  # since its newest metrics line
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _state(metrics: ReplicaMetrics | None, job: str) -> str:
+    if metrics is not None and metrics.state() in ("done", "failed"):
+        return metrics.state()
+    if job == "running":
+        return "running" if metrics and (metrics.steps or metrics.syncs) else "starting"
+    return {"exited": "exited", "failed": "failed"}.get(job, job)
+
+
+def replica_statuses(
+    metrics: dict[str, ReplicaMetrics],
+    handles: list[ReplicaHandle],
+    job_state: Callable[[ReplicaHandle], JobState],
+    now: float | None = None,
+) -> list[ReplicaStatus]:
+    """Rows for every launched replica and every replica that wrote metrics, by replica id.
+    ``job_state`` asks the backend that knows the job (the one that started it, if alive)."""
+    now = now or time.time()
+    jobs = {handle.replica_id: handle for handle in handles}
+    rows = []
+    for replica in sorted(jobs.keys() | metrics.keys()):
+        seen, handle = metrics.get(replica), jobs.get(replica)
+        job = job_state(handle) if handle else "unknown"
+        last_sync = seen.syncs[-1] if seen and seen.syncs else None
+        last_step = seen.steps[-1] if seen and seen.steps else None
+        rows.append(
+            ReplicaStatus(
+                replica=replica,
+                platform=handle.platform if handle else (seen.platform if seen else ""),
+                state=_state(seen, job),
+                outer_step=last_sync.outer_step if last_sync else 0,
+                loss=last_step.loss if last_step else None,
+                eval_loss=seen.latest_eval_loss() if seen else None,
+                tokens=last_step.tokens if last_step else 0,
+                tokens_per_second=last_sync.tokens_per_second if last_sync else None,
+                bytes_up=last_sync.bytes_up if last_sync else 0,
+                bytes_down=last_sync.bytes_down if last_sync else 0,
+                last_seen_seconds=now - seen.last_seen() if seen else None,
+            )
+        )
+    return rows

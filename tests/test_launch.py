@@ -1,0 +1,136 @@
+"""``diloco launch | status | logs | stop | report`` on local replica processes, end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from diloco_anywhere.cli import app
+
+RUN_TOML = """
+[run]
+name = "t"
+store = "store"
+replicas = {replicas}
+min_replicas = 2
+[diloco]
+sync_every = 5
+outer_steps = {outer_steps}
+codec = "fp32"
+inner_lr = 3e-3
+[sync]
+grace = 2.0
+timeout = 60.0
+lease_period = 1.0
+[task]
+log_every = 1
+[task.options]
+preset = "tiny"
+batch_size = 4
+corpus_bytes = 300000
+"""
+
+
+@pytest.fixture
+def run_toml(tmp_path, monkeypatch):
+    """A small run in an empty folder, which is also the current directory."""
+    monkeypatch.chdir(tmp_path)
+
+    def write(replicas: int = 2, outer_steps: int = 2) -> str:
+        (tmp_path / "run.toml").write_text(
+            RUN_TOML.format(replicas=replicas, outer_steps=outer_steps)
+        )
+        return str(tmp_path / "run.toml")
+
+    return write
+
+
+def diloco(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def statuses(config: str) -> dict[str, dict]:
+    result = diloco("status", "--config", config, "--json")
+    assert result.exit_code == 0, result.output
+    return {row["replica"]: row for row in json.loads(result.stdout)}
+
+
+def test_a_two_replica_run_finishes_and_reports(run_toml, tmp_path):
+    config = run_toml()
+    result = diloco("launch", "--config", config)
+    assert result.exit_code == 0, result.output
+    assert "Run summary" in result.stdout
+    assert "loss plot:" in result.stdout
+    rows = statuses(config)
+    assert {row["state"] for row in rows.values()} == {"done"}
+    assert {row["outer_step"] for row in rows.values()} == {2}
+    # the held-out loss is taken at the global weights: every replica gets the same number
+    assert len({row["eval_loss"] for row in rows.values()}) == 1
+
+    report = diloco("report", "--config", config, "--json")
+    assert report.exit_code == 0, report.output
+    summary = json.loads(report.stdout)
+    assert (summary["replicas"], summary["outer_steps"], summary["inner_steps_per_replica"]) == (
+        2, 2, 10,
+    )  # fmt: skip
+    assert summary["data_parallel_bytes_per_replica"] > summary["bytes_up_per_replica"] > 0
+    with open(summary["plot"], "rb") as plot:
+        assert plot.read(8) == b"\x89PNG\r\n\x1a\n"
+
+    logs = diloco("logs", "local-1", "--config", config)
+    assert logs.exit_code == 0
+    assert "replica local-1 done" in logs.stdout
+
+    again = diloco("launch", "--config", config)
+    assert again.exit_code == 1
+    assert "already has objects" in again.output
+    assert "--fresh" in again.output
+
+
+def test_a_killed_replica_leaves_the_others_to_finish(run_toml):
+    """min_replicas = 2 of 3: once local-2 is SIGKILLed, the others seal without it."""
+    config = run_toml(replicas=3, outer_steps=4)
+    assert diloco("launch", "--config", config, "--detach").exit_code == 0
+    state = json.loads(Path(".diloco/t/launch.json").read_text())
+    pids = {handle["replica_id"]: handle["job"]["pid"] for handle in state["replicas"]}
+    deadline = time.monotonic() + 120
+    while statuses(config).get("local-2", {}).get("outer_step", 0) < 1:
+        assert time.monotonic() < deadline, statuses(config)
+        time.sleep(0.5)
+    os.kill(pids["local-2"], signal.SIGKILL)
+    while {statuses(config)[r]["state"] for r in ("local-0", "local-1")} != {"done"}:
+        assert time.monotonic() < deadline, statuses(config)
+        time.sleep(0.5)
+    rows = statuses(config)
+    assert rows["local-2"]["state"] == "exited"
+    assert rows["local-2"]["outer_step"] < rows["local-0"]["outer_step"] == 4
+
+
+def test_a_bad_run_toml_prints_every_problem_and_starts_nothing(run_toml, tmp_path):
+    (tmp_path / "run.toml").write_text('[run]\nreplicas = 0\n[diloco]\ncodec = "fp4"\n')
+    result = diloco("launch", "--config", "run.toml")
+    assert result.exit_code == 1
+    assert "run.replicas = 0: Input should be greater than or equal to 1" in result.output
+    assert "diloco.codec = 'fp4'" in result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / ".diloco").exists()
+    assert not (tmp_path / "store").exists()
+
+
+def test_dry_run_prints_each_replica_spec_and_starts_nothing(run_toml, tmp_path):
+    config = run_toml(replicas=3)
+    result = diloco("launch", "--config", config, "--backend", "local", "--dry-run")
+    assert result.exit_code == 0, result.output
+    specs = json.loads(result.stdout)
+    assert [spec["replica_id"] for spec in specs] == ["local-0", "local-1", "local-2"]
+    assert [spec["env"]["DILOCO_REPLICA_INDEX"] for spec in specs] == ["0", "1", "2"]
+    assert {spec["env"]["DILOCO_STORE"] for spec in specs} == {str(tmp_path / "store")}
+    assert specs[0]["args"] == ["--config", config]
+    assert not (tmp_path / ".diloco").exists()
+    assert not (tmp_path / "store").exists()

@@ -1,0 +1,120 @@
+"""The pieces of a run: fragments, task entrypoints, backend counts, metrics in the bucket."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from diloco_anywhere.cli.run import parse_backends
+from diloco_anywhere.layout import RunLayout
+from diloco_anywhere.metrics import MetricsReader, MetricsWriter, StepLine, SyncLine
+from diloco_anywhere.store import Store
+from diloco_anywhere.task import TaskContext, build_task, load_entrypoint
+from diloco_anywhere.training import split_fragments
+
+
+def tied_model() -> nn.Module:
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 16), nn.Linear(16, 50, bias=False))
+    model[2].weight = model[0].weight  # tied, as GPT-2's head and embedding
+    return model
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_fragments_hold_every_parameter_once_in_order(count):
+    model = tied_model()
+    fragments = split_fragments(model, count)
+    held = [p for fragment in fragments for p in fragment.parameters()]
+    assert len(fragments) == count
+    assert [id(p) for p in held] == [id(p) for p in model.parameters()]
+    assert all(list(fragment.parameters()) for fragment in fragments)
+
+
+def test_fragments_balance_elements():
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(8)])
+    sizes = [sum(p.numel() for p in f.parameters()) for f in split_fragments(model, 4)]
+    assert sizes == [2 * (32 * 32 + 32)] * 4
+
+
+def test_one_fragment_is_the_model_and_too_many_is_an_error():
+    model = tied_model()
+    assert split_fragments(model, 1) == [model]
+    with pytest.raises(ValueError, match="5 fragments, but the model has 3 parameters"):
+        split_fragments(model, 5)
+
+
+CONTEXT = TaskContext(replica_index=0, replicas=1, seed=0, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    ("entrypoint", "message"),
+    [
+        ("no_function", "write it as 'package.module:function'"),
+        ("not_a_module_anywhere:build", "cannot import 'not_a_module_anywhere'"),
+        ("diloco_anywhere.task:no_such_function", "has no no_such_function()"),
+    ],
+)
+def test_bad_task_entrypoints_say_the_fix(entrypoint, message):
+    with pytest.raises(ValueError, match=message):
+        load_entrypoint(entrypoint)
+
+
+def test_a_task_function_must_return_a_task(tmp_path, monkeypatch):
+    (tmp_path / "my_task.py").write_text("def build(context):\n    return 42\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(TypeError, match="returned int; it must return a diloco_anywhere"):
+        build_task("my_task:build", CONTEXT)
+    sys.modules.pop("my_task", None)
+
+
+@pytest.mark.parametrize(
+    ("values", "counts"),
+    [(["local"], {"local": 4}), (["local=2"], {"local": 2})],
+)
+def test_backend_counts(values, counts):
+    assert parse_backends(values, replicas=4) == counts
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (["mainframe"], "choose from local"),
+        (["local", "local"], "give each a count"),
+        (["local=0"], "whole number >= 1"),
+    ],
+)
+def test_bad_backend_counts_say_what_is_allowed(values, message):
+    with pytest.raises(ValueError, match=message):
+        parse_backends(values, replicas=4)
+
+
+def _sync(outer_step: int, eval_loss: float | None) -> SyncLine:
+    return SyncLine(
+        outer_step=outer_step, committed=True, participants=2, eval_loss=eval_loss, tokens=100,
+        tokens_per_second=10.0, sync_exposed_seconds=0.5, bytes_up=10, bytes_down=20, time=1.0,
+    )  # fmt: skip
+
+
+def test_metrics_round_trip_through_the_store_and_skip_a_corrupt_chunk(caplog):
+    store, layout = Store("memory://metrics-round-trip"), RunLayout("run")
+    writer = MetricsWriter(store, layout, "local-0", 0, "local")
+    writer.event("started", parameters=1234)
+    writer.add(StepLine(step=5, loss=3.0, tokens=100, time=1.0))
+    writer.add(_sync(1, 2.5))
+    writer.flush()
+    store.put(layout.metrics_chunk("local-1", 0, 0), b"DLAR garbage")
+    reader = MetricsReader(store, layout)
+    with caplog.at_level(logging.WARNING):
+        replicas = reader.read()
+    assert list(replicas) == ["local-0"]
+    metrics = replicas["local-0"]
+    assert (metrics.parameters(), metrics.latest_eval_loss(), metrics.state()) == (
+        1234, 2.5, "started",
+    )  # fmt: skip
+    assert [s.loss for s in metrics.steps] == [3.0]
+    assert "skipping metrics chunk: run/metrics/local-1/000000-00000000" in caplog.text
+    writer.event("done")
+    assert reader.read()["local-0"].state() == "done"  # new chunks are picked up
