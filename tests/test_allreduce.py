@@ -95,8 +95,13 @@ def test_rounds_older_than_keep_rounds_are_deleted():
         for round_ in range(5):
             for fragment in (0, 1):
                 collective.allreduce(torch.ones(4), round_=round_, fragment=fragment).wait()
-    rounds = {tuple(key.split("/")[2:4]) for key in store.list_prefix("run/rounds")}
-    assert rounds == {(f"{r:010d}", f) for r in (3, 4) for f in ("0", "1")}
+    kept = {tuple(key.split("/")[2:5]) for key in store.list_prefix("run/rounds")}
+    with_data = {(r, f) for r, f, kind in kept if kind != "SEAL"}
+    assert with_data == {(f"{r:010d}", f) for r in (3, 4) for f in ("0", "1")}
+    # a collected round keeps its SEAL: a replica that far behind fails instead of resealing
+    assert {(r, f) for r, f, kind in kept if kind == "SEAL"} == {
+        (f"{r:010d}", f) for r in range(5) for f in ("0", "1")
+    }
 
 
 KILL_CONFIG = CollectiveConfig(

@@ -107,3 +107,30 @@ def test_bench_sync_rejects_what_it_cannot_run(option, message):
     result = run("bench", "sync", option)
     assert result.exit_code == 2
     assert message in result.output
+
+
+def test_bench_convergence_runs_diloco_and_ddp_at_equal_tokens(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = run("bench", "convergence", "--replicas", "2", "--sync-every", "5",
+                 "--outer-steps", "2", "--codec", "fp32", "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert (report["inner_steps"], report["replicas"]) == (10, 2)
+    assert 1.0 < report["diloco_eval_loss"] < 6.0
+    assert 1.0 < report["ddp_eval_loss"] < 6.0
+    # ten DDP steps of gradients against two syncs of pseudo-gradients
+    assert report["bytes_ratio"] > 3
+
+
+def test_bench_overlap_and_throughput_report_fractions_and_ratios(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    overlap = run("bench", "overlap", "--replicas", "2", "--sync-every", "4", "--outer-steps",
+                  "2", "--fragments", "2", "--delay", "1", "--json")  # fmt: skip
+    assert overlap.exit_code == 0, overlap.output
+    report = json.loads(overlap.stdout)
+    assert report["streaming"]["fragments"] == 2
+    for name in ("blocking", "streaming"):
+        assert 0 < report[name]["exposed_fraction"] < 1
+    throughput = run("bench", "throughput", "--sync-every", "5", "--outer-steps", "2", "--json")
+    assert throughput.exit_code == 0, throughput.output
+    assert json.loads(throughput.stdout)["ratio"] > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from dataclasses import asdict, replace
 
@@ -23,6 +24,7 @@ from diloco_anywhere.collective.round import (
     Round,
     RoundPolicy,
     RoundTimeoutError,
+    SealedContributionError,
     part_ranges,
 )
 from diloco_anywhere.layout import Participant, RunLayout
@@ -46,7 +48,7 @@ def weight(index: int) -> float:
 def policy(mode: str, replicas: int, **changes) -> RoundPolicy:
     base = RoundPolicy(
         min_replicas=1,
-        grace=5.0,
+        grace=60.0,  # every member is expected: sealing waits for all of them, however slow
         timeout=60.0,
         mode=mode,
         expected_replicas=replicas,
@@ -56,9 +58,11 @@ def policy(mode: str, replicas: int, **changes) -> RoundPolicy:
     return replace(base, **changes)
 
 
-def _replica(url, options, index, members, policy_fields, codec, delay, die, results):
+def _replica(url, options, index, members, policy_fields, codec, delay, late, die, results):
     time.sleep(delay)
     store = Store(url, storage_options=options)
+    while late and store.get_many([RUN.seal(0, 0)])[RUN.seal(0, 0)] is None:
+        time.sleep(0.05)  # a late replica: it contributes only once the round is sealed
     me = Participant(f"r{index}", 0)
     round_ = Round(
         store, RUN, 0, 0, me, [Participant(m, 0) for m in members], RoundPolicy(**policy_fields)
@@ -74,7 +78,7 @@ def _replica(url, options, index, members, policy_fields, codec, delay, die, res
         results.put((me.replica, f"error: {exc}", None, {}))
 
 
-def run_replicas(backend, indices, members, policy, codec="fp32", delays=None, dying=()):
+def run_replicas(backend, indices, members, policy, codec="fp32", delays=None, late=(), dying=()):
     """Run replica ``indices`` as processes; return {replica: (mean or error, seal, excluded)}."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
@@ -90,6 +94,7 @@ def run_replicas(backend, indices, members, policy, codec="fp32", delays=None, d
                 asdict(policy),
                 codec,
                 delays.get(i, 0.0),
+                i in late,
                 i in dying,
                 results,
             ),
@@ -172,7 +177,7 @@ def test_absent_member_is_sealed_out_after_the_grace_window(make_backend, mode):
 def test_late_replica_is_excluded_but_gets_the_same_result(make_backend, mode):
     outcomes = run_replicas(
         make_backend("path"), [0, 1, 2], ["r0", "r1", "r2"],
-        policy(mode, 3, min_replicas=2, grace=0.5), delays={2: 6.0},
+        policy(mode, 3, min_replicas=2, grace=0.5), late={2},
     )  # fmt: skip
     assert contributors(outcomes) == {("r0-0", "r1-0")}
     assert means(outcomes) == {reference([0, 1])}
@@ -298,3 +303,62 @@ def test_parts_tile_the_tensor_in_whole_blocks_and_come_in_multiples(
         assert max(map(len, ranges)) < part_elements + align
     sizes = [len(r) for r in ranges[:-1]]  # the last part may be short by a partial block
     assert not sizes or max(sizes) - min(sizes) <= align
+
+
+def _rounds_in_threads(store, contributions, policy_fields):
+    """Contribute each (name, tensor, fingerprint) in order, then finish all rounds at once."""
+    members = [Participant(name, 0) for name, _, _ in contributions]
+    rounds = {}
+    for name, tensor, fingerprint in contributions:
+        rounds[name] = Round(store, RUN, 0, 0, Participant(name, 0), members, policy_fields)
+        rounds[name].contribute(tensor, 1.0, make_codec("fp32"), fingerprint)
+    outcomes = {}
+
+    def finish(name):
+        try:
+            outcomes[name] = finish_round(rounds[name])
+        except Exception as exc:
+            outcomes[name] = exc
+
+    threads = [threading.Thread(target=finish, args=(name,)) for name in reversed(rounds)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return outcomes
+
+
+def test_a_replica_whose_weights_differ_is_left_out_and_fails_loudly():
+    """c missed a commit (another fingerprint): a and b seal without it; c, in the minority,
+    does not seal, and refuses the result instead of applying it to other weights."""
+    store = Store("memory://rounds-fingerprint")
+    tensors = [sample_tensor("gaussian", 100, seed=i) for i in range(3)]
+    outcomes = _rounds_in_threads(
+        store,
+        [
+            ("a", tensors[0], "step-4-aa"),
+            ("b", tensors[1], "step-4-aa"),
+            ("c", tensors[2], "step-3-cc"),
+        ],
+        RoundPolicy(grace=0.2, timeout=30.0),
+    )
+    for name in ("a", "b"):
+        assert outcomes[name].seal.contributors == ("a-0", "b-0")
+        assert torch.equal(
+            outcomes[name].mean, weighted_mean([(tensors[0], 1.0), (tensors[1], 1.0)])
+        )
+    assert isinstance(outcomes["c"], SealedContributionError)
+    assert "this replica's global weights (step-3-cc) differ" in str(outcomes["c"])
+
+
+def test_a_result_laid_out_unlike_what_a_replica_sent_is_refused():
+    store = Store("memory://rounds-layout")
+    big, small = sample_tensor("gaussian", 200, seed=0), sample_tensor("gaussian", 100, seed=1)
+    policy = RoundPolicy(grace=0.2, timeout=30.0)
+    sealed = Round(store, RUN, 0, 0, Participant("a", 0), [Participant("a", 0)], policy)
+    sealed.contribute(big, 1.0, make_codec("fp32"))
+    assert finish_round(sealed).seal.contributors == ("a-0",)
+    late = Round(store, RUN, 0, 0, Participant("b", 0), [Participant("b", 0)], policy)
+    late.contribute(small, 1.0, make_codec("fp32"))
+    with pytest.raises(SealedContributionError, match="this replica sent 100 values"):
+        finish_round(late)

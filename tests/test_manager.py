@@ -27,7 +27,7 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
 
 
-def train(manager, replica: int, fragments: int, delay: int) -> dict[str, list]:
+def train(manager, replica: int, fragments: int, delay: int, bucketize: bool) -> dict[str, list]:
     """torchft's DiLoCo with the paper's optimizers (inner AdamW; outer SGD, Nesterov, lr 0.7,
     momentum 0.9) on replica-specific data, until OUTER_STEPS commits."""
     from torchft.local_sgd import DiLoCo
@@ -41,7 +41,7 @@ def train(manager, replica: int, fragments: int, delay: int) -> dict[str, list]:
     data = torch.Generator().manual_seed(100 + replica)
     with DiLoCo(
         manager, parts, inner, outers, sync_every=SYNC_EVERY, pin_memory=False,
-        fragment_sync_delay=delay,
+        fragment_sync_delay=delay, use_bucketization=bucketize, bucket_cap_mb=1,
     ):  # fmt: skip
         for _ in range(4 * SYNC_EVERY * OUTER_STEPS):  # bounded: a failing sync does not commit
             if manager.current_step() >= OUTER_STEPS * fragments:
@@ -54,7 +54,7 @@ def train(manager, replica: int, fragments: int, delay: int) -> dict[str, list]:
     return {name: value.tolist() for name, value in model.state_dict().items()}  # exact floats
 
 
-def _ours(url, replica, fragments, delay, barrier, results):
+def _ours(url, replica, fragments, delay, bucketize, barrier, results):
     config = CollectiveConfig(
         round=RoundPolicy(min_replicas=2, grace=30.0, timeout=60.0, expected_replicas=2)
     )
@@ -62,12 +62,14 @@ def _ours(url, replica, fragments, delay, barrier, results):
     barrier.wait()  # both are members before the first round
     manager = BucketManager(collective, min_replicas=2)
     try:
-        results.put((replica, train(manager, replica, fragments, delay), manager.current_step()))
+        results.put(
+            (replica, train(manager, replica, fragments, delay, bucketize), manager.current_step())
+        )
     finally:
         manager.shutdown()
 
 
-def _torchft(lighthouse, replica, fragments, delay, barrier, results):
+def _torchft(lighthouse, replica, fragments, delay, bucketize, barrier, results):
     import torch.distributed as dist
     from torchft import Manager, ProcessGroupGloo
 
@@ -79,16 +81,20 @@ def _torchft(lighthouse, replica, fragments, delay, barrier, results):
         timeout=timedelta(seconds=60),
     )  # fmt: skip
     try:
-        results.put((replica, train(manager, replica, fragments, delay), manager.current_step()))
+        results.put(
+            (replica, train(manager, replica, fragments, delay, bucketize), manager.current_step())
+        )
     finally:
         manager.shutdown(wait=False)
 
 
-def run_pair(target, where, fragments, delay) -> list[dict[str, torch.Tensor]]:
+def run_pair(target, where, fragments, delay, bucketize) -> list[dict[str, torch.Tensor]]:
     context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(2), context.Queue()
     processes = [
-        context.Process(target=target, args=(where, i, fragments, delay, barrier, results))
+        context.Process(
+            target=target, args=(where, i, fragments, delay, bucketize, barrier, results)
+        )
         for i in range(2)
     ]
     for process in processes:
@@ -103,17 +109,20 @@ def run_pair(target, where, fragments, delay) -> list[dict[str, torch.Tensor]]:
     return [outcomes[i][0] for i in range(2)]
 
 
-@pytest.mark.parametrize(("fragments", "delay"), [(1, 0), (2, 1)])
-def test_bucket_manager_matches_torchfts_manager(tmp_path, fragments, delay):
-    """DiLoCo (1 fragment) and Streaming DiLoCo (2 fragments, tau = 1)."""
+@pytest.mark.parametrize(
+    ("fragments", "delay", "bucketize"), [(1, 0, False), (2, 1, False), (1, 0, True)]
+)
+def test_bucket_manager_matches_torchfts_manager(tmp_path, fragments, delay, bucketize):
+    """DiLoCo (1 fragment), Streaming DiLoCo (2 fragments, tau = 1), and DiLoCo with
+    bucketized allreduce (results copied back in a ``then`` callback)."""
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
     try:
-        reference = run_pair(_torchft, lighthouse.address(), fragments, delay)
+        reference = run_pair(_torchft, lighthouse.address(), fragments, delay, bucketize)
     finally:
         lighthouse.shutdown()
-    ours = run_pair(_ours, str(tmp_path), fragments, delay)
+    ours = run_pair(_ours, str(tmp_path), fragments, delay, bucketize)
     initial = make_model().state_dict()
     # The run ends at the last fragment's sync: that fragment holds the global weights on both
     # replicas; an earlier fragment has taken local steps since its own sync.

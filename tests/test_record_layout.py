@@ -112,3 +112,15 @@ def test_contributor_names_split_back_even_with_dashes(replica, incarnation):
 def test_bad_layout_inputs_say_what_is_allowed(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+@pytest.mark.parametrize(
+    "contributors", [(), ("b-0", "a-0"), ("a-0", "a-0"), ("a-0", "../x-0"), ("a-x",)]
+)
+def test_a_seal_lists_sorted_distinct_contributor_names(contributors):
+    """A duplicate would count one contribution twice; a bad name must not reach a key."""
+    from diloco_anywhere.collective.records import Seal
+
+    fields = {"run": "run", "round": 0, "fragment": 0, "mode": "gather", "sealed_by": "a-0"}
+    with pytest.raises(ValueError, match="contributor"):
+        Seal(contributors=contributors, **fields)

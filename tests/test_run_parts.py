@@ -118,3 +118,13 @@ def test_metrics_round_trip_through_the_store_and_skip_a_corrupt_chunk(caplog):
     assert "skipping metrics chunk: run/metrics/local-1/000000-00000000" in caplog.text
     writer.event("done")
     assert reader.read()["local-0"].state() == "done"  # new chunks are picked up
+
+
+def test_a_metrics_chunk_at_another_replicas_key_is_skipped(caplog):
+    store, layout = Store("memory://metrics-misplaced"), RunLayout("run")
+    MetricsWriter(store, layout, "local-0", 0, "local").event("started")
+    data = store.get(layout.metrics_chunk("local-0", 0, 0))
+    store.put(layout.metrics_chunk("local-1", 0, 0), data)  # copied under another replica
+    with caplog.at_level(logging.WARNING):
+        assert list(MetricsReader(store, layout).read()) == ["local-0"]
+    assert "run/metrics/local-1/000000-00000000: chunk of run/local-0 belongs at" in caplog.text

@@ -98,6 +98,8 @@ class TaskSection(_Section):
     device: str = "auto"  # auto: cuda when there is one, else cpu
     options: dict[str, Any] = Field(default_factory=dict)
     log_every: PositiveInt = 10  # inner steps between two loss lines in the metrics
+    # Outer steps between held-out evaluations (and always the last one); 0: never.
+    eval_every: Annotated[int, Field(ge=0)] = 1
 
 
 class RunConfig(_Section):

@@ -2,10 +2,11 @@
 through the bucket instead of a Lighthouse and a process group.
 
 torchft's DiLoCo (``torchft/local_sgd.py``, 0.2.0) drives a sync like this: ``start_quorum()``;
-``allreduce(tensor)`` once per parameter (or per bucket with ``use_bucketization``), keeping
-each returned work; later ``work.wait()`` on each; then ``should_commit()``, which advances
-the step when it returns True and otherwise makes DiLoCo restore the global weights. With
-``fragment_sync_delay`` > 0 the inner steps in between run while the sync is in flight.
+``allreduce(tensor)`` once per parameter (or per bucket with ``use_bucketization``, adding a
+``then`` callback that copies the result back), keeping each returned work; later
+``work.wait()`` on each; then ``should_commit()``, which advances the step when it returns
+True and otherwise makes DiLoCo restore the global weights. With ``fragment_sync_delay`` > 0
+the inner steps in between run while the sync is in flight.
 
 One sync is one bucket round, however many tensors it holds: the tensors are coalesced into one
 flat contribution. The batch is sent when it is complete, which the call sequence tells
@@ -15,6 +16,11 @@ into the given tensors in place, as torchft's average is.
 
 As in torchft, a failed sync does not raise from ``allreduce`` or ``wait``: the error is kept,
 ``errored()`` returns it and ``should_commit()`` returns False.
+
+Every contribution carries a fingerprint of this replica's global weights: the committed step
+and a CRC32C chain over every committed result. Replicas that committed the same results have
+the same fingerprint; one that missed a commit (a failure only it saw) no longer matches, is
+left out of rounds, and fails loudly instead of averaging against weights it does not share.
 """
 
 from __future__ import annotations
@@ -23,9 +29,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import crc32c
 import torch
 from torch.distributed import ReduceOp
 
@@ -34,6 +42,20 @@ from diloco_anywhere.collective.allreduce import BucketCollective, RoundResult, 
 
 log = logging.getLogger(__name__)
 StateDictFns = tuple[Callable[[Any], None], Callable[[], Any]]
+Batch = list[tuple[torch.Tensor, torch.futures.Future]]
+
+
+@dataclass
+class _Sync:
+    """One sync's state. Round callbacks write only to their own ``_Sync``, so a late
+    callback of an abandoned round cannot touch the next one."""
+
+    batch: Batch = field(default_factory=list)
+    quantize: bool = False
+    work: Work | None = None
+    result: RoundResult | None = None
+    error: Exception | None = None
+    written_back: threading.Event = field(default_factory=threading.Event)
 
 
 class SyncWork:
@@ -43,10 +65,10 @@ class SyncWork:
         self._manager, self._future = manager, future
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        """Send the batch if not sent yet, then wait for this tensor's result."""
+        """Send the batch if not sent yet; return once the results, and the ``then``
+        callbacks of every future of the batch, are done (or the wait timed out)."""
         self._manager.send()
         self._manager.wait_for_round(timeout)
-        self._future.wait()
         return True
 
     def get_future(self) -> torch.futures.Future:
@@ -60,8 +82,8 @@ class BucketManager:
 
     ``codec`` encodes every sync; ``quantized_codec`` (int8 by default) those that torchft
     asks to quantize (``should_quantize=True``). ``min_replicas``: a round sealed with fewer
-    contributors is not committed. Each contribution is weighted by ``set_weight`` (e.g. the
-    tokens processed since the last sync), 1.0 by default.
+    contributors is not committed. Each contribution is weighted by ``set_weight`` (the tokens
+    a replica trained on per sync, which differ when platforms run different batch sizes).
     """
 
     _use_async_quorum = False  # DiLoCo refuses an async quorum
@@ -81,22 +103,20 @@ class BucketManager:
         self._min_replicas, self._timeout = min_replicas, timeout
         self._step = self._batches_committed = 0
         self._sync = 0  # bucket round of the next sync: advances on every sync, committed or not
+        self._chain = 0  # CRC32C over every committed result: the weights' fingerprint
         self._weight = 1.0
-        self._pending: list[tuple[torch.Tensor, torch.futures.Future]] = []
-        self._quantize = False
-        self._round: Work | None = None
-        self._written_back = threading.Event()  # the round's results are in the tensors
+        self._current = _Sync()
         self._last: RoundResult | None = None
-        self._errored: Exception | None = None
         self._state_dict_fns: dict[str, StateDictFns] = {}
         self.syncs_attempted = 0  # should_commit calls: one per fragment sync
+        self.last_sync_error: Exception | None = None  # of the last should_commit
         self.exposed_seconds = 0.0  # time the training thread spent blocked on syncs
 
     # -- a sync --------------------------------------------------------------------------------
 
     def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False, **_: Any) -> None:
         """Begin a sync. There is no quorum to wait for: a round's SEAL decides who is in."""
-        self._errored, self._pending, self._round = None, [], None
+        self._current = _Sync()
 
     def wait_quorum(self) -> None:
         """Nothing to wait for (see ``start_quorum``)."""
@@ -107,85 +127,97 @@ class BucketManager:
         """Add ``tensor`` to this sync's batch; it is averaged in place once the round is done."""
         if reduce_op != ReduceOp.AVG:
             raise ValueError(f"reduce_op {reduce_op}: the bucket collective averages (AVG) only")
-        if self._round is not None:
+        if self._current.work is not None:
             raise RuntimeError("allreduce after this sync was sent: call start_quorum() first")
         future: torch.futures.Future = torch.futures.Future()
-        self._pending.append((tensor, future))
-        self._quantize = self._quantize or should_quantize
+        self._current.batch.append((tensor, future))
+        self._current.quantize |= should_quantize
         return SyncWork(self, future)
+
+    def fingerprint(self) -> str:
+        return f"step-{self._step}-{self._chain:08x}"
 
     def send(self) -> None:
         """Send the batch as one round (once; later calls do nothing)."""
-        if self._round is not None or not self._pending:
+        sync = self._current
+        if sync.work is not None or not sync.batch:
             return
         started = time.perf_counter()
-        flat = torch.cat(
-            [t.detach().reshape(-1).to("cpu", torch.float32) for t, _ in self._pending]
-        )
-        codec = self._quantized_codec if self._quantize else self._codec
-        self._round = self._collective.allreduce(
-            flat, round_=self._sync, weight=self._weight, codec=codec
+        flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t, _ in sync.batch])
+        sync.work = self._collective.allreduce(
+            flat,
+            round_=self._sync,
+            weight=self._weight,
+            codec=self._quantized_codec if sync.quantize else self._codec,
+            fingerprint=self.fingerprint(),
         )
         self._sync += 1
-        self._written_back.clear()
-        self._round.add_done_callback(self._complete(list(self._pending)))
+        sync.work.add_done_callback(lambda work: self._complete(sync, work))
         self.exposed_seconds += time.perf_counter() - started
 
-    def _complete(self, batch: list[tuple[torch.Tensor, torch.futures.Future]]):
-        """Write the mean back into the batch's tensors and complete their futures; on error
-        keep it (``errored``) and complete them anyway, as torchft does."""
-
-        def callback(work: Work) -> None:
-            try:
-                result = work.result()
-                offset = 0
-                for tensor, _ in batch:
-                    values = result.mean[offset : offset + tensor.numel()].view(tensor.shape)
-                    with torch.no_grad():
-                        tensor.copy_(values)
-                    offset += tensor.numel()
-                self._last = result
-            except Exception as exc:
-                log.warning("sync %d failed: %s", self._sync - 1, exc)
-                self.report_error(exc)
-            self._written_back.set()
-            for tensor, future in batch:
-                future.set_result(tensor)
-
-        return callback
+    @staticmethod
+    def _complete(sync: _Sync, work: Work) -> None:
+        """On the round's thread: write the mean into the batch's tensors, complete their
+        futures (running DiLoCo's ``then`` callbacks), and only then signal ``written_back``.
+        On error keep it and complete the futures anyway, as torchft does."""
+        try:
+            result = work.result()
+            total = sum(tensor.numel() for tensor, _ in sync.batch)
+            if result.mean.numel() != total:
+                raise RuntimeError(
+                    f"round result has {result.mean.numel()} values; this sync sent {total}"
+                )
+            offset = 0
+            for tensor, _ in sync.batch:
+                values = result.mean[offset : offset + tensor.numel()].view(tensor.shape)
+                with torch.no_grad():
+                    tensor.copy_(values)
+                offset += tensor.numel()
+            sync.result = result
+        except Exception as exc:
+            log.warning("sync failed: %s", exc)
+            sync.error = exc
+        for tensor, future in sync.batch:
+            future.set_result(tensor)
+        sync.written_back.set()
 
     def wait_for_round(self, timeout: timedelta | None = None) -> None:
-        """Wait until the round's results are in the tensors, or keep a timeout as the error."""
-        if self._round is None:
+        """Wait until this sync's results are in place, or keep a timeout as its error."""
+        sync = self._current
+        if sync.work is None:
             return
         started = time.perf_counter()
-        try:
-            self._round.wait((timeout or self._timeout).total_seconds())
-            self._written_back.wait()
-        except TimeoutError as exc:
-            self.report_error(exc)
-        except Exception:  # the round's own error: the done callback keeps it
-            self._written_back.wait()
-        finally:
-            self.exposed_seconds += time.perf_counter() - started
+        seconds = (timeout or self._timeout).total_seconds()
+        if not sync.written_back.wait(seconds):
+            sync.error = sync.error or TimeoutError(
+                f"sync {self._sync - 1} not done after {seconds:g}s; raise sync.timeout in "
+                f"run.toml if rounds are this slow"
+            )
+        self.exposed_seconds += time.perf_counter() - started
 
     def should_commit(self, timeout: timedelta | None = None) -> bool:
         """True when this sync's round finished without error among at least ``min_replicas``;
-        then the step advances. DiLoCo restores the global weights on False."""
+        then the step advances and the fingerprint chains the result. DiLoCo restores the
+        global weights on False."""
         self.send()
         self.wait_for_round(timeout)
         self.syncs_attempted += 1
-        commit = self._errored is None and (
-            self._round is None or self.num_participants() >= self._min_replicas
+        sync = self._current
+        commit = sync.error is None and (
+            sync.result is None or len(sync.result.seal.contributors) >= self._min_replicas
         )
         if commit:
+            if sync.result is not None:
+                self._last = sync.result
+                self._chain = crc32c.crc32c(sync.result.mean.numpy(), self._chain)
             self._step += 1
             self._batches_committed += self.num_participants()
-        self._pending, self._round = [], None
+        self.last_sync_error = sync.error
+        self._current = _Sync()
         return commit
 
     def set_weight(self, weight: float) -> None:
-        """This replica's weight in the next syncs (e.g. tokens since the last sync)."""
+        """This replica's weight in the next syncs (e.g. tokens per sync)."""
         self._weight = float(weight)
 
     # -- state ---------------------------------------------------------------------------------
@@ -197,7 +229,7 @@ class BucketManager:
         return self._batches_committed
 
     def num_participants(self) -> int:
-        """Contributors of the last finished round (1 before any)."""
+        """Contributors of the last committed round (1 before any)."""
         return len(self._last.seal.contributors) if self._last else 1
 
     def participating_rank(self) -> int | None:
@@ -211,10 +243,10 @@ class BucketManager:
         return True  # a late replica is left out of a SEAL but still receives the result
 
     def report_error(self, e: Exception) -> None:
-        self._errored = e
+        self._current.error = e
 
     def errored(self) -> Exception | None:
-        return self._errored
+        return self._current.error
 
     def register_state_dict_fn(
         self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
@@ -230,11 +262,18 @@ class BucketManager:
         self.send()
 
     def state_dict(self) -> dict[str, int]:
-        return {"step": self._step, "batches_committed": self._batches_committed}
+        return {
+            "step": self._step,
+            "batches_committed": self._batches_committed,
+            "sync": self._sync,
+            "chain": self._chain,
+        }
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         self._step = state_dict["step"]
         self._batches_committed = state_dict["batches_committed"]
+        self._sync = state_dict.get("sync", self._sync)
+        self._chain = state_dict.get("chain", self._chain)
 
     def shutdown(self, wait: bool = True) -> None:
         self._collective.close()

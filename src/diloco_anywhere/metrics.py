@@ -37,7 +37,7 @@ class StepLine(Record):
 
 class SyncLine(Record):
     kind: Literal["sync"] = "sync"
-    outer_step: Count  # the manager's step after this sync (advances on commit)
+    outer_step: Count  # whole outer steps committed (every fragment synced) after this sync
     committed: bool
     participants: Count
     eval_loss: float | None
@@ -146,10 +146,19 @@ class MetricsReader:
             if data is None:
                 continue  # deleted between the listing and the read
             try:
-                self._chunks[key] = decode_record(data, MetricsChunk, key=key)
+                self._chunks[key] = self._checked(decode_record(data, MetricsChunk, key=key), key)
             except WireFormatError as exc:
                 log.warning("skipping metrics chunk: %s", exc)
                 self._chunks[key] = None
+
+    def _checked(self, chunk: MetricsChunk, key: str) -> MetricsChunk:
+        """A chunk must sit at the key its own fields name (no credit to another replica)."""
+        expected = self.layout.metrics_chunk(chunk.replica, chunk.incarnation, chunk.seq)
+        if chunk.run != self.layout.run or key != expected:
+            raise WireFormatError(
+                key, f"chunk of {chunk.run}/{chunk.replica} belongs at {expected}"
+            )
+        return chunk
 
     def read(self) -> dict[str, ReplicaMetrics]:
         """Every replica's metrics, by replica id."""

@@ -24,7 +24,7 @@ from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.config import ConfigError, RunConfig, load_config, validate_config
 from diloco_anywhere.layout import RunLayout, check_name
 from diloco_anywhere.metrics import MetricsWriter
-from diloco_anywhere.store import Store, StoreError
+from diloco_anywhere.store import Store, StoreError, scrub_secrets
 from diloco_anywhere.training import collective_config, train
 
 log = logging.getLogger("diloco_anywhere.replica")
@@ -94,7 +94,7 @@ def run_replica(config: RunConfig, replica_id: str, index: int, platform: str) -
             result = train(config, store, collective, metrics, index)
         except Exception as exc:
             metrics.flush()
-            metrics.event("failed", f"{type(exc).__name__}: {exc}"[:2000])
+            metrics.event("failed", scrub_secrets(f"{type(exc).__name__}: {exc}")[:2000])
             raise
         metrics.event(
             "done", f"{result.outer_steps} outer steps, {result.tokens} tokens, "

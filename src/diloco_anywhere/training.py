@@ -13,6 +13,7 @@ import bisect
 import itertools
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 from torch import nn
@@ -25,7 +26,7 @@ from diloco_anywhere.collective.round import RoundPolicy
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.manager import BucketManager
 from diloco_anywhere.metrics import MetricsWriter, StepLine, SyncLine
-from diloco_anywhere.store import Store
+from diloco_anywhere.store import Store, scrub_secrets
 from diloco_anywhere.task import Task, TaskContext, build_task
 
 MAX_FAILED_SYNCS = 5  # in a row; then the replica stops with the last error
@@ -72,7 +73,10 @@ def split_fragments(model: nn.Module, count: int) -> list[nn.Module]:
         return [model]
     parameters = list(model.parameters())
     if len(parameters) < count:
-        raise ValueError(f"{count} fragments, but the model has {len(parameters)} parameters")
+        raise ValueError(
+            f"{count} fragments, but the model has {len(parameters)} parameters: lower "
+            f"diloco.fragments in run.toml"
+        )
     cumulative = list(itertools.accumulate(p.numel() for p in parameters))
     edges = [0]
     for k in range(1, count):  # cut where k/count of the elements are behind, >= 1 per fragment
@@ -101,6 +105,14 @@ class _Run:
         self.eval_loss: float | None = None
         self.tokens_at_sync, self.time_at_sync = 0, time.perf_counter()
 
+    def _evaluation_due(self) -> bool:
+        """Every ``eval_every`` outer steps (all fragments synced), and at the last one."""
+        every, fragments = self.config.task.eval_every, self.config.diloco.fragments
+        step, last = self.manager.current_step(), self.config.diloco.outer_steps * fragments
+        return bool(self.task.evaluate and every) and (
+            step % (every * fragments) == 0 or step == last
+        )
+
     def record_step(self, loss: torch.Tensor, metrics: MetricsWriter) -> None:
         self.inner_steps += 1
         self.tokens += self.task.tokens_per_batch
@@ -110,14 +122,14 @@ class _Run:
                                  time=time.time()))  # fmt: skip
 
     def record_sync(self, committed: bool, model: nn.Module, metrics: MetricsWriter) -> None:
-        error = self.manager.errored()
+        error = self.manager.last_sync_error
         self.failed_in_a_row = 0 if committed else self.failed_in_a_row + 1
-        if committed and self.task.evaluate is not None:
-            self.eval_loss = self.task.evaluate(model)
+        if committed and self._evaluation_due():
+            self.eval_loss = self.task.evaluate(model)  # type: ignore[misc]
         now, traffic = time.perf_counter(), self.store.stats()
         metrics.add(
             SyncLine(
-                outer_step=self.manager.current_step(),
+                outer_step=self.manager.current_step() // self.config.diloco.fragments,
                 committed=committed,
                 participants=self.manager.num_participants(),
                 eval_loss=self.eval_loss if committed else None,
@@ -126,14 +138,19 @@ class _Run:
                 sync_exposed_seconds=self.manager.exposed_seconds,
                 bytes_up=traffic.bytes_up,
                 bytes_down=traffic.bytes_down,
-                error=None if error is None else f"{type(error).__name__}: {error}"[:2000],
+                error=None
+                if error is None
+                else scrub_secrets(f"{type(error).__name__}: {error}")[:2000],
                 time=time.time(),
             )
         )
         metrics.flush()
         self.tokens_at_sync, self.time_at_sync = self.tokens, now
         if self.failed_in_a_row >= MAX_FAILED_SYNCS:
-            raise SyncFailedError(f"{self.failed_in_a_row} syncs in a row failed; last: {error}")
+            raise SyncFailedError(
+                f"{self.failed_in_a_row} syncs in a row failed; last: {error}. See the other "
+                f"replicas with `diloco status` and `diloco logs`"
+            )
 
 
 def train(
@@ -162,7 +179,11 @@ def train(
         f"shard {replica_index} of {config.run.replicas}",
         parameters=sum(p.numel() for p in model.parameters()),
     )
-    manager = BucketManager(collective, min_replicas=config.run.min_replicas)
+    manager = BucketManager(
+        collective,
+        min_replicas=config.run.min_replicas,
+        timeout=timedelta(seconds=2 * config.sync.timeout),  # a seal, then a reduce
+    )
     manager.set_weight(task.tokens_per_batch * diloco.sync_every / diloco.fragments)
     fragments = split_fragments(model, diloco.fragments)
     inner = torch.optim.AdamW(

@@ -23,7 +23,7 @@ from diloco_anywhere.bench.store import sample_tensor
 from diloco_anywhere.codec import make_codec
 from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig
 from diloco_anywhere.collective.round import RoundPolicy
-from diloco_anywhere.store import Store
+from diloco_anywhere.store import Store, redact_url
 
 MODES = ("gather", "sharded", "auto")
 
@@ -132,7 +132,7 @@ def bench_sync(
     payload = make_codec(codec).payload_nbytes(size // 4)
     bound_up, bound_down = traffic_bound(sealed_mode, replicas, payload)
     return {
-        "url": url,
+        "url": redact_url(url),
         "mode": sealed_mode,
         "codec": codec,
         "replicas": replicas,

@@ -176,3 +176,82 @@ def bench_sync_command(
         f"{result['payload_bytes']:,}-byte payload; raw = parallel file copy of the same bytes"
     )
     stdout.print(table)
+
+
+Replicas = Annotated[int, typer.Option(min=1, max=16, help="Replica processes.")]
+SyncEvery = Annotated[int, typer.Option(min=1, help="H: inner steps per outer step.")]
+OuterSteps = Annotated[int, typer.Option(min=1, help="Outer steps of each run.")]
+JsonOutput = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+
+
+def _print_result(result: dict[str, Any], title: str, json_output: bool) -> None:
+    if json_output:
+        print(json.dumps(result, indent=2))
+        return
+    table = Table(title=title, show_header=False)
+    for key, value in result.items():
+        shown = (
+            json.dumps(value)
+            if isinstance(value, dict)
+            else (f"{value:,.4g}" if isinstance(value, float) else str(value))
+        )
+        table.add_row(key, shown)
+    stdout.print(table)
+
+
+@bench_app.command("convergence")
+def bench_convergence_command(
+    replicas: Replicas = 4,
+    sync_every: SyncEvery = 50,
+    outer_steps: OuterSteps = 10,
+    codec: Annotated[str, typer.Option(help="fp32, bf16 or int8.")] = "int8",
+    json_output: JsonOutput = False,
+) -> None:
+    """Compare DiLoCo with synchronous data parallel (DDP, gloo) at equal tokens.
+
+    Reports the held-out loss of both, their ratio, and the bytes each replica sent.
+    """
+    from diloco_anywhere.bench.train import bench_config, bench_convergence
+
+    with user_errors(), progress_display() as status:
+        config = bench_config(
+            run__replicas=replicas, diloco__sync_every=sync_every,
+            diloco__outer_steps=outer_steps, diloco__codec=codec,
+        )  # fmt: skip
+        result = bench_convergence(config, status)
+    _print_result(result, "DiLoCo vs data parallel", json_output)
+
+
+@bench_app.command("overlap")
+def bench_overlap_command(
+    replicas: Replicas = 4,
+    sync_every: SyncEvery = 48,
+    outer_steps: OuterSteps = 6,
+    fragments: Annotated[int, typer.Option(min=2, help="Streaming DiLoCo fragments.")] = 4,
+    delay: Annotated[int, typer.Option(min=1, help="tau: inner steps a sync overlaps.")] = 6,
+    json_output: JsonOutput = False,
+) -> None:
+    """Measure sync time exposed to training: blocking syncs vs Streaming DiLoCo."""
+    from diloco_anywhere.bench.train import bench_config, bench_overlap
+
+    with user_errors(), progress_display() as status:
+        config = bench_config(
+            run__replicas=replicas, diloco__sync_every=sync_every, diloco__outer_steps=outer_steps
+        )
+        result = bench_overlap(config, fragments, delay, status)
+    _print_result(result, "Exposed sync time", json_output)
+
+
+@bench_app.command("throughput")
+def bench_throughput_command(
+    sync_every: SyncEvery = 50,
+    outer_steps: OuterSteps = 6,
+    json_output: JsonOutput = False,
+) -> None:
+    """Measure a DiLoCo replica's inner-loop tokens/s against a plain PyTorch loop."""
+    from diloco_anywhere.bench.train import bench_config, bench_throughput
+
+    with user_errors(), progress_display() as status:
+        config = bench_config(diloco__sync_every=sync_every, diloco__outer_steps=outer_steps)
+        result = bench_throughput(config, status)
+    _print_result(result, "Inner-loop throughput", json_output)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
@@ -12,7 +13,7 @@ from rich.live import Live
 from rich.table import Table
 
 from diloco_anywhere.backends import BACKENDS, get_backend
-from diloco_anywhere.backends.base import Backend, ReplicaHandle
+from diloco_anywhere.backends.base import Backend, ReplicaHandle, ReplicaSpec
 from diloco_anywhere.cli.common import stderr, stdout, user_errors
 from diloco_anywhere.config import RunConfig, load_config, validate_config
 from diloco_anywhere.launch import (
@@ -26,9 +27,10 @@ from diloco_anywhere.launch import (
 )
 from diloco_anywhere.layout import RunLayout
 from diloco_anywhere.metrics import MetricsReader
+from diloco_anywhere.replica import ENV_STORE
 from diloco_anywhere.report import RunSummary, plot_losses, summarize
 from diloco_anywhere.status import ReplicaStatus, replica_statuses
-from diloco_anywhere.store import Store
+from diloco_anywhere.store import Store, redact_url
 
 CONFIG_OPTION = typer.Option(
     "--config", help="run.toml of the run. Default: the embedded demo run (4 local replicas)."
@@ -36,6 +38,12 @@ CONFIG_OPTION = typer.Option(
 JSON_OPTION = typer.Option("--json", help="Print JSON instead of a table (for scripts).")
 ConfigPath = Annotated[Path | None, CONFIG_OPTION]
 JsonFlag = Annotated[bool, JSON_OPTION]
+
+
+def _shown(spec: ReplicaSpec) -> dict:
+    """A spec as --dry-run prints it: the store URL without credentials or query."""
+    env = {**spec.env, ENV_STORE: redact_url(spec.env[ENV_STORE])}
+    return {**asdict(spec), "env": env, "args": list(spec.args)}
 
 
 def parse_backends(values: list[str], replicas: int) -> dict[str, int]:
@@ -91,7 +99,7 @@ def _follow(plan: LaunchPlan, started: dict[str, tuple[Backend, list[ReplicaHand
     handles = [h for _, hs in started.values() for h in hs]
     reader = MetricsReader(Store(plan.config.store_url()), RunLayout(plan.config.run.name))
     job_state = _job_state(started)
-    target = plan.config.diloco.outer_steps * plan.config.diloco.fragments
+    target = plan.config.diloco.outer_steps
     title = f"run {plan.config.run.name}: {len(handles)} replicas, {target} outer steps"
     try:
         with Live(console=stderr, refresh_per_second=2) as live:
@@ -146,12 +154,13 @@ def launch(
         config = _sized(config, sum(counts.values()))
         plan = plan_launch(config, counts)
         if dry_run:
-            print(json.dumps([spec.__dict__ for spec in plan.specs], indent=2, default=list))
+            print(json.dumps([_shown(spec) for spec in plan.specs], indent=2))
             return
         if store_has_run(config):
             if not fresh:
                 raise ValueError(
-                    f"run {config.run.name!r} already has objects in {config.run.store}: "
+                    f"run {config.run.name!r} already has objects in "
+                    f"{redact_url(config.run.store)}: "
                     f"pass --fresh to delete them and start over, or choose another run.name"
                 )
             delete_run_objects(config)

@@ -14,6 +14,7 @@ the collective opens and keeps its lease alive with a heartbeat until it closes.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -33,7 +34,9 @@ from diloco_anywhere.collective.records import Seal
 from diloco_anywhere.collective.round import Round, RoundPolicy
 from diloco_anywhere.collective.sharded import sharded_mean
 from diloco_anywhere.layout import Participant, RunLayout
-from diloco_anywhere.store import Store
+from diloco_anywhere.store import Store, StoreError
+
+log = logging.getLogger(__name__)
 
 EXCHANGES = {"gather": gather_mean, "sharded": sharded_mean}
 
@@ -48,6 +51,7 @@ class RoundResult:
 def finish_round(round_: Round) -> RoundResult:
     """Wait for the round's SEAL, then exchange in the mode the SEAL names."""
     seal = round_.wait_for_seal()
+    round_.check_own_contribution(seal)
     mean = EXCHANGES[seal.mode](round_, seal)
     return RoundResult(mean, seal, dict(round_.excluded))
 
@@ -124,15 +128,18 @@ class BucketCollective:
         fragment: int = 0,
         weight: float = 1.0,
         codec: Codec | None = None,
+        fingerprint: str = "",
     ) -> Work:
         """Start round ``round_`` of ``fragment`` with this replica's ``tensor``; returns at once.
 
         The tensor is copied (to CPU float32) before this returns, so the caller may change it.
+        ``fingerprint`` names this replica's global weights: only contributions with the same
+        fingerprint are averaged together (docs/collective.md, "Integrity").
         """
         flat = tensor.detach().reshape(-1).to("cpu", torch.float32, copy=True)
         future = self._executor.submit(
-            self._run_round,
-            flat, round_, fragment, weight, codec or self.config.codec, self._latest.get(fragment),
+            self._run_round, flat, round_, fragment, weight, codec or self.config.codec,
+            fingerprint, self._latest.get(fragment),
         )  # fmt: skip
         self._latest[fragment] = future
         return Work(future, tensor.shape)
@@ -144,6 +151,7 @@ class BucketCollective:
         fragment: int,
         weight: float,
         codec: Codec,
+        fingerprint: str,
         previous: Future[RoundResult] | None,
     ) -> RoundResult:
         if previous is not None:  # submitted earlier, so running or done: no deadlock
@@ -152,7 +160,7 @@ class BucketCollective:
             self.store, self.layout, round_, fragment, self.me, self._members(),
             self.config.round, self._members, self.config.lease.period,
         )  # fmt: skip
-        round_state.contribute(flat, weight, codec)
+        round_state.contribute(flat, weight, codec, fingerprint)
         result = finish_round(round_state)
         self._collect_garbage(round_, fragment, result)
         return result
@@ -164,14 +172,20 @@ class BucketCollective:
         return members
 
     def _collect_garbage(self, round_: int, fragment: int, result: RoundResult) -> None:
-        """The first sealed contributor deletes round ``round_ - keep_rounds`` of the fragment:
-        one deleter per round, and every sealed contributor of this round has finished the
-        previous one (rounds of a fragment run in order). A replica more than ``keep_rounds``
-        behind finds its round gone and fails it; healing (a later issue) brings it back. The
-        bucket's lifecycle rule removes whatever a crash leaves behind."""
+        """The first sealed contributor deletes the data of round ``round_ - keep_rounds`` of
+        the fragment: one deleter per round, and every sealed contributor of this round has
+        finished the previous one (rounds of a fragment run in order). The small SEAL stays, so
+        a replica ``keep_rounds`` or more rounds behind finds its round sealed without it and
+        its contributions gone, and fails it, instead of sealing a fresh round alone; healing
+        (a later issue) brings it back. The bucket's lifecycle rule removes the rest."""
         old = round_ - self.config.keep_rounds
-        if old >= 0 and result.seal.contributors[0] == self.me.name:
-            self.store.delete_prefix(self.layout.fragment(old, fragment))
+        if old < 0 or result.seal.contributors[0] != self.me.name:
+            return
+        for folder in ("parts", "manifests", "reduced"):  # the SEAL stays: see the docstring
+            try:
+                self.store.delete_prefix(f"{self.layout.fragment(old, fragment)}/{folder}")
+            except StoreError as exc:  # best effort; the lifecycle rule is the backstop
+                log.warning("garbage collection of round %d failed: %s", old, exc)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

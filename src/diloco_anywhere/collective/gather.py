@@ -12,7 +12,7 @@ import torch
 
 from diloco_anywhere.collective.mean import weighted_mean
 from diloco_anywhere.collective.records import Seal
-from diloco_anywhere.collective.round import Round, SealedContributionError
+from diloco_anywhere.collective.round import Round
 
 
 def gather_mean(round_: Round, seal: Seal) -> torch.Tensor:
@@ -21,10 +21,7 @@ def gather_mean(round_: Round, seal: Seal) -> torch.Tensor:
     parts = round_.read_parts((name, shard) for name in seal.contributors for shard in shards)
     for (name, _), part in parts.items():
         if isinstance(part, Exception):
-            raise SealedContributionError(
-                f"round {round_.round} fragment {round_.fragment}: sealed contribution {name} "
-                f"is unreadable: {part}"
-            )
+            raise round_.unreadable(name, part)
     mean = torch.empty(manifests[0].numel)
     for shard, part in enumerate(manifests[0].parts):  # part by part: no copy of contributions
         contributions = [

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 
 from diloco_anywhere.codec import Codec
+from diloco_anywhere.layout import parse_contributor
 from diloco_anywhere.record import Record
 from diloco_anywhere.wire import Count, Name
 
@@ -69,6 +70,16 @@ class Seal(Record):
     contributors: tuple[str, ...]
     mode: ExchangeMode
     sealed_by: str
+
+    @field_validator("contributors")
+    @classmethod
+    def _sorted_contributor_names(cls, names: tuple[str, ...]) -> tuple[str, ...]:
+        """Non-empty, strictly sorted (so no one counts twice), each '<replica>-<incarnation>'."""
+        for name in names:
+            parse_contributor(name)
+        if not names or list(names) != sorted(set(names)):
+            raise ValueError("contributors must be a non-empty, sorted list without repeats")
+        return names
 
 
 class ShardFailure(Record):

@@ -16,6 +16,7 @@ import logging
 import math
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
@@ -76,7 +77,7 @@ class RoundPolicy:
 
 
 class RoundTimeoutError(TimeoutError):
-    """No SEAL (or reduced shard) within the policy's timeout; the message names what is missing."""
+    """No SEAL within the policy's timeout; the message names what is missing and the fix."""
 
 
 class SealedContributionError(RuntimeError):
@@ -124,6 +125,7 @@ class Round:
         self._refresh_members, self._refresh_every = refresh_members, refresh_every
         self.seal_key = layout.seal(round_, fragment)
         self.manifests: dict[str, Manifest] = {}  # checked manifests
+        self._foreign: dict[str, str] = {}  # contributor -> a fingerprint unlike ours
         self.excluded: dict[str, str] = {}  # contributor -> why
         self._parts: dict[str, list[torch.Tensor]] = {}  # decoded, checked contributions
 
@@ -206,6 +208,20 @@ class Round:
         )
         if found != expected:
             raise wire.WireFormatError(key, f"manifest is for {found}, expected {expected}")
+        replica, incarnation = parse_contributor(name)
+        part_keys = [p.key for p in manifest.parts]
+        if part_keys != [
+            self.layout.part(self.round, self.fragment, replica, incarnation, shard)
+            for shard in range(len(part_keys))
+        ]:
+            raise wire.WireFormatError(key, "manifest names parts outside its own folder")
+        if reference is not None and manifest.fingerprint != reference.fingerprint:
+            self._foreign[name] = manifest.fingerprint
+            raise wire.WireFormatError(
+                key,
+                f"fingerprint {manifest.fingerprint!r} differs from this replica's "
+                f"{reference.fingerprint!r}: their global weights differ",
+            )
         if reference is not None and not _same_layout(manifest, reference):
             raise wire.WireFormatError(
                 key,
@@ -230,7 +246,8 @@ class Round:
             )
         decoded = wire.decode(data, key=part.key)
         header = decoded.header
-        if (header.replica, header.incarnation, header.round, header.shard) != (
+        if (header.run, header.replica, header.incarnation, header.round, header.shard) != (
+            manifest.run,
             manifest.replica,
             manifest.incarnation,
             manifest.round,
@@ -317,11 +334,20 @@ class Round:
             self._fetch_contribution(name)
         return all(name in self._parts for name in unchecked)
 
-    def _try_seal(self) -> None:
+    def _in_minority(self) -> bool:
+        """More members hold weights unlike ours than like ours: let one of them seal (a
+        replica that missed a commit is the odd one out; the others go on without it)."""
+        groups = Counter(self._foreign[name] for name in self._foreign if name in self.members)
+        return bool(groups) and max(groups.values()) > len(self._sealable())
+
+    def _try_seal(self) -> bool:
+        """Put the SEAL; False when this replica declines to (it is in a minority)."""
+        if self._in_minority():
+            return False
         contributors = tuple(self._sealable())
         mode = self._mode_for(len(contributors))
         if mode == "gather" and not self._verify_for_gather():
-            return
+            return True  # some were left out: judge readiness again at once
         seal = Seal(
             run=self.layout.run,
             round=self.round,
@@ -332,6 +358,7 @@ class Round:
         )
         with contextlib.suppress(FileExistsError):  # sealed first by another; next poll reads it
             self.store.put(self.seal_key, encode_record(seal))
+        return True
 
     def wait_for_seal(self) -> Seal:
         """Poll until the round's SEAL exists (writing it when ready); every sealed
@@ -355,8 +382,7 @@ class Round:
                     self._take(name, data, prefetch)
                     first_seen = first_seen or time.monotonic()
                     delays = self.policy.poll_delays()
-            if self._ready_to_seal(first_seen):
-                self._try_seal()
+            if self._ready_to_seal(first_seen) and self._try_seal():
                 continue
             if time.monotonic() > deadline:
                 missing = sorted(self.members.keys() - self.manifests.keys())
@@ -364,7 +390,8 @@ class Round:
                     f"round {self.round} fragment {self.fragment}: no SEAL after "
                     f"{self.policy.timeout:g}s; have {sorted(self.manifests)}, missing "
                     f"{missing} (min_replicas={self.policy.min_replicas}) in store "
-                    f"{self.store.url}"
+                    f"{self.store.url}; start the missing replicas (see `diloco status`), "
+                    f"lower run.min_replicas, or raise sync.timeout"
                 )
             time.sleep(next(delays))
 
@@ -373,8 +400,11 @@ class Round:
         judgement stands: a contribution we excluded (say, laid out unlike our own) is read
         again, and ``sealed_manifests`` checks that the sealed set agrees with itself."""
         seal = decode_record(data, Seal, key=self.seal_key)
-        if not seal.contributors:
-            raise SealedContributionError(f"{self.seal_key}: the SEAL lists no contributors")
+        if (seal.run, seal.round, seal.fragment) != (self.layout.run, self.round, self.fragment):
+            raise SealedContributionError(
+                f"{self.seal_key}: the SEAL is for run {seal.run} round {seal.round} "
+                f"fragment {seal.fragment}"
+            )
         for name in seal.contributors:
             if name in self.manifests:
                 continue
@@ -382,11 +412,16 @@ class Round:
                 data = self.store.get(self.manifest_key(name))
                 self.manifests[name] = self._check_manifest(name, data, reference=None)
             except (wire.WireFormatError, FileNotFoundError) as exc:
-                raise SealedContributionError(
-                    f"round {self.round} fragment {self.fragment}: sealed contribution "
-                    f"{name} is unreadable: {exc}"
-                ) from None
+                raise self.unreadable(name, exc) from None
         return seal
+
+    def unreadable(self, name: str, problem: Exception) -> SealedContributionError:
+        """The error for a sealed contribution that cannot be read back intact (or that
+        garbage collection has removed: this replica is rounds behind the others)."""
+        return SealedContributionError(
+            f"round {self.round} fragment {self.fragment}: sealed contribution {name} is "
+            f"unreadable: {problem}"
+        )
 
     def sealed_manifests(self, seal: Seal) -> list[Manifest]:
         """The sealed contributors' manifests in SEAL order, all of the same layout."""
@@ -395,6 +430,28 @@ class Round:
             if not _same_layout(manifest, manifests[0]):
                 raise SealedContributionError(
                     f"round {self.round} fragment {self.fragment}: sealed contributions "
-                    f"{seal.contributors[0]} and {name} are laid out differently"
+                    f"{seal.contributors[0]} and {name} are laid out differently; replicas "
+                    f"must share the model, codec and round policy"
                 )
         return manifests
+
+    def check_own_contribution(self, seal: Seal) -> None:
+        """The sealed result fits this replica only if it holds the same global weights and
+        sent a tensor of the same layout; else fail loudly rather than apply it."""
+        own = self.manifests.get(self.me.name)
+        if own is None:
+            return
+        sealed = self.sealed_manifests(seal)[0]
+        where = f"round {self.round} fragment {self.fragment}"
+        if not _same_layout(own, sealed):
+            raise SealedContributionError(
+                f"{where}: this replica sent {own.numel} values in {len(own.parts)} parts; the "
+                f"sealed contributions have {sealed.numel} in {len(sealed.parts)}; replicas "
+                f"must share the model, codec and round policy"
+            )
+        if own.fingerprint != sealed.fingerprint:
+            raise SealedContributionError(
+                f"{where}: this replica's global weights ({own.fingerprint}) differ from the "
+                f"sealed contributors' ({sealed.fingerprint}): it missed or made a commit the "
+                f"others did not; restart it so that it rejoins from the run's state"
+            )

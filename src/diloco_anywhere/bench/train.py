@@ -1,0 +1,220 @@
+"""Training benchmarks: DiLoCo against synchronous data parallel, blocking against streaming
+syncs, and the inner loop against a plain PyTorch loop.
+
+Every DiLoCo run here is a real run: local replica processes, the replica entrypoint, a local
+store in a temporary folder, torchft's DiLoCo; its numbers come from the run's own metrics.
+The data-parallel baseline is torch DDP over gloo with the same task, the same per-replica
+batch, the same inner optimizer and as many steps, so both see the same tokens (DiLoCo paper,
+arXiv 2311.08105, section 4: the comparison at equal compute). Its traffic is the ring
+all-reduce of fp32 gradients per step (``report.py``); DiLoCo's is counted by its store.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+import torch
+
+from diloco_anywhere.backends.local import LocalBackend
+from diloco_anywhere.config import RunConfig, load_config, validate_config
+from diloco_anywhere.launch import plan_launch
+from diloco_anywhere.layout import RunLayout
+from diloco_anywhere.metrics import MetricsReader, ReplicaMetrics
+from diloco_anywhere.report import summarize
+from diloco_anywhere.store import Store
+from diloco_anywhere.task import TaskContext, build_task
+
+Progress = Callable[[str], None]
+
+
+def with_changes(config: RunConfig, **changes: Any) -> RunConfig:
+    """``config`` with ``section__field=value`` changes, validated (``diloco__sync_every=50``)."""
+    data = config.model_dump()
+    for path, value in changes.items():
+        section, _, name = path.partition("__")
+        data[section][name] = value
+    return validate_config(data, "benchmark run")
+
+
+def bench_config(**changes: Any) -> RunConfig:
+    """The embedded default run with changes."""
+    return with_changes(load_config(), **changes)
+
+
+def run_diloco(config: RunConfig, folder: Path, progress: Progress) -> dict[str, ReplicaMetrics]:
+    """Run ``config`` to the end as local processes in ``folder``; return its metrics."""
+    data = config.model_dump()
+    data["run"]["store"] = str(folder / "store")
+    path = folder / f"{config.run.name}.toml"
+    path.write_text(tomli_w.dumps(data))
+    config = validate_config(data, str(path), path)
+    plan = plan_launch(config, {"local": config.run.replicas}, root=folder)
+    backend = LocalBackend()
+    handles = backend.launch(list(plan.specs), plan.run_dir)
+    reader = MetricsReader(Store(config.store_url()), RunLayout(config.run.name))
+    while any(backend.state(handle) == "running" for handle in handles):
+        steps = [m.syncs[-1].outer_step for m in reader.read().values() if m.syncs]
+        progress(f"{config.run.name}: outer step {min(steps, default=0)} of "
+                 f"{config.diloco.outer_steps}")  # fmt: skip
+        time.sleep(1.0)
+    failed = [h.replica_id for h in handles if backend.exit_code(h) != 0]
+    if failed:
+        log = backend.logs(next(h for h in handles if h.replica_id == failed[0]))
+        raise RuntimeError(f"replicas {failed} failed; {failed[0]}'s log ends:\n{log[-2000:]}")
+    return reader.read()
+
+
+def wall_seconds(metrics: ReplicaMetrics) -> float:
+    """From the replica's task being built to the end of its training."""
+    started = next(e.time for e in metrics.events if e.event == "started")
+    return next(e.time for e in metrics.events if e.event == "done") - started
+
+
+def _ddp_replica(rank: int, world: int, init: str, config: RunConfig, steps: int, results) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)  # as many processes as the DiLoCo run, sharing the same cores
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    task = build_task(
+        config.task.entrypoint,
+        TaskContext(rank, world, config.run.seed, torch.device("cpu"), config.task.options),
+    )
+    model = DistributedDataParallel(task.model)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.diloco.inner_lr, weight_decay=config.diloco.inner_weight_decay
+    )
+    started = time.perf_counter()
+    for _ in range(steps):
+        loss = task.loss(model, next(task.batches))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    seconds = time.perf_counter() - started
+    eval_loss = task.evaluate(task.model) if task.evaluate else float("nan")
+    parameters = sum(p.numel() for p in task.model.parameters())
+    results.put((rank, eval_loss, seconds, parameters))
+    dist.destroy_process_group()
+
+
+def run_ddp(config: RunConfig, steps: int, folder: Path) -> dict[str, float]:
+    world = config.run.replicas
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    init = str(folder / "ddp-init")
+    processes = [
+        context.Process(target=_ddp_replica, args=(r, world, init, config, steps, results))
+        for r in range(world)
+    ]
+    for process in processes:
+        process.start()
+    outcomes = sorted(results.get(timeout=3600) for _ in processes)
+    for process in processes:
+        process.join(timeout=60)
+    _, eval_loss, _, parameters = outcomes[0]
+    return {
+        "eval_loss": eval_loss,
+        "seconds": max(o[2] for o in outcomes),
+        "bytes_per_replica": 2 * (world - 1) / world * 4 * parameters * steps,
+    }
+
+
+def bench_convergence(config: RunConfig, progress: Progress) -> dict[str, Any]:
+    """DiLoCo vs DDP at equal tokens: held-out loss ratio and bytes each replica sent."""
+    steps = config.diloco.sync_every * config.diloco.outer_steps
+    with tempfile.TemporaryDirectory(prefix="diloco-bench-") as folder:
+        metrics = run_diloco(config, Path(folder), progress)
+        progress(f"data parallel: {config.run.replicas} replicas x {steps} steps (DDP, gloo)")
+        ddp = run_ddp(config, steps, Path(folder))
+    summary = summarize(metrics)
+    return {
+        "replicas": config.run.replicas,
+        "sync_every": config.diloco.sync_every,
+        "outer_steps": config.diloco.outer_steps,
+        "codec": config.diloco.codec,
+        "inner_steps": steps,
+        "tokens": summary.tokens,
+        "diloco_eval_loss": summary.eval_loss,
+        "ddp_eval_loss": ddp["eval_loss"],
+        "eval_loss_ratio": summary.eval_loss / ddp["eval_loss"],
+        "diloco_bytes_per_replica": summary.bytes_up_per_replica,
+        "ddp_bytes_per_replica": ddp["bytes_per_replica"],
+        "bytes_ratio": ddp["bytes_per_replica"] / summary.bytes_up_per_replica,
+        "diloco_seconds": statistics.fmean(map(wall_seconds, metrics.values())),
+        "ddp_seconds": ddp["seconds"],
+    }
+
+
+def bench_overlap(config: RunConfig, fragments: int, delay: int, progress: Progress) -> dict:
+    """Share of wall time training waited on syncs: blocking (one fragment) vs streaming."""
+    runs = {
+        "blocking": config,
+        "streaming": with_changes(
+            config, diloco__fragments=fragments, diloco__fragment_sync_delay=delay
+        ),
+    }
+    result: dict[str, Any] = {
+        "replicas": config.run.replicas,
+        "sync_every": config.diloco.sync_every,
+    }
+    for name, run in runs.items():
+        with tempfile.TemporaryDirectory(prefix="diloco-bench-") as folder:
+            metrics = run_diloco(run, Path(folder), progress)
+        exposed = statistics.fmean(m.syncs[-1].sync_exposed_seconds for m in metrics.values())
+        wall = statistics.fmean(map(wall_seconds, metrics.values()))
+        result[name] = {
+            "fragments": run.diloco.fragments,
+            "fragment_sync_delay": run.diloco.fragment_sync_delay,
+            "exposed_seconds": exposed,
+            "wall_seconds": wall,
+            "exposed_fraction": exposed / wall,
+        }
+    return result
+
+
+def _plain_loop(config: RunConfig, steps: int, results) -> None:
+    task = build_task(
+        config.task.entrypoint,
+        TaskContext(0, 1, config.run.seed, torch.device("cpu"), config.task.options),
+    )
+    optimizer = torch.optim.AdamW(
+        task.model.parameters(), lr=config.diloco.inner_lr,
+        weight_decay=config.diloco.inner_weight_decay,
+    )  # fmt: skip
+    started = time.perf_counter()
+    for _ in range(steps):
+        loss = task.loss(task.model, next(task.batches))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    results.put(task.tokens_per_batch * steps / (time.perf_counter() - started))
+
+
+def bench_throughput(config: RunConfig, progress: Progress) -> dict[str, Any]:
+    """Tokens/s of one DiLoCo replica (syncs included) vs the same loop without DiLoCo."""
+    config = with_changes(config, run__replicas=1, run__min_replicas=1, task__eval_every=0)
+    steps = config.diloco.sync_every * config.diloco.outer_steps
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    progress(f"plain PyTorch loop: {steps} steps")
+    process = context.Process(target=_plain_loop, args=(config, steps, results))
+    process.start()
+    plain = results.get(timeout=3600)
+    process.join(timeout=60)
+    with tempfile.TemporaryDirectory(prefix="diloco-bench-") as folder:
+        (metrics,) = run_diloco(config, Path(folder), progress).values()
+    diloco = metrics.steps[-1].tokens / wall_seconds(metrics)
+    return {
+        "inner_steps": steps,
+        "sync_every": config.diloco.sync_every,
+        "plain_tokens_per_second": plain,
+        "diloco_tokens_per_second": diloco,
+        "ratio": diloco / plain,
+    }
