@@ -164,3 +164,17 @@ def test_a_replica_that_starts_mid_round_counts_in_it():
             assert joined.mean().tolist() == [2.0] * 4
         assert work.mean().tolist() == [2.0] * 4
     assert work.result().seal.contributors == ("first-0", "second-0")
+
+
+def test_a_round_a_straggler_still_needs_is_kept():
+    """The straggler's lease says it finished round 0 of fragment 0 only: rounds from 1 on stay
+    (it must still read their results); round 0 goes once it is keep_rounds old."""
+    store, layout = Store("memory://allreduce-straggler"), RunLayout("run")
+    straggler = Participant("slow", claim_incarnation(store, layout, "slow"))
+    Heartbeat(store, layout, straggler, LeasePolicy(), progress=lambda: {0: 0}).beat()
+    config = CollectiveConfig(round=RoundPolicy(grace=0.0, timeout=30.0), keep_rounds=2)
+    with BucketCollective(store, "run", "fast", config) as fast:
+        for round_ in range(6):
+            fast.allreduce(torch.ones(4), round_=round_).wait()
+    with_data = {key.split("/")[2] for key in store.list_prefix("run/rounds") if "SEAL" not in key}
+    assert with_data == {f"{r:010d}" for r in range(1, 6)}

@@ -131,6 +131,7 @@ def test_bench_overlap_and_throughput_report_fractions_and_ratios(tmp_path, monk
     assert report["streaming"]["fragments"] == 2
     for name in ("blocking", "streaming"):
         assert 0 < report[name]["exposed_fraction"] < 1
-    throughput = run("bench", "throughput", "--sync-every", "5", "--outer-steps", "2", "--json")
+    throughput = run("bench", "throughput", "--sync-every", "5", "--outer-steps", "2",
+                     "--repeats", "1", "--json")  # fmt: skip
     assert throughput.exit_code == 0, throughput.output
     assert json.loads(throughput.stdout)["ratio"] > 0

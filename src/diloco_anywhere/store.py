@@ -373,9 +373,10 @@ class Store:
         with contextlib.suppress(FileNotFoundError):
             self._run("delete", key, attempt)
 
-    def delete_prefix(self, prefix: str) -> int:
-        """Delete every key under the folder ``prefix``; returns how many were deleted."""
-        keys = self.list_prefix(prefix)
+    def delete_prefix(self, prefix: str, keep: Callable[[str], bool] | None = None) -> int:
+        """Delete every key under the folder ``prefix`` (but those ``keep`` selects) with one
+        listing and one delete request; returns how many were deleted."""
+        keys = [key for key in self.list_prefix(prefix) if not (keep and keep(key))]
         paths = [self._path(k) for k in keys]
 
         def attempt() -> None:

@@ -10,6 +10,7 @@ metrics live in its bucket whatever platform ran it.
 from __future__ import annotations
 
 import bisect
+import gc
 import itertools
 import time
 from dataclasses import dataclass
@@ -197,6 +198,9 @@ def train(
         for fragment in fragments
     ]  # fmt: skip
     run = _Run(config, task, manager, store)
+    # Everything built so far lives for the whole run; keep the cyclic collector from
+    # rescanning it (torchft, pydantic, SDK modules) on every full collection during training.
+    gc.freeze()
     with DiLoCo(
         manager, fragments, inner, outers, sync_every=diloco.sync_every,
         fragment_sync_delay=diloco.fragment_sync_delay, pin_memory=False,

@@ -59,11 +59,14 @@ def run_diloco(config: RunConfig, folder: Path, progress: Progress) -> dict[str,
     backend = LocalBackend()
     handles = backend.launch(list(plan.specs), plan.run_dir)
     reader = MetricsReader(Store(config.store_url()), RunLayout(config.run.name))
+    polls = 0
     while any(backend.state(handle) == "running" for handle in handles):
-        steps = [m.syncs[-1].outer_step for m in reader.read().values() if m.syncs]
-        progress(f"{config.run.name}: outer step {min(steps, default=0)} of "
-                 f"{config.diloco.outer_steps}")  # fmt: skip
-        time.sleep(1.0)
+        if polls % 10 == 0:  # every 5 s: the replicas share this machine's cores
+            steps = [m.syncs[-1].outer_step for m in reader.read().values() if m.syncs]
+            progress(f"{config.run.name}: outer step {min(steps, default=0)} of "
+                     f"{config.diloco.outer_steps}")  # fmt: skip
+        polls += 1
+        time.sleep(0.5)
     failed = [h.replica_id for h in handles if backend.exit_code(h) != 0]
     if failed:
         log = backend.logs(next(h for h in handles if h.replica_id == failed[0]))
@@ -188,33 +191,50 @@ def _plain_loop(config: RunConfig, steps: int, results) -> None:
         task.model.parameters(), lr=config.diloco.inner_lr,
         weight_decay=config.diloco.inner_weight_decay,
     )  # fmt: skip
-    started = time.perf_counter()
-    for _ in range(steps):
+    first = config.task.log_every  # measured like the replica's step lines: warm-up excluded
+    for step in range(1, steps + 1):
         loss = task.loss(task.model, next(task.batches))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-    results.put(task.tokens_per_batch * steps / (time.perf_counter() - started))
+        if step == first:
+            started = time.perf_counter()
+    results.put(task.tokens_per_batch * (steps - first) / (time.perf_counter() - started))
 
 
-def bench_throughput(config: RunConfig, progress: Progress) -> dict[str, Any]:
-    """Tokens/s of one DiLoCo replica (syncs included) vs the same loop without DiLoCo."""
-    config = with_changes(config, run__replicas=1, run__min_replicas=1, task__eval_every=0)
-    steps = config.diloco.sync_every * config.diloco.outer_steps
+def _plain_tokens_per_second(config: RunConfig, steps: int) -> float:
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    progress(f"plain PyTorch loop: {steps} steps")
     process = context.Process(target=_plain_loop, args=(config, steps, results))
     process.start()
-    plain = results.get(timeout=3600)
+    tokens_per_second = results.get(timeout=3600)
     process.join(timeout=60)
+    return tokens_per_second
+
+
+def _diloco_tokens_per_second(config: RunConfig, progress: Progress) -> float:
     with tempfile.TemporaryDirectory(prefix="diloco-bench-") as folder:
         (metrics,) = run_diloco(config, Path(folder), progress).values()
-    diloco = metrics.steps[-1].tokens / wall_seconds(metrics)
+    first, last = metrics.steps[0], metrics.steps[-1]  # syncs between them are included
+    return (last.tokens - first.tokens) / (last.time - first.time)
+
+
+def bench_throughput(config: RunConfig, repeats: int, progress: Progress) -> dict[str, Any]:
+    """Tokens/s of one DiLoCo replica (syncs included) vs the same loop without DiLoCo, both
+    from the first logged step (after warm-up) to the last, in fresh processes, alternating
+    ``repeats`` times (medians: the machine's speed drifts between runs)."""
+    config = with_changes(config, run__replicas=1, run__min_replicas=1, task__eval_every=0)
+    steps = config.diloco.sync_every * config.diloco.outer_steps
+    plain, diloco = [], []
+    for repeat in range(repeats):
+        progress(f"plain PyTorch loop: {steps} steps ({repeat + 1}/{repeats})")
+        plain.append(_plain_tokens_per_second(config, steps))
+        diloco.append(_diloco_tokens_per_second(config, progress))
     return {
         "inner_steps": steps,
         "sync_every": config.diloco.sync_every,
-        "plain_tokens_per_second": plain,
-        "diloco_tokens_per_second": diloco,
-        "ratio": diloco / plain,
+        "repeats": repeats,
+        "plain_tokens_per_second": statistics.median(plain),
+        "diloco_tokens_per_second": statistics.median(diloco),
+        "ratio": statistics.median(diloco) / statistics.median(plain),
     }

@@ -246,6 +246,7 @@ def bench_overlap_command(
 def bench_throughput_command(
     sync_every: SyncEvery = 50,
     outer_steps: OuterSteps = 6,
+    repeats: Annotated[int, typer.Option(min=1, help="Alternating runs of each (medians).")] = 3,
     json_output: JsonOutput = False,
 ) -> None:
     """Measure a DiLoCo replica's inner-loop tokens/s against a plain PyTorch loop."""
@@ -253,5 +254,5 @@ def bench_throughput_command(
 
     with user_errors(), progress_display() as status:
         config = bench_config(diloco__sync_every=sync_every, diloco__outer_steps=outer_steps)
-        result = bench_throughput(config, status)
+        result = bench_throughput(config, repeats, status)
     _print_result(result, "Inner-loop throughput", json_output)

@@ -5,8 +5,8 @@ background thread, so inner steps go on meanwhile (the overlap of Streaming DiLo
 2501.18512). Several rounds can be in flight, one per fragment.
 
 Rounds of one fragment run in order, each after the previous one has finished, while rounds of
-different fragments overlap. So a replica's contribution to round ``r`` of a fragment proves it
-is done with round ``r - 1``, which is what makes deleting old rounds safe.
+different fragments overlap; each replica reports its newest finished round per fragment in its
+lease, and a round's data is deleted once every live member has finished it (``collect.py``).
 
 Membership is taken at the start of each round: this process claims a fresh incarnation when
 the collective opens and keeps its lease alive with a heartbeat until it closes.
@@ -14,7 +14,6 @@ the collective opens and keeps its lease alive with a heartbeat until it closes.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -23,20 +22,20 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco_anywhere.codec import Codec, make_codec
+from diloco_anywhere.collective.collect import RoundCollector
 from diloco_anywhere.collective.gather import gather_mean
 from diloco_anywhere.collective.membership import (
     Heartbeat,
     LeasePolicy,
     claim_incarnation,
     live_members,
+    member_progress,
 )
 from diloco_anywhere.collective.records import Seal
 from diloco_anywhere.collective.round import Round, RoundPolicy
 from diloco_anywhere.collective.sharded import sharded_mean
 from diloco_anywhere.layout import Participant, RunLayout
-from diloco_anywhere.store import Store, StoreError
-
-log = logging.getLogger(__name__)
+from diloco_anywhere.store import Store
 
 EXCHANGES = {"gather": gather_mean, "sharded": sharded_mean}
 
@@ -62,7 +61,7 @@ class CollectiveConfig:
     round: RoundPolicy = field(default_factory=RoundPolicy)
     lease: LeasePolicy = field(default_factory=LeasePolicy)
     max_rounds_in_flight: int = 4  # e.g. one per Streaming DiLoCo fragment
-    keep_rounds: int = 2  # per fragment; older rounds are deleted (docs/collective.md)
+    keep_rounds: int = 2  # per fragment: the newest rounds never collected (collect.py)
 
 
 class Work:
@@ -104,6 +103,15 @@ class Work:
         return torch_future
 
 
+def _one_intra_op_thread() -> None:
+    """Round threads do memory-bound work (copies, CRC32C, sums). Left at the default, each
+    thread that runs torch ops gets its own OpenMP team, whose spinning threads take the cores
+    from training: one more team per round thread, a slower inner step each time (measured in
+    docs/benchmarks.md, "Inner-loop throughput"). The setting is per thread; training's own
+    threads keep theirs."""
+    torch.set_num_threads(1)
+
+
 class BucketCollective:
     """Weighted-mean all-reduce through ``store`` among the live replicas of ``run``."""
 
@@ -114,9 +122,15 @@ class BucketCollective:
         self.config = config or CollectiveConfig()
         self.layout = RunLayout(run)
         self.me = Participant(replica, claim_incarnation(store, self.layout, replica))
-        self._heartbeat = Heartbeat(store, self.layout, self.me, self.config.lease).start()
+        self._finished: dict[int, int] = {}  # fragment -> newest round this replica finished
+        self._collector = RoundCollector(store, self.layout, self.config.keep_rounds)
+        self._heartbeat = Heartbeat(
+            store, self.layout, self.me, self.config.lease, progress=lambda: dict(self._finished)
+        ).start()
         self._executor = ThreadPoolExecutor(
-            self.config.max_rounds_in_flight, thread_name_prefix="allreduce"
+            self.config.max_rounds_in_flight,
+            thread_name_prefix="allreduce",
+            initializer=_one_intra_op_thread,
         )
         self._latest: dict[int, Future[RoundResult]] = {}  # per fragment
 
@@ -162,6 +176,7 @@ class BucketCollective:
         )  # fmt: skip
         round_state.contribute(flat, weight, codec, fingerprint)
         result = finish_round(round_state)
+        self._finished[fragment] = round_
         self._collect_garbage(round_, fragment, result)
         return result
 
@@ -172,20 +187,14 @@ class BucketCollective:
         return members
 
     def _collect_garbage(self, round_: int, fragment: int, result: RoundResult) -> None:
-        """The first sealed contributor deletes the data of round ``round_ - keep_rounds`` of
-        the fragment: one deleter per round, and every sealed contributor of this round has
-        finished the previous one (rounds of a fragment run in order). The small SEAL stays, so
-        a replica ``keep_rounds`` or more rounds behind finds its round sealed without it and
-        its contributions gone, and fails it, instead of sealing a fresh round alone; healing
-        (a later issue) brings it back. The bucket's lifecycle rule removes the rest."""
-        old = round_ - self.config.keep_rounds
-        if old < 0 or result.seal.contributors[0] != self.me.name:
+        """The first sealed contributor collects what no live member needs (``collect.py``);
+        our own progress is current, the others' comes from their leases."""
+        if result.seal.contributors[0] != self.me.name:
             return
-        for folder in ("parts", "manifests", "reduced"):  # the SEAL stays: see the docstring
-            try:
-                self.store.delete_prefix(f"{self.layout.fragment(old, fragment)}/{folder}")
-            except StoreError as exc:  # best effort; the lifecycle rule is the backstop
-                log.warning("garbage collection of round %d failed: %s", old, exc)
+        members = self._members()
+        progress = member_progress(self.store, self.layout, members, self.config.lease, time.time())
+        progress[self.me.name] = dict(self._finished)
+        self._collector.collect(fragment, round_, progress.values())
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

@@ -23,10 +23,12 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pydantic import Field
+
 from diloco_anywhere.layout import Participant, RunLayout
-from diloco_anywhere.record import Record, encode_record
+from diloco_anywhere.record import Record, decode_record, encode_record
 from diloco_anywhere.store import Store
-from diloco_anywhere.wire import Count, Name
+from diloco_anywhere.wire import Count, Name, WireFormatError
 
 log = logging.getLogger(__name__)
 Clock = Callable[[], float]
@@ -43,6 +45,8 @@ class Lease(Record):
     replica: Name
     incarnation: Count
     period: Count
+    # fragment -> the newest round this incarnation has finished (for garbage collection)
+    finished: dict[str, Count] = Field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,34 @@ def live_members(
     )  # fmt: skip
 
 
+def member_progress(
+    store: Store, layout: RunLayout, members: list[Participant], policy: LeasePolicy, now: float
+) -> dict[str, dict[int, int]]:
+    """Each member's newest finished round per fragment, from its newest lease (up to a period
+    old, so it errs toward rounds still needed). A member without a readable lease reports
+    nothing, which keeps every round."""
+    current = policy.current(now)
+    keys = {
+        member.name: [
+            layout.lease(member.replica, member.incarnation, period)
+            for period in (current, current - 1)
+            if period >= 0
+        ]
+        for member in members
+    }
+    objects = store.get_many(key for member_keys in keys.values() for key in member_keys)
+    progress: dict[str, dict[int, int]] = {}
+    for name, member_keys in keys.items():
+        data = next((objects[key] for key in member_keys if objects[key] is not None), None)
+        try:
+            lease = decode_record(data, Lease, key=member_keys[0]) if data else None
+        except WireFormatError as exc:
+            log.warning("unreadable lease: %s", exc)
+            lease = None
+        progress[name] = {int(f): r for f, r in lease.finished.items()} if lease else {}
+    return progress
+
+
 class Heartbeat:
     """Writes ``me``'s lease once per period on a background thread, until stopped."""
 
@@ -106,15 +138,22 @@ class Heartbeat:
         me: Participant,
         policy: LeasePolicy,
         clock: Clock = time.time,
+        progress: Callable[[], dict[int, int]] = dict,
     ) -> None:
+        """``progress()``: the newest finished round per fragment, reported in each lease."""
         self.store, self.layout, self.me, self.policy, self.clock = store, layout, me, policy, clock
+        self.progress = progress
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def beat(self) -> int:
         """Write this period's lease (idempotent) and delete our leases two periods old."""
         period = self.policy.current(self.clock())
-        lease = Lease(replica=self.me.replica, incarnation=self.me.incarnation, period=period)
+        finished = {str(fragment): round_ for fragment, round_ in self.progress().items()}
+        lease = Lease(
+            replica=self.me.replica, incarnation=self.me.incarnation, period=period,
+            finished=finished,
+        )  # fmt: skip
         self.store.put(self._key(period), encode_record(lease))
         if period >= 2:
             self.store.delete(self._key(period - 2))
