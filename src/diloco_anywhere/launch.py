@@ -17,6 +17,7 @@ from diloco_anywhere.backends import get_backend
 from diloco_anywhere.backends.base import Backend, ReplicaHandle, ReplicaSpec
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.layout import RunLayout
+from diloco_anywhere.metrics import MetricsReader
 from diloco_anywhere.store import Store, redact_url
 
 STATE_FILE = "launch.json"
@@ -55,6 +56,11 @@ def plan_launch(config: RunConfig, counts: dict[str, int], root: Path | None = N
             specs.append(ReplicaSpec(replica_id, index, platform, env, args))
             index += 1
     return LaunchPlan(config, run_dir(config, root), tuple(specs))
+
+
+def run_metrics(config: RunConfig) -> MetricsReader:
+    """A reader of the run's metrics in its store."""
+    return MetricsReader(Store(config.store_url()), RunLayout(config.run.name))
 
 
 def store_has_run(config: RunConfig) -> bool:

@@ -3,7 +3,9 @@
 Each replica is a process in its own session (so ``diloco stop`` can signal its whole group and
 a detached launch outlives the CLI), writing stdout and stderr to ``logs/{replica}.log`` in the
 run folder. It inherits this environment, so the store's credentials reach it as they reach
-the CLI.
+the CLI. Replicas share this machine's cores: each gets ``cores / replicas`` intra-op threads
+(``OMP_NUM_THREADS``, unless already set), since oversubscribed cores make replicas drift apart
+and the slowest falls out of every round.
 """
 
 from __future__ import annotations
@@ -26,13 +28,17 @@ class LocalBackend:
 
     def launch(self, specs: list[ReplicaSpec], run_dir: Path) -> list[ReplicaHandle]:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        return [self._start(spec, run_dir / "logs" / f"{spec.replica_id}.log") for spec in specs]
+        threads = {"OMP_NUM_THREADS": str(threads_per_replica(len(specs)))}
+        return [
+            self._start(spec, run_dir / "logs" / f"{spec.replica_id}.log", threads)
+            for spec in specs
+        ]
 
-    def _start(self, spec: ReplicaSpec, log_path: Path) -> ReplicaHandle:
+    def _start(self, spec: ReplicaSpec, log_path: Path, threads: dict[str, str]) -> ReplicaHandle:
         with log_path.open("ab") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "diloco_anywhere.replica", *spec.args],
-                env={**os.environ, **spec.env},
+                env={**threads, **os.environ, **spec.env},
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -74,6 +80,10 @@ class LocalBackend:
         if self.state(handle) == "running" and _is_replica(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGTERM)
+
+
+def threads_per_replica(replicas: int) -> int:
+    return max(1, (os.cpu_count() or 1) // replicas)
 
 
 def _is_replica(pid: int) -> bool:

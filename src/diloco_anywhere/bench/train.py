@@ -22,14 +22,12 @@ from typing import Any
 import tomli_w
 import torch
 
-from diloco_anywhere.backends.local import LocalBackend
+from diloco_anywhere.backends.local import LocalBackend, threads_per_replica
 from diloco_anywhere.config import RunConfig, load_config, validate_config
-from diloco_anywhere.launch import plan_launch
-from diloco_anywhere.layout import RunLayout
-from diloco_anywhere.metrics import MetricsReader, ReplicaMetrics
+from diloco_anywhere.launch import plan_launch, run_metrics
+from diloco_anywhere.metrics import ReplicaMetrics
 from diloco_anywhere.report import summarize
-from diloco_anywhere.store import Store
-from diloco_anywhere.task import TaskContext, build_task
+from diloco_anywhere.task import Task, TaskContext, build_task
 
 Progress = Callable[[str], None]
 
@@ -58,7 +56,7 @@ def run_diloco(config: RunConfig, folder: Path, progress: Progress) -> dict[str,
     plan = plan_launch(config, {"local": config.run.replicas}, root=folder)
     backend = LocalBackend()
     handles = backend.launch(list(plan.specs), plan.run_dir)
-    reader = MetricsReader(Store(config.store_url()), RunLayout(config.run.name))
+    reader = run_metrics(config)
     polls = 0
     while any(backend.state(handle) == "running" for handle in handles):
         if polls % 10 == 0:  # every 5 s: the replicas share this machine's cores
@@ -80,11 +78,24 @@ def wall_seconds(metrics: ReplicaMetrics) -> float:
     return next(e.time for e in metrics.events if e.event == "done") - started
 
 
+def _train(task: Task, model: torch.nn.Module, optimizer, steps: int, timed_from: int) -> float:
+    """The baselines' plain training loop; seconds from step ``timed_from`` to the end."""
+    started = time.perf_counter()
+    for step in range(1, steps + 1):
+        loss = task.loss(model, next(task.batches))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if step == timed_from:
+            started = time.perf_counter()
+    return time.perf_counter() - started
+
+
 def _ddp_replica(rank: int, world: int, init: str, config: RunConfig, steps: int, results) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    torch.set_num_threads(1)  # as many processes as the DiLoCo run, sharing the same cores
+    torch.set_num_threads(threads_per_replica(world))  # as the DiLoCo run's replicas get
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     task = build_task(
         config.task.entrypoint,
@@ -94,13 +105,7 @@ def _ddp_replica(rank: int, world: int, init: str, config: RunConfig, steps: int
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.diloco.inner_lr, weight_decay=config.diloco.inner_weight_decay
     )
-    started = time.perf_counter()
-    for _ in range(steps):
-        loss = task.loss(model, next(task.batches))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-    seconds = time.perf_counter() - started
+    seconds = _train(task, model, optimizer, steps, timed_from=0)
     eval_loss = task.evaluate(task.model) if task.evaluate else float("nan")
     parameters = sum(p.numel() for p in task.model.parameters())
     results.put((rank, eval_loss, seconds, parameters))
@@ -192,14 +197,8 @@ def _plain_loop(config: RunConfig, steps: int, results) -> None:
         weight_decay=config.diloco.inner_weight_decay,
     )  # fmt: skip
     first = config.task.log_every  # measured like the replica's step lines: warm-up excluded
-    for step in range(1, steps + 1):
-        loss = task.loss(task.model, next(task.batches))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if step == first:
-            started = time.perf_counter()
-    results.put(task.tokens_per_batch * (steps - first) / (time.perf_counter() - started))
+    seconds = _train(task, task.model, optimizer, steps, timed_from=first)
+    results.put(task.tokens_per_batch * (steps - first) / seconds)
 
 
 def _plain_tokens_per_second(config: RunConfig, steps: int) -> float:

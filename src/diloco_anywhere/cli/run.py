@@ -22,15 +22,14 @@ from diloco_anywhere.launch import (
     load_handles,
     plan_launch,
     run_dir,
+    run_metrics,
     start,
     store_has_run,
 )
-from diloco_anywhere.layout import RunLayout
-from diloco_anywhere.metrics import MetricsReader
 from diloco_anywhere.replica import ENV_STORE
 from diloco_anywhere.report import RunSummary, plot_losses, summarize
 from diloco_anywhere.status import ReplicaStatus, replica_statuses
-from diloco_anywhere.store import Store, redact_url
+from diloco_anywhere.store import redact_url
 
 CONFIG_OPTION = typer.Option(
     "--config", help="run.toml of the run. Default: the embedded demo run (4 local replicas)."
@@ -97,7 +96,7 @@ def _job_state(started: dict[str, tuple[Backend, list[ReplicaHandle]]]):
 def _follow(plan: LaunchPlan, started: dict[str, tuple[Backend, list[ReplicaHandle]]]) -> int:
     """Show live status until every replica's job has ended; 0 if all of them are done."""
     handles = [h for _, hs in started.values() for h in hs]
-    reader = MetricsReader(Store(plan.config.store_url()), RunLayout(plan.config.run.name))
+    reader = run_metrics(plan.config)
     job_state = _job_state(started)
     target = plan.config.diloco.outer_steps
     title = f"run {plan.config.run.name}: {len(handles)} replicas, {target} outer steps"
@@ -180,7 +179,7 @@ def status(config_path: ConfigPath = None, json_output: JsonFlag = False) -> Non
     """Show one row per replica: platform, state, outer step, loss, tokens/s, last seen."""
     with user_errors():
         config = load_config(config_path)
-        reader = MetricsReader(Store(config.store_url()), RunLayout(config.run.name))
+        reader = run_metrics(config)
         rows = replica_statuses(reader.read(), load_handles(config), _job_state({}))
     if json_output:
         print(json.dumps([row.as_dict() for row in rows], indent=2))
@@ -244,7 +243,7 @@ def _maybe(value: float | None) -> str:
 
 
 def _print_report(config: RunConfig, output: Path) -> RunSummary:
-    metrics = MetricsReader(Store(config.store_url()), RunLayout(config.run.name)).read()
+    metrics = run_metrics(config).read()
     if not metrics:
         raise ValueError(f"run {config.run.name!r} has no metrics in its store yet")
     summary = summarize(metrics)
@@ -266,7 +265,7 @@ def report(
         config = load_config(config_path)
         path = output or run_dir(config) / "report.png"
         if json_output:
-            metrics = MetricsReader(Store(config.store_url()), RunLayout(config.run.name)).read()
+            metrics = run_metrics(config).read()
             plot_losses(metrics, path, f"run {config.run.name}")
             print(json.dumps({**summarize(metrics).as_dict(), "plot": str(path)}, indent=2))
         else:
