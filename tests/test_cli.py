@@ -93,8 +93,9 @@ def test_bench_sync_json_reports_traffic_near_the_mode_bound(tmp_path, mode, rep
         int(down * payload),
     )
     # headers, manifests, SEAL, polls and leases cost a few percent at this small size
-    assert 1 <= report["up_vs_bound"] < 1.05
-    assert 1 <= report["down_vs_bound"] < 1.05
+    for ratio in (report["up_vs_bound"], report["down_vs_bound"]):
+        assert ratio >= 1
+        assert ratio < 1.05
     assert report["round_seconds"] > 0
     assert report["raw_copy_seconds"] > 0
 
@@ -116,8 +117,9 @@ def test_bench_convergence_runs_diloco_and_ddp_at_equal_tokens(tmp_path, monkeyp
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert (report["inner_steps"], report["replicas"]) == (10, 2)
-    assert 1.0 < report["diloco_eval_loss"] < 6.0
-    assert 1.0 < report["ddp_eval_loss"] < 6.0
+    for loss in (report["diloco_eval_loss"], report["ddp_eval_loss"]):
+        assert loss > 1.0  # nats per byte: untrained is ln(256) = 5.55; near 0 would be a bug
+        assert loss < 6.0
     # ten DDP steps of gradients against two syncs of pseudo-gradients
     assert report["bytes_ratio"] > 3
 

@@ -12,6 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from diloco_anywhere.cli import app
+from diloco_anywhere.config import load_config
+from diloco_anywhere.launch import run_metrics
 
 RUN_TOML = """
 [run]
@@ -30,6 +32,7 @@ timeout = 60.0
 lease_period = 1.0
 [task]
 log_every = 1
+eval_every = 2
 [task.options]
 preset = "tiny"
 batch_size = 4
@@ -72,6 +75,9 @@ def test_a_two_replica_run_finishes_and_reports(run_toml, tmp_path):
     assert {row["outer_step"] for row in rows.values()} == {2}
     # the held-out loss is taken at the global weights: every replica gets the same number
     assert len({row["eval_loss"] for row in rows.values()}) == 1
+    # ... every eval_every (2) outer steps only: not after the first
+    for metrics in run_metrics(load_config(config)).read().values():
+        assert [sync.eval_loss is None for sync in metrics.syncs] == [True, False]
 
     report = diloco("report", "--config", config, "--json")
     assert report.exit_code == 0, report.output
@@ -95,7 +101,7 @@ def test_a_two_replica_run_finishes_and_reports(run_toml, tmp_path):
 
 def test_a_killed_replica_leaves_the_others_to_finish(run_toml):
     """min_replicas = 2 of 3: once local-2 is SIGKILLed, the others seal without it."""
-    config = run_toml(replicas=3, outer_steps=4)
+    config = run_toml(replicas=3, outer_steps=12)  # long enough that the kill lands mid-run
     assert diloco("launch", "--config", config, "--detach").exit_code == 0
     state = json.loads(Path(".diloco/t/launch.json").read_text())
     pids = {handle["replica_id"]: handle["job"]["pid"] for handle in state["replicas"]}
@@ -109,7 +115,7 @@ def test_a_killed_replica_leaves_the_others_to_finish(run_toml):
         time.sleep(0.5)
     rows = statuses(config)
     assert rows["local-2"]["state"] == "exited"
-    assert rows["local-2"]["outer_step"] < rows["local-0"]["outer_step"] == 4
+    assert rows["local-2"]["outer_step"] < rows["local-0"]["outer_step"] == 12
 
 
 def test_a_bad_run_toml_prints_every_problem_and_starts_nothing(run_toml, tmp_path):

@@ -125,7 +125,8 @@ class _Run:
     def record_sync(self, committed: bool, model: nn.Module, metrics: MetricsWriter) -> None:
         error = self.manager.last_sync_error
         self.failed_in_a_row = 0 if committed else self.failed_in_a_row + 1
-        if committed and self._evaluation_due():
+        evaluated = committed and self._evaluation_due()
+        if evaluated:
             self.eval_loss = self.task.evaluate(model)  # type: ignore[misc]
         now, traffic = time.perf_counter(), self.store.stats()
         metrics.add(
@@ -133,7 +134,7 @@ class _Run:
                 outer_step=self.manager.current_step() // self.config.diloco.fragments,
                 committed=committed,
                 participants=self.manager.num_participants(),
-                eval_loss=self.eval_loss if committed else None,
+                eval_loss=self.eval_loss if evaluated else None,  # measured at this sync only
                 tokens=self.tokens,
                 tokens_per_second=(self.tokens - self.tokens_at_sync) / (now - self.time_at_sync),
                 sync_exposed_seconds=self.manager.exposed_seconds,
@@ -147,10 +148,14 @@ class _Run:
         )
         metrics.flush()
         self.tokens_at_sync, self.time_at_sync = self.tokens, now
+
+    def stop_if_failing(self) -> None:
+        """Give up after ``MAX_FAILED_SYNCS`` failed syncs in a row, with the last error."""
         if self.failed_in_a_row >= MAX_FAILED_SYNCS:
             raise SyncFailedError(
-                f"{self.failed_in_a_row} syncs in a row failed; last: {error}. See the other "
-                f"replicas with `diloco status` and `diloco logs`"
+                f"{self.failed_in_a_row} syncs in a row failed; last: "
+                f"{self.manager.last_sync_error}. See the other replicas with `diloco status` "
+                f"and `diloco logs`"
             )
 
 
@@ -214,6 +219,7 @@ def train(
             run.record_step(loss.detach(), metrics)
             if manager.syncs_attempted != syncs:
                 run.record_sync(manager.current_step() > step, model, metrics)
+                run.stop_if_failing()
     return TrainingResult(
         outer_steps=manager.current_step() // diloco.fragments,
         inner_steps=run.inner_steps,
