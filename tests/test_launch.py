@@ -140,3 +140,17 @@ def test_dry_run_prints_each_replica_spec_and_starts_nothing(run_toml, tmp_path)
     assert specs[0]["args"] == ["--config", config]
     assert not (tmp_path / ".diloco").exists()
     assert not (tmp_path / "store").exists()
+
+
+def test_stop_ends_the_replicas_and_they_say_so(run_toml):
+    config = run_toml(replicas=2, outer_steps=200)
+    assert diloco("launch", "--config", config, "--detach").exit_code == 0
+    deadline = time.monotonic() + 120
+    while min((row["outer_step"] for row in statuses(config).values()), default=0) < 1:
+        assert time.monotonic() < deadline, statuses(config)
+        time.sleep(0.5)
+    assert diloco("stop", "--config", config).exit_code == 0
+    while {row["state"] for row in statuses(config).values()} != {"stopped"}:
+        assert time.monotonic() < deadline, statuses(config)
+        time.sleep(0.5)
+    assert all(row["outer_step"] < 200 for row in statuses(config).values())

@@ -52,7 +52,7 @@ class SyncLine(Record):
 
 class EventLine(Record):
     kind: Literal["event"] = "event"
-    event: Literal["started", "done", "failed"]
+    event: Literal["started", "done", "failed", "stopped"]
     detail: str = Field(default="", max_length=2000)
     parameters: Count = 0  # "started": the model's size, for comparisons with data parallel
     time: float
@@ -130,7 +130,7 @@ class ReplicaMetrics:
         return max((event.parameters for event in self.events), default=0)
 
     def state(self) -> str:
-        """started / running / done / failed, from the newest incarnation's events."""
+        """started / done / failed / stopped, from the newest incarnation's events."""
         return self.events[-1].event if self.events else "running"
 
 

@@ -9,7 +9,9 @@ credentials come from the platform's standard environment (AWS_*, GOOGLE_APPLICA
 AZURE_*), read by the store's SDK, never by us.
 
 Exit codes: 0 when the run's outer steps are done, 2 for a bad run.toml or arguments (nothing
-started), 1 when training failed (the reason is printed and recorded in the run's metrics).
+started), 1 when training failed (the reason is printed and recorded in the run's metrics), 143
+when stopped by SIGTERM (``diloco stop``, or the platform preempting or evicting the job; also
+recorded, as a ``stopped`` event).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import logging
 import os
 import re
+import signal
 import sys
 
 from diloco_anywhere.collective.allreduce import BucketCollective
@@ -34,6 +37,16 @@ ENV_PLATFORM = "DILOCO_PLATFORM"
 ENV_RUN = "DILOCO_RUN"
 ENV_STORE = "DILOCO_STORE"
 ENV_REPLICAS = "DILOCO_REPLICAS"
+EXIT_STOPPED = 128 + signal.SIGTERM  # as shells and platforms report a SIGTERM exit
+
+
+class StopRequestedError(Exception):
+    """SIGTERM arrived: ``diloco stop``, or the platform preempting or evicting the job."""
+
+
+def _raise_stopped(signum: int, _frame: object) -> None:
+    name = signal.Signals(signum).name
+    raise StopRequestedError(f"stopped by {name} (diloco stop, or the platform)")
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -92,6 +105,10 @@ def run_replica(config: RunConfig, replica_id: str, index: int, platform: str) -
         metrics = MetricsWriter(store, layout, replica_id, incarnation, platform)
         try:
             result = train(config, store, collective, metrics, index)
+        except StopRequestedError as exc:
+            metrics.flush()
+            metrics.event("stopped", str(exc))
+            raise
         except Exception as exc:
             metrics.flush()
             metrics.event("failed", scrub_secrets(f"{type(exc).__name__}: {exc}")[:2000])
@@ -116,8 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    signal.signal(signal.SIGTERM, _raise_stopped)
     try:
         return run_replica(config, replica_id, index, os.environ.get(ENV_PLATFORM, "local"))
+    except StopRequestedError as exc:
+        print(f"replica {replica_id}: {exc}", file=sys.stderr, flush=True)
+        # At once: the stop is recorded, and rounds in flight (their threads would hold the
+        # interpreter's exit) are abandoned; the bucket's lifecycle rule expires their objects.
+        os._exit(EXIT_STOPPED)
     except (StoreError, ValueError, RuntimeError) as exc:
         print(f"error: replica {replica_id} failed: {exc}", file=sys.stderr)
         return 1

@@ -18,7 +18,7 @@ from diloco_anywhere.metrics import ReplicaMetrics
 class ReplicaStatus:
     replica: str
     platform: str
-    state: str  # starting, running, done, failed, exited (without saying done), unknown
+    state: str  # starting, running, done, failed, stopped, exited (saying nothing), unknown
     outer_step: int
     loss: float | None
     eval_loss: float | None
@@ -33,7 +33,7 @@ class ReplicaStatus:
 
 
 def _state(metrics: ReplicaMetrics | None, job: str) -> str:
-    if metrics is not None and metrics.state() in ("done", "failed"):
+    if metrics is not None and metrics.state() in ("done", "failed", "stopped"):
         return metrics.state()
     if job == "running":
         return "running" if metrics and (metrics.steps or metrics.syncs) else "starting"

@@ -196,12 +196,15 @@ class BucketCollective:
         progress[self.me.name] = dict(self._finished)
         self._collector.collect(fragment, round_, progress.values())
 
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
+    def close(self, wait: bool = True) -> None:
+        """Stop the heartbeat; with ``wait``, first let rounds in flight finish."""
+        self._executor.shutdown(wait=wait, cancel_futures=not wait)
         self._heartbeat.stop()
 
     def __enter__(self) -> BucketCollective:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        """On an error (or a stop), do not wait for rounds in flight: they may take up to the
+        round timeout, and a platform kills a stopped job a few seconds after SIGTERM."""
+        self.close(wait=exc_type is None)
