@@ -41,13 +41,18 @@ Progress = Callable[[str], None]
 
 
 def sample_tensor(kind: str, numel: int, seed: int = 0) -> torch.Tensor:
-    """Gaussian or Student-t(3) values (Student-t = normal / sqrt(chi2_3 / 3))."""
+    """Gaussian or Student-t(3) values (Student-t = normal / sqrt(chi2_3 / 3)).
+
+    Element-wise operations only: a reduction's summation order can follow the number of
+    threads a busy machine grants, and the tests compare these values bit for bit across
+    processes."""
     generator = torch.Generator().manual_seed(seed)
     normal = torch.randn(numel, generator=generator)
     if kind == "gaussian":
         return normal
     if kind == "student_t":
-        chi2 = torch.randn(3, numel, generator=generator).pow(2).sum(0)
+        squares = torch.randn(3, numel, generator=generator).square_()
+        chi2 = squares[0] + squares[1] + squares[2]
         return normal / (chi2 / 3).sqrt()
     raise ValueError(f"unknown sample kind {kind!r}; choose gaussian or student_t")
 
