@@ -143,9 +143,8 @@ class BucketManager:
         if sync.work is not None or not sync.batch:
             return
         started = time.perf_counter()
-        flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t, _ in sync.batch])
         sync.work = self._collective.allreduce(
-            flat,
+            [tensor for tensor, _ in sync.batch],
             round_=self._sync,
             weight=self._weight,
             codec=self._quantized_codec if sync.quantize else self._codec,

@@ -136,7 +136,7 @@ class BucketCollective:
 
     def allreduce(
         self,
-        tensor: torch.Tensor,
+        tensor: torch.Tensor | list[torch.Tensor],
         *,
         round_: int,
         fragment: int = 0,
@@ -147,16 +147,20 @@ class BucketCollective:
         """Start round ``round_`` of ``fragment`` with this replica's ``tensor``; returns at once.
 
         The tensor is copied (to CPU float32) before this returns, so the caller may change it.
+        A list of tensors is one contribution, their values in order (flat result), gathered
+        in that same single copy (a sync's many parameters).
         ``fingerprint`` names this replica's global weights: only contributions with the same
         fingerprint are averaged together (docs/collective.md, "Integrity").
         """
-        flat = tensor.detach().reshape(-1).to("cpu", torch.float32, copy=True)
+        tensors = tensor if isinstance(tensor, list) else [tensor]
+        # torch.cat always allocates: exactly one copy, whatever the device and dtype.
+        flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
         future = self._executor.submit(
             self._run_round, flat, round_, fragment, weight, codec or self.config.codec,
             fingerprint, self._latest.get(fragment),
         )  # fmt: skip
         self._latest[fragment] = future
-        return Work(future, tensor.shape)
+        return Work(future, flat.shape if isinstance(tensor, list) else tensor.shape)
 
     def _run_round(
         self,
