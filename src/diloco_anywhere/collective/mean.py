@@ -8,7 +8,7 @@ import torch
 def weighted_mean(
     contributions: list[tuple[torch.Tensor, float]], out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """sum(w_i * g_i) / sum(w_i) in the given order, each step one IEEE float32 operation
+    """sum(w_i * g_i) * (1 / sum(w_i)) in the given order, each step one IEEE float32 operation
     (a multiply, then an add; no fused multiply-add), so any machine gets the same bits.
 
     The order is the SEAL's (sorted contributor names). Element-wise, gather and sharded mode
@@ -21,4 +21,7 @@ def weighted_mean(
     for tensor, weight in contributions:
         torch.mul(tensor, weight, out=scaled)
         accumulator.add_(scaled)
-    return accumulator.div_(total)
+    # Times the reciprocal, not a division: torch may divide by a scalar as a multiplication in
+    # its vectorized loop but truly in the scalar tail, and where tails fall follows the thread
+    # count, so a division would differ by an ulp between replicas on some elements.
+    return accumulator.mul_(1.0 / total)
