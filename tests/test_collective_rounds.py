@@ -21,6 +21,7 @@ from diloco_anywhere.collective.allreduce import finish_round
 from diloco_anywhere.collective.mean import weighted_mean
 from diloco_anywhere.collective.records import Manifest, PartEntry, Seal
 from diloco_anywhere.collective.round import (
+    DivergedError,
     Round,
     RoundPolicy,
     RoundTimeoutError,
@@ -347,8 +348,8 @@ def test_a_replica_whose_weights_differ_is_left_out_and_fails_loudly():
         assert torch.equal(
             outcomes[name].mean, weighted_mean([(tensors[0], 1.0), (tensors[1], 1.0)])
         )
-    assert isinstance(outcomes["c"], SealedContributionError)
-    assert "this replica's global weights (step-3-cc) differ" in str(outcomes["c"])
+    assert isinstance(outcomes["c"], DivergedError)  # the replica heals on this error
+    assert "this replica's global state (step-3-cc) differs" in str(outcomes["c"])
 
 
 def test_a_result_laid_out_unlike_what_a_replica_sent_is_refused():

@@ -93,10 +93,16 @@ def test_a_two_replica_run_finishes_and_reports(run_toml, tmp_path):
     assert logs.exit_code == 0
     assert "replica local-1 done" in logs.stdout
 
+    # Launched again, a finished run resumes at its end: each replica heals from the final
+    # checkpoint and is done at once; no step is trained twice.
     again = diloco("launch", "--config", config)
-    assert again.exit_code == 1
-    assert "already has objects" in again.output
-    assert "--fresh" in again.output
+    assert again.exit_code == 0, again.output
+    assert "resuming it (--fresh starts over)" in again.output
+    metrics = run_metrics(load_config(config)).read()
+    for replica in metrics.values():
+        assert replica.incarnations == [0, 1]
+        assert [sync.round for sync in replica.syncs] == [0, 1]
+        assert "healed from checkpoint 1: replayed 0 rounds" in replica.events[-2].detail
 
 
 def test_a_killed_replica_leaves_the_others_to_finish(run_toml):

@@ -18,7 +18,8 @@ def make(replica: int = 0, replicas: int = 2, seed: int = 0, **options: Any) -> 
 
 
 def first_batches(task: Task, count: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [next(task.batches) for _ in range(count)]
+    batches = task.batches(0)
+    return [next(batches) for _ in range(count)]
 
 
 def test_replicas_start_from_identical_weights() -> None:
@@ -39,7 +40,7 @@ def test_batches_differ_by_replica_and_repeat_by_seed() -> None:
     ):
         assert torch.equal(inputs, inputs_again)
         assert torch.equal(targets, targets_again)
-    assert not torch.equal(batches[0][0], next(replica1.batches)[0])
+    assert not torch.equal(batches[0][0], next(replica1.batches(0))[0])
     inputs, targets = batches[0]
     assert inputs.shape == targets.shape == (16, 64)
     assert inputs.dtype == targets.dtype == torch.long
@@ -52,7 +53,7 @@ def test_targets_are_the_next_bytes(tmp_path: Path) -> None:
     task = make(corpus=str(corpus), seq_len=32, batch_size=8)
     for inputs, targets in first_batches(task):
         assert torch.equal(targets, (inputs + 1) % 256)
-    inputs, targets = next(make().batches)  # and on the stdlib corpus
+    inputs, targets = next(make().batches(0))  # and on the stdlib corpus
     assert torch.equal(inputs[:, 1:], targets[:, :-1])
 
 
@@ -77,9 +78,9 @@ def test_training_lowers_the_loss() -> None:
     task = make(seed=1)
     optimizer = torch.optim.AdamW(task.model.parameters(), lr=3e-3)
     eval_before = task.evaluate(task.model)
-    losses = []
+    losses, batches = [], task.batches(0)
     for _ in range(40):
-        loss = task.loss(task.model, next(task.batches))
+        loss = task.loss(task.model, next(batches))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -88,11 +89,23 @@ def test_training_lowers_the_loss() -> None:
     assert task.evaluate(task.model) < eval_before - 0.5
 
 
+def test_batches_start_anywhere() -> None:
+    """A replica that resumes at batch 5 gets exactly the batches a replica that never stopped
+    gets from its sixth on (healing resumes data at the round)."""
+    task = make()
+    from_start = first_batches(task, 8)
+    resumed = task.batches(5)
+    for inputs, targets in from_start[5:]:
+        again_inputs, again_targets = next(resumed)
+        assert torch.equal(inputs, again_inputs)
+        assert torch.equal(targets, again_targets)
+
+
 def test_custom_corpus_file(tmp_path: Path) -> None:
     corpus = tmp_path / "text.txt"
     corpus.write_bytes(b"the quick brown fox jumps over the lazy dog\n" * 500)
     task = make(corpus=str(corpus), seq_len=32, batch_size=4, eval_batches=2)
-    inputs, _ = next(task.batches)
+    inputs, _ = next(task.batches(0))
     assert inputs.shape == (4, 32)
     assert math.isfinite(task.evaluate(task.model))
 

@@ -91,6 +91,14 @@ class SyncSection(_Section):
     keep_rounds: PositiveInt = 2
 
 
+class CheckpointSection(_Section):
+    """Global checkpoints in the bucket (docs/checkpoints.md): what healing and resume start
+    from. Rounds after the oldest kept checkpoint stay in the bucket for replay."""
+
+    every: PositiveInt = 10  # committed syncs between checkpoints (also after the first and last)
+    keep: PositiveInt = 2  # committed checkpoints kept; older ones are deleted
+
+
 class TaskSection(_Section):
     entrypoint: Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")] = (
         "diloco_anywhere.tasks.gpt:build"
@@ -106,6 +114,7 @@ class RunConfig(_Section):
     run: RunSection = Field(default_factory=RunSection)
     diloco: DilocoSection = Field(default_factory=DilocoSection)
     sync: SyncSection = Field(default_factory=SyncSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     task: TaskSection = Field(default_factory=TaskSection)
     # Per-backend settings ([backends.modal] ...), validated by each backend when it launches.
     backends: dict[str, dict[str, Any]] = Field(default_factory=dict)

@@ -116,6 +116,28 @@ class RunLayout:
     def reduced(self, round_: int, fragment: int, shard: int) -> str:
         return f"{self.fragment(round_, fragment)}/reduced/{_check_count(shard, 'shard')}"
 
+    # -- global checkpoints --------------------------------------------------------------------
+
+    def checkpoints(self) -> str:
+        return f"{self.run}/checkpoints"
+
+    def checkpoint(self, round_: int) -> str:
+        """The global state after round ``round_`` (``checkpoint.py``)."""
+        return f"{self.checkpoints()}/{_check_count(round_, 'round', MAX_ROUND):0{ROUND_DIGITS}d}"
+
+    def checkpoint_shard(self, round_: int, shard: int) -> str:
+        return f"{self.checkpoint(round_)}/shard-{_check_count(shard, 'shard'):05d}.safetensors"
+
+    def checkpoint_commit(self, round_: int) -> str:
+        return f"{self.checkpoint(round_)}/COMMIT"
+
+    def parse_checkpoint_commit(self, key: str) -> int | None:
+        """``checkpoints/{round}/COMMIT`` -> round; anything else -> None."""
+        parts = key.removeprefix(f"{self.checkpoints()}/").split("/")
+        if key.startswith(f"{self.checkpoints()}/") and len(parts) == 2 and parts[1] == "COMMIT":
+            return int(parts[0]) if parts[0].isdigit() else None
+        return None
+
     # -- metrics -------------------------------------------------------------------------------
 
     def metrics(self) -> str:

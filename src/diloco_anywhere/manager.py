@@ -17,10 +17,11 @@ into the given tensors in place, as torchft's average is.
 As in torchft, a failed sync does not raise from ``allreduce`` or ``wait``: the error is kept,
 ``errored()`` returns it and ``should_commit()`` returns False.
 
-Every contribution carries a fingerprint of this replica's global weights: the committed step
-and a CRC32C chain over every committed result. Replicas that committed the same results have
-the same fingerprint; one that missed a commit (a failure only it saw) no longer matches, is
-left out of rounds, and fails loudly instead of averaging against weights it does not share.
+Every contribution carries a fingerprint of this replica's global state: the committed step and
+a CRC32C over the state DiLoCo registered (each fragment's global weights and outer optimizer,
+``global_state.py``). Replicas holding the same state have the same fingerprint; one that
+missed a commit, made one the others did not, or computed the outer step differently no longer
+matches, is left out of rounds, and gets a ``DivergedError`` instead of a result to apply.
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-import crc32c
 import torch
 from torch.distributed import ReduceOp
 
 from diloco_anywhere.codec import Codec, make_codec
 from diloco_anywhere.collective.allreduce import BucketCollective, RoundResult, Work
+from diloco_anywhere.global_state import fingerprint, state_tree, tree_checksum
 
 log = logging.getLogger(__name__)
 StateDictFns = tuple[Callable[[Any], None], Callable[[], Any]]
@@ -54,6 +55,7 @@ class _Sync:
     quantize: bool = False
     work: Work | None = None
     result: RoundResult | None = None
+    fingerprint: str = ""  # this replica's, as sent
     error: Exception | None = None
     written_back: threading.Event = field(default_factory=threading.Event)
 
@@ -103,13 +105,14 @@ class BucketManager:
         self._min_replicas, self._timeout = min_replicas, timeout
         self._step = self._batches_committed = 0
         self._sync = 0  # bucket round of the next sync: advances on every sync, committed or not
-        self._chain = 0  # CRC32C over every committed result: the weights' fingerprint
         self._weight = 1.0
         self._current = _Sync()
         self._last: RoundResult | None = None
         self._state_dict_fns: dict[str, StateDictFns] = {}
         self.syncs_attempted = 0  # should_commit calls: one per fragment sync
         self.last_sync_error: Exception | None = None  # of the last should_commit
+        self.last_result: RoundResult | None = None  # of the last should_commit, if it has one
+        self.last_fingerprint = ""  # sent in the last should_commit's round
         self.exposed_seconds = 0.0  # time the training thread spent blocked on syncs
 
     # -- a sync --------------------------------------------------------------------------------
@@ -135,24 +138,33 @@ class BucketManager:
         return SyncWork(self, future)
 
     def fingerprint(self) -> str:
-        return f"step-{self._step}-{self._chain:08x}"
+        """This replica's global state: the step and a checksum of what DiLoCo registered."""
+        return fingerprint(self._step, self._state_checksum())
+
+    def _state_checksum(self) -> int:
+        return tree_checksum(state_tree(self._state_dict_fns))
 
     def send(self) -> None:
         """Send the batch as one round (once; later calls do nothing)."""
         sync = self._current
         if sync.work is not None or not sync.batch:
             return
-        started = time.perf_counter()
+        started, step = time.perf_counter(), self._step
         sync.work = self._collective.allreduce(
             [tensor for tensor, _ in sync.batch],
             round_=self._sync,
             weight=self._weight,
             codec=self._quantized_codec if sync.quantize else self._codec,
-            fingerprint=self.fingerprint(),
+            fingerprint=lambda: self._fingerprint_for(sync, step),
         )
         self._sync += 1
         sync.work.add_done_callback(lambda work: self._complete(sync, work))
         self.exposed_seconds += time.perf_counter() - started
+
+    def _fingerprint_for(self, sync: _Sync, step: int) -> str:
+        """Checksummed on the round's thread: DiLoCo changes its state only after the round."""
+        sync.fingerprint = fingerprint(step, self._state_checksum())
+        return sync.fingerprint
 
     @staticmethod
     def _complete(sync: _Sync, work: Work) -> None:
@@ -196,8 +208,7 @@ class BucketManager:
 
     def should_commit(self, timeout: timedelta | None = None) -> bool:
         """True when this sync's round finished without error among at least ``min_replicas``;
-        then the step advances and the fingerprint chains the result. DiLoCo restores the
-        global weights on False."""
+        then the step advances. DiLoCo restores the global weights on False."""
         self.send()
         self.wait_for_round(timeout)
         self.syncs_attempted += 1
@@ -205,10 +216,10 @@ class BucketManager:
         commit = sync.error is None and (
             sync.result is None or len(sync.result.seal.contributors) >= self._min_replicas
         )
+        self.last_result, self.last_fingerprint = sync.result, sync.fingerprint
         if commit:
             if sync.result is not None:
                 self._last = sync.result
-                self._chain = crc32c.crc32c(sync.result.mean.numpy(), self._chain)
             self._step += 1
             self._batches_committed += self.num_participants()
         self.last_sync_error = sync.error
@@ -238,6 +249,11 @@ class BucketManager:
         me = self._collective.me.name
         return names.index(me) if me in names else None
 
+    def contributed(self) -> bool:
+        """Whether this replica's contribution is in the last sync's SEAL."""
+        result = self.last_result
+        return result is not None and self._collective.me.name in result.seal.contributors
+
     def is_participating(self) -> bool:
         return True  # a late replica is left out of a SEAL but still receives the result
 
@@ -250,8 +266,16 @@ class BucketManager:
     def register_state_dict_fn(
         self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
     ) -> None:
-        """Kept for global checkpoints (DiLoCo registers each fragment's outer state)."""
+        """DiLoCo registers each fragment's global state: fingerprinted, checkpointed, healed."""
         self._state_dict_fns[key] = (load_state_dict, state_dict)
+
+    @property
+    def state_dict_fns(self) -> dict[str, StateDictFns]:
+        return self._state_dict_fns
+
+    def last_round(self) -> int:
+        """The bucket round of the last sync sent."""
+        return self._sync - 1
 
     def allow_state_dict_read(self) -> None:
         """Called by DiLoCo after each inner step: nothing to do."""
@@ -265,14 +289,12 @@ class BucketManager:
             "step": self._step,
             "batches_committed": self._batches_committed,
             "sync": self._sync,
-            "chain": self._chain,
         }
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         self._step = state_dict["step"]
         self._batches_committed = state_dict["batches_committed"]
         self._sync = state_dict.get("sync", self._sync)
-        self._chain = state_dict.get("chain", self._chain)
 
     def shutdown(self, wait: bool = True) -> None:
         self._collective.close()

@@ -3,8 +3,9 @@
 A replica writes its metrics as chunks: create-only records (checksummed JSON, ``record.py``)
 under ``{run}/metrics/{replica}/{incarnation}-{seq}``, one chunk per sync plus one at start and
 one at the end. Each holds JSON lines of three kinds: ``step`` (loss every few inner steps),
-``sync`` (an outer step: committed or not, eval loss, throughput, exposed sync time, traffic)
-and ``event`` (started, done, failed). ``diloco status`` and ``diloco report`` read them all,
+``sync`` (an outer step: committed or not, its round and fingerprint, eval loss, throughput,
+exposed sync time, traffic) and ``event`` (started, done, failed, stopped; diverged and healed
+in between). ``diloco status`` and ``diloco report`` read them all,
 each chunk once. A chunk that fails its checks is skipped and named
 in the log, never guessed at.
 """
@@ -38,7 +39,10 @@ class StepLine(Record):
 class SyncLine(Record):
     kind: Literal["sync"] = "sync"
     outer_step: Count  # whole outer steps committed (every fragment synced) after this sync
+    round: Count = 0  # the bucket round of this sync
     committed: bool
+    contributed: bool = True  # this replica's pseudo-gradient is in the round's mean
+    fingerprint: str = Field(default="", max_length=128)  # global state this sync started from
     participants: Count
     eval_loss: float | None
     tokens: Count
@@ -52,9 +56,10 @@ class SyncLine(Record):
 
 class EventLine(Record):
     kind: Literal["event"] = "event"
-    event: Literal["started", "done", "failed", "stopped"]
+    event: Literal["started", "done", "failed", "stopped", "diverged", "healed"]
     detail: str = Field(default="", max_length=2000)
     parameters: Count = 0  # "started": the model's size, for comparisons with data parallel
+    seconds: float | None = None  # "healed": how long healing took
     time: float
 
 
@@ -86,8 +91,16 @@ class MetricsWriter:
         if len(self._lines) >= MAX_LINES:
             self.flush()
 
-    def event(self, event: str, detail: str = "", parameters: int = 0) -> None:
-        line = EventLine(event=event, detail=detail, parameters=parameters, time=time.time())  # type: ignore[arg-type]
+    def event(
+        self, event: str, detail: str = "", parameters: int = 0, seconds: float | None = None
+    ) -> None:
+        line = EventLine(
+            event=event,  # type: ignore[arg-type]
+            detail=detail,
+            parameters=parameters,
+            seconds=seconds,
+            time=time.time(),
+        )
         self.add(line)
         self.flush()
 
@@ -108,16 +121,24 @@ class MetricsWriter:
         self._lines = []
 
 
+LIFECYCLE = ("started", "done", "failed", "stopped")
+
+
 @dataclass
 class ReplicaMetrics:
     """Everything one replica wrote, all incarnations, in order."""
 
     replica: str
     platform: str = ""
-    incarnation: int = 0
+    incarnation: int = 0  # the newest
     steps: list[StepLine] = field(default_factory=list)
     syncs: list[SyncLine] = field(default_factory=list)
-    events: list[EventLine] = field(default_factory=list)
+    events: list[EventLine] = field(default_factory=list)  # every incarnation's
+    newest_events: list[EventLine] = field(default_factory=list)  # the newest incarnation's
+    incarnations: list[int] = field(default_factory=list)  # that wrote metrics, in order
+
+    def count(self, event: str) -> int:
+        return sum(line.event == event for line in self.events)
 
     def last_seen(self) -> float:
         times = [lines[-1].time for lines in (self.steps, self.syncs, self.events) if lines]
@@ -131,7 +152,8 @@ class ReplicaMetrics:
 
     def state(self) -> str:
         """started / done / failed / stopped, from the newest incarnation's events."""
-        return self.events[-1].event if self.events else "running"
+        lifecycle = [line.event for line in self.newest_events if line.event in LIFECYCLE]
+        return lifecycle[-1] if lifecycle else "running"
 
 
 class MetricsReader:
@@ -172,10 +194,13 @@ class MetricsReader:
         replicas: dict[str, ReplicaMetrics] = {}
         for chunk in chunks:
             metrics = replicas.setdefault(chunk.replica, ReplicaMetrics(chunk.replica))
-            if chunk.incarnation != metrics.incarnation:
-                metrics.events = [e for e in metrics.events if e.event == "started"]  # sizes
+            if chunk.incarnation not in metrics.incarnations:
+                metrics.incarnations.append(chunk.incarnation)
+                metrics.newest_events = []
             metrics.platform, metrics.incarnation = chunk.platform, chunk.incarnation
             by_kind = {"step": metrics.steps, "sync": metrics.syncs, "event": metrics.events}
             for line in chunk.lines:
                 by_kind[line.kind].append(line)  # type: ignore[arg-type]
+                if line.kind == "event":
+                    metrics.newest_events.append(line)  # type: ignore[arg-type]
         return replicas

@@ -23,6 +23,7 @@ import re
 import signal
 import sys
 
+from diloco_anywhere.checkpoint import retained_after
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.config import ConfigError, RunConfig, load_config, validate_config
 from diloco_anywhere.layout import RunLayout, check_name
@@ -100,7 +101,11 @@ def with_overrides(config: RunConfig, environ: dict[str, str]) -> RunConfig:
 def run_replica(config: RunConfig, replica_id: str, index: int, platform: str) -> int:
     store = Store(config.store_url())
     layout = RunLayout(config.run.name)
-    with BucketCollective(store, layout.run, replica_id, collective_config(config)) as collective:
+    keep = config.checkpoint.keep
+    with BucketCollective(
+        store, layout.run, replica_id, collective_config(config),
+        retained_after=lambda: retained_after(store, layout, keep),  # healing replays the rest
+    ) as collective:  # fmt: skip
         incarnation = collective.me.incarnation
         metrics = MetricsWriter(store, layout, replica_id, incarnation, platform)
         try:

@@ -6,7 +6,11 @@ names the function (``[task] entrypoint``); the replica imports it and calls it 
 
 Data must be sharded by ``context.replica_index`` so replicas see different data (DiLoCo's
 workers each train on their own shard, arXiv 2311.08105 section 2), and must be deterministic
-for a given ``context.seed``, so a run can be reproduced.
+for a given ``context.seed``, so a run can be reproduced. ``batches(start)`` begins at batch
+``start`` of the shard: a replica that restarts or heals resumes its data where its round is
+(every replica trains ``sync_every`` batches per round), without replaying the batches before.
+The model's initial weights must be the same on every replica (seed them from ``context.seed``):
+a replica joining a run with no checkpoint yet replays the rounds from its own initial weights.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ class TaskContext:
 @dataclass
 class Task:
     model: nn.Module
-    batches: Iterator[Batch]  # endless training batches of this replica's shard
+    batches: Callable[[int], Iterator[Batch]]  # batches(start): endless, from batch ``start``
     loss: Callable[[nn.Module, Batch], torch.Tensor]
     tokens_per_batch: int  # weights the replica's contribution and drives tokens/s
     evaluate: Callable[[nn.Module], float] | None = None  # held-out loss, same on every replica

@@ -12,7 +12,9 @@ from __future__ import annotations
 import bisect
 import gc
 import itertools
+import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -20,15 +22,20 @@ import torch
 from torch import nn
 from torchft.local_sgd import DiLoCo
 
+from diloco_anywhere.checkpoint import CheckpointPolicy, CheckpointWriter
 from diloco_anywhere.codec import make_codec
 from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig
 from diloco_anywhere.collective.membership import LeasePolicy
-from diloco_anywhere.collective.round import RoundPolicy
+from diloco_anywhere.collective.round import DivergedError, RoundPolicy
 from diloco_anywhere.config import RunConfig
+from diloco_anywhere.global_state import GlobalState
+from diloco_anywhere.healing import heal
 from diloco_anywhere.manager import BucketManager
 from diloco_anywhere.metrics import MetricsWriter, StepLine, SyncLine
 from diloco_anywhere.store import Store, scrub_secrets
-from diloco_anywhere.task import Task, TaskContext, build_task
+from diloco_anywhere.task import Batch, Task, TaskContext, build_task
+
+log = logging.getLogger(__name__)
 
 MAX_FAILED_SYNCS = 5  # in a row; then the replica stops with the last error
 
@@ -87,6 +94,26 @@ def split_fragments(model: nn.Module, count: int) -> list[nn.Module]:
     return [_Fragment(parameters[a:b]) for a, b in itertools.pairwise(edges)]
 
 
+def single_threaded_steps(optimizer: torch.optim.Optimizer) -> None:
+    """Run ``optimizer``'s steps with one intra-op thread. On CPU, torch's vectorized and
+    scalar loops round differently (fused multiply-add) and the split between them follows
+    the thread count, so replicas given different core counts would compute different global
+    weights from the same mean; with one thread every replica (and a healing replay, which
+    runs this same step) gets the same bits. The outer step is a few element-wise passes per
+    sync: its cost is negligible. GPUs are unaffected."""
+    threads: list[int] = []
+
+    def one_thread(*_: object) -> None:
+        threads.append(torch.get_num_threads())
+        torch.set_num_threads(1)
+
+    def restore(*_: object) -> None:
+        torch.set_num_threads(threads.pop())
+
+    optimizer.register_step_pre_hook(one_thread)
+    optimizer.register_step_post_hook(restore)
+
+
 @dataclass
 class TrainingResult:
     outer_steps: int
@@ -99,8 +126,15 @@ class TrainingResult:
 class _Run:
     """The state of one replica's loop between syncs."""
 
-    def __init__(self, config: RunConfig, task: Task, manager: BucketManager, store: Store):
-        self.config, self.task, self.manager, self.store = config, task, manager, store
+    def __init__(
+        self,
+        config: RunConfig,
+        task: Task,
+        manager: BucketManager,
+        collective: BucketCollective,
+    ) -> None:
+        self.config, self.task, self.manager = config, task, manager
+        self.collective, self.store = collective, collective.store
         self.inner_steps = self.tokens = self.failed_in_a_row = 0
         self.loss = float("nan")
         self.eval_loss: float | None = None
@@ -132,7 +166,10 @@ class _Run:
         metrics.add(
             SyncLine(
                 outer_step=self.manager.current_step() // self.config.diloco.fragments,
+                round=self.manager.last_round(),
                 committed=committed,
+                contributed=committed and self.manager.contributed(),
+                fingerprint=self.manager.last_fingerprint,
                 participants=self.manager.num_participants(),
                 eval_loss=self.eval_loss if evaluated else None,  # measured at this sync only
                 tokens=self.tokens,
@@ -149,6 +186,29 @@ class _Run:
         metrics.flush()
         self.tokens_at_sync, self.time_at_sync = self.tokens, now
 
+    def heal(
+        self,
+        state: GlobalState,
+        metrics: MetricsWriter,
+        batches_per_round: int,
+        *,
+        from_initial: bool,
+    ) -> Iterator[Batch]:
+        """Bring the global state to the run's newest sealed round (``healing.py``) and return
+        the batches from there: every replica trains ``batches_per_round`` per round."""
+        report = heal(
+            self.collective, state, self.manager, self.config.run.min_replicas,
+            from_initial=from_initial,
+        )  # fmt: skip
+        if report.checkpoint is not None or report.replayed or report.skipped:
+            log.info("%s", report.describe())
+            metrics.event("healed", report.describe(), seconds=report.seconds)
+        self.failed_in_a_row = 0
+        self.inner_steps = report.sync * batches_per_round
+        self.tokens = self.inner_steps * self.task.tokens_per_batch
+        self.tokens_at_sync, self.time_at_sync = self.tokens, time.perf_counter()
+        return self.task.batches(self.inner_steps)
+
     def stop_if_failing(self) -> None:
         """Give up after ``MAX_FAILED_SYNCS`` failed syncs in a row, with the last error."""
         if self.failed_in_a_row >= MAX_FAILED_SYNCS:
@@ -159,15 +219,46 @@ class _Run:
             )
 
 
-def train(
-    config: RunConfig,
-    store: Store,
-    collective: BucketCollective,
-    metrics: MetricsWriter,
-    replica_index: int,
-) -> TrainingResult:
-    """Train until ``outer_steps`` outer steps have committed (every fragment synced that many
-    times), recording metrics as it goes."""
+def _checkpoint_due(step: int, every: int, last: int) -> bool:
+    """After the first committed sync (so a replica can heal early on), every ``every``, and
+    after the last (the run's final weights, in the bucket)."""
+    return step == 1 or step % every == 0 or step == last
+
+
+@dataclass
+class ReplicaParts:
+    """What one replica trains with, built from run.toml: the task, the bucket-backed manager,
+    the fragments, the inner optimizer and one outer optimizer per fragment."""
+
+    config: RunConfig
+    task: Task
+    manager: BucketManager
+    fragments: list[nn.Module]
+    inner: torch.optim.Optimizer
+    outers: list[torch.optim.Optimizer]
+
+    @property
+    def batches_per_round(self) -> int:
+        """torchft's DiLoCo syncs once per ``sync_every / fragments`` inner steps."""
+        return self.config.diloco.sync_every // self.config.diloco.fragments
+
+    def diloco(self) -> DiLoCo:
+        """torchft's DiLoCo over these parts (a context manager: it hooks the inner steps)."""
+        diloco = self.config.diloco
+        return DiLoCo(
+            self.manager, self.fragments, self.inner, self.outers,
+            sync_every=diloco.sync_every, fragment_sync_delay=diloco.fragment_sync_delay,
+            pin_memory=False,
+        )  # fmt: skip
+
+    def global_state(self) -> GlobalState:
+        """The state DiLoCo registered with the manager (once ``diloco()`` is built)."""
+        return GlobalState(self.manager.state_dict_fns, self.fragments, self.outers)
+
+
+def build_parts(
+    config: RunConfig, collective: BucketCollective, replica_index: int
+) -> ReplicaParts:
     diloco = config.diloco
     task = build_task(
         config.task.entrypoint,
@@ -179,21 +270,14 @@ def train(
             options=config.task.options,
         ),
     )
-    model = task.model
-    metrics.event(
-        "started",
-        f"shard {replica_index} of {config.run.replicas}",
-        parameters=sum(p.numel() for p in model.parameters()),
-    )
     manager = BucketManager(
         collective,
         min_replicas=config.run.min_replicas,
         timeout=timedelta(seconds=2 * config.sync.timeout),  # a seal, then a reduce
     )
-    manager.set_weight(task.tokens_per_batch * diloco.sync_every / diloco.fragments)
-    fragments = split_fragments(model, diloco.fragments)
+    fragments = split_fragments(task.model, diloco.fragments)
     inner = torch.optim.AdamW(
-        model.parameters(), lr=diloco.inner_lr, weight_decay=diloco.inner_weight_decay
+        task.model.parameters(), lr=diloco.inner_lr, weight_decay=diloco.inner_weight_decay
     )
     outers = [
         torch.optim.SGD(
@@ -202,26 +286,71 @@ def train(
         )
         for fragment in fragments
     ]  # fmt: skip
-    run = _Run(config, task, manager, store)
+    for outer in outers:
+        single_threaded_steps(outer)
+    parts = ReplicaParts(config, task, manager, fragments, inner, outers)
+    manager.set_weight(task.tokens_per_batch * parts.batches_per_round)
+    return parts
+
+
+def train(
+    config: RunConfig,
+    store: Store,
+    collective: BucketCollective,
+    metrics: MetricsWriter,
+    replica_index: int,
+) -> TrainingResult:
+    """Heal to the run's state (a run already going, or resumed), then train until
+    ``outer_steps`` outer steps have committed (every fragment synced that many times),
+    recording metrics and writing global checkpoints as it goes."""
+    parts = build_parts(config, collective, replica_index)
+    task, manager, model, inner = parts.task, parts.manager, parts.task.model, parts.inner
+    metrics.event(
+        "started",
+        f"shard {replica_index} of {config.run.replicas}",
+        parameters=sum(p.numel() for p in model.parameters()),
+    )
+    run = _Run(config, task, manager, collective)
+    writer = CheckpointWriter(
+        store, collective.layout, collective.me.name, CheckpointPolicy(
+            every=config.checkpoint.every, keep=config.checkpoint.keep,
+            orphan_grace=config.sync.grace * 3,
+        ),
+    )  # fmt: skip
+    last_step = config.diloco.outer_steps * config.diloco.fragments
+    batches_per_round = parts.batches_per_round
     # Everything built so far lives for the whole run; keep the cyclic collector from
     # rescanning it (torchft, pydantic, SDK modules) on every full collection during training.
     gc.freeze()
-    with DiLoCo(
-        manager, fragments, inner, outers, sync_every=diloco.sync_every,
-        fragment_sync_delay=diloco.fragment_sync_delay, pin_memory=False,
-    ):  # fmt: skip
-        while manager.current_step() < diloco.outer_steps * diloco.fragments:
-            loss = task.loss(model, next(task.batches))
+    with parts.diloco():
+        state = parts.global_state()
+        batches = run.heal(state, metrics, batches_per_round, from_initial=True)
+        while manager.current_step() < last_step:
+            loss = task.loss(model, next(batches))
             inner.zero_grad(set_to_none=True)
             loss.backward()
             syncs, step = manager.syncs_attempted, manager.current_step()
             inner.step()  # DiLoCo's hook syncs here every sync_every / fragments steps
             run.record_step(loss.detach(), metrics)
-            if manager.syncs_attempted != syncs:
-                run.record_sync(manager.current_step() > step, model, metrics)
-                run.stop_if_failing()
+            if manager.syncs_attempted == syncs:
+                continue
+            committed = manager.current_step() > step
+            run.record_sync(committed, model, metrics)
+            if committed and _checkpoint_due(
+                manager.current_step(), config.checkpoint.every, last_step
+            ):
+                writer.write(
+                    manager.last_round(),
+                    manager.last_result.seal.contributors if manager.last_result else (),
+                    {"manager": manager.state_dict(), "fragments": state.fragments_tree()},
+                )
+            if isinstance(manager.last_sync_error, DivergedError):
+                metrics.event("diverged", str(manager.last_sync_error)[:2000])
+                batches = run.heal(state, metrics, batches_per_round, from_initial=False)
+            run.stop_if_failing()
+    writer.close()  # the last checkpoint committed before the replica reports done
     return TrainingResult(
-        outer_steps=manager.current_step() // diloco.fragments,
+        outer_steps=manager.current_step() // config.diloco.fragments,
         inner_steps=run.inner_steps,
         tokens=run.tokens,
         final_loss=run.loss,

@@ -25,10 +25,14 @@ class LocalBackend:
 
     def __init__(self) -> None:
         self._processes: dict[int, subprocess.Popen] = {}  # the ones this process started
+        self._threads: int | None = None  # per replica, fixed by the first launch
 
     def launch(self, specs: list[ReplicaSpec], run_dir: Path) -> list[ReplicaHandle]:
+        """Start ``specs``; a later call (a restart) gives its replicas the thread count of
+        the first, so a restarted replica computes exactly as the one it replaces."""
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        threads = {"OMP_NUM_THREADS": str(threads_per_replica(len(specs)))}
+        self._threads = self._threads or threads_per_replica(len(specs))
+        threads = {"OMP_NUM_THREADS": str(self._threads)}
         return [
             self._start(spec, run_dir / "logs" / f"{spec.replica_id}.log", threads)
             for spec in specs

@@ -80,9 +80,9 @@ def wall_seconds(metrics: ReplicaMetrics) -> float:
 
 def _train(task: Task, model: torch.nn.Module, optimizer, steps: int, timed_from: int) -> float:
     """The baselines' plain training loop; seconds from step ``timed_from`` to the end."""
-    started = time.perf_counter()
+    started, batches = time.perf_counter(), task.batches(0)
     for step in range(1, steps + 1):
-        loss = task.loss(model, next(task.batches))
+        loss = task.loss(model, next(batches))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

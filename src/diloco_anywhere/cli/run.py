@@ -13,7 +13,7 @@ from rich.live import Live
 from rich.table import Table
 
 from diloco_anywhere.backends import BACKENDS, get_backend
-from diloco_anywhere.backends.base import Backend, ReplicaHandle, ReplicaSpec
+from diloco_anywhere.backends.base import ReplicaSpec
 from diloco_anywhere.cli.common import stderr, stdout, user_errors
 from diloco_anywhere.config import RunConfig, load_config, validate_config
 from diloco_anywhere.launch import (
@@ -30,6 +30,7 @@ from diloco_anywhere.replica import ENV_STORE
 from diloco_anywhere.report import RunSummary, plot_losses, summarize
 from diloco_anywhere.status import ReplicaStatus, replica_statuses
 from diloco_anywhere.store import redact_url
+from diloco_anywhere.supervisor import Supervisor
 
 CONFIG_OPTION = typer.Option(
     "--config", help="run.toml of the run. Default: the embedded demo run (4 local replicas)."
@@ -85,35 +86,28 @@ def _status_table(rows: list[ReplicaStatus], title: str) -> Table:
     return table
 
 
-def _job_state(started: dict[str, tuple[Backend, list[ReplicaHandle]]]):
-    """Ask the backend that started a job (it knows exit codes), else a fresh one."""
-    backends = {platform: backend for platform, (backend, _) in started.items()}
-    return lambda handle: (backends.get(handle.platform) or get_backend(handle.platform)).state(
-        handle
-    )
-
-
-def _follow(plan: LaunchPlan, started: dict[str, tuple[Backend, list[ReplicaHandle]]]) -> int:
-    """Show live status until every replica's job has ended; 0 if all of them are done."""
-    handles = [h for _, hs in started.values() for h in hs]
+def _follow(plan: LaunchPlan, supervisor: Supervisor) -> int:
+    """Show live status until every replica's job has ended (restarting failed ones when the
+    supervisor may); 0 if all of them are done."""
     reader = run_metrics(plan.config)
-    job_state = _job_state(started)
     target = plan.config.diloco.outer_steps
-    title = f"run {plan.config.run.name}: {len(handles)} replicas, {target} outer steps"
+    title = f"run {plan.config.run.name}: {len(plan.specs)} replicas, {target} outer steps"
     try:
         with Live(console=stderr, refresh_per_second=2) as live:
             while True:
-                rows = replica_statuses(reader.read(), handles, job_state)
+                for note in supervisor.restart_failed():
+                    live.console.print(note)
+                rows = replica_statuses(reader.read(), supervisor.handles, supervisor.state)
                 live.update(_status_table(rows, title))
-                if all(job_state(handle) != "running" for handle in handles):
+                if all(supervisor.state(handle) != "running" for handle in supervisor.handles):
                     break
                 time.sleep(1.0)
     except KeyboardInterrupt:
         stderr.print("interrupted: stopping every replica of this launch")
-        for handle in handles:
-            get_backend(handle.platform).stop(handle)
+        for handle in supervisor.handles:
+            supervisor.backends[handle.platform].stop(handle)
         return 130
-    rows = replica_statuses(reader.read(), handles, job_state)
+    rows = replica_statuses(reader.read(), supervisor.handles, supervisor.state)
     stdout.print(_status_table(rows, title))
     failed = [row.replica for row in rows if row.state != "done"]
     if failed:
@@ -139,11 +133,27 @@ def launch(
     ] = False,
     dry_run: Annotated[bool, typer.Option(help="Print every replica spec; start nothing.")] = False,
     fresh: Annotated[
-        bool, typer.Option(help="Delete this run's objects in its store first (a re-run).")
+        bool,
+        typer.Option(
+            help="Delete this run's objects in its store first and start over. "
+            "Without it, a run that has objects resumes from its last checkpoint."
+        ),
     ] = False,
+    restart_on_failure: Annotated[
+        bool,
+        typer.Option(
+            help="Restart a replica that crashes or is killed (not one stopped); it "
+            "heals from the bucket and rejoins."
+        ),
+    ] = False,
+    max_restarts: Annotated[
+        int, typer.Option(min=1, help="With --restart-on-failure: restarts per replica.")
+    ] = 10,
 ) -> None:
     """Start a run's replicas and follow them until they finish.
 
+    A run whose objects are already in its store resumes: every replica heals from the newest
+    committed checkpoint and the rounds after it, and training goes on from there.
     Exits 0 when every replica completed its outer steps, non-zero with the reason otherwise.
     Ctrl-C stops the replicas of this launch. Then prints the run summary and the loss plot.
     """
@@ -156,20 +166,19 @@ def launch(
             print(json.dumps([_shown(spec) for spec in plan.specs], indent=2))
             return
         if store_has_run(config):
-            if not fresh:
-                raise ValueError(
-                    f"run {config.run.name!r} already has objects in "
-                    f"{redact_url(config.run.store)}: "
-                    f"pass --fresh to delete them and start over, or choose another run.name"
-                )
-            delete_run_objects(config)
+            if fresh:
+                delete_run_objects(config)
+            else:
+                stderr.print(f"run {config.run.name} has objects in "
+                             f"{redact_url(config.run.store)}: resuming it (--fresh starts "
+                             f"over)")  # fmt: skip
         started = start(plan)
     count = len(plan.specs)
     if detach:
         stdout.print(f"started {count} replicas of run {config.run.name}; "
                      f"follow with `diloco status`, stop with `diloco stop`")  # fmt: skip
         return
-    code = _follow(plan, started)
+    code = _follow(plan, Supervisor(plan, started, max_restarts if restart_on_failure else 0))
     if code == 0:
         _print_report(config, plan.run_dir / "report.png")
     raise typer.Exit(code)
@@ -180,7 +189,10 @@ def status(config_path: ConfigPath = None, json_output: JsonFlag = False) -> Non
     with user_errors():
         config = load_config(config_path)
         reader = run_metrics(config)
-        rows = replica_statuses(reader.read(), load_handles(config), _job_state({}))
+        handles = load_handles(config)
+        rows = replica_statuses(
+            reader.read(), handles, lambda handle: get_backend(handle.platform).state(handle)
+        )
     if json_output:
         print(json.dumps([row.as_dict() for row in rows], indent=2))
     elif not rows:

@@ -44,15 +44,21 @@ EXCHANGES = {"gather": gather_mean, "sharded": sharded_mean}
 class RoundResult:
     mean: torch.Tensor  # flat float32
     seal: Seal
+    fingerprint: str  # of the sealed contributors' global state
     excluded: dict[str, str] = field(default_factory=dict)  # contributor -> why
+
+
+def _exchange(round_: Round, seal: Seal) -> RoundResult:
+    mean = EXCHANGES[seal.mode](round_, seal)
+    fingerprint = round_.sealed_manifests(seal)[0].fingerprint
+    return RoundResult(mean, seal, fingerprint, dict(round_.excluded))
 
 
 def finish_round(round_: Round) -> RoundResult:
     """Wait for the round's SEAL, then exchange in the mode the SEAL names."""
     seal = round_.wait_for_seal()
     round_.check_own_contribution(seal)
-    mean = EXCHANGES[seal.mode](round_, seal)
-    return RoundResult(mean, seal, dict(round_.excluded))
+    return _exchange(round_, seal)
 
 
 @dataclass(frozen=True)
@@ -116,14 +122,22 @@ class BucketCollective:
     """Weighted-mean all-reduce through ``store`` among the live replicas of ``run``."""
 
     def __init__(
-        self, store: Store, run: str, replica: str, config: CollectiveConfig | None = None
+        self,
+        store: Store,
+        run: str,
+        replica: str,
+        config: CollectiveConfig | None = None,
+        retained_after: Callable[[], int] | None = None,
     ) -> None:
+        """``retained_after()``: rounds after it are never collected (healing replays them)."""
         self.store = store
         self.config = config or CollectiveConfig()
         self.layout = RunLayout(run)
         self.me = Participant(replica, claim_incarnation(store, self.layout, replica))
         self._finished: dict[int, int] = {}  # fragment -> newest round this replica finished
-        self._collector = RoundCollector(store, self.layout, self.config.keep_rounds)
+        self._collector = RoundCollector(
+            store, self.layout, self.config.keep_rounds, retained_after
+        )
         self._heartbeat = Heartbeat(
             store, self.layout, self.me, self.config.lease, progress=lambda: dict(self._finished)
         ).start()
@@ -142,15 +156,17 @@ class BucketCollective:
         fragment: int = 0,
         weight: float = 1.0,
         codec: Codec | None = None,
-        fingerprint: str = "",
+        fingerprint: str | Callable[[], str] = "",
     ) -> Work:
         """Start round ``round_`` of ``fragment`` with this replica's ``tensor``; returns at once.
 
         The tensor is copied (to CPU float32) before this returns, so the caller may change it.
         A list of tensors is one contribution, their values in order (flat result), gathered
         in that same single copy (a sync's many parameters).
-        ``fingerprint`` names this replica's global weights: only contributions with the same
-        fingerprint are averaged together (docs/collective.md, "Integrity").
+        ``fingerprint`` names this replica's global state: only contributions with the same
+        fingerprint are averaged together (docs/collective.md, "Integrity"). A callable is
+        called on the round's thread, off the training thread; what it reads must not change
+        until the round is done (DiLoCo changes its global state only after the round).
         """
         tensors = tensor if isinstance(tensor, list) else [tensor]
         # torch.cat always allocates: exactly one copy, whatever the device and dtype.
@@ -169,11 +185,13 @@ class BucketCollective:
         fragment: int,
         weight: float,
         codec: Codec,
-        fingerprint: str,
+        fingerprint: str | Callable[[], str],
         previous: Future[RoundResult] | None,
     ) -> RoundResult:
         if previous is not None:  # submitted earlier, so running or done: no deadlock
             wait([previous])
+        if callable(fingerprint):
+            fingerprint = fingerprint()
         round_state = Round(
             self.store, self.layout, round_, fragment, self.me, self._members(),
             self.config.round, self._members, self.config.lease.period,
@@ -183,6 +201,13 @@ class BucketCollective:
         self._finished[fragment] = round_
         self._collect_garbage(round_, fragment, result)
         return result
+
+    def observe(self, round_: int, fragment: int = 0) -> RoundResult | None:
+        """The result of a round sealed without us (None while it has no SEAL), read as any
+        replica reads it: a replica catching up replays it (``healing.py``)."""
+        observer = Round(self.store, self.layout, round_, fragment, self.me, [], self.config.round)
+        seal = observer.read_seal()
+        return None if seal is None else _exchange(observer, seal)
 
     def _members(self) -> list[Participant]:
         members = live_members(self.store, self.layout, self.config.lease, time.time())

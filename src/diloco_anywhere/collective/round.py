@@ -84,6 +84,14 @@ class SealedContributionError(RuntimeError):
     """A sealed contribution cannot be read back intact; the message names the key."""
 
 
+class RoundDataMissingError(SealedContributionError):
+    """A sealed contribution's manifest is gone: garbage collection took the round."""
+
+
+class DivergedError(SealedContributionError):
+    """This replica's global state differs from the sealed contributors': it must heal."""
+
+
 def part_ranges(numel: int, codec: Codec, part_elements: int, multiple: int = 1) -> list[range]:
     """Element ranges of a contribution's parts: a multiple of ``multiple`` parts of at most
     ``part_elements`` each (fewer when there are fewer codec blocks than that), whole codec
@@ -395,6 +403,14 @@ class Round:
                 )
             time.sleep(next(delays))
 
+    def read_seal(self) -> Seal | None:
+        """The round's SEAL if it exists (``_load_seal``), without contributing or sealing."""
+        try:
+            data = self.store.get(self.seal_key)
+        except FileNotFoundError:
+            return None
+        return self._load_seal(data)
+
     def _load_seal(self, data: bytes) -> Seal:
         """The SEAL, with every sealed contributor's manifest at hand and checked. The sealer's
         judgement stands: a contribution we excluded (say, laid out unlike our own) is read
@@ -411,7 +427,9 @@ class Round:
             try:
                 data = self.store.get(self.manifest_key(name))
                 self.manifests[name] = self._check_manifest(name, data, reference=None)
-            except (wire.WireFormatError, FileNotFoundError) as exc:
+            except FileNotFoundError as exc:
+                raise RoundDataMissingError(str(self.unreadable(name, exc))) from None
+            except wire.WireFormatError as exc:
                 raise self.unreadable(name, exc) from None
         return seal
 
@@ -450,8 +468,8 @@ class Round:
                 f"must share the model, codec and round policy"
             )
         if own.fingerprint != sealed.fingerprint:
-            raise SealedContributionError(
-                f"{where}: this replica's global weights ({own.fingerprint}) differ from the "
+            raise DivergedError(
+                f"{where}: this replica's global state ({own.fingerprint}) differs from the "
                 f"sealed contributors' ({sealed.fingerprint}): it missed or made a commit the "
-                f"others did not; restart it so that it rejoins from the run's state"
+                f"others did not, or computed differently; it heals from the bucket"
             )

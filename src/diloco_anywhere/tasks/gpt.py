@@ -15,6 +15,7 @@ so no tokenizer has to be shipped or agreed on.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sysconfig
 from collections.abc import Iterator
@@ -168,9 +169,12 @@ def build(context: TaskContext) -> Task:
             f"{len(held_out)} bytes, fewer than seq_len + 1 = {seq_len + 1}"
         )
 
-    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        generator = torch.Generator().manual_seed(context.seed * 1000 + context.replica_index)
-        while True:
+    def batches(start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Batch ``i`` draws from its own generator, seeded by (seed, replica, i): any batch
+        can be the first, at no cost."""
+        for index in itertools.count(start):
+            seed = hash((context.seed, context.replica_index, index)) & (2**63 - 1)
+            generator = torch.Generator().manual_seed(seed)
             offsets = torch.randint(len(shard) - seq_len, (batch_size,), generator=generator)
             yield windows(shard, offsets, seq_len, context.device)
 
@@ -193,4 +197,4 @@ def build(context: TaskContext) -> Task:
         model.train(was_training)
         return total / len(eval_set)
 
-    return Task(model, batches(), loss, batch_size * seq_len, evaluate)
+    return Task(model, batches, loss, batch_size * seq_len, evaluate)

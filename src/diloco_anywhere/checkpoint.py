@@ -1,0 +1,324 @@
+"""Global checkpoints in the bucket: the run's global state after a round, never pickled.
+
+A checkpoint of round ``r`` lives under ``checkpoints/{r}/`` (docs/checkpoints.md):
+
+- ``shard-{s}.safetensors``: the state's tensors, named by their path in the state tree
+  (``['fragments']['StreamingDiLoCoFragment_0']['original_parameters']['0.weight']``), so any
+  safetensors reader can take the run's weights out of the bucket;
+- ``state``: a record with the tree's structure (torch's pytree spec) and its other leaves
+  (counters, optimizer hyperparameters) as JSON;
+- ``COMMIT``: written last, create-only, listing the size and CRC32C of every object above.
+
+The state is torchft's PGTransport idea (a state dict flattened to metadata plus tensors) with
+the bucket as the wire. Every sealed contributor of round ``r`` holds the same state, so they
+write the shards in parallel, shard ``s`` by ``contributors[s % n]`` (the sharded exchange's
+rule). The first contributor commits: it waits for the other shards, writes any still missing
+after ``orphan_grace`` itself (identical bytes, which the create-only put accepts), then puts the
+COMMIT. A reader takes only committed checkpoints, checks every object's size and checksum, the
+safetensors header and the tensor names against the structure, and falls back to the previous
+checkpoint, logging why, when anything is off.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import crc32c
+import torch
+from pydantic import Field
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+from torch.utils import _pytree as pytree
+
+from diloco_anywhere.global_state import fingerprint, tree_checksum
+from diloco_anywhere.layout import RunLayout
+from diloco_anywhere.record import Record, decode_record, encode_record
+from diloco_anywhere.store import Store
+from diloco_anywhere.wire import Count, Name, WireFormatError
+
+log = logging.getLogger(__name__)
+JSON_LEAVES = (bool, int, float, str, type(None))
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that must not be loaded; the message names the key and what is wrong."""
+
+
+class StoredObject(Record):
+    key: str
+    size: Count
+    crc32c: Annotated[int, Field(ge=0, le=2**32 - 1)]
+
+
+class CheckpointCommit(Record):
+    """The last object of a checkpoint: without it, the checkpoint does not exist."""
+
+    run: Name
+    round: Count  # the state after this round
+    step: Count  # committed syncs (the manager's step)
+    sync: Count  # the next round to run
+    fingerprint: str = Field(max_length=128)
+    state: StoredObject
+    shards: tuple[StoredObject, ...]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    commit: CheckpointCommit
+    tree: Any  # the state as it was saved, tensors on CPU
+
+
+# -- the state as bytes ---------------------------------------------------------------------
+
+
+def snapshot(tree: Any) -> Any:
+    """A copy of ``tree`` with every tensor copied to CPU: training may change the original
+    while the copy is written."""
+    return pytree.tree_map(
+        lambda leaf: leaf.detach().to("cpu", copy=True) if isinstance(leaf, torch.Tensor) else leaf,
+        tree,
+    )
+
+
+def flatten(tree: Any) -> tuple[dict[str, torch.Tensor], bytes]:
+    """The tensors by path name, and the structure (spec and non-tensor leaves) as JSON."""
+    leaves, spec = pytree.tree_flatten_with_path(tree)
+    tensors: dict[str, torch.Tensor] = {}
+    described = []
+    for path, leaf in leaves:
+        name = pytree.keystr(path)
+        if isinstance(leaf, torch.Tensor):
+            tensors[name] = leaf.contiguous()
+            described.append({"tensor": name})
+        elif isinstance(leaf, JSON_LEAVES):
+            described.append({"value": leaf})
+        else:
+            raise TypeError(f"state leaf {name} is a {type(leaf).__name__}: only tensors and "
+                            f"JSON scalars can go into a checkpoint")  # fmt: skip
+    structure = {"spec": pytree.treespec_dumps(spec), "leaves": described}
+    return tensors, json.dumps(structure, sort_keys=True).encode()
+
+
+def unflatten(structure: bytes, tensors: dict[str, torch.Tensor], key: str) -> Any:
+    """The tree back from ``flatten``'s parts; ``CheckpointError`` naming ``key`` if they do not
+    fit together (a tensor missing, extra, or a structure that does not parse)."""
+    try:
+        parsed = json.loads(structure)
+        spec = pytree.treespec_loads(parsed["spec"])
+        described = parsed["leaves"]
+        wanted = {leaf["tensor"] for leaf in described if "tensor" in leaf}
+        if wanted != tensors.keys():
+            missing, extra = sorted(wanted - tensors.keys()), sorted(tensors.keys() - wanted)
+            raise CheckpointError(f"{key}: tensors missing {missing[:3]}, unexpected {extra[:3]}")
+        leaves = [
+            tensors[leaf["tensor"]] if "tensor" in leaf else leaf["value"] for leaf in described
+        ]
+        return pytree.tree_unflatten(leaves, spec)
+    except (ValueError, KeyError, TypeError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(f"{key}: state structure does not parse: {exc}") from None
+
+
+def plan_shards(tensors: dict[str, torch.Tensor], count: int) -> list[list[str]]:
+    """Tensor names split into at most ``count`` runs of about equal bytes, in order."""
+    names = list(tensors)
+    count = max(1, min(count, len(names)))
+    sizes = [tensors[name].numel() * tensors[name].element_size() for name in names]
+    total, shards, done = sum(sizes), [[] for _ in range(count)], 0
+    for name, size in zip(names, sizes, strict=True):
+        shard = min(count - 1, done * count // max(total, 1))
+        shards[shard].append(name)
+        done += size
+    return [shard for shard in shards if shard] or [[]]
+
+
+def encode_shard(names: list[str], tensors: dict[str, torch.Tensor]) -> bytes:
+    return save_safetensors({name: tensors[name] for name in names})
+
+
+def _entry(key: str, data: bytes) -> StoredObject:
+    return StoredObject(key=key, size=len(data), crc32c=crc32c.crc32c(data))
+
+
+# -- writing -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    every: int = 10  # committed syncs between checkpoints
+    keep: int = 2  # committed checkpoints kept (rounds after the oldest kept are kept too)
+    orphan_grace: float = 30.0  # seconds the committer waits for other writers' shards
+    poll: float = 0.2
+
+
+class CheckpointWriter:
+    """Writes this replica's share of checkpoints on a background thread, one at a time."""
+
+    def __init__(self, store: Store, layout: RunLayout, me: str, policy: CheckpointPolicy) -> None:
+        self.store, self.layout, self.me, self.policy = store, layout, me, policy
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self._pending: Future[None] | None = None
+
+    def write(self, round_: int, contributors: tuple[str, ...], tree: dict[str, Any]) -> bool:
+        """Start writing the checkpoint of ``round_``, whose state is ``tree`` (``{"manager":
+        counters, "fragments": DiLoCo's state}``), if this replica is among ``contributors``
+        (the round's SEAL). The tree is copied first; True if a write started."""
+        if self.me not in contributors:
+            return False
+        if self._pending is not None and not self._pending.done():
+            log.warning("checkpoint of round %d skipped: the previous one is still being "
+                        "written (raise checkpoint.every)", round_)  # fmt: skip
+            return False
+        self._pending = self._executor.submit(self._write, round_, contributors, snapshot(tree))
+        return True
+
+    def _write(self, round_: int, contributors: tuple[str, ...], tree: dict[str, Any]) -> None:
+        try:
+            tensors, structure = flatten(tree)
+            plan = plan_shards(tensors, len(contributors))
+            owners = [contributors[s % len(contributors)] for s in range(len(plan))]
+            mine = {
+                self.layout.checkpoint_shard(round_, s): encode_shard(plan[s], tensors)
+                for s, owner in enumerate(owners)
+                if owner == self.me
+            }
+            self.store.put_many(mine)
+            if owners[0] == self.me:
+                counters = tree["manager"]
+                commit = {
+                    "run": self.layout.run,
+                    "round": round_,
+                    "step": counters["step"],
+                    "sync": counters["sync"],
+                    "fingerprint": fingerprint(counters["step"], tree_checksum(tree["fragments"])),
+                }
+                self._commit(commit, plan, tensors, structure)
+        except Exception as exc:  # a checkpoint is best effort: the previous one stays usable
+            log.warning("checkpoint of round %d not written: %s", round_, exc)
+
+    def _commit(
+        self,
+        commit: dict[str, Any],
+        plan: list[list[str]],
+        tensors: dict[str, torch.Tensor],
+        structure: bytes,
+    ) -> None:
+        round_ = commit["round"]
+        keys = [self.layout.checkpoint_shard(round_, s) for s in range(len(plan))]
+        missing = self._wait_for(keys, self.layout.checkpoint(round_))
+        shards = []
+        for shard, key in enumerate(keys):
+            data = encode_shard(plan[shard], tensors)
+            if key in missing:  # its writer died or stalls: the bytes are the same from anyone
+                log.warning(
+                    "checkpoint round %d: writing %s in place of a late writer", round_, key
+                )
+                self.store.put(key, data)
+            shards.append(_entry(key, data))
+        state_key = f"{self.layout.checkpoint(round_)}/state"
+        self.store.put(state_key, structure)
+        done = CheckpointCommit(**commit, state=_entry(state_key, structure), shards=tuple(shards))
+        self.store.put(self.layout.checkpoint_commit(round_), encode_record(done))
+        log.info("checkpoint of round %d committed (%d shards)", round_, len(shards))
+        prune_checkpoints(self.store, self.layout, self.policy.keep)
+
+    def _wait_for(self, keys: list[str], folder: str) -> set[str]:
+        """Poll until every key exists under ``folder`` or ``orphan_grace`` has passed; the
+        keys still missing."""
+        deadline = time.monotonic() + self.policy.orphan_grace
+        while missing := set(keys) - set(self.store.list_prefix(folder)):
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(self.policy.poll)
+        return missing
+
+    def close(self, wait: bool = True) -> None:
+        self._executor.shutdown(wait=wait, cancel_futures=not wait)
+
+
+def prune_checkpoints(store: Store, layout: RunLayout, keep: int) -> None:
+    """Delete every checkpoint (committed or not) older than the ``keep`` newest committed."""
+    committed = committed_rounds(store, layout)
+    if len(committed) < keep:
+        return
+    oldest_kept = committed[keep - 1]
+    folders = {
+        key.removeprefix(f"{layout.checkpoints()}/").split("/")[0]
+        for key in store.list_prefix(layout.checkpoints())
+    }
+    for folder in sorted(folders):
+        if folder.isdigit() and int(folder) < oldest_kept:
+            store.delete_prefix(layout.checkpoint(int(folder)))
+
+
+# -- reading -------------------------------------------------------------------------------
+
+
+def committed_rounds(store: Store, layout: RunLayout) -> list[int]:
+    """Rounds with a COMMIT, newest first."""
+    rounds = (
+        layout.parse_checkpoint_commit(key) for key in store.list_prefix(layout.checkpoints())
+    )
+    return sorted((r for r in rounds if r is not None), reverse=True)
+
+
+def retained_after(store: Store, layout: RunLayout, keep: int) -> int:
+    """Rounds up to this one may be collected: healing starts from one of the ``keep`` newest
+    committed checkpoints and replays the rounds after it (-1: none committed, keep all)."""
+    committed = committed_rounds(store, layout)
+    return committed[min(keep, len(committed)) - 1] if committed else -1
+
+
+def _checked(key: str, data: bytes | None, entry: StoredObject) -> bytes:
+    if data is None:
+        raise CheckpointError(f"{key}: missing")
+    checksum = crc32c.crc32c(data)
+    if len(data) != entry.size or checksum != entry.crc32c:
+        raise CheckpointError(
+            f"{key}: {len(data)} bytes with CRC32C {checksum:#010x}; the COMMIT says "
+            f"{entry.size} bytes, {entry.crc32c:#010x}"
+        )
+    return data
+
+
+def load_checkpoint(store: Store, layout: RunLayout, round_: int) -> Checkpoint:
+    """The committed checkpoint of ``round_``, every object checked; else ``CheckpointError``."""
+    key = layout.checkpoint_commit(round_)
+    try:
+        commit = decode_record(store.get(key), CheckpointCommit, key=key)
+    except (FileNotFoundError, WireFormatError) as exc:
+        raise CheckpointError(f"{key}: {exc}") from None
+    if (commit.run, commit.round) != (layout.run, round_):
+        raise CheckpointError(f"{key}: the COMMIT is for run {commit.run} round {commit.round}")
+    folder = f"{layout.checkpoint(round_)}/"
+    entries = [commit.state, *commit.shards]
+    if any(not entry.key.startswith(folder) for entry in entries):
+        raise CheckpointError(f"{key}: the COMMIT names objects outside {folder}")
+    objects = store.get_many(entry.key for entry in entries)
+    structure = _checked(commit.state.key, objects[commit.state.key], commit.state)
+    tensors: dict[str, torch.Tensor] = {}
+    for entry in commit.shards:
+        data = _checked(entry.key, objects[entry.key], entry)
+        try:
+            tensors.update(load_safetensors(data))
+        except SafetensorError as exc:
+            raise CheckpointError(f"{entry.key}: not a safetensors file: {exc}") from None
+    return Checkpoint(commit, unflatten(structure, tensors, commit.state.key))
+
+
+def newest_checkpoints(store: Store, layout: RunLayout) -> Iterator[Checkpoint]:
+    """Committed checkpoints that load intact, newest first (lazily); the ones that do not are
+    logged with the reason and skipped."""
+    for round_ in committed_rounds(store, layout):
+        try:
+            yield load_checkpoint(store, layout, round_)
+        except CheckpointError as exc:
+            log.warning("checkpoint of round %d not used: %s; trying the previous one", round_, exc)

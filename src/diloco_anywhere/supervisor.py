@@ -1,0 +1,56 @@
+"""Restart crashed replicas (``diloco launch --restart-on-failure``).
+
+Preemptible capacity and chaos runs need replicas that come back. A replica whose job failed
+(crashed, was killed, or exited 1) is started again from its spec; the new process claims a new
+incarnation and heals from the bucket (``healing.py``), so the run loses at most the inner
+steps the dead one had not synced. Not restarted: a replica stopped on purpose (SIGTERM, exit
+143: ``diloco stop`` or the platform) or one that refused its configuration (exit 2: it would
+only fail again), and none beyond ``max_restarts`` per replica.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from diloco_anywhere.backends.base import Backend, ReplicaHandle
+from diloco_anywhere.launch import LaunchPlan, save_state
+
+NOT_RESTARTED = {2: "bad configuration", 143: "stopped"}
+
+
+class Supervisor:
+    """The handles of one launch, kept current as replicas are restarted."""
+
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        started: dict[str, tuple[Backend, list[ReplicaHandle]]],
+        max_restarts: int = 0,
+    ) -> None:
+        self.plan, self.max_restarts = plan, max_restarts
+        self.backends = {platform: backend for platform, (backend, _) in started.items()}
+        self.handles = [handle for _, handles in started.values() for handle in handles]
+        self.restarts: Counter[str] = Counter()
+
+    def state(self, handle: ReplicaHandle) -> str:
+        return self.backends[handle.platform].state(handle)
+
+    def restart_failed(self) -> list[str]:
+        """Restart every failed replica that may be; one line per decision, for the user."""
+        notes = []
+        for position, handle in enumerate(self.handles):
+            if self.max_restarts == 0 or self.state(handle) != "failed":
+                continue
+            backend = self.backends[handle.platform]
+            code = getattr(backend, "exit_code", lambda _: None)(handle)
+            replica = handle.replica_id
+            if code in NOT_RESTARTED or self.restarts[replica] >= self.max_restarts:
+                continue
+            spec = next(spec for spec in self.plan.specs if spec.replica_id == replica)
+            self.handles[position] = backend.launch([spec], self.plan.run_dir)[0]
+            self.restarts[replica] += 1
+            notes.append(f"{replica} failed (exit {code}); restarted "
+                         f"({self.restarts[replica]} of {self.max_restarts})")  # fmt: skip
+        if notes:
+            save_state(self.plan, self.handles)
+        return notes

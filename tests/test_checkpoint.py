@@ -1,0 +1,169 @@
+"""Global checkpoints in the bucket: written in parallel, committed last, loaded only intact."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load as load_safetensors
+
+from diloco_anywhere.checkpoint import (
+    CheckpointError,
+    CheckpointPolicy,
+    CheckpointWriter,
+    committed_rounds,
+    flatten,
+    load_checkpoint,
+    newest_checkpoints,
+    plan_shards,
+    retained_after,
+    unflatten,
+)
+from diloco_anywhere.global_state import fingerprint, tree_checksum
+from diloco_anywhere.layout import RunLayout
+from diloco_anywhere.store import Store
+
+RUN = RunLayout("run")
+CONTRIBUTORS = ("a-0", "b-0", "c-0")
+
+
+@pytest.fixture
+def store(tmp_path) -> Store:
+    return Store(str(tmp_path / "store"))
+
+
+def diloco_like_state(seed: int = 0) -> dict:
+    """What a replica checkpoints: the manager's counters, and per fragment DiLoCo's global
+    weights and outer optimizer (SGD with momentum, after one step)."""
+    generator = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+    for parameter in model.parameters():
+        parameter.data = torch.randn(parameter.shape, generator=generator)
+        parameter.grad = torch.randn(parameter.shape, generator=generator)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    outer.step()
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {
+        "manager": {"step": 4, "batches_committed": 12, "sync": 5},
+        "fragments": {
+            "StreamingDiLoCoFragment_0": {
+                "original_parameters": weights,
+                "outer_optimizer": outer.state_dict(),
+            }
+        },
+    }
+
+
+def assert_same_tree(found, expected) -> None:
+    found_leaves = torch.utils._pytree.tree_leaves(found)
+    expected_leaves = torch.utils._pytree.tree_leaves(expected)
+    assert len(found_leaves) == len(expected_leaves)
+    for a, b in zip(found_leaves, expected_leaves, strict=True):
+        if isinstance(b, torch.Tensor):
+            assert torch.equal(a, b)
+        else:
+            assert a == b
+
+
+def write_checkpoint(store: Store, round_: int, tree: dict, writers=CONTRIBUTORS, grace=30.0):
+    """Every writer in ``writers`` (of the sealed ``CONTRIBUTORS``) writes its share at once."""
+    policy = CheckpointPolicy(orphan_grace=grace, poll=0.02)
+    instances = [CheckpointWriter(store, RUN, name, policy) for name in writers]
+    threads = [
+        threading.Thread(target=writer.write, args=(round_, CONTRIBUTORS, tree))
+        for writer in instances
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for writer in instances:
+        writer.close()
+
+
+def test_the_state_flattens_to_named_tensors_and_json_and_back() -> None:
+    state = diloco_like_state()
+    tensors, structure = flatten(state)
+    assert (
+        "['fragments']['StreamingDiLoCoFragment_0']['original_parameters']['0.weight']" in tensors
+    )
+    assert b"nesterov" in structure  # the optimizer's hyperparameters, as JSON
+    assert_same_tree(unflatten(structure, tensors, "k"), state)
+    with pytest.raises(CheckpointError, match="k: tensors missing"):
+        unflatten(structure, dict(list(tensors.items())[1:]), "k")
+
+
+def test_shards_split_the_bytes_evenly_in_order() -> None:
+    tensors = {f"t{i}": torch.zeros(100) for i in range(9)}
+    plan = plan_shards(tensors, 3)
+    assert plan == [["t0", "t1", "t2"], ["t3", "t4", "t5"], ["t6", "t7", "t8"]]
+    assert plan_shards(tensors, 20) == [[name] for name in tensors]  # never an empty shard
+
+
+def test_contributors_write_shards_in_parallel_and_the_first_commits(backend) -> None:
+    """On every store (S3, Azure and GCS through their stand-ins)."""
+    store = backend.store()
+    state = diloco_like_state()
+    write_checkpoint(store, 7, state)
+    assert committed_rounds(store, RUN) == [7]
+    checkpoint = load_checkpoint(store, RUN, 7)
+    assert_same_tree(checkpoint.tree, state)
+    commit = checkpoint.commit
+    assert (commit.round, commit.step, commit.sync) == (7, 4, 5)
+    assert commit.fingerprint == fingerprint(4, tree_checksum(state["fragments"]))
+    assert len(commit.shards) == 3
+    # The shards are plain safetensors files: the run's weights are the user's to take.
+    first = load_safetensors(store.get(commit.shards[0].key))
+    assert all(isinstance(tensor, torch.Tensor) for tensor in first.values())
+
+
+def test_the_committer_writes_the_shard_of_a_writer_that_died(store, caplog) -> None:
+    caplog.set_level(logging.WARNING)
+    state = diloco_like_state()
+    write_checkpoint(store, 3, state, writers=("a-0", "b-0"), grace=0.3)  # c-0 never writes
+    assert_same_tree(load_checkpoint(store, RUN, 3).tree, state)
+    assert "in place of a late writer" in caplog.text
+
+
+def test_a_checkpoint_without_commit_does_not_exist(store) -> None:
+    write_checkpoint(store, 3, diloco_like_state(0))
+    write_checkpoint(store, 6, diloco_like_state(1), writers=("b-0", "c-0"))  # the committer died
+    assert RUN.checkpoint_shard(6, 1) in store.list_prefix(RUN.checkpoint(6))
+    assert committed_rounds(store, RUN) == [3]
+    assert [c.commit.round for c in newest_checkpoints(store, RUN)] == [3]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "state"])
+def test_a_damaged_checkpoint_is_never_loaded_and_the_previous_one_is_used(
+    store, caplog, damage
+) -> None:
+    caplog.set_level(logging.WARNING)
+    older, newer = diloco_like_state(0), diloco_like_state(1)
+    write_checkpoint(store, 3, older)
+    write_checkpoint(store, 6, newer)
+    commit = load_checkpoint(store, RUN, 6).commit
+    key = commit.state.key if damage == "state" else commit.shards[1].key
+    data = bytearray(store.get(key))
+    store.delete(key)
+    if damage in ("flip", "state"):
+        data[len(data) // 2] ^= 0x01
+    if damage != "delete":
+        store.put(key, bytes(data[:-1] if damage == "truncate" else data))
+    with pytest.raises(CheckpointError, match=key):
+        load_checkpoint(store, RUN, 6)
+    [used] = list(newest_checkpoints(store, RUN))[:1]
+    assert used.commit.round == 3
+    assert_same_tree(used.tree, older)
+    assert f"checkpoint of round 6 not used: {key}" in caplog.text
+
+
+def test_old_checkpoints_are_pruned_and_the_rounds_healing_needs_are_kept(store) -> None:
+    assert retained_after(store, RUN, keep=2) == -1  # nothing committed: keep every round
+    for round_ in (2, 5, 8):
+        write_checkpoint(store, round_, diloco_like_state(round_))
+    assert committed_rounds(store, RUN) == [8, 5]
+    assert not store.list_prefix(RUN.checkpoint(2))
+    # healing may fall back to round 5's checkpoint and replay the rounds after it
+    assert retained_after(store, RUN, keep=2) == 5

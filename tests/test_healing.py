@@ -1,0 +1,184 @@
+"""Healing from the bucket alone: a replica that was not there catches up bit for bit.
+
+Two real replica processes train a short run (torchft's DiLoCo, the built-in GPT); then, in this
+process, a newcomer heals from what they left in the bucket and must hold exactly the global
+state of the run's final checkpoint, whichever way it gets there.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco_anywhere.checkpoint import committed_rounds, load_checkpoint
+from diloco_anywhere.collective.allreduce import BucketCollective
+from diloco_anywhere.config import load_config
+from diloco_anywhere.global_state import fingerprint
+from diloco_anywhere.healing import HealError, heal
+from diloco_anywhere.layout import RunLayout
+from diloco_anywhere.replica import run_replica
+from diloco_anywhere.store import Store
+from diloco_anywhere.training import build_parts, collective_config
+
+OUTER_STEPS = 6
+RUN_TOML = f"""
+[run]
+name = "h"
+store = "store"
+replicas = 2
+min_replicas = 2
+seed = {{seed}}
+[diloco]
+sync_every = 4
+outer_steps = {OUTER_STEPS}
+codec = "fp32"
+[sync]
+mode = "gather"
+grace = 2.0
+timeout = 60.0
+lease_period = 1.0
+[checkpoint]
+every = 100  # so: after the first committed sync and after the last
+[task]
+log_every = 4
+eval_every = 0
+device = "cpu"
+[task.options]
+preset = "tiny"
+seq_len = 32
+batch_size = 2
+corpus_bytes = 200000
+"""
+LAYOUT = RunLayout("h")
+
+
+def _replica(config_path: str, index: int) -> None:
+    logging.basicConfig(level=logging.INFO)
+    torch.set_num_threads(1)
+    run_replica(load_config(config_path), f"local-{index}", index, "local")
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """The folder of a finished two-replica run: run.toml and its store."""
+    folder = tmp_path_factory.mktemp("healing")
+    (folder / "run.toml").write_text(RUN_TOML.format(seed=0))
+    context = multiprocessing.get_context("spawn")
+    processes = [
+        context.Process(target=_replica, args=(str(folder / "run.toml"), index))
+        for index in range(2)
+    ]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(180)
+    assert [process.exitcode for process in processes] == [0, 0]
+    return folder
+
+
+@pytest.fixture
+def run(finished_run, tmp_path) -> Path:
+    """A copy of the finished run that a test may damage."""
+    shutil.copytree(finished_run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def newcomer(folder: Path, seed: int = 0, from_initial: bool = True, min_replicas: int = 2):
+    """Build a third replica in this process and heal it; (report, its global state, parts)."""
+    torch.set_num_threads(1)  # as the replicas ran: the mean's rounding follows thread counts
+    (folder / "run.toml").write_text(RUN_TOML.format(seed=seed))
+    config = load_config(folder / "run.toml")
+    store = Store(config.store_url())
+    collective = BucketCollective(store, "h", "newcomer", collective_config(config))
+    try:
+        parts = build_parts(config, collective, replica_index=0)
+        with parts.diloco():
+            state = parts.global_state()
+            report = heal(collective, state, parts.manager, min_replicas, from_initial=from_initial)
+            return report, state, parts
+    finally:
+        collective.close()
+
+
+def final_checkpoint(folder: Path):
+    store = Store(str(folder / "store"))
+    return load_checkpoint(store, LAYOUT, committed_rounds(store, LAYOUT)[0])
+
+
+def assert_holds_the_runs_final_state(state, parts, final) -> None:
+    step = final.commit.step
+    assert fingerprint(step, state.checksum()) == final.commit.fingerprint
+    weights = final.tree["fragments"]["StreamingDiLoCoFragment_0"]["original_parameters"]
+    for name, parameter in parts.fragments[0].named_parameters():
+        assert torch.equal(parameter.data, weights[name]), name  # local weights = global ones
+
+
+def drop_checkpoint(folder: Path, round_: int) -> None:
+    Store(str(folder / "store")).delete_prefix(LAYOUT.checkpoint(round_))
+
+
+def test_the_run_left_a_first_and_a_final_checkpoint(finished_run) -> None:
+    store = Store(str(finished_run / "store"))
+    assert committed_rounds(store, LAYOUT) == [OUTER_STEPS - 1, 0]
+    assert final_checkpoint(finished_run).commit.step == OUTER_STEPS
+
+
+def test_a_newcomer_loads_the_newest_checkpoint(run) -> None:
+    final = final_checkpoint(run)
+    report, state, parts = newcomer(run)
+    assert (report.checkpoint, report.replayed, report.sync) == (OUTER_STEPS - 1, 0, OUTER_STEPS)
+    assert_holds_the_runs_final_state(state, parts, final)
+
+
+def test_a_newcomer_replays_the_rounds_after_an_older_checkpoint_bit_for_bit(run) -> None:
+    final = final_checkpoint(run)
+    drop_checkpoint(run, OUTER_STEPS - 1)
+    report, state, parts = newcomer(run, from_initial=False)
+    assert (report.checkpoint, report.replayed, report.skipped) == (0, OUTER_STEPS - 1, 0)
+    assert parts.manager.current_step() == OUTER_STEPS
+    assert_holds_the_runs_final_state(state, parts, final)
+
+
+def test_without_checkpoints_a_fresh_replica_replays_from_its_initial_state(run) -> None:
+    final = final_checkpoint(run)
+    drop_checkpoint(run, OUTER_STEPS - 1)
+    drop_checkpoint(run, 0)
+    report, state, parts = newcomer(run)
+    assert (report.checkpoint, report.replayed) == (None, OUTER_STEPS)
+    assert_holds_the_runs_final_state(state, parts, final)
+    with pytest.raises(HealError, match="no usable committed checkpoint"):
+        newcomer(run, from_initial=False)  # a replica that trained has no initial state left
+
+
+def test_a_corrupt_checkpoint_is_skipped_with_the_reason_logged(run, caplog) -> None:
+    caplog.set_level(logging.WARNING)
+    final = final_checkpoint(run)
+    store = Store(str(run / "store"))
+    key = final.commit.shards[0].key
+    damaged = bytearray(store.get(key))
+    damaged[-1] ^= 0xFF
+    store.delete(key)
+    store.put(key, bytes(damaged))
+    report, state, parts = newcomer(run)
+    assert (report.checkpoint, report.replayed) == (0, OUTER_STEPS - 1)
+    assert_holds_the_runs_final_state(state, parts, final)
+    assert f"checkpoint of round {OUTER_STEPS - 1} not used: {key}" in caplog.text
+
+
+def test_a_replica_built_differently_cannot_heal_and_says_why(run) -> None:
+    drop_checkpoint(run, OUTER_STEPS - 1)
+    drop_checkpoint(run, 0)
+    with pytest.raises(HealError, match="round 0 was sealed by replicas holding step-0-"):
+        newcomer(run, seed=1)  # another seed: other initial weights
+
+
+def test_rounds_gone_from_the_bucket_stop_healing_with_the_round_named(run) -> None:
+    drop_checkpoint(run, OUTER_STEPS - 1)
+    Store(str(run / "store")).delete_prefix(LAYOUT.manifests(3, 0))
+    with pytest.raises(HealError, match="round 3 cannot be replayed: its data is gone"):
+        newcomer(run)
