@@ -42,6 +42,7 @@ mode = "gather"
 grace = 2.0
 timeout = 60.0
 lease_period = 1.0
+keep_rounds = 100  # every round stays: tests drop checkpoints and replay from further back
 [checkpoint]
 every = 100  # so: after the first committed sync and after the last
 [task]

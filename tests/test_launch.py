@@ -124,6 +124,49 @@ def test_a_killed_replica_leaves_the_others_to_finish(run_toml):
     assert rows["local-2"]["outer_step"] < rows["local-0"]["outer_step"] == 12
 
 
+def _kill_all(config: str) -> None:
+    state = json.loads(Path(".diloco/t/launch.json").read_text())
+    for handle in state["replicas"]:
+        os.kill(handle["job"]["pid"], signal.SIGKILL)
+        os.waitpid(handle["job"]["pid"], 0)  # our children (a detached launch from this process)
+
+
+def test_a_run_killed_whole_resumes_where_it_was_and_loses_no_round(run_toml):
+    """Every replica SIGKILLed mid-run; the same launch again resumes from the bucket."""
+    outer_steps = 8
+    config = run_toml(replicas=2, outer_steps=outer_steps)
+    assert diloco("launch", "--config", config, "--detach").exit_code == 0
+    deadline = time.monotonic() + 120
+    while min((row["outer_step"] for row in statuses(config).values()), default=0) < 3:
+        assert time.monotonic() < deadline, statuses(config)
+        time.sleep(0.2)
+    _kill_all(config)
+    killed_at = max(row["outer_step"] for row in statuses(config).values())
+
+    resumed = diloco("launch", "--config", config)
+    assert resumed.exit_code == 0, resumed.output
+    metrics = run_metrics(load_config(config)).read()
+    committed = {s.round for m in metrics.values() for s in m.syncs if s.committed}
+    assert committed == set(range(outer_steps))  # every round committed exactly once, in order
+    for replica in metrics.values():
+        assert replica.incarnations == [0, 1]  # metrics go on in the same run
+        second = replica.events_by_incarnation[1]
+        healed = next(event for event in second if event.event == "healed")
+        assert "healed from checkpoint" in healed.detail
+        rounds = [sync.round for sync in replica.syncs]
+        assert rounds == sorted(rounds)  # the second incarnation starts where the first ended
+        assert max(rounds) == outer_steps - 1
+    assert killed_at < outer_steps
+
+    # against the same run uninterrupted (started over): the same held-out loss within 5%
+    uninterrupted = diloco("launch", "--config", config, "--fresh")
+    assert uninterrupted.exit_code == 0, uninterrupted.output
+    clean = run_metrics(load_config(config)).read()
+    resumed_loss = next(iter(metrics.values())).latest_eval_loss()
+    clean_loss = next(iter(clean.values())).latest_eval_loss()
+    assert abs(resumed_loss / clean_loss - 1) < 0.05, (resumed_loss, clean_loss)
+
+
 def test_a_bad_run_toml_prints_every_problem_and_starts_nothing(run_toml, tmp_path):
     (tmp_path / "run.toml").write_text('[run]\nreplicas = 0\n[diloco]\ncodec = "fp4"\n')
     result = diloco("launch", "--config", "run.toml")

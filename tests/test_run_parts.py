@@ -12,6 +12,8 @@ from torch import nn
 from diloco_anywhere.cli.run import parse_backends
 from diloco_anywhere.layout import RunLayout
 from diloco_anywhere.metrics import MetricsReader, MetricsWriter, StepLine, SyncLine
+from diloco_anywhere.report import summarize
+from diloco_anywhere.status import replica_statuses
 from diloco_anywhere.store import Store
 from diloco_anywhere.task import TaskContext, build_task, load_entrypoint
 from diloco_anywhere.training import split_fragments
@@ -128,3 +130,26 @@ def test_a_metrics_chunk_at_another_replicas_key_is_skipped(caplog):
     with caplog.at_level(logging.WARNING):
         assert list(MetricsReader(store, layout).read()) == ["local-0"]
     assert "run/metrics/local-1/000000-00000000: chunk of run/local-0 belongs at" in caplog.text
+
+
+def test_a_restarted_replica_sums_its_incarnations_and_reports_its_newest_state():
+    """Counters are per process: a replica that restarted sent what both incarnations sent.
+    Its state is its newest incarnation's; status counts the restart and the heal."""
+    store, layout = Store("memory://metrics-incarnations"), RunLayout("run")
+    first = MetricsWriter(store, layout, "local-0", 0, "local")
+    first.event("started", parameters=10)
+    first.add(_sync(1, None))
+    first.flush()  # then SIGKILL: no "done", no "failed"
+    second = MetricsWriter(store, layout, "local-0", 1, "local")
+    second.event("started", parameters=10)
+    second.event("healed", "healed from checkpoint 0", seconds=0.5)
+    second.add(_sync(2, 2.5))
+    second.event("done")
+    metrics = MetricsReader(store, layout).read()
+    replica = metrics["local-0"]
+    assert (replica.incarnations, replica.state(), replica.count("healed")) == ([0, 1], "done", 1)
+    summary = summarize(metrics)
+    assert (summary.bytes_up_per_replica, summary.bytes_down_per_replica) == (20, 40)
+    assert summary.sync_exposed_seconds == 1.0
+    [row] = replica_statuses(metrics, [], lambda handle: "unknown")
+    assert (row.state, row.restarts, row.heals, row.divergences) == ("done", 1, 1, 0)

@@ -134,8 +134,14 @@ class ReplicaMetrics:
     steps: list[StepLine] = field(default_factory=list)
     syncs: list[SyncLine] = field(default_factory=list)
     events: list[EventLine] = field(default_factory=list)  # every incarnation's
-    newest_events: list[EventLine] = field(default_factory=list)  # the newest incarnation's
-    incarnations: list[int] = field(default_factory=list)  # that wrote metrics, in order
+    events_by_incarnation: dict[int, list[EventLine]] = field(default_factory=dict)
+    # the last sync line of each incarnation: its counters (bytes, exposed time) are per process
+    last_sync_by_incarnation: dict[int, SyncLine] = field(default_factory=dict)
+
+    @property
+    def incarnations(self) -> list[int]:
+        """Incarnations that wrote metrics, oldest first."""
+        return list(self.events_by_incarnation)
 
     def count(self, event: str) -> int:
         return sum(line.event == event for line in self.events)
@@ -152,7 +158,8 @@ class ReplicaMetrics:
 
     def state(self) -> str:
         """started / done / failed / stopped, from the newest incarnation's events."""
-        lifecycle = [line.event for line in self.newest_events if line.event in LIFECYCLE]
+        newest = self.events_by_incarnation.get(self.incarnation, [])
+        lifecycle = [line.event for line in newest if line.event in LIFECYCLE]
         return lifecycle[-1] if lifecycle else "running"
 
 
@@ -194,13 +201,13 @@ class MetricsReader:
         replicas: dict[str, ReplicaMetrics] = {}
         for chunk in chunks:
             metrics = replicas.setdefault(chunk.replica, ReplicaMetrics(chunk.replica))
-            if chunk.incarnation not in metrics.incarnations:
-                metrics.incarnations.append(chunk.incarnation)
-                metrics.newest_events = []
+            events = metrics.events_by_incarnation.setdefault(chunk.incarnation, [])
             metrics.platform, metrics.incarnation = chunk.platform, chunk.incarnation
             by_kind = {"step": metrics.steps, "sync": metrics.syncs, "event": metrics.events}
             for line in chunk.lines:
                 by_kind[line.kind].append(line)  # type: ignore[arg-type]
                 if line.kind == "event":
-                    metrics.newest_events.append(line)  # type: ignore[arg-type]
+                    events.append(line)  # type: ignore[arg-type]
+                elif line.kind == "sync":
+                    metrics.last_sync_by_incarnation[chunk.incarnation] = line  # type: ignore[assignment]
         return replicas

@@ -38,10 +38,16 @@ class RunSummary:
         return self.data_parallel_bytes_per_replica / self.bytes_up_per_replica
 
 
+def _over_incarnations(replica: ReplicaMetrics, counter: str) -> float:
+    """A per-process counter (bytes, exposed seconds) summed over the replica's incarnations."""
+    return sum(getattr(sync, counter) for sync in replica.last_sync_by_incarnation.values())
+
+
 def summarize(metrics: dict[str, ReplicaMetrics]) -> RunSummary:
     replicas = [m for m in metrics.values() if m.steps or m.syncs]
     n = len(replicas)
     last_syncs = [m.syncs[-1] for m in replicas if m.syncs]
+    synced = [m for m in replicas if m.syncs]
     steps = max((m.steps[-1].step for m in replicas if m.steps), default=0)
     parameters = max((m.parameters() for m in replicas), default=0)
     eval_losses = [loss for m in replicas if (loss := m.latest_eval_loss()) is not None]
@@ -56,10 +62,10 @@ def summarize(metrics: dict[str, ReplicaMetrics]) -> RunSummary:
         tokens=sum(m.steps[-1].tokens for m in replicas if m.steps),
         final_loss=mean([m.steps[-1].loss for m in replicas if m.steps]) if replicas else None,
         eval_loss=eval_losses[-1] if eval_losses else None,
-        bytes_up_per_replica=round(mean([s.bytes_up for s in last_syncs])),
-        bytes_down_per_replica=round(mean([s.bytes_down for s in last_syncs])),
+        bytes_up_per_replica=round(mean([_over_incarnations(m, "bytes_up") for m in synced])),
+        bytes_down_per_replica=round(mean([_over_incarnations(m, "bytes_down") for m in synced])),
         data_parallel_bytes_per_replica=round(2 * (n - 1) / n * 4 * parameters * steps) if n else 0,
-        sync_exposed_seconds=mean([s.sync_exposed_seconds for s in last_syncs]),
+        sync_exposed_seconds=mean([_over_incarnations(m, "sync_exposed_seconds") for m in synced]),
     )
 
 

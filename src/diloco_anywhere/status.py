@@ -27,6 +27,9 @@ class ReplicaStatus:
     bytes_up: int
     bytes_down: int
     last_seen_seconds: float | None  # since its newest metrics line
+    restarts: int = 0  # incarnations after the first
+    heals: int = 0  # times it healed from the bucket (joining late, restarted, diverged)
+    divergences: int = 0  # times its global state differed from the sealed contributors'
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -69,6 +72,9 @@ def replica_statuses(
                 bytes_up=last_sync.bytes_up if last_sync else 0,
                 bytes_down=last_sync.bytes_down if last_sync else 0,
                 last_seen_seconds=now - seen.last_seen() if seen else None,
+                restarts=max(0, len(seen.incarnations) - 1) if seen else 0,
+                heals=seen.count("healed") if seen else 0,
+                divergences=seen.count("diverged") if seen else 0,
             )
         )
     return rows

@@ -345,6 +345,7 @@ def train(
                     {"manager": manager.state_dict(), "fragments": state.fragments_tree()},
                 )
             if isinstance(manager.last_sync_error, DivergedError):
+                log.error("%s", manager.last_sync_error)
                 metrics.event("diverged", str(manager.last_sync_error)[:2000])
                 batches = run.heal(state, metrics, batches_per_round, from_initial=False)
             run.stop_if_failing()

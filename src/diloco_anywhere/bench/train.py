@@ -24,7 +24,7 @@ import torch
 
 from diloco_anywhere.backends.local import LocalBackend, threads_per_replica
 from diloco_anywhere.config import RunConfig, load_config, validate_config
-from diloco_anywhere.launch import plan_launch, run_metrics
+from diloco_anywhere.launch import LaunchPlan, plan_launch, run_metrics
 from diloco_anywhere.metrics import ReplicaMetrics
 from diloco_anywhere.report import summarize
 from diloco_anywhere.task import Task, TaskContext, build_task
@@ -46,14 +46,20 @@ def bench_config(**changes: Any) -> RunConfig:
     return with_changes(load_config(), **changes)
 
 
-def run_diloco(config: RunConfig, folder: Path, progress: Progress) -> dict[str, ReplicaMetrics]:
-    """Run ``config`` to the end as local processes in ``folder``; return its metrics."""
+def local_plan(config: RunConfig, folder: Path) -> LaunchPlan:
+    """``config`` as a run.toml in ``folder`` with its store there, planned on local processes."""
     data = config.model_dump()
     data["run"]["store"] = str(folder / "store")
     path = folder / f"{config.run.name}.toml"
     path.write_text(tomli_w.dumps(data))
     config = validate_config(data, str(path), path)
-    plan = plan_launch(config, {"local": config.run.replicas}, root=folder)
+    return plan_launch(config, {"local": config.run.replicas}, root=folder)
+
+
+def run_diloco(config: RunConfig, folder: Path, progress: Progress) -> dict[str, ReplicaMetrics]:
+    """Run ``config`` to the end as local processes in ``folder``; return its metrics."""
+    plan = local_plan(config, folder)
+    config = plan.config
     backend = LocalBackend()
     handles = backend.launch(list(plan.specs), plan.run_dir)
     reader = run_metrics(config)

@@ -256,3 +256,36 @@ def bench_throughput_command(
         config = bench_config(diloco__sync_every=sync_every, diloco__outer_steps=outer_steps)
         result = bench_throughput(config, repeats, status)
     _print_result(result, "Inner-loop throughput", json_output)
+
+
+@bench_app.command("chaos")
+def bench_chaos_command(
+    replicas: Replicas = 4,
+    sync_every: SyncEvery = 10,
+    outer_steps: OuterSteps = 40,
+    kills: Annotated[int, typer.Option(min=1, help="Replicas to SIGKILL over the run.")] = 10,
+    kill_every: Annotated[int, typer.Option(min=1, help="Committed rounds between kills.")] = 3,
+    checkpoint_every: Annotated[
+        int, typer.Option(min=1, help="Committed syncs between global checkpoints.")
+    ] = 5,
+    seed: Annotated[int, typer.Option(help="Chooses the victims.")] = 0,
+    json_output: JsonOutput = False,
+) -> None:
+    """Kill replicas mid-run (SIGKILL) and let the launcher restart them; compare with a
+    fault-free run of the same seeds.
+
+    Reports rounds, kills, fingerprint agreement, heals and their time, goodput (a lower
+    bound) and the ratio of final held-out losses. Takes a few minutes.
+    """
+    from diloco_anywhere.bench.chaos import bench_chaos
+    from diloco_anywhere.bench.train import bench_config
+
+    with user_errors(), progress_display() as status:
+        config = bench_config(
+            run__replicas=replicas, run__min_replicas=2, diloco__sync_every=sync_every,
+            diloco__outer_steps=outer_steps, checkpoint__every=checkpoint_every,
+            sync__grace=2.0, sync__lease_period=1.0, sync__timeout=120.0,
+            task__eval_every=outer_steps,
+        )  # fmt: skip
+        result = bench_chaos(config, kills, kill_every, seed, status)
+    _print_result(result, "Chaos: kills, restarts and healing", json_output)

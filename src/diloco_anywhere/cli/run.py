@@ -72,15 +72,19 @@ def _sized(config: RunConfig, replicas: int) -> RunConfig:
 def _status_table(rows: list[ReplicaStatus], title: str) -> Table:
     table = Table(title=title)
     columns = ("replica", "platform", "state", "outer step", "loss", "eval loss", "tokens/s",
-               "last seen")  # fmt: skip
+               "restarts", "heals", "last seen")  # fmt: skip
     for column in columns:
         table.add_column(column, justify="left" if column in columns[:3] else "right")
     for row in rows:
+        state = row.state
+        if row.divergences:  # loud: a replica whose weights differed from the others'
+            state = f"[bold red]{state}, diverged {row.divergences}x[/bold red]"
         table.add_row(
-            row.replica, row.platform, row.state, str(row.outer_step),
+            row.replica, row.platform, state, str(row.outer_step),
             "-" if row.loss is None else f"{row.loss:.3f}",
             "-" if row.eval_loss is None else f"{row.eval_loss:.3f}",
             "-" if row.tokens_per_second is None else f"{row.tokens_per_second:,.0f}",
+            str(row.restarts), str(row.heals),
             "-" if row.last_seen_seconds is None else f"{row.last_seen_seconds:.0f}s ago",
         )  # fmt: skip
     return table

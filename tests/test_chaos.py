@@ -1,0 +1,45 @@
+"""Chaos, kept short: replicas SIGKILLed mid-run and restarted by the launcher.
+
+The run must finish, every round's committing replicas must agree on the global state they
+started from, and every restarted replica must heal from the bucket. The longer version, with
+the loss against a fault-free run and the goodput, is ``diloco bench chaos``
+(docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+from diloco_anywhere.bench.chaos import (
+    chaos_figures,
+    final_evaluations,
+    fingerprint_disagreements,
+    run_with_chaos,
+    unhealed_restarts,
+)
+from diloco_anywhere.bench.train import bench_config
+
+ROUNDS = 24
+
+
+def test_a_run_survives_replicas_killed_and_restarted(tmp_path) -> None:
+    config = bench_config(
+        run__name="chaos", run__replicas=3, run__min_replicas=2, diloco__sync_every=10,
+        diloco__outer_steps=ROUNDS, diloco__codec="fp32", checkpoint__every=3,
+        sync__grace=2.0, sync__lease_period=1.0, sync__timeout=60.0, task__log_every=5,
+        task__eval_every=ROUNDS,
+        task__options={"preset": "tiny", "batch_size": 4, "corpus_bytes": 300_000},
+    )  # fmt: skip
+    run = run_with_chaos(config, tmp_path, kills=3, kill_every=3, seed=0, progress=print)
+    figures = chaos_figures(run, config)
+    assert figures["kills"] == figures["restarts"] == 3
+    assert figures["done"] == ["local-0", "local-1", "local-2"]
+    assert figures["rounds"] == ROUNDS
+    assert fingerprint_disagreements(run.metrics) == {}
+    assert unhealed_restarts(run.metrics) == []
+    for kill in run.kills:  # the replica killed came back and trained again
+        syncs = run.metrics[kill.replica].syncs
+        assert any(sync.round > kill.after_round + 1 and sync.contributed for sync in syncs)
+    # one global state at the end: the same held-out loss on every replica that evaluated it
+    evaluations = final_evaluations(run.metrics)
+    assert evaluations
+    assert len(set(evaluations.values())) == 1
+    assert 0.3 < figures["goodput"] <= 1.0
