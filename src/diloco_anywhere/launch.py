@@ -45,6 +45,7 @@ def plan_launch(config: RunConfig, counts: dict[str, int], root: Path | None = N
     }
     specs, index = [], 0
     for platform, count in counts.items():
+        processes = processes_per_replica(config, platform)
         for k in range(count):
             replica_id = f"{platform}-{k}"
             env = {
@@ -53,9 +54,21 @@ def plan_launch(config: RunConfig, counts: dict[str, int], root: Path | None = N
                 replica.ENV_REPLICA_INDEX: str(index),
                 replica.ENV_PLATFORM: platform,
             }
-            specs.append(ReplicaSpec(replica_id, index, platform, env, args))
+            specs.append(ReplicaSpec(replica_id, index, platform, env, args, processes))
             index += 1
     return LaunchPlan(config, run_dir(config, root), tuple(specs))
+
+
+def processes_per_replica(config: RunConfig, platform: str) -> int:
+    """``[backends.<platform>] processes_per_replica`` (default 1): a replica of several
+    processes runs under torchrun, one per GPU, with DDP inside the replica."""
+    value = config.backends.get(platform, {}).get("processes_per_replica", 1)
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise ValueError(
+            f"backends.{platform}.processes_per_replica = {value!r}: give a whole number >= 1 "
+            f"(processes per replica, usually its GPU count)"
+        )
+    return value
 
 
 def run_metrics(config: RunConfig) -> MetricsReader:

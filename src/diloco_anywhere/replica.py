@@ -28,8 +28,9 @@ from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.config import ConfigError, RunConfig, load_config, validate_config
 from diloco_anywhere.layout import RunLayout, check_name
 from diloco_anywhere.metrics import MetricsWriter
+from diloco_anywhere.replica_group import FollowerCollective, LeaderCollective, ReplicaGroup
 from diloco_anywhere.store import Store, StoreError, scrub_secrets
-from diloco_anywhere.training import collective_config, train
+from diloco_anywhere.training import collective_config, resolve_device, train
 
 log = logging.getLogger("diloco_anywhere.replica")
 ENV_REPLICA_ID = "DILOCO_REPLICA_ID"
@@ -99,17 +100,27 @@ def with_overrides(config: RunConfig, environ: dict[str, str]) -> RunConfig:
 
 
 def run_replica(config: RunConfig, replica_id: str, index: int, platform: str) -> int:
+    """Train this replica; under ``torchrun`` only rank 0 talks to the bucket
+    (``replica_group.py``)."""
+    group = ReplicaGroup.from_environment(resolve_device(config.task.device).type)
+    if not group.is_leader:
+        follower = FollowerCollective(collective_config(config), group)
+        try:
+            train(config, follower, None, index, group)
+        finally:
+            follower.close()
+        return 0
     store = Store(config.store_url())
     layout = RunLayout(config.run.name)
     keep = config.checkpoint.keep
     with BucketCollective(
         store, layout.run, replica_id, collective_config(config),
         retained_after=lambda: retained_after(store, layout, keep),  # healing replays the rest
-    ) as collective:  # fmt: skip
-        incarnation = collective.me.incarnation
-        metrics = MetricsWriter(store, layout, replica_id, incarnation, platform)
+    ) as bucket:  # fmt: skip
+        collective = LeaderCollective(bucket, group) if group.world_size > 1 else bucket
+        metrics = MetricsWriter(store, layout, replica_id, bucket.me.incarnation, platform)
         try:
-            result = train(config, store, collective, metrics, index)
+            result = train(config, collective, metrics, index, group)
         except StopRequestedError as exc:
             metrics.flush()
             metrics.event("stopped", str(exc))

@@ -33,6 +33,10 @@ class TaskContext:
     seed: int
     device: torch.device
     options: dict[str, Any] = field(default_factory=dict)  # run.toml [task.options]
+    # A replica of several processes (torchrun, DDP inside the replica): this process's rank
+    # among them. Each rank trains on its own part of the replica's shard.
+    rank: int = 0
+    ranks: int = 1
 
 
 @dataclass

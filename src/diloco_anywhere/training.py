@@ -24,7 +24,7 @@ from torchft.local_sgd import DiLoCo
 
 from diloco_anywhere.checkpoint import CheckpointPolicy, CheckpointWriter
 from diloco_anywhere.codec import make_codec
-from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig
+from diloco_anywhere.collective.allreduce import CollectiveConfig
 from diloco_anywhere.collective.membership import LeasePolicy
 from diloco_anywhere.collective.round import DivergedError, RoundPolicy
 from diloco_anywhere.config import RunConfig
@@ -32,12 +32,14 @@ from diloco_anywhere.global_state import GlobalState
 from diloco_anywhere.healing import heal
 from diloco_anywhere.manager import BucketManager
 from diloco_anywhere.metrics import MetricsWriter, StepLine, SyncLine
-from diloco_anywhere.store import Store, scrub_secrets
+from diloco_anywhere.replica_group import ReplicaGroup, SyncCollective
+from diloco_anywhere.store import scrub_secrets
 from diloco_anywhere.task import Batch, Task, TaskContext, build_task
 
 log = logging.getLogger(__name__)
 
 MAX_FAILED_SYNCS = 5  # in a row; then the replica stops with the last error
+SINGLE_PROCESS = ReplicaGroup()
 
 
 class SyncFailedError(RuntimeError):
@@ -59,10 +61,13 @@ def collective_config(config: RunConfig) -> CollectiveConfig:
     )
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """``auto``: CUDA when there is a GPU, else CPU; under ``torchrun`` each process of a
+    replica takes the GPU of its local rank."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    return torch.device("cuda", local_rank) if device == torch.device("cuda") else device
 
 
 class _Fragment(nn.Module):
@@ -124,21 +129,32 @@ class TrainingResult:
 
 
 class _Run:
-    """The state of one replica's loop between syncs."""
+    """One replica's loop state between syncs, and what it does after each: metrics, global
+    checkpoints and healing (the leader's part), shared with the replica's other ranks."""
 
     def __init__(
         self,
-        config: RunConfig,
-        task: Task,
-        manager: BucketManager,
-        collective: BucketCollective,
+        parts: ReplicaParts,
+        collective: SyncCollective,
+        metrics: MetricsWriter | None,
+        group: ReplicaGroup,
     ) -> None:
-        self.config, self.task, self.manager = config, task, manager
-        self.collective, self.store = collective, collective.store
+        self.config, self.task, self.manager = parts.config, parts.task, parts.manager
+        self.parts, self.collective, self.metrics, self.group = parts, collective, metrics, group
         self.inner_steps = self.tokens = self.failed_in_a_row = 0
         self.loss = float("nan")
         self.eval_loss: float | None = None
         self.tokens_at_sync, self.time_at_sync = 0, time.perf_counter()
+        policy = CheckpointPolicy(
+            every=self.config.checkpoint.every,
+            keep=self.config.checkpoint.keep,
+            orphan_grace=self.config.sync.grace * 3,
+        )
+        self.writer = (
+            CheckpointWriter(collective.store, collective.layout, collective.me.name, policy)
+            if group.is_leader
+            else None
+        )
 
     def _evaluation_due(self) -> bool:
         """Every ``eval_every`` outer steps (all fragments synced), and at the last one."""
@@ -148,22 +164,24 @@ class _Run:
             step % (every * fragments) == 0 or step == last
         )
 
-    def record_step(self, loss: torch.Tensor, metrics: MetricsWriter) -> None:
+    def record_step(self, loss: torch.Tensor) -> None:
         self.inner_steps += 1
-        self.tokens += self.task.tokens_per_batch
-        if self.inner_steps % self.config.task.log_every == 0:
+        self.tokens += self.task.tokens_per_batch * self.group.world_size
+        if self.metrics is not None and self.inner_steps % self.config.task.log_every == 0:
             self.loss = float(loss)
-            metrics.add(StepLine(step=self.inner_steps, loss=self.loss, tokens=self.tokens,
-                                 time=time.time()))  # fmt: skip
+            self.metrics.add(StepLine(step=self.inner_steps, loss=self.loss, tokens=self.tokens,
+                                      time=time.time()))  # fmt: skip
 
-    def record_sync(self, committed: bool, model: nn.Module, metrics: MetricsWriter) -> None:
-        error = self.manager.last_sync_error
+    def record_sync(self, committed: bool, model: nn.Module) -> None:
         self.failed_in_a_row = 0 if committed else self.failed_in_a_row + 1
+        if self.metrics is None:
+            return
+        error = self.manager.last_sync_error
         evaluated = committed and self._evaluation_due()
         if evaluated:
             self.eval_loss = self.task.evaluate(model)  # type: ignore[misc]
-        now, traffic = time.perf_counter(), self.store.stats()
-        metrics.add(
+        now, traffic = time.perf_counter(), self.collective.store.stats()
+        self.metrics.add(
             SyncLine(
                 outer_step=self.manager.current_step() // self.config.diloco.fragments,
                 round=self.manager.last_round(),
@@ -183,31 +201,56 @@ class _Run:
                 time=time.time(),
             )
         )
-        metrics.flush()
+        self.metrics.flush()
         self.tokens_at_sync, self.time_at_sync = self.tokens, now
 
-    def heal(
-        self,
-        state: GlobalState,
-        metrics: MetricsWriter,
-        batches_per_round: int,
-        *,
-        from_initial: bool,
-    ) -> Iterator[Batch]:
-        """Bring the global state to the run's newest sealed round (``healing.py``) and return
-        the batches from there: every replica trains ``batches_per_round`` per round."""
-        report = heal(
-            self.collective, state, self.manager, self.config.run.min_replicas,
-            from_initial=from_initial,
-        )  # fmt: skip
-        if report.checkpoint is not None or report.replayed or report.skipped:
-            log.info("%s", report.describe())
-            metrics.event("healed", report.describe(), seconds=report.seconds)
+    def checkpoint_if_due(self, state: GlobalState) -> None:
+        step, last = self.manager.current_step(), self.config.diloco.outer_steps
+        if self.writer is None or not _checkpoint_due(
+            step, self.config.checkpoint.every, last * self.config.diloco.fragments
+        ):
+            return
+        result = self.manager.last_result
+        self.writer.write(
+            self.manager.last_round(),
+            result.seal.contributors if result else (),
+            {"manager": self.manager.state_dict(), "fragments": state.fragments_tree()},
+        )
+
+    def heal(self, state: GlobalState, *, from_initial: bool) -> Iterator[Batch]:
+        """Bring the global state to the run's newest sealed round (the leader, from the
+        bucket: ``healing.py``; the other ranks, from the leader) and return the batches from
+        there: every replica trains ``batches_per_round`` per round."""
+        if self.group.is_leader:
+            report = heal(
+                self.collective, state, self.manager, self.config.run.min_replicas,
+                from_initial=from_initial,
+            )  # fmt: skip
+            if self.metrics and (
+                report.checkpoint is not None or report.replayed or report.skipped
+            ):
+                log.info("%s", report.describe())
+                self.metrics.event("healed", report.describe(), seconds=report.seconds)
+        tree = self.group.share_state(
+            {"manager": self.manager.state_dict(), "fragments": state.fragments_tree()}
+        )
+        if not self.group.is_leader:
+            self.manager.load_state_dict(tree["manager"])
+            state.load_fragments_tree(tree["fragments"])
+            state.reset_local_weights()
         self.failed_in_a_row = 0
-        self.inner_steps = report.sync * batches_per_round
-        self.tokens = self.inner_steps * self.task.tokens_per_batch
+        self.inner_steps = self.manager.state_dict()["sync"] * self.parts.batches_per_round
+        self.tokens = self.inner_steps * self.task.tokens_per_batch * self.group.world_size
         self.tokens_at_sync, self.time_at_sync = self.tokens, time.perf_counter()
         return self.task.batches(self.inner_steps)
+
+    def after_divergence(self, state: GlobalState) -> Iterator[Batch]:
+        """Say so loudly (log, metrics, ``diloco status``), then heal from the bucket."""
+        error = self.manager.last_sync_error
+        log.error("%s", error)
+        if self.metrics is not None:
+            self.metrics.event("diverged", str(error)[:2000])
+        return self.heal(state, from_initial=False)
 
     def stop_if_failing(self) -> None:
         """Give up after ``MAX_FAILED_SYNCS`` failed syncs in a row, with the last error."""
@@ -217,6 +260,11 @@ class _Run:
                 f"{self.manager.last_sync_error}. See the other replicas with `diloco status` "
                 f"and `diloco logs`"
             )
+
+    def close(self) -> None:
+        """The last checkpoint is committed before the replica reports done."""
+        if self.writer is not None:
+            self.writer.close()
 
 
 def _checkpoint_due(step: int, every: int, last: int) -> bool:
@@ -257,7 +305,10 @@ class ReplicaParts:
 
 
 def build_parts(
-    config: RunConfig, collective: BucketCollective, replica_index: int
+    config: RunConfig,
+    collective: SyncCollective,
+    replica_index: int,
+    group: ReplicaGroup = SINGLE_PROCESS,
 ) -> ReplicaParts:
     diloco = config.diloco
     task = build_task(
@@ -266,12 +317,14 @@ def build_parts(
             replica_index=replica_index,
             replicas=config.run.replicas,
             seed=config.run.seed,
-            device=resolve_device(config.task.device),
+            device=resolve_device(config.task.device, group.local_rank),
             options=config.task.options,
+            rank=group.rank,
+            ranks=group.world_size,
         ),
     )
     manager = BucketManager(
-        collective,
+        collective,  # type: ignore[arg-type]
         min_replicas=config.run.min_replicas,
         timeout=timedelta(seconds=2 * config.sync.timeout),  # a seal, then a reduce
     )
@@ -289,67 +342,66 @@ def build_parts(
     for outer in outers:
         single_threaded_steps(outer)
     parts = ReplicaParts(config, task, manager, fragments, inner, outers)
-    manager.set_weight(task.tokens_per_batch * parts.batches_per_round)
+    tokens_per_round = task.tokens_per_batch * parts.batches_per_round * group.world_size
+    manager.set_weight(tokens_per_round)
     return parts
+
+
+def _data_parallel(model: nn.Module, group: ReplicaGroup, device: torch.device) -> nn.Module:
+    """The module the inner steps run: DDP across the replica's ranks, or the model alone."""
+    if group.world_size == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
 
 
 def train(
     config: RunConfig,
-    store: Store,
-    collective: BucketCollective,
-    metrics: MetricsWriter,
+    collective: SyncCollective,
+    metrics: MetricsWriter | None,
     replica_index: int,
+    group: ReplicaGroup = SINGLE_PROCESS,
 ) -> TrainingResult:
     """Heal to the run's state (a run already going, or resumed), then train until
     ``outer_steps`` outer steps have committed (every fragment synced that many times),
-    recording metrics and writing global checkpoints as it goes."""
-    parts = build_parts(config, collective, replica_index)
+    recording metrics and writing global checkpoints as it goes. ``metrics`` is the leader's
+    (rank 0 of the replica); the other ranks pass None."""
+    parts = build_parts(config, collective, replica_index, group)
     task, manager, model, inner = parts.task, parts.manager, parts.task.model, parts.inner
-    metrics.event(
-        "started",
-        f"shard {replica_index} of {config.run.replicas}",
-        parameters=sum(p.numel() for p in model.parameters()),
-    )
-    run = _Run(config, task, manager, collective)
-    writer = CheckpointWriter(
-        store, collective.layout, collective.me.name, CheckpointPolicy(
-            every=config.checkpoint.every, keep=config.checkpoint.keep,
-            orphan_grace=config.sync.grace * 3,
-        ),
-    )  # fmt: skip
+    trained = _data_parallel(model, group, next(model.parameters()).device)
+    if metrics is not None:
+        metrics.event(
+            "started",
+            f"shard {replica_index} of {config.run.replicas}, {group.world_size} process(es)",
+            parameters=sum(p.numel() for p in model.parameters()),
+        )
+    run = _Run(parts, collective, metrics, group)
     last_step = config.diloco.outer_steps * config.diloco.fragments
-    batches_per_round = parts.batches_per_round
     # Everything built so far lives for the whole run; keep the cyclic collector from
     # rescanning it (torchft, pydantic, SDK modules) on every full collection during training.
     gc.freeze()
     with parts.diloco():
         state = parts.global_state()
-        batches = run.heal(state, metrics, batches_per_round, from_initial=True)
+        batches = run.heal(state, from_initial=True)
         while manager.current_step() < last_step:
-            loss = task.loss(model, next(batches))
+            loss = task.loss(trained, next(batches))
             inner.zero_grad(set_to_none=True)
             loss.backward()
             syncs, step = manager.syncs_attempted, manager.current_step()
             inner.step()  # DiLoCo's hook syncs here every sync_every / fragments steps
-            run.record_step(loss.detach(), metrics)
+            run.record_step(loss.detach())
             if manager.syncs_attempted == syncs:
                 continue
             committed = manager.current_step() > step
-            run.record_sync(committed, model, metrics)
-            if committed and _checkpoint_due(
-                manager.current_step(), config.checkpoint.every, last_step
-            ):
-                writer.write(
-                    manager.last_round(),
-                    manager.last_result.seal.contributors if manager.last_result else (),
-                    {"manager": manager.state_dict(), "fragments": state.fragments_tree()},
-                )
-            if isinstance(manager.last_sync_error, DivergedError):
-                log.error("%s", manager.last_sync_error)
-                metrics.event("diverged", str(manager.last_sync_error)[:2000])
-                batches = run.heal(state, metrics, batches_per_round, from_initial=False)
+            run.record_sync(committed, model)
+            if committed:
+                run.checkpoint_if_due(state)
+            if isinstance(manager.last_sync_error, DivergedError):  # the same on every rank
+                batches = run.after_divergence(state)
             run.stop_if_failing()
-    writer.close()  # the last checkpoint committed before the replica reports done
+        group.check_same_state(state.checksum())
+    run.close()
     return TrainingResult(
         outer_steps=manager.current_step() // config.diloco.fragments,
         inner_steps=run.inner_steps,

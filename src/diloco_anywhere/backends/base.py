@@ -24,6 +24,16 @@ class ReplicaSpec:
     platform: str
     env: dict[str, str]  # DILOCO_* variables; no secrets
     args: tuple[str, ...]  # after ``python -m diloco_anywhere.replica``
+    processes: int = 1  # > 1: one per GPU under torchrun, DDP inside the replica
+
+    def command(self, python: str = "python") -> list[str]:
+        """The replica's command: the entrypoint, under ``torchrun`` (``torch.distributed.run``,
+        one node, a free port) when the replica has several processes."""
+        entrypoint = ["-m", "diloco_anywhere.replica", *self.args]
+        if self.processes == 1:
+            return [python, *entrypoint]
+        torchrun = ["-m", "torch.distributed.run", "--standalone"]
+        return [python, *torchrun, f"--nproc-per-node={self.processes}", *entrypoint]
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ class LocalBackend:
         """Start ``specs``; a later call (a restart) gives its replicas the thread count of
         the first, so a restarted replica computes exactly as the one it replaces."""
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self._threads = self._threads or threads_per_replica(len(specs))
+        self._threads = self._threads or threads_per_replica(sum(s.processes for s in specs))
         threads = {"OMP_NUM_THREADS": str(self._threads)}
         return [
             self._start(spec, run_dir / "logs" / f"{spec.replica_id}.log", threads)
@@ -41,7 +41,7 @@ class LocalBackend:
     def _start(self, spec: ReplicaSpec, log_path: Path, threads: dict[str, str]) -> ReplicaHandle:
         with log_path.open("ab") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "diloco_anywhere.replica", *spec.args],
+                spec.command(sys.executable),
                 env={**threads, **os.environ, **spec.env},
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -86,8 +86,9 @@ class LocalBackend:
                 os.killpg(pid, signal.SIGTERM)
 
 
-def threads_per_replica(replicas: int) -> int:
-    return max(1, (os.cpu_count() or 1) // replicas)
+def threads_per_replica(processes: int) -> int:
+    """Intra-op threads per process when ``processes`` share this machine's cores."""
+    return max(1, (os.cpu_count() or 1) // processes)
 
 
 def _is_replica(pid: int) -> bool:

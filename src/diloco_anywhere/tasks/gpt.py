@@ -170,10 +170,10 @@ def build(context: TaskContext) -> Task:
         )
 
     def batches(start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Batch ``i`` draws from its own generator, seeded by (seed, replica, i): any batch
-        can be the first, at no cost."""
+        """Batch ``i`` draws from its own generator, seeded by (seed, replica, rank, i): any
+        batch can be the first, at no cost."""
         for index in itertools.count(start):
-            seed = hash((context.seed, context.replica_index, index)) & (2**63 - 1)
+            seed = hash((context.seed, context.replica_index, context.rank, index)) & (2**63 - 1)
             generator = torch.Generator().manual_seed(seed)
             offsets = torch.randint(len(shard) - seq_len, (batch_size,), generator=generator)
             yield windows(shard, offsets, seq_len, context.device)
