@@ -91,8 +91,26 @@ def test_the_state_flattens_to_named_tensors_and_json_and_back() -> None:
     )
     assert b"nesterov" in structure  # the optimizer's hyperparameters, as JSON
     assert_same_tree(unflatten(structure, tensors, "k"), state)
-    with pytest.raises(CheckpointError, match="k: tensors missing"):
+    with pytest.raises(CheckpointError, match="k: state structure does not parse: node 'tensor'"):
         unflatten(structure, dict(list(tensors.items())[1:]), "k")
+    with pytest.raises(CheckpointError, match="k: the shards hold tensors the structure lacks"):
+        unflatten(structure, {**tensors, "extra": torch.zeros(1)}, "k")
+
+
+@pytest.mark.parametrize(
+    "structure",
+    [
+        b'{"__enum__": {"fqn": "os:environ", "name": "HOME"}}',  # torch pytree's import hook
+        b'{"dict": [["a", {"value": {"nested": 1}}]]}',  # a value that is not a scalar
+        b'{"dict": [[true, {"value": 1}]]}',  # a bool key
+        b"[" * 100_000,  # nesting deep enough to exhaust the parser's recursion
+        b"not json",
+    ],
+)
+def test_a_structure_from_the_bucket_never_chooses_what_runs(structure) -> None:
+    """Bucket bytes are data: nothing in them imports, calls or looks anything up."""
+    with pytest.raises(CheckpointError, match="k: state structure does not parse"):
+        unflatten(structure, {}, "k")
 
 
 def test_shards_split_the_bytes_evenly_in_order() -> None:

@@ -35,7 +35,7 @@ from pydantic import Field
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
-from torch.utils import _pytree as pytree
+from torch.utils._pytree import tree_map
 
 from diloco_anywhere.global_state import fingerprint, tree_checksum
 from diloco_anywhere.layout import RunLayout
@@ -81,50 +81,81 @@ class Checkpoint:
 def snapshot(tree: Any) -> Any:
     """A copy of ``tree`` with every tensor copied to CPU: training may change the original
     while the copy is written."""
-    return pytree.tree_map(
+    return tree_map(
         lambda leaf: leaf.detach().to("cpu", copy=True) if isinstance(leaf, torch.Tensor) else leaf,
         tree,
     )
 
 
+def _name(path: tuple[str | int, ...]) -> str:
+    return "".join(f"[{key!r}]" for key in path)
+
+
+def _encode(node: Any, path: tuple[str | int, ...], tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(node, torch.Tensor):
+        tensors[_name(path)] = node.contiguous()
+        return {"tensor": _name(path)}
+    if isinstance(node, dict):
+        if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in node):
+            raise TypeError(f"state node {_name(path)} has keys other than str and int")
+        return {"dict": [[k, _encode(v, (*path, k), tensors)] for k, v in node.items()]}
+    if isinstance(node, (list, tuple)):
+        kind = "list" if isinstance(node, list) else "tuple"
+        return {kind: [_encode(v, (*path, i), tensors) for i, v in enumerate(node)]}
+    if isinstance(node, JSON_LEAVES):
+        return {"value": node}
+    raise TypeError(
+        f"state leaf {_name(path)} is a {type(node).__name__}: only tensors, JSON scalars, "
+        f"and dicts, lists and tuples of them go into a checkpoint"
+    )
+
+
 def flatten(tree: Any) -> tuple[dict[str, torch.Tensor], bytes]:
-    """The tensors by path name, and the structure (spec and non-tensor leaves) as JSON."""
-    leaves, spec = pytree.tree_flatten_with_path(tree)
+    """The tensors by path name, and the structure with the other leaves as JSON.
+
+    The structure is this module's own small format (dict, list, tuple, tensor, value nodes),
+    not torch's pytree spec: ``treespec_loads`` imports modules named in its input, and a
+    checkpoint is bucket data, which must never choose code to run."""
     tensors: dict[str, torch.Tensor] = {}
-    described = []
-    for path, leaf in leaves:
-        name = pytree.keystr(path)
-        if isinstance(leaf, torch.Tensor):
-            tensors[name] = leaf.contiguous()
-            described.append({"tensor": name})
-        elif isinstance(leaf, JSON_LEAVES):
-            described.append({"value": leaf})
-        else:
-            raise TypeError(f"state leaf {name} is a {type(leaf).__name__}: only tensors and "
-                            f"JSON scalars can go into a checkpoint")  # fmt: skip
-    structure = {"spec": pytree.treespec_dumps(spec), "leaves": described}
-    return tensors, json.dumps(structure, sort_keys=True).encode()
+    structure = _encode(tree, (), tensors)
+    return tensors, json.dumps(structure).encode()
+
+
+def _decode(node: Any, tensors: dict[str, torch.Tensor], used: set[str]) -> Any:
+    if not (isinstance(node, dict) and len(node) == 1):
+        raise ValueError(f"a node must be an object with one field, not {str(node)[:80]}")
+    ((kind, value),) = node.items()
+    if kind == "tensor" and isinstance(value, str) and value in tensors:
+        used.add(value)
+        return tensors[value]
+    if kind == "value" and isinstance(value, JSON_LEAVES):
+        return value
+    if kind in ("list", "tuple") and isinstance(value, list):
+        items = [_decode(item, tensors, used) for item in value]
+        return items if kind == "list" else tuple(items)
+    if kind == "dict" and isinstance(value, list):
+        pairs = [pair for pair in value if isinstance(pair, list) and len(pair) == 2]
+        keys = [pair[0] for pair in pairs]
+        if len(pairs) != len(value) or not all(
+            isinstance(k, (str, int)) and not isinstance(k, bool) for k in keys
+        ):
+            raise ValueError("a dict node must be [key, node] pairs with str or int keys")
+        return {k: _decode(v, tensors, used) for k, v in pairs}
+    raise ValueError(f"node {kind!r} with {str(value)[:80]} is not a tensor, value, list, tuple "
+                     f"or dict node (or names a tensor the shards lack)")  # fmt: skip
 
 
 def unflatten(structure: bytes, tensors: dict[str, torch.Tensor], key: str) -> Any:
     """The tree back from ``flatten``'s parts; ``CheckpointError`` naming ``key`` if they do not
-    fit together (a tensor missing, extra, or a structure that does not parse)."""
+    fit together (a tensor missing or extra, or a structure that does not parse)."""
+    used: set[str] = set()
     try:
-        parsed = json.loads(structure)
-        spec = pytree.treespec_loads(parsed["spec"])
-        described = parsed["leaves"]
-        wanted = {leaf["tensor"] for leaf in described if "tensor" in leaf}
-        if wanted != tensors.keys():
-            missing, extra = sorted(wanted - tensors.keys()), sorted(tensors.keys() - wanted)
-            raise CheckpointError(f"{key}: tensors missing {missing[:3]}, unexpected {extra[:3]}")
-        leaves = [
-            tensors[leaf["tensor"]] if "tensor" in leaf else leaf["value"] for leaf in described
-        ]
-        return pytree.tree_unflatten(leaves, spec)
-    except (ValueError, KeyError, TypeError) as exc:
-        if isinstance(exc, CheckpointError):
-            raise
+        tree = _decode(json.loads(structure), tensors, used)
+    except Exception as exc:  # bucket data: whatever it is, it is not a checkpoint to load
         raise CheckpointError(f"{key}: state structure does not parse: {exc}") from None
+    if extra := sorted(tensors.keys() - used):
+        raise CheckpointError(f"{key}: the shards hold tensors the structure lacks: {extra[:3]}")
+    return tree
 
 
 def plan_shards(tensors: dict[str, torch.Tensor], count: int) -> list[list[str]]:

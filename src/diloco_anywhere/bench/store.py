@@ -53,7 +53,9 @@ def sample_tensor(kind: str, numel: int, seed: int = 0) -> torch.Tensor:
     if kind == "student_t":
         squares = torch.randn(3, numel, generator=generator).square_()
         chi2 = squares[0] + squares[1] + squares[2]
-        return normal / (chi2 / 3).sqrt()
+        # times 1/3, not / 3: a scalar division is a multiplication in torch's vectorized loop
+        # and a true division in its scalar tail, whose place follows the thread count
+        return normal / chi2.mul_(1 / 3).sqrt()
     raise ValueError(f"unknown sample kind {kind!r}; choose gaussian or student_t")
 
 
