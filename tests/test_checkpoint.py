@@ -67,19 +67,27 @@ def assert_same_tree(found, expected) -> None:
             assert a == b
 
 
-def write_checkpoint(store: Store, round_: int, tree: dict, writers=CONTRIBUTORS, grace=30.0):
-    """Every writer in ``writers`` (of the sealed ``CONTRIBUTORS``) writes its share at once."""
+def write_checkpoint(
+    store: Store, round_: int, tree: dict, writers=CONTRIBUTORS, grace=30.0, trees=None
+):
+    """Every writer in ``writers`` (of the sealed ``CONTRIBUTORS``) writes its share at once,
+    each from ``tree`` unless ``trees`` gives it another."""
     policy = CheckpointPolicy(orphan_grace=grace, poll=0.02)
-    instances = [CheckpointWriter(store, RUN, name, policy) for name in writers]
+    trees = trees or {}
+    instances = {name: CheckpointWriter(store, RUN, name, policy) for name in writers}
     threads = [
-        threading.Thread(target=writer.write, args=(round_, CONTRIBUTORS, tree))
-        for writer in instances
+        threading.Thread(
+            target=writer.write,
+            args=(round_, CONTRIBUTORS, trees.get(name, tree)),
+            kwargs={"last": True},
+        )
+        for name, writer in instances.items()
     ]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    for writer in instances:
+    for writer in instances.values():
         writer.close()
 
 
@@ -143,6 +151,15 @@ def test_the_committer_writes_the_shard_of_a_writer_that_died(store, caplog) -> 
     write_checkpoint(store, 3, state, writers=("a-0", "b-0"), grace=0.3)  # c-0 never writes
     assert_same_tree(load_checkpoint(store, RUN, 3).tree, state)
     assert "in place of a late writer" in caplog.text
+
+
+def test_a_writer_whose_state_differs_leaves_no_committed_checkpoint(store, caplog) -> None:
+    """The committer reads the others' shards back: a diverged writer's bytes stop the COMMIT,
+    so no reader ever meets a committed checkpoint that fails its checksums."""
+    caplog.set_level(logging.WARNING)
+    write_checkpoint(store, 3, diloco_like_state(0), trees={"b-0": diloco_like_state(1)})
+    assert committed_rounds(store, RUN) == []
+    assert "its writer stored other bytes than this replica's state" in caplog.text
 
 
 def test_a_checkpoint_without_commit_does_not_exist(store) -> None:

@@ -152,7 +152,7 @@ def test_without_checkpoints_a_fresh_replica_replays_from_its_initial_state(run)
     report, state, parts = newcomer(run)
     assert (report.checkpoint, report.replayed) == (None, OUTER_STEPS)
     assert_holds_the_runs_final_state(state, parts, final)
-    with pytest.raises(HealError, match="no usable committed checkpoint"):
+    with pytest.raises(HealError, match="no committed checkpoint in the bucket heals"):
         newcomer(run, from_initial=False)  # a replica that trained has no initial state left
 
 
@@ -178,8 +178,12 @@ def test_a_replica_built_differently_cannot_heal_and_says_why(run) -> None:
         newcomer(run, seed=1)  # another seed: other initial weights
 
 
-def test_rounds_gone_from_the_bucket_stop_healing_with_the_round_named(run) -> None:
+def test_rounds_gone_from_the_bucket_stop_healing_with_the_round_named(run, caplog) -> None:
+    caplog.set_level(logging.WARNING)
     drop_checkpoint(run, OUTER_STEPS - 1)
-    Store(str(run / "store")).delete_prefix(LAYOUT.manifests(3, 0))
-    with pytest.raises(HealError, match="round 3 cannot be replayed: its data is gone"):
+    Store(str(run / "store")).delete_prefix(LAYOUT.parts(3, 0, "local-1", 0))
+    with pytest.raises(HealError, match="no committed checkpoint in the bucket heals"):
         newcomer(run)
+    assert "healing from checkpoint 0 failed: round 3 cannot be replayed: its data is gone" in (
+        caplog.text
+    )

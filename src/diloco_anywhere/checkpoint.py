@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_map
 from diloco_anywhere.global_state import fingerprint, tree_checksum
 from diloco_anywhere.layout import RunLayout
 from diloco_anywhere.record import Record, decode_record, encode_record
-from diloco_anywhere.store import Store
+from diloco_anywhere.store import Store, StoreError
 from diloco_anywhere.wire import Count, Name, WireFormatError
 
 log = logging.getLogger(__name__)
@@ -184,44 +184,52 @@ def _entry(key: str, data: bytes) -> StoredObject:
 
 @dataclass(frozen=True)
 class CheckpointPolicy:
-    every: int = 10  # committed syncs between checkpoints
     keep: int = 2  # committed checkpoints kept (rounds after the oldest kept are kept too)
     orphan_grace: float = 30.0  # seconds the committer waits for other writers' shards
     poll: float = 0.2
 
 
 class CheckpointWriter:
-    """Writes this replica's share of checkpoints on a background thread, one at a time."""
+    """Writes this replica's share of checkpoints on a background thread, one at a time.
+
+    A store error loses one checkpoint (logged; the previous one stays usable). Any other error
+    (a state that cannot be checkpointed) is raised on the training thread at the next
+    ``write`` or at ``close``, so a run never goes on without checkpoints unnoticed."""
 
     def __init__(self, store: Store, layout: RunLayout, me: str, policy: CheckpointPolicy) -> None:
         self.store, self.layout, self.me, self.policy = store, layout, me, policy
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self._pending: Future[None] | None = None
 
-    def write(self, round_: int, contributors: tuple[str, ...], tree: dict[str, Any]) -> bool:
+    def write(
+        self, round_: int, contributors: tuple[str, ...], tree: dict[str, Any], *, last: bool
+    ) -> bool:
         """Start writing the checkpoint of ``round_``, whose state is ``tree`` (``{"manager":
         counters, "fragments": DiLoCo's state}``), if this replica is among ``contributors``
-        (the round's SEAL). The tree is copied first; True if a write started."""
+        (the round's SEAL). The tree is copied first; True if a write started. While the
+        previous checkpoint is still being written a new one is skipped, except the ``last``
+        (the run's final state), which waits for it."""
         if self.me not in contributors:
             return False
-        if self._pending is not None and not self._pending.done():
-            log.warning("checkpoint of round %d skipped: the previous one is still being "
-                        "written (raise checkpoint.every)", round_)  # fmt: skip
-            return False
+        if self._pending is not None:
+            if not (last or self._pending.done()):
+                log.warning("checkpoint of round %d skipped: the previous one is still being "
+                            "written (raise checkpoint.every)", round_)  # fmt: skip
+                return False
+            self._pending.result()  # raises what went wrong, other than the store
         self._pending = self._executor.submit(self._write, round_, contributors, snapshot(tree))
         return True
 
     def _write(self, round_: int, contributors: tuple[str, ...], tree: dict[str, Any]) -> None:
+        tensors, structure = flatten(tree)
+        plan = plan_shards(tensors, len(contributors))
+        shards = [encode_shard(names, tensors) for names in plan]
+        owners = [contributors[s % len(contributors)] for s in range(len(plan))]
+        keys = [self.layout.checkpoint_shard(round_, s) for s in range(len(plan))]
         try:
-            tensors, structure = flatten(tree)
-            plan = plan_shards(tensors, len(contributors))
-            owners = [contributors[s % len(contributors)] for s in range(len(plan))]
-            mine = {
-                self.layout.checkpoint_shard(round_, s): encode_shard(plan[s], tensors)
-                for s, owner in enumerate(owners)
-                if owner == self.me
-            }
-            self.store.put_many(mine)
+            self.store.put_many(
+                {keys[s]: shards[s] for s, owner in enumerate(owners) if owner == self.me}
+            )
             if owners[0] == self.me:
                 counters = tree["manager"]
                 commit = {
@@ -231,34 +239,33 @@ class CheckpointWriter:
                     "sync": counters["sync"],
                     "fingerprint": fingerprint(counters["step"], tree_checksum(tree["fragments"])),
                 }
-                self._commit(commit, plan, tensors, structure)
-        except Exception as exc:  # a checkpoint is best effort: the previous one stays usable
+                self._commit(commit, dict(zip(keys, shards, strict=True)), owners, structure)
+        except (StoreError, FileExistsError, CheckpointError) as exc:
             log.warning("checkpoint of round %d not written: %s", round_, exc)
 
     def _commit(
-        self,
-        commit: dict[str, Any],
-        plan: list[list[str]],
-        tensors: dict[str, torch.Tensor],
-        structure: bytes,
+        self, commit: dict[str, Any], shards: dict[str, bytes], owners: list[str], structure: bytes
     ) -> None:
+        """Check the other writers' shards are this state's bytes (a writer whose state
+        diverged must not leave a checkpoint that fails every reader), write a late writer's
+        shards, then the state, then the COMMIT."""
         round_ = commit["round"]
-        keys = [self.layout.checkpoint_shard(round_, s) for s in range(len(plan))]
-        missing = self._wait_for(keys, self.layout.checkpoint(round_))
-        shards = []
-        for shard, key in enumerate(keys):
-            data = encode_shard(plan[shard], tensors)
-            if key in missing:  # its writer died or stalls: the bytes are the same from anyone
-                log.warning(
-                    "checkpoint round %d: writing %s in place of a late writer", round_, key
-                )
-                self.store.put(key, data)
-            shards.append(_entry(key, data))
+        missing = self._wait_for(list(shards), self.layout.checkpoint(round_))
+        theirs = [k for k, owner in zip(shards, owners, strict=True) if owner != self.me]
+        stored = self.store.get_many(key for key in theirs if key not in missing)
+        for key, data in stored.items():
+            if data != shards[key]:
+                raise CheckpointError(f"{key}: its writer stored other bytes than this "
+                                      f"replica's state (its global state differs)")  # fmt: skip
+        for key in sorted(missing):  # its writer died or stalls: the bytes are anyone's
+            log.warning("checkpoint round %d: writing %s in place of a late writer", round_, key)
+            self.store.put(key, shards[key])
         state_key = f"{self.layout.checkpoint(round_)}/state"
         self.store.put(state_key, structure)
-        done = CheckpointCommit(**commit, state=_entry(state_key, structure), shards=tuple(shards))
+        entries = tuple(_entry(key, data) for key, data in shards.items())
+        done = CheckpointCommit(**commit, state=_entry(state_key, structure), shards=entries)
         self.store.put(self.layout.checkpoint_commit(round_), encode_record(done))
-        log.info("checkpoint of round %d committed (%d shards)", round_, len(shards))
+        log.info("checkpoint of round %d committed (%d shards)", round_, len(entries))
         prune_checkpoints(self.store, self.layout, self.policy.keep)
 
     def _wait_for(self, keys: list[str], folder: str) -> set[str]:
@@ -272,6 +279,9 @@ class CheckpointWriter:
         return missing
 
     def close(self, wait: bool = True) -> None:
+        """Wait for the checkpoint being written (raising what went wrong) and stop."""
+        if wait and self._pending is not None:
+            self._pending.result()
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
 
 

@@ -96,7 +96,9 @@ class CheckpointSection(_Section):
     from. Rounds after the oldest kept checkpoint stay in the bucket for replay."""
 
     every: PositiveInt = 10  # committed syncs between checkpoints (also after the first and last)
-    keep: PositiveInt = 2  # committed checkpoints kept; older ones are deleted
+    # Committed checkpoints kept; older ones are deleted. At least 2: when the newest does not
+    # read back intact, healing falls back to the one before.
+    keep: Annotated[int, Field(ge=2)] = 2
 
 
 class TaskSection(_Section):

@@ -53,12 +53,18 @@ class HealReport:
 
 
 def _load(checkpoint: Checkpoint, state: GlobalState, manager: BucketManager) -> bool:
-    """Load ``checkpoint``; False (logged) if it does not reproduce its own fingerprint."""
-    commit = checkpoint.commit
+    """Load ``checkpoint``; False (logged) if it does not fit this replica or its COMMIT."""
+    commit, tree = checkpoint.commit, checkpoint.tree
+    counters = tree.get("manager") if isinstance(tree, dict) else None
+    expected = {"step": commit.step, "sync": commit.sync}
+    if not (isinstance(counters, dict) and {k: counters.get(k) for k in expected} == expected):
+        log.warning("checkpoint of round %d not used: its counters %s are not its COMMIT's %s",
+                    commit.round, counters, expected)  # fmt: skip
+        return False
     try:
-        state.load_fragments_tree(checkpoint.tree["fragments"])
-        manager.load_state_dict(checkpoint.tree["manager"])
-    except (KeyError, TypeError, ValueError, RuntimeError) as exc:  # another model or optimizer
+        state.load_fragments_tree(tree["fragments"])
+        manager.load_state_dict(counters)
+    except Exception as exc:  # another model or optimizer, or a malformed tree
         log.warning("checkpoint of round %d not used: it does not fit this replica's model and "
                     "optimizers: %s", commit.round, exc)  # fmt: skip
         return False
@@ -122,28 +128,45 @@ def heal(
     from_initial: bool,
 ) -> HealReport:
     """Bring ``state`` and ``manager`` to the run's newest sealed round, then set the local
-    weights to the global ones. ``from_initial``: the state is still the task's initial one,
-    usable when no checkpoint is committed yet (a fresh process)."""
-    started = time.perf_counter()
-    loaded, tried = None, False
+    weights to the global ones. Checkpoints are tried newest first, and an older one when a
+    newer one does not load or does not replay to the sealed fingerprints. ``from_initial``:
+    the state is still the task's initial one, usable when no checkpoint is committed yet (a
+    fresh process)."""
+    started, tried = time.perf_counter(), False
     for checkpoint in newest_checkpoints(collective.store, collective.layout):
         tried = True
-        if _load(checkpoint, state, manager):
-            loaded = checkpoint.commit.round
-            break
-    if loaded is None and (tried or not from_initial):
+        if not _load(checkpoint, state, manager):
+            continue
+        try:
+            replayed, skipped = _replay(collective, state, manager, min_replicas)
+        except HealError as exc:
+            log.warning("healing from checkpoint %d failed: %s; trying the previous one",
+                        checkpoint.commit.round, exc)  # fmt: skip
+            continue
+        return _healed(state, manager, checkpoint.commit.round, replayed, skipped, started)
+    if tried or not from_initial:
         raise HealError(
-            "no usable committed checkpoint in the bucket (see the warnings above), and this "
-            "replica's initial state is gone; the first checkpoint is written after the first "
+            "no committed checkpoint in the bucket heals this replica (see the warnings above), "
+            "and its initial state is gone; the first checkpoint is written after the first "
             "committed round"
         )
-    if loaded is None:
-        manager.load_state_dict({"step": 0, "batches_committed": 0, "sync": 0})
+    manager.load_state_dict({"step": 0, "batches_committed": 0, "sync": 0})
     replayed, skipped = _replay(collective, state, manager, min_replicas)
+    return _healed(state, manager, None, replayed, skipped, started)
+
+
+def _healed(
+    state: GlobalState,
+    manager: BucketManager,
+    checkpoint: int | None,
+    replayed: int,
+    skipped: int,
+    started: float,
+) -> HealReport:
     state.reset_local_weights()
     counters = manager.state_dict()
     return HealReport(
-        checkpoint=loaded,
+        checkpoint=checkpoint,
         replayed=replayed,
         skipped=skipped,
         step=counters["step"],

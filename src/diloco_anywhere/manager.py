@@ -137,10 +137,6 @@ class BucketManager:
         self._current.quantize |= should_quantize
         return SyncWork(self, future)
 
-    def fingerprint(self) -> str:
-        """This replica's global state: the step and a checksum of what DiLoCo registered."""
-        return fingerprint(self._step, self._state_checksum())
-
     def _state_checksum(self) -> int:
         return tree_checksum(state_tree(self._state_dict_fns))
 
@@ -167,30 +163,37 @@ class BucketManager:
         return sync.fingerprint
 
     @staticmethod
-    def _complete(sync: _Sync, work: Work) -> None:
-        """On the round's thread: write the mean into the batch's tensors, complete their
-        futures (running DiLoCo's ``then`` callbacks), and only then signal ``written_back``.
-        On error keep it and complete the futures anyway, as torchft does."""
+    def write_back(sync: _Sync, mean: torch.Tensor) -> None:
+        """The flat mean into the batch's tensors, in place, in batch order."""
+        total = sum(tensor.numel() for tensor, _ in sync.batch)
+        if mean.numel() != total:
+            raise RuntimeError(f"round result has {mean.numel()} values; this sync sent {total}")
+        offset = 0
+        for tensor, _ in sync.batch:
+            values = mean[offset : offset + tensor.numel()].view(tensor.shape)
+            with torch.no_grad():
+                tensor.copy_(values)
+            offset += tensor.numel()
+
+    @staticmethod
+    def complete_futures(sync: _Sync) -> None:
+        """Complete the batch's futures (running DiLoCo's ``then`` callbacks), error or not,
+        as torchft does, and only then signal ``written_back``."""
+        for tensor, future in sync.batch:
+            future.set_result(tensor)
+        sync.written_back.set()
+
+    @classmethod
+    def _complete(cls, sync: _Sync, work: Work) -> None:
+        """On the round's thread: write the mean back, keeping an error as the sync's."""
         try:
             result = work.result()
-            total = sum(tensor.numel() for tensor, _ in sync.batch)
-            if result.mean.numel() != total:
-                raise RuntimeError(
-                    f"round result has {result.mean.numel()} values; this sync sent {total}"
-                )
-            offset = 0
-            for tensor, _ in sync.batch:
-                values = result.mean[offset : offset + tensor.numel()].view(tensor.shape)
-                with torch.no_grad():
-                    tensor.copy_(values)
-                offset += tensor.numel()
+            cls.write_back(sync, result.mean)
             sync.result = result
         except Exception as exc:
             log.warning("sync failed: %s", exc)
             sync.error = exc
-        for tensor, future in sync.batch:
-            future.set_result(tensor)
-        sync.written_back.set()
+        cls.complete_futures(sync)
 
     def wait_for_round(self, timeout: timedelta | None = None) -> None:
         """Wait until this sync's results are in place, or keep a timeout as its error."""
@@ -211,11 +214,15 @@ class BucketManager:
         then the step advances. DiLoCo restores the global weights on False."""
         self.send()
         self.wait_for_round(timeout)
-        self.syncs_attempted += 1
         sync = self._current
         commit = sync.error is None and (
             sync.result is None or len(sync.result.seal.contributors) >= self._min_replicas
         )
+        return self.conclude(sync, commit)
+
+    def conclude(self, sync: _Sync, commit: bool) -> bool:
+        """Account for the sync decided ``commit`` and start a fresh one."""
+        self.syncs_attempted += 1
         self.last_result, self.last_fingerprint = sync.result, sync.fingerprint
         if commit:
             if sync.result is not None:

@@ -22,13 +22,14 @@ import os
 import re
 import signal
 import sys
+from datetime import timedelta
 
 from diloco_anywhere.checkpoint import retained_after
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.config import ConfigError, RunConfig, load_config, validate_config
 from diloco_anywhere.layout import RunLayout, check_name
 from diloco_anywhere.metrics import MetricsWriter
-from diloco_anywhere.replica_group import FollowerCollective, LeaderCollective, ReplicaGroup
+from diloco_anywhere.replica_group import ReplicaGroup
 from diloco_anywhere.store import Store, StoreError, scrub_secrets
 from diloco_anywhere.training import collective_config, resolve_device, train
 
@@ -102,13 +103,12 @@ def with_overrides(config: RunConfig, environ: dict[str, str]) -> RunConfig:
 def run_replica(config: RunConfig, replica_id: str, index: int, platform: str) -> int:
     """Train this replica; under ``torchrun`` only rank 0 talks to the bucket
     (``replica_group.py``)."""
-    group = ReplicaGroup.from_environment(resolve_device(config.task.device).type)
+    group = ReplicaGroup.from_environment(
+        resolve_device(config.task.device).type,
+        timeout=timedelta(seconds=max(3600.0, 4 * config.sync.timeout)),
+    )
     if not group.is_leader:
-        follower = FollowerCollective(collective_config(config), group)
-        try:
-            train(config, follower, None, index, group)
-        finally:
-            follower.close()
+        train(config, None, None, index, group)
         return 0
     store = Store(config.store_url())
     layout = RunLayout(config.run.name)
@@ -116,9 +116,8 @@ def run_replica(config: RunConfig, replica_id: str, index: int, platform: str) -
     with BucketCollective(
         store, layout.run, replica_id, collective_config(config),
         retained_after=lambda: retained_after(store, layout, keep),  # healing replays the rest
-    ) as bucket:  # fmt: skip
-        collective = LeaderCollective(bucket, group) if group.world_size > 1 else bucket
-        metrics = MetricsWriter(store, layout, replica_id, bucket.me.incarnation, platform)
+    ) as collective:  # fmt: skip
+        metrics = MetricsWriter(store, layout, replica_id, collective.me.incarnation, platform)
         try:
             result = train(config, collective, metrics, index, group)
         except StopRequestedError as exc:

@@ -8,28 +8,29 @@ heals; the other ranks get each round's result, and after a heal the whole globa
 the leader over a process group of the replica's own. Nothing a rank receives comes from a
 bucket: objects broadcast here are this replica's own, between its own processes.
 
-The sync traffic uses a second gloo group, so a round finishing on a background thread never
-interleaves with DDP's all-reduces on the training thread.
+Every exchange happens on the training thread at points where all ranks are (``should_commit``,
+healing, the end of training), over a second gloo group, apart from DDP's all-reduces. The
+other ranks adopt the leader's decision for every sync, never one of their own (a timeout only
+they saw would split the replica's global state).
 """
 
 from __future__ import annotations
 
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from diloco_anywhere.collective.allreduce import (
-    BucketCollective,
-    CollectiveConfig,
-    RoundResult,
-    Work,
-)
+from diloco_anywhere.codec import Codec
+from diloco_anywhere.collective.allreduce import BucketCollective, RoundResult
+from diloco_anywhere.collective.records import Seal
+from diloco_anywhere.collective.round import DivergedError
 from diloco_anywhere.layout import Participant
+from diloco_anywhere.manager import BucketManager
 
 
 @dataclass(frozen=True)
@@ -54,17 +55,18 @@ class ReplicaGroup:
         return self.rank == 0
 
     @classmethod
-    def from_environment(cls, device_type: str) -> ReplicaGroup:
-        """Join the replica's process group when ``torchrun`` set ``WORLD_SIZE`` > 1."""
+    def from_environment(cls, device_type: str, timeout: timedelta) -> ReplicaGroup:
+        """Join the replica's process group when ``torchrun`` set ``WORLD_SIZE`` > 1.
+        ``timeout`` bounds a rank's wait for the leader: a round, or a heal, at most."""
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if world_size == 1:
             return cls()
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout)
         return cls(
             rank=dist.get_rank(),
             world_size=world_size,
             local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-            sync_group=dist.new_group(backend="gloo"),
+            sync_group=dist.new_group(backend="gloo", timeout=timeout),
         )
 
     def broadcast(self, value: Any) -> Any:
@@ -114,67 +116,97 @@ class ReplicaGroup:
             )
 
 
-class LeaderCollective:
-    """Rank 0's collective: the bucket's, and every round's outcome sent on to the others."""
+@dataclass(frozen=True)
+class SyncOutcome:
+    """What the leader decided for a sync, as the other ranks adopt it (no timeout of theirs)."""
 
-    def __init__(self, bucket: BucketCollective, group: ReplicaGroup) -> None:
-        self.bucket, self.group = bucket, group
-        self.me, self.config, self.store = bucket.me, bucket.config, bucket.store
-        self.layout = bucket.layout
-        group.broadcast(bucket.me)
+    committed: bool
+    error_type: str | None = None
+    error: str | None = None
+    seal: Seal | None = None
+    fingerprint: str = ""
+    numel: int = 0  # of the mean that follows (committed syncs with a round result)
 
-    def allreduce(self, tensor: torch.Tensor | list[torch.Tensor], **kwargs: Any) -> Work:
-        work = self.bucket.allreduce(tensor, **kwargs)
-        shared: Future[RoundResult] = Future()
-
-        def share(done: Work) -> None:  # on the round's thread, in round order
-            try:
-                result = done.result()
-            except Exception as exc:
-                self.group.broadcast(exc)
-                shared.set_exception(exc)
-                return
-            self.group.broadcast((result.seal, result.fingerprint, result.mean.numel()))
-            self.group.broadcast_tensor(result.mean)
-            shared.set_result(result)
-
-        work.add_done_callback(share)
-        return Work(shared, work.shape)
-
-    def observe(self, round_: int, fragment: int = 0) -> RoundResult | None:
-        return self.bucket.observe(round_, fragment)
-
-    def close(self, wait: bool = True) -> None:
-        self.bucket.close(wait)
+    def exception(self) -> Exception | None:
+        if self.error_type is None:
+            return None
+        if self.error_type == DivergedError.__name__:  # every rank heals alike
+            return DivergedError(self.error or "")
+        return RuntimeError(f"{self.error_type}: {self.error}")
 
 
-class FollowerCollective:
-    """Another rank's collective: each round's outcome as rank 0 got it from the bucket."""
+class LeaderManager(BucketManager):
+    """Rank 0's manager: the bucket's rounds, and each sync's decision and mean sent on to the
+    other ranks from ``should_commit``, on the training thread, where every rank calls it at
+    the same point."""
 
-    def __init__(self, config: CollectiveConfig, group: ReplicaGroup) -> None:
-        self.config, self.group = config, group
-        self.me: Participant = group.broadcast(None)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="replica-sync")
+    def __init__(self, group: ReplicaGroup, collective: BucketCollective, **kwargs: Any) -> None:
+        super().__init__(collective, **kwargs)
+        self._group = group
+        group.broadcast(collective.me)
 
-    def allreduce(self, tensor: torch.Tensor | list[torch.Tensor], **_: Any) -> Work:
-        tensors = tensor if isinstance(tensor, list) else [tensor]
-        shape = (
-            torch.Size([sum(t.numel() for t in tensors)])
-            if isinstance(tensor, list)
-            else tensor.shape
+    def should_commit(self, timeout: timedelta | None = None) -> bool:
+        sync = self._current
+        commit = super().should_commit(timeout)
+        result, error = sync.result, sync.error
+        shared = commit and result is not None
+        self._group.broadcast(
+            SyncOutcome(
+                committed=commit,
+                error_type=None if error is None else type(error).__name__,
+                error=None if error is None else str(error),
+                seal=result.seal if result else None,
+                fingerprint=result.fingerprint if result else "",
+                numel=result.mean.numel() if shared else 0,  # type: ignore[union-attr]
+            )
         )
-        return Work(self._executor.submit(self._receive), shape)
-
-    def _receive(self) -> RoundResult:
-        outcome = self.group.broadcast(None)
-        if isinstance(outcome, Exception):
-            raise outcome
-        seal, fingerprint, numel = outcome
-        mean = self.group.broadcast_tensor(torch.empty(numel))
-        return RoundResult(mean, seal, fingerprint)
-
-    def close(self, wait: bool = True) -> None:
-        self._executor.shutdown(wait=wait, cancel_futures=not wait)
+        if shared:
+            self._group.broadcast_tensor(result.mean)  # type: ignore[union-attr]
+        return commit
 
 
-SyncCollective = BucketCollective | LeaderCollective | FollowerCollective
+@dataclass(frozen=True)
+class _Leader:
+    """Who the other ranks sync as: the leader's participant (a manager's ``collective``)."""
+
+    me: Participant
+
+    def close(self) -> None:
+        """Nothing of the bucket's to close: the leader holds it."""
+
+
+class FollowerManager(BucketManager):
+    """Another rank's manager: sends nothing, and takes each sync's decision and mean from the
+    leader in ``should_commit``."""
+
+    def __init__(self, group: ReplicaGroup, codec: Codec, **kwargs: Any) -> None:
+        super().__init__(_Leader(group.broadcast(None)), codec=codec, **kwargs)  # type: ignore[arg-type]
+        self._group = group
+
+    def send(self) -> None:
+        """The leader sends."""
+
+    def wait_for_round(self, timeout: timedelta | None = None) -> None:
+        """The leader waits; ``should_commit`` receives."""
+
+    def should_commit(self, timeout: timedelta | None = None) -> bool:
+        sync = self._current
+        outcome: SyncOutcome = self._group.broadcast(None)
+        if outcome.numel:
+            mean = self._group.broadcast_tensor(torch.empty(outcome.numel))
+            self.write_back(sync, mean)
+            sync.result = RoundResult(mean, outcome.seal, outcome.fingerprint)  # type: ignore[arg-type]
+        sync.error = outcome.exception()
+        self.complete_futures(sync)
+        return self.conclude(sync, outcome.committed)
+
+
+def make_manager(
+    group: ReplicaGroup, collective: BucketCollective | None, codec: Codec, **kwargs: Any
+) -> BucketManager:
+    """The manager of this process: the bucket's alone, the leader's, or a follower's."""
+    if group.world_size == 1:
+        return BucketManager(collective, codec=codec, **kwargs)  # type: ignore[arg-type]
+    if group.is_leader:
+        return LeaderManager(group, collective, codec=codec, **kwargs)  # type: ignore[arg-type]
+    return FollowerManager(group, codec, **kwargs)

@@ -3,9 +3,10 @@
 Preemptible capacity and chaos runs need replicas that come back. A replica whose job failed
 (crashed, was killed, or exited 1) is started again from its spec; the new process claims a new
 incarnation and heals from the bucket (``healing.py``), so the run loses at most the inner
-steps the dead one had not synced. Not restarted: a replica stopped on purpose (SIGTERM, exit
-143: ``diloco stop`` or the platform) or one that refused its configuration (exit 2: it would
-only fail again), and none beyond ``max_restarts`` per replica.
+steps the dead one had not synced. Not restarted: a replica stopped on purpose (SIGTERM: exit
+143 or -15, or a ``stopped`` event in its metrics, which is what a torchrun replica leaves, as
+torchrun exits 1 either way) or one that refused its configuration (exit 2: it would only fail
+again), and none beyond ``max_restarts`` per replica.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from __future__ import annotations
 from collections import Counter
 
 from diloco_anywhere.backends.base import Backend, ReplicaHandle
-from diloco_anywhere.launch import LaunchPlan, save_state
+from diloco_anywhere.launch import LaunchPlan, run_metrics, save_state
 
-NOT_RESTARTED = {2: "bad configuration", 143: "stopped"}
+NOT_RESTARTED = {2: "bad configuration", 143: "stopped", -15: "stopped"}
 
 
 class Supervisor:
@@ -32,6 +33,11 @@ class Supervisor:
         self.handles = [handle for _, handles in started.values() for handle in handles]
         self.restarts: Counter[str] = Counter()
 
+    def _stopped(self, replica: str) -> bool:
+        """Whether the replica's newest incarnation recorded a stop (SIGTERM) in its metrics."""
+        metrics = run_metrics(self.plan.config).read().get(replica)
+        return metrics is not None and metrics.state() == "stopped"
+
     def state(self, handle: ReplicaHandle) -> str:
         return self.backends[handle.platform].state(handle)
 
@@ -45,6 +51,8 @@ class Supervisor:
             code = getattr(backend, "exit_code", lambda _: None)(handle)
             replica = handle.replica_id
             if code in NOT_RESTARTED or self.restarts[replica] >= self.max_restarts:
+                continue
+            if self._stopped(replica):
                 continue
             spec = next(spec for spec in self.plan.specs if spec.replica_id == replica)
             self.handles[position] = backend.launch([spec], self.plan.run_dir)[0]

@@ -6,9 +6,11 @@ names the function (``[task] entrypoint``); the replica imports it and calls it 
 
 Data must be sharded by ``context.replica_index`` so replicas see different data (DiLoCo's
 workers each train on their own shard, arXiv 2311.08105 section 2), and must be deterministic
-for a given ``context.seed``, so a run can be reproduced. ``batches(start)`` begins at batch
-``start`` of the shard: a replica that restarts or heals resumes its data where its round is
-(every replica trains ``sync_every`` batches per round), without replaying the batches before.
+for a given ``context.seed``, so a run can be reproduced; a replica of several processes
+(``context.ranks``) draws different batches on each ``context.rank``. ``batches(start)`` begins at
+batch ``start``: a replica that restarts or heals resumes its data where its round is (every
+replica trains ``sync_every / fragments`` batches per round), without replaying the batches
+before.
 The model's initial weights must be the same on every replica (seed them from ``context.seed``):
 a replica joining a run with no checkpoint yet replays the rounds from its own initial weights.
 """

@@ -24,7 +24,7 @@ from torchft.local_sgd import DiLoCo
 
 from diloco_anywhere.checkpoint import CheckpointPolicy, CheckpointWriter
 from diloco_anywhere.codec import make_codec
-from diloco_anywhere.collective.allreduce import CollectiveConfig
+from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig
 from diloco_anywhere.collective.membership import LeasePolicy
 from diloco_anywhere.collective.round import DivergedError, RoundPolicy
 from diloco_anywhere.config import RunConfig
@@ -32,7 +32,7 @@ from diloco_anywhere.global_state import GlobalState
 from diloco_anywhere.healing import heal
 from diloco_anywhere.manager import BucketManager
 from diloco_anywhere.metrics import MetricsWriter, StepLine, SyncLine
-from diloco_anywhere.replica_group import ReplicaGroup, SyncCollective
+from diloco_anywhere.replica_group import ReplicaGroup, make_manager
 from diloco_anywhere.store import scrub_secrets
 from diloco_anywhere.task import Batch, Task, TaskContext, build_task
 
@@ -135,7 +135,7 @@ class _Run:
     def __init__(
         self,
         parts: ReplicaParts,
-        collective: SyncCollective,
+        collective: BucketCollective | None,
         metrics: MetricsWriter | None,
         group: ReplicaGroup,
     ) -> None:
@@ -146,13 +146,11 @@ class _Run:
         self.eval_loss: float | None = None
         self.tokens_at_sync, self.time_at_sync = 0, time.perf_counter()
         policy = CheckpointPolicy(
-            every=self.config.checkpoint.every,
-            keep=self.config.checkpoint.keep,
-            orphan_grace=self.config.sync.grace * 3,
+            keep=self.config.checkpoint.keep, orphan_grace=self.config.sync.grace * 3
         )
         self.writer = (
             CheckpointWriter(collective.store, collective.layout, collective.me.name, policy)
-            if group.is_leader
+            if collective is not None
             else None
         )
 
@@ -180,7 +178,7 @@ class _Run:
         evaluated = committed and self._evaluation_due()
         if evaluated:
             self.eval_loss = self.task.evaluate(model)  # type: ignore[misc]
-        now, traffic = time.perf_counter(), self.collective.store.stats()
+        now, traffic = time.perf_counter(), self.collective.store.stats()  # type: ignore[union-attr]
         self.metrics.add(
             SyncLine(
                 outer_step=self.manager.current_step() // self.config.diloco.fragments,
@@ -205,16 +203,16 @@ class _Run:
         self.tokens_at_sync, self.time_at_sync = self.tokens, now
 
     def checkpoint_if_due(self, state: GlobalState) -> None:
-        step, last = self.manager.current_step(), self.config.diloco.outer_steps
-        if self.writer is None or not _checkpoint_due(
-            step, self.config.checkpoint.every, last * self.config.diloco.fragments
-        ):
+        step = self.manager.current_step()
+        last = self.config.diloco.outer_steps * self.config.diloco.fragments
+        if self.writer is None or not _checkpoint_due(step, self.config.checkpoint.every, last):
             return
         result = self.manager.last_result
         self.writer.write(
             self.manager.last_round(),
             result.seal.contributors if result else (),
             {"manager": self.manager.state_dict(), "fragments": state.fragments_tree()},
+            last=step == last,
         )
 
     def heal(self, state: GlobalState, *, from_initial: bool) -> Iterator[Batch]:
@@ -223,9 +221,12 @@ class _Run:
         there: every replica trains ``batches_per_round`` per round."""
         if self.group.is_leader:
             report = heal(
-                self.collective, state, self.manager, self.config.run.min_replicas,
+                self.collective,  # type: ignore[arg-type]  (the leader holds the bucket)
+                state,
+                self.manager,
+                self.config.run.min_replicas,
                 from_initial=from_initial,
-            )  # fmt: skip
+            )
             if self.metrics and (
                 report.checkpoint is not None or report.replayed or report.skipped
             ):
@@ -238,6 +239,7 @@ class _Run:
             self.manager.load_state_dict(tree["manager"])
             state.load_fragments_tree(tree["fragments"])
             state.reset_local_weights()
+        self.parts.apply_outer_hyperparameters()
         self.failed_in_a_row = 0
         self.inner_steps = self.manager.state_dict()["sync"] * self.parts.batches_per_round
         self.tokens = self.inner_steps * self.task.tokens_per_batch * self.group.world_size
@@ -299,6 +301,17 @@ class ReplicaParts:
             pin_memory=False,
         )  # fmt: skip
 
+    def apply_outer_hyperparameters(self) -> None:
+        """run.toml's outer learning rate and momentum, over what a loaded checkpoint held: a
+        run resumed with a new ``outer_lr`` trains with it (every replica reads one run.toml)."""
+        diloco = self.config.diloco
+        for outer in self.outers:
+            for group in outer.param_groups:
+                group.update(
+                    lr=diloco.outer_lr, momentum=diloco.outer_momentum,
+                    nesterov=diloco.outer_nesterov,
+                )  # fmt: skip
+
     def global_state(self) -> GlobalState:
         """The state DiLoCo registered with the manager (once ``diloco()`` is built)."""
         return GlobalState(self.manager.state_dict_fns, self.fragments, self.outers)
@@ -306,7 +319,7 @@ class ReplicaParts:
 
 def build_parts(
     config: RunConfig,
-    collective: SyncCollective,
+    collective: BucketCollective | None,
     replica_index: int,
     group: ReplicaGroup = SINGLE_PROCESS,
 ) -> ReplicaParts:
@@ -323,8 +336,10 @@ def build_parts(
             ranks=group.world_size,
         ),
     )
-    manager = BucketManager(
-        collective,  # type: ignore[arg-type]
+    manager = make_manager(
+        group,
+        collective,
+        codec=make_codec(diloco.codec),
         min_replicas=config.run.min_replicas,
         timeout=timedelta(seconds=2 * config.sync.timeout),  # a seal, then a reduce
     )
@@ -358,7 +373,7 @@ def _data_parallel(model: nn.Module, group: ReplicaGroup, device: torch.device) 
 
 def train(
     config: RunConfig,
-    collective: SyncCollective,
+    collective: BucketCollective | None,
     metrics: MetricsWriter | None,
     replica_index: int,
     group: ReplicaGroup = SINGLE_PROCESS,

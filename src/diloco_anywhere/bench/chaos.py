@@ -56,10 +56,17 @@ def _synced_since(metrics: ReplicaMetrics | None, started: float) -> bool:
 
 
 def run_with_chaos(
-    config: RunConfig, folder: Path, kills: int, kill_every: int, seed: int, progress: Progress
+    config: RunConfig,
+    folder: Path,
+    kills: int,
+    kill_every: int,
+    seed: int,
+    progress: Progress,
+    deadline_seconds: float = 3600.0,
 ) -> ChaosRun:
     """Run ``config`` in ``folder``, SIGKILLing ``kills`` replicas, one per ``kill_every``
     committed rounds, each restarted by the supervisor; return the metrics and the kills."""
+    deadline = time.monotonic() + deadline_seconds
     plan = local_plan(config, folder)
     backend = LocalBackend()
     started = {"local": (backend, backend.launch(list(plan.specs), plan.run_dir))}
@@ -70,6 +77,10 @@ def run_with_chaos(
         supervisor.restart_failed()
         if all(supervisor.state(handle) != "running" for handle in supervisor.handles):
             break
+        if time.monotonic() > deadline:
+            for handle in supervisor.handles:
+                backend.stop(handle)
+            raise TimeoutError(f"chaos run not done after {deadline_seconds:g}s; stopped it")
         for handle in supervisor.handles:
             started_at.setdefault(handle.job["pid"], time.time())
         run.metrics = reader.read()
@@ -82,7 +93,7 @@ def run_with_chaos(
             ]  # fmt: skip
             if victims:
                 victim = chooser.choice(victims)
-                os.kill(victim.job["pid"], signal.SIGKILL)
+                os.killpg(victim.job["pid"], signal.SIGKILL)  # torchrun and its workers too
                 run.kills.append(Kill(victim.replica_id, newest))
                 last_kill_round = newest
                 progress(f"round {newest}: killed {victim.replica_id} "
@@ -132,8 +143,9 @@ def final_evaluations(metrics: dict[str, ReplicaMetrics]) -> dict[str, float]:
     }
 
 
-def final_eval_loss(metrics: dict[str, ReplicaMetrics]) -> float:
-    return statistics.fmean(final_evaluations(metrics).values())
+def final_eval_loss(metrics: dict[str, ReplicaMetrics]) -> float | None:
+    evaluations = list(final_evaluations(metrics).values())
+    return statistics.fmean(evaluations) if evaluations else None
 
 
 def chaos_figures(run: ChaosRun, config: RunConfig) -> dict[str, Any]:
@@ -167,8 +179,9 @@ def bench_chaos(
         baseline = final_eval_loss(run_diloco(config, clean, progress))
         run = run_with_chaos(config, chaos, kills, kill_every, seed, progress)
     figures = chaos_figures(run, config)
+    chaos = figures["eval_loss"]
     return {
         **figures,
         "fault_free_eval_loss": baseline,
-        "eval_loss_ratio": figures["eval_loss"] / baseline,
+        "eval_loss_ratio": chaos / baseline if chaos and baseline else None,
     }

@@ -85,7 +85,11 @@ class SealedContributionError(RuntimeError):
 
 
 class RoundDataMissingError(SealedContributionError):
-    """A sealed contribution's manifest is gone: garbage collection took the round."""
+    """A sealed contribution's manifest or part is gone: garbage collection took the round."""
+
+
+class MissingPartError(wire.WireFormatError):
+    """A part a manifest names does not exist (any more)."""
 
 
 class DivergedError(SealedContributionError):
@@ -244,7 +248,7 @@ class Round:
         """The part present, of the manifest's size and checksum and header; else an error."""
         part = manifest.parts[shard]
         if data is None:
-            raise wire.WireFormatError(part.key, "part named in the manifest is missing")
+            raise MissingPartError(part.key, "part named in the manifest is missing")
         checksum = wire.stored_checksum(data)
         if len(data) != part.size or checksum != part.crc32c:
             raise wire.WireFormatError(
@@ -427,16 +431,15 @@ class Round:
             try:
                 data = self.store.get(self.manifest_key(name))
                 self.manifests[name] = self._check_manifest(name, data, reference=None)
-            except FileNotFoundError as exc:
-                raise RoundDataMissingError(str(self.unreadable(name, exc))) from None
-            except wire.WireFormatError as exc:
+            except (wire.WireFormatError, FileNotFoundError) as exc:
                 raise self.unreadable(name, exc) from None
         return seal
 
     def unreadable(self, name: str, problem: Exception) -> SealedContributionError:
-        """The error for a sealed contribution that cannot be read back intact (or that
-        garbage collection has removed: this replica is rounds behind the others)."""
-        return SealedContributionError(
+        """The error for a sealed contribution that cannot be read back intact, or that is gone
+        (``RoundDataMissingError``: garbage collection took the round)."""
+        gone = isinstance(problem, (FileNotFoundError, MissingPartError))
+        return (RoundDataMissingError if gone else SealedContributionError)(
             f"round {self.round} fragment {self.fragment}: sealed contribution {name} is "
             f"unreadable: {problem}"
         )
