@@ -17,13 +17,16 @@ import torch
 
 from diloco_anywhere.checkpoint import committed_rounds, load_checkpoint
 from diloco_anywhere.collective.allreduce import BucketCollective
+from diloco_anywhere.collective.round import DivergedError
 from diloco_anywhere.config import load_config
 from diloco_anywhere.global_state import fingerprint
 from diloco_anywhere.healing import HealError, heal
 from diloco_anywhere.layout import RunLayout
+from diloco_anywhere.metrics import MetricsReader, MetricsWriter
 from diloco_anywhere.replica import run_replica
+from diloco_anywhere.replica_group import ReplicaGroup
 from diloco_anywhere.store import Store
-from diloco_anywhere.training import build_parts, collective_config
+from diloco_anywhere.training import _Run, build_parts, collective_config
 
 OUTER_STEPS = 6
 RUN_TOML = f"""
@@ -187,3 +190,32 @@ def test_rounds_gone_from_the_bucket_stop_healing_with_the_round_named(run, capl
     assert "healing from checkpoint 0 failed: round 3 cannot be replayed: its data is gone" in (
         caplog.text
     )
+
+
+def test_a_replica_whose_state_diverged_says_so_and_heals(run) -> None:
+    """What the training loop does on a ``DivergedError``: a loud ``diverged`` event, then a
+    heal from the bucket back to the run's state."""
+    final = final_checkpoint(run)
+    config = load_config(run / "run.toml")
+    store = Store(config.store_url())
+    collective = BucketCollective(store, "h", "local-0", collective_config(config))
+    metrics = MetricsWriter(store, LAYOUT, "local-0", collective.me.incarnation, "local")
+    try:
+        parts = build_parts(config, collective, replica_index=0)
+        with parts.diloco():
+            state = parts.global_state()
+            loop = _Run(parts, collective, metrics, ReplicaGroup())
+            loop.heal(state, from_initial=True)
+            tree = state.fragments_tree()
+            weights = tree["StreamingDiLoCoFragment_0"]["original_parameters"]
+            next(iter(weights.values())).add_(1e-3)  # a commit the others did not make
+            state.load_fragments_tree(tree)
+            assert fingerprint(final.commit.step, state.checksum()) != final.commit.fingerprint
+            parts.manager.last_sync_error = DivergedError("round 9: this replica's state differs")
+            loop.after_divergence(state)
+            assert_holds_the_runs_final_state(state, parts, final)
+    finally:
+        collective.close()
+    events = MetricsReader(store, LAYOUT).read()["local-0"].events
+    assert [event.event for event in events][-2:] == ["diverged", "healed"]
+    assert "round 9: this replica's state differs" in events[-2].detail

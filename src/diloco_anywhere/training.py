@@ -240,14 +240,15 @@ class _Run:
             state.load_fragments_tree(tree["fragments"])
             state.reset_local_weights()
         self.parts.apply_outer_hyperparameters()
-        self.failed_in_a_row = 0
         self.inner_steps = self.manager.state_dict()["sync"] * self.parts.batches_per_round
         self.tokens = self.inner_steps * self.task.tokens_per_batch * self.group.world_size
         self.tokens_at_sync, self.time_at_sync = self.tokens, time.perf_counter()
         return self.task.batches(self.inner_steps)
 
     def after_divergence(self, state: GlobalState) -> Iterator[Batch]:
-        """Say so loudly (log, metrics, ``diloco status``), then heal from the bucket."""
+        """Say so loudly (log, metrics, ``diloco status``), then heal from the bucket. The
+        diverged sync still counts as failed: a replica that diverges every time (it computes
+        unlike the others) stops after ``MAX_FAILED_SYNCS``, saying why."""
         error = self.manager.last_sync_error
         log.error("%s", error)
         if self.metrics is not None:

@@ -7,7 +7,8 @@ it. Every figure comes from the run's own metrics in its bucket:
 
 - agreement: in every round, every replica that committed it reports the same fingerprint of
   the global state it started from;
-- healing: every restarted incarnation recorded a ``healed`` event, and how long it took;
+- healing: every restarted incarnation recorded a ``healed`` event, how long healing took, and
+  how long from the kill until the replica contributed to a committed round again;
 - goodput: inner steps whose pseudo-gradient reached a committed round, over all inner steps
   run. A killed incarnation's steps since its last sync are unrecorded; each kill is charged a
   full round of them, so the figure is a lower bound.
@@ -37,6 +38,7 @@ from diloco_anywhere.supervisor import Supervisor
 class Kill:
     replica: str
     after_round: int  # the newest committed round when it was killed
+    time: float  # wall clock, as metrics lines record it
 
 
 @dataclass
@@ -94,7 +96,7 @@ def run_with_chaos(
             if victims:
                 victim = chooser.choice(victims)
                 os.killpg(victim.job["pid"], signal.SIGKILL)  # torchrun and its workers too
-                run.kills.append(Kill(victim.replica_id, newest))
+                run.kills.append(Kill(victim.replica_id, newest, time.time()))
                 last_kill_round = newest
                 progress(f"round {newest}: killed {victim.replica_id} "
                          f"({len(run.kills)} of {kills})")  # fmt: skip
@@ -131,6 +133,18 @@ def goodput(metrics: dict[str, ReplicaMetrics], kills: int, batches_per_round: i
     return useful / ((len(syncs) + kills) * batches_per_round)
 
 
+def rejoin_seconds(run: ChaosRun) -> list[float]:
+    """Per kill: from the SIGKILL to the replica's next contribution to a committed round
+    (restart, start-up, heal, and the inner steps of the round it joins)."""
+    seconds = []
+    for kill in run.kills:
+        syncs = run.metrics[kill.replica].syncs
+        back = [s.time for s in syncs if s.time > kill.time and s.committed and s.contributed]
+        if back:
+            seconds.append(min(back) - kill.time)
+    return seconds
+
+
 def final_evaluations(metrics: dict[str, ReplicaMetrics]) -> dict[str, float]:
     """Each replica's held-out loss at the run's last round, where it evaluated one (a replica
     restarted after the last round heals to the final state and has nothing to train)."""
@@ -150,6 +164,7 @@ def final_eval_loss(metrics: dict[str, ReplicaMetrics]) -> float | None:
 
 def chaos_figures(run: ChaosRun, config: RunConfig) -> dict[str, Any]:
     heals = [e.seconds for m in run.metrics.values() for e in m.events if e.event == "healed"]
+    rejoins = rejoin_seconds(run)
     batches_per_round = config.diloco.sync_every // config.diloco.fragments
     return {
         "replicas": config.run.replicas,
@@ -161,6 +176,8 @@ def chaos_figures(run: ChaosRun, config: RunConfig) -> dict[str, Any]:
         "restarts_not_healed": len(unhealed_restarts(run.metrics)),
         "heal_seconds_median": statistics.median(heals) if heals else None,
         "heal_seconds_max": max(heals, default=None),
+        "rejoin_seconds_median": statistics.median(rejoins) if rejoins else None,
+        "rejoin_seconds_max": max(rejoins, default=None),
         "goodput": goodput(run.metrics, len(run.kills), batches_per_round),
         "eval_loss": final_eval_loss(run.metrics),
     }
