@@ -71,10 +71,15 @@ def _sized(config: RunConfig, replicas: int) -> RunConfig:
 
 def _status_table(rows: list[ReplicaStatus], title: str) -> Table:
     table = Table(title=title)
-    columns = ("replica", "platform", "state", "outer step", "loss", "eval loss", "tokens/s",
-               "restarts", "heals", "last seen")  # fmt: skip
+    # short headers: nine columns fit an 80-column terminal
+    columns = ("replica", "platform", "state", "step", "loss", "eval", "tokens/s", "restarts/heals",
+               "seen")  # fmt: skip
+    widest = max((len(row.replica) for row in rows), default=0)
     for column in columns:
-        table.add_column(column, justify="left" if column in columns[:3] else "right")
+        left = column in columns[:3]
+        # replica ids are kept whole; numbers give way first on a narrow terminal
+        table.add_column(column, justify="left" if left else "right",
+                         min_width=widest if column == "replica" else None)  # fmt: skip
     for row in rows:
         state = row.state
         if row.divergences:  # loud: a replica whose weights differed from the others'
@@ -84,7 +89,7 @@ def _status_table(rows: list[ReplicaStatus], title: str) -> Table:
             "-" if row.loss is None else f"{row.loss:.3f}",
             "-" if row.eval_loss is None else f"{row.eval_loss:.3f}",
             "-" if row.tokens_per_second is None else f"{row.tokens_per_second:,.0f}",
-            str(row.restarts), str(row.heals),
+            f"{row.restarts}/{row.heals}",
             "-" if row.last_seen_seconds is None else f"{row.last_seen_seconds:.0f}s ago",
         )  # fmt: skip
     return table
