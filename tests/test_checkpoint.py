@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from diloco_anywhere.checkpoint import (
+    CheckpointCommit,
     CheckpointError,
     CheckpointPolicy,
     CheckpointWriter,
@@ -23,6 +24,7 @@ from diloco_anywhere.checkpoint import (
 )
 from diloco_anywhere.global_state import fingerprint, tree_checksum
 from diloco_anywhere.layout import RunLayout
+from diloco_anywhere.record import decode_record, encode_record
 from diloco_anywhere.store import Store
 
 RUN = RunLayout("run")
@@ -202,3 +204,16 @@ def test_old_checkpoints_are_pruned_and_the_rounds_healing_needs_are_kept(store)
     assert not store.list_prefix(RUN.checkpoint(2))
     # healing may fall back to round 5's checkpoint and replay the rounds after it
     assert retained_after(store, RUN, keep=2) == 5
+
+
+@pytest.mark.parametrize("bad_key", ["run/checkpoints/0000000003/..", "run/members/a/0/claim"])
+def test_a_commit_naming_keys_outside_its_checkpoint_is_not_loaded(store, bad_key) -> None:
+    write_checkpoint(store, 3, diloco_like_state())
+    key = RUN.checkpoint_commit(3)
+    commit = decode_record(store.get(key), CheckpointCommit, key=key)
+    shard = commit.shards[0].model_copy(update={"key": bad_key})
+    store.delete(key)
+    store.put(key, encode_record(commit.model_copy(update={"shards": (shard,)})))
+    with pytest.raises(CheckpointError, match=f"{key}: "):
+        load_checkpoint(store, RUN, 3)
+    assert list(newest_checkpoints(store, RUN)) == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,7 +14,8 @@ from typer.testing import CliRunner
 
 from diloco_anywhere.cli import app
 from diloco_anywhere.config import load_config
-from diloco_anywhere.launch import run_metrics
+from diloco_anywhere.launch import mark_stopped, plan_launch, run_metrics, start
+from diloco_anywhere.supervisor import Supervisor
 
 RUN_TOML = """
 [run]
@@ -165,6 +167,33 @@ def test_a_run_killed_whole_resumes_where_it_was_and_loses_no_round(run_toml):
     resumed_loss = next(iter(metrics.values())).latest_eval_loss()
     clean_loss = next(iter(clean.values())).latest_eval_loss()
     assert abs(resumed_loss / clean_loss - 1) < 0.05, (resumed_loss, clean_loss)
+
+
+def test_the_supervisor_restarts_a_killed_replica_but_not_one_stopped_on_purpose(run_toml):
+    plan = plan_launch(load_config(run_toml(replicas=2, outer_steps=200)), {"local": 2})
+    supervisor = Supervisor(plan, start(plan), max_restarts=1)
+    mark_stopped(plan.run_dir, "local-1")  # what `diloco stop` records before it signals
+    try:
+        for handle in supervisor.handles:
+            os.killpg(handle.job["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while any(supervisor.state(handle) == "running" for handle in supervisor.handles):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert supervisor.restart_failed() == ["local-0 failed (exit -9); restarted (1 of 1)"]
+        assert [supervisor.state(h) for h in supervisor.handles] == ["running", "failed"]
+        assert (
+            json.loads(Path(".diloco/t/launch.json").read_text())["replicas"][0]["job"]["pid"]
+            == supervisor.handles[0].job["pid"]
+        )  # the new process is the one `status` follows
+        os.killpg(supervisor.handles[0].job["pid"], signal.SIGKILL)
+        while supervisor.state(supervisor.handles[0]) == "running":
+            time.sleep(0.1)
+        assert supervisor.restart_failed() == []  # at most max_restarts
+    finally:
+        for handle in supervisor.handles:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(handle.job["pid"], signal.SIGKILL)
 
 
 def test_a_bad_run_toml_prints_every_problem_and_starts_nothing(run_toml, tmp_path):

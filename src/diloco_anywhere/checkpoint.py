@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_map
 from diloco_anywhere.global_state import fingerprint, tree_checksum
 from diloco_anywhere.layout import RunLayout
 from diloco_anywhere.record import Record, decode_record, encode_record
-from diloco_anywhere.store import Store, StoreError
+from diloco_anywhere.store import Store, check_key
 from diloco_anywhere.wire import Count, Name, WireFormatError
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class CheckpointCommit(Record):
     sync: Count  # the next round to run
     fingerprint: str = Field(max_length=128)
     state: StoredObject
-    shards: tuple[StoredObject, ...]
+    shards: tuple[StoredObject, ...] = Field(max_length=4096)
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,8 @@ class CheckpointPolicy:
 class CheckpointWriter:
     """Writes this replica's share of checkpoints on a background thread, one at a time.
 
-    A store error loses one checkpoint (logged; the previous one stays usable). Any other error
+    A store error (an ``OSError``) loses one checkpoint, logged; the previous one stays usable.
+    Any other error
     (a state that cannot be checkpointed) is raised on the training thread at the next
     ``write`` or at ``close``, so a run never goes on without checkpoints unnoticed."""
 
@@ -240,7 +241,7 @@ class CheckpointWriter:
                     "fingerprint": fingerprint(counters["step"], tree_checksum(tree["fragments"])),
                 }
                 self._commit(commit, dict(zip(keys, shards, strict=True)), owners, structure)
-        except (StoreError, FileExistsError, CheckpointError) as exc:
+        except (OSError, CheckpointError) as exc:  # the store's errors are OSErrors
             log.warning("checkpoint of round %d not written: %s", round_, exc)
 
     def _commit(
@@ -330,6 +331,31 @@ def _checked(key: str, data: bytes | None, entry: StoredObject) -> bytes:
     return data
 
 
+def _read_objects(
+    store: Store, key: str, folder: str, commit: CheckpointCommit
+) -> dict[str, bytes | None]:
+    """The objects the COMMIT names, each read up to one byte past the size it gives (so the
+    memory used is what the COMMIT claims, whatever the bucket holds); keys must be plain keys
+    inside the checkpoint's folder."""
+    entries = [commit.state, *commit.shards]
+    for entry in entries:
+        try:
+            check_key(entry.key)
+        except ValueError as exc:
+            raise CheckpointError(f"{key}: {exc}") from None
+        if not entry.key.startswith(folder):
+            raise CheckpointError(f"{key}: the COMMIT names {entry.key}, outside {folder}")
+
+    def read(entry: StoredObject) -> bytes | None:
+        try:
+            return store.get(entry.key, 0, entry.size + 1)
+        except FileNotFoundError:
+            return None
+
+    with ThreadPoolExecutor(min(16, len(entries))) as pool:
+        return dict(zip((e.key for e in entries), pool.map(read, entries), strict=True))
+
+
 def load_checkpoint(store: Store, layout: RunLayout, round_: int) -> Checkpoint:
     """The committed checkpoint of ``round_``, every object checked; else ``CheckpointError``."""
     key = layout.checkpoint_commit(round_)
@@ -339,11 +365,7 @@ def load_checkpoint(store: Store, layout: RunLayout, round_: int) -> Checkpoint:
         raise CheckpointError(f"{key}: {exc}") from None
     if (commit.run, commit.round) != (layout.run, round_):
         raise CheckpointError(f"{key}: the COMMIT is for run {commit.run} round {commit.round}")
-    folder = f"{layout.checkpoint(round_)}/"
-    entries = [commit.state, *commit.shards]
-    if any(not entry.key.startswith(folder) for entry in entries):
-        raise CheckpointError(f"{key}: the COMMIT names objects outside {folder}")
-    objects = store.get_many(entry.key for entry in entries)
+    objects = _read_objects(store, key, f"{layout.checkpoint(round_)}/", commit)
     structure = _checked(commit.state.key, objects[commit.state.key], commit.state)
     tensors: dict[str, torch.Tensor] = {}
     for entry in commit.shards:

@@ -57,7 +57,11 @@ def _load(checkpoint: Checkpoint, state: GlobalState, manager: BucketManager) ->
     commit, tree = checkpoint.commit, checkpoint.tree
     counters = tree.get("manager") if isinstance(tree, dict) else None
     expected = {"step": commit.step, "sync": commit.sync}
-    if not (isinstance(counters, dict) and {k: counters.get(k) for k in expected} == expected):
+    if not (
+        isinstance(counters, dict)
+        and {k: counters.get(k) for k in expected} == expected
+        and type(counters.get("batches_committed")) is int
+    ):
         log.warning("checkpoint of round %d not used: its counters %s are not its COMMIT's %s",
                     commit.round, counters, expected)  # fmt: skip
         return False
@@ -110,7 +114,10 @@ def _replay(
                     f"same initial model (seed every random init with the task's seed) and run "
                     f"the same code on the same kind of device"
                 )
-            state.replay(step % fragments, result.mean)
+            try:
+                state.replay(step % fragments, result.mean)
+            except (ValueError, TypeError, RuntimeError) as exc:  # a mean unlike the model
+                raise HealError(f"round {round_} does not apply to this model: {exc}") from None
             committed = counters["batches_committed"] + contributors
             counters = {**counters, "step": step + 1, "batches_committed": committed}
             replayed += 1
@@ -147,8 +154,8 @@ def heal(
     if tried or not from_initial:
         raise HealError(
             "no committed checkpoint in the bucket heals this replica (see the warnings above), "
-            "and its initial state is gone; the first checkpoint is written after the first "
-            "committed round"
+            "and it cannot replay from its initial state (it trained, or a checkpoint was "
+            "loaded into it); the first checkpoint is written after the first committed round"
         )
     manager.load_state_dict({"step": 0, "batches_committed": 0, "sync": 0})
     replayed, skipped = _replay(collective, state, manager, min_replicas)

@@ -21,6 +21,7 @@ from diloco_anywhere.metrics import MetricsReader
 from diloco_anywhere.store import Store, redact_url
 
 STATE_FILE = "launch.json"
+STOPPED_FOLDER = "stopped"  # one empty file per replica that `diloco stop` stopped on purpose
 
 
 def run_dir(config: RunConfig, root: Path | None = None) -> Path:
@@ -85,8 +86,21 @@ def delete_run_objects(config: RunConfig) -> int:
     return Store(config.store_url()).delete_prefix(RunLayout(config.run.name).run)
 
 
+def mark_stopped(run_folder: Path, replica_id: str) -> None:
+    """Record that ``replica_id`` is being stopped on purpose, so it is not restarted."""
+    (run_folder / STOPPED_FOLDER).mkdir(parents=True, exist_ok=True)
+    (run_folder / STOPPED_FOLDER / replica_id).touch()
+
+
+def stopped_on_purpose(run_folder: Path, replica_id: str) -> bool:
+    return (run_folder / STOPPED_FOLDER / replica_id).exists()
+
+
 def start(plan: LaunchPlan) -> dict[str, tuple[Backend, list[ReplicaHandle]]]:
-    """Start every replica, platform by platform; save the handles as they come."""
+    """Start every replica, platform by platform; save the handles as they come. Stops
+    recorded for an earlier launch of the run no longer apply."""
+    for marker in (plan.run_dir / STOPPED_FOLDER).glob("*"):
+        marker.unlink()
     started: dict[str, tuple[Backend, list[ReplicaHandle]]] = {}
     for platform in dict.fromkeys(spec.platform for spec in plan.specs):
         backend = get_backend(platform)

@@ -121,18 +121,16 @@ class SyncOutcome:
     """What the leader decided for a sync, as the other ranks adopt it (no timeout of theirs)."""
 
     committed: bool
-    error_type: str | None = None
+    diverged: bool = False  # then every rank heals alike
     error: str | None = None
     seal: Seal | None = None
     fingerprint: str = ""
     numel: int = 0  # of the mean that follows (committed syncs with a round result)
 
     def exception(self) -> Exception | None:
-        if self.error_type is None:
+        if self.error is None:
             return None
-        if self.error_type == DivergedError.__name__:  # every rank heals alike
-            return DivergedError(self.error or "")
-        return RuntimeError(f"{self.error_type}: {self.error}")
+        return (DivergedError if self.diverged else RuntimeError)(self.error)
 
 
 class LeaderManager(BucketManager):
@@ -146,15 +144,15 @@ class LeaderManager(BucketManager):
         group.broadcast(collective.me)
 
     def should_commit(self, timeout: timedelta | None = None) -> bool:
-        sync = self._current
         commit = super().should_commit(timeout)
-        result, error = sync.result, sync.error
+        # what ``conclude`` decided on; a round thread finishing late cannot change these
+        result, error = self.last_result, self.last_sync_error
         shared = commit and result is not None
         self._group.broadcast(
             SyncOutcome(
                 committed=commit,
-                error_type=None if error is None else type(error).__name__,
-                error=None if error is None else str(error),
+                diverged=isinstance(error, DivergedError),
+                error=None if error is None else f"{type(error).__name__}: {error}",
                 seal=result.seal if result else None,
                 fingerprint=result.fingerprint if result else "",
                 numel=result.mean.numel() if shared else 0,  # type: ignore[union-attr]

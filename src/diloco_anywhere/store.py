@@ -384,7 +384,11 @@ class Store:
             self._fs.rm(paths)
 
         if paths:
-            self._run("delete", prefix, attempt)
+            try:
+                self._run("delete", prefix, attempt)
+            except FileNotFoundError:  # another deleter got some first: delete the rest
+                for key in keys:
+                    self.delete(key)
         if self._is_local:
             _remove_empty_dirs(self._path(prefix))
         return len(keys)

@@ -3,10 +3,11 @@
 Preemptible capacity and chaos runs need replicas that come back. A replica whose job failed
 (crashed, was killed, or exited 1) is started again from its spec; the new process claims a new
 incarnation and heals from the bucket (``healing.py``), so the run loses at most the inner
-steps the dead one had not synced. Not restarted: a replica stopped on purpose (SIGTERM: exit
-143 or -15, or a ``stopped`` event in its metrics, which is what a torchrun replica leaves, as
-torchrun exits 1 either way) or one that refused its configuration (exit 2: it would only fail
-again), and none beyond ``max_restarts`` per replica.
+steps the dead one had not synced. Not restarted: a replica stopped on purpose (``diloco
+stop`` or Ctrl-C leave a marker in the run folder, since a torchrun replica exits 1 however it
+ends; a lone process stopped by SIGTERM exits 143 or -15) or one that refused its configuration
+(exit 2: it would only fail again), and none beyond ``max_restarts`` per replica. A torchrun
+replica torn down because one of its ranks crashed is restarted.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from collections import Counter
 
 from diloco_anywhere.backends.base import Backend, ReplicaHandle
-from diloco_anywhere.launch import LaunchPlan, run_metrics, save_state
+from diloco_anywhere.launch import LaunchPlan, save_state, stopped_on_purpose
 
 NOT_RESTARTED = {2: "bad configuration", 143: "stopped", -15: "stopped"}
 
@@ -33,11 +34,6 @@ class Supervisor:
         self.handles = [handle for _, handles in started.values() for handle in handles]
         self.restarts: Counter[str] = Counter()
 
-    def _stopped(self, replica: str) -> bool:
-        """Whether the replica's newest incarnation recorded a stop (SIGTERM) in its metrics."""
-        metrics = run_metrics(self.plan.config).read().get(replica)
-        return metrics is not None and metrics.state() == "stopped"
-
     def state(self, handle: ReplicaHandle) -> str:
         return self.backends[handle.platform].state(handle)
 
@@ -52,7 +48,7 @@ class Supervisor:
             replica = handle.replica_id
             if code in NOT_RESTARTED or self.restarts[replica] >= self.max_restarts:
                 continue
-            if self._stopped(replica):
+            if stopped_on_purpose(self.plan.run_dir, replica):
                 continue
             spec = next(spec for spec in self.plan.specs if spec.replica_id == replica)
             self.handles[position] = backend.launch([spec], self.plan.run_dir)[0]

@@ -142,6 +142,7 @@ class _Run:
         self.config, self.task, self.manager = parts.config, parts.task, parts.manager
         self.parts, self.collective, self.metrics, self.group = parts, collective, metrics, group
         self.inner_steps = self.tokens = self.failed_in_a_row = 0
+        self.committed_before = False  # a sync of this process
         self.loss = float("nan")
         self.eval_loss: float | None = None
         self.tokens_at_sync, self.time_at_sync = 0, time.perf_counter()
@@ -203,14 +204,24 @@ class _Run:
         self.tokens_at_sync, self.time_at_sync = self.tokens, now
 
     def checkpoint_if_due(self, state: GlobalState) -> None:
-        step = self.manager.current_step()
+        """Write the run's checkpoint with the round's other contributors when one is due.
+        After its own first commit, a process writes one alone as well: a run resumed with new
+        outer hyperparameters then has a checkpoint under them at once, and healing never
+        replays rounds across the change."""
+        step, result = self.manager.current_step(), self.manager.last_result
         last = self.config.diloco.outer_steps * self.config.diloco.fragments
-        if self.writer is None or not _checkpoint_due(step, self.config.checkpoint.every, last):
+        first, self.committed_before = not self.committed_before, True
+        if self.writer is None or result is None:
             return
-        result = self.manager.last_result
+        if _checkpoint_due(step, self.config.checkpoint.every, last):
+            writers = result.seal.contributors
+        elif first:
+            writers = (self.writer.me,)
+        else:
+            return
         self.writer.write(
             self.manager.last_round(),
-            result.seal.contributors if result else (),
+            writers,
             {"manager": self.manager.state_dict(), "fragments": state.fragments_tree()},
             last=step == last,
         )

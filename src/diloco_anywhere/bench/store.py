@@ -24,6 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from diloco_anywhere import wire
@@ -41,22 +42,20 @@ Progress = Callable[[str], None]
 
 
 def sample_tensor(kind: str, numel: int, seed: int = 0) -> torch.Tensor:
-    """Gaussian or Student-t(3) values (Student-t = normal / sqrt(chi2_3 / 3)).
+    """Gaussian or Student-t(3) float32 values, drawn by numpy.
 
-    Element-wise operations only: a reduction's summation order can follow the number of
-    threads a busy machine grants, and the tests compare these values bit for bit across
-    processes."""
-    generator = torch.Generator().manual_seed(seed)
-    normal = torch.randn(numel, generator=generator)
+    The tests compare these bit for bit across processes. torch's CPU kernels did not give
+    that: a fresh process on a loaded machine computed other values for part of a tensor
+    (the split fell where two intra-op threads would divide it). numpy's generator and math
+    run in one thread, in one way."""
+    generator = np.random.default_rng(seed)
     if kind == "gaussian":
-        return normal
-    if kind == "student_t":
-        squares = torch.randn(3, numel, generator=generator).square_()
-        chi2 = squares[0] + squares[1] + squares[2]
-        # times 1/3, not / 3: a scalar division is a multiplication in torch's vectorized loop
-        # and a true division in its scalar tail, whose place follows the thread count
-        return normal / chi2.mul_(1 / 3).sqrt()
-    raise ValueError(f"unknown sample kind {kind!r}; choose gaussian or student_t")
+        values = generator.standard_normal(numel)
+    elif kind == "student_t":
+        values = generator.standard_t(3, numel)
+    else:
+        raise ValueError(f"unknown sample kind {kind!r}; choose gaussian or student_t")
+    return torch.from_numpy(values.astype(np.float32))
 
 
 def _timed(operation: Callable[[], object]) -> float:

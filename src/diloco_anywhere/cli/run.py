@@ -20,6 +20,7 @@ from diloco_anywhere.launch import (
     LaunchPlan,
     delete_run_objects,
     load_handles,
+    mark_stopped,
     plan_launch,
     run_dir,
     run_metrics,
@@ -114,6 +115,7 @@ def _follow(plan: LaunchPlan, supervisor: Supervisor) -> int:
     except KeyboardInterrupt:
         stderr.print("interrupted: stopping every replica of this launch")
         for handle in supervisor.handles:
+            mark_stopped(plan.run_dir, handle.replica_id)
             supervisor.backends[handle.platform].stop(handle)
         return 130
     rows = replica_statuses(reader.read(), supervisor.handles, supervisor.state)
@@ -231,8 +233,10 @@ def logs(
 def stop(config_path: ConfigPath = None) -> None:
     """Stop every replica of the run's last launch."""
     with user_errors():
-        handles = load_handles(load_config(config_path))
+        config = load_config(config_path)
+        handles = load_handles(config)
         for handle in handles:
+            mark_stopped(run_dir(config), handle.replica_id)  # not restarted by the launcher
             get_backend(handle.platform).stop(handle)
     stdout.print(f"stop sent to {len(handles)} replicas")
 
