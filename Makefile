@@ -16,7 +16,7 @@ AZURITE := .tools/node_modules/.bin/azurite-blob
 setup: $(STAMP)
 
 # constraints.txt pins the tested versions of everything but torch: fast, reproducible installs.
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml requirements-runtime.txt constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"

@@ -1,0 +1,161 @@
+"""The copier template (copier.yml + template/), rendered with copier's own API.
+
+Answer sets render run.toml files that diloco-anywhere accepts, ask and write only what the
+chosen backends and storage need, and leave no Jinja behind; bad answers are refused with the
+validator's message; the hardware choices are the platforms' own.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import copier
+import pytest
+import yaml
+from huggingface_hub import JobHardware
+
+from diloco_anywhere.config import parse_config
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+BACKENDS = ("modal", "hf_jobs", "sagemaker", "k8s")
+CLOUD = {"s3": "s3", "gcs": "gs", "azure": "az", "hf": "hf"}
+
+
+def render(tmp_path: Path, **answers) -> Path:
+    """The template rendered non-interactively with ``answers`` over the defaults."""
+    destination = tmp_path / "project"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a template repo with uncommitted changes warns
+        copier.run_copy(
+            str(ROOT), destination, data=answers, defaults=True, quiet=True, vcs_ref="HEAD"
+        )
+    return destination
+
+
+def rendered_files(project: Path) -> list[Path]:
+    return sorted(p for p in project.rglob("*") if p.is_file())
+
+
+def answers_of(project: Path) -> dict:
+    return yaml.safe_load((project / ".copier-answers.yml").read_text())
+
+
+def assert_clean(project: Path) -> None:
+    """Every file rendered: no Jinja markup left, no .jinja suffix."""
+    for path in rendered_files(project):
+        text = path.read_text()
+        assert path.suffix != ".jinja", path
+        assert "{{" not in text, path
+        assert "{%" not in text, path
+
+
+def test_the_defaults_render_a_local_run(tmp_path) -> None:
+    project = render(tmp_path)
+    assert_clean(project)
+    config = parse_config((project / "run.toml").read_text(), "run.toml")
+    assert (config.run.name, config.run.replicas, config.run.store) == (
+        "my-diloco-run", 2, ".diloco/my-diloco-run/store",
+    )  # fmt: skip
+    assert config.task.entrypoint == "my_diloco_run.task:build"
+    assert config.task.options == {"preset": "small"}
+    assert config.backends == {}
+    assert (project / "src" / "my_diloco_run" / "task.py").exists()
+    answers = answers_of(project)
+    assert answers["storage"] == "local"
+    assert not answers.keys() & {"bucket", "region", "modal_gpu"}  # not asked
+
+
+@pytest.mark.parametrize(
+    ("storage", "backends"),
+    [
+        ("s3", ["modal"]),
+        ("s3", ["hf_jobs"]),
+        ("s3", ["sagemaker"]),
+        ("gcs", ["k8s"]),
+        ("azure", list(BACKENDS)),
+        ("hf", ["hf_jobs"]),
+    ],
+)
+def test_answer_sets_render_only_what_they_chose(tmp_path, storage, backends) -> None:
+    project = render(tmp_path, storage=storage, backends=backends)
+    assert_clean(project)
+    config = parse_config((project / "run.toml").read_text(), "run.toml")
+    assert config.run.store == f"{CLOUD[storage]}://my-diloco-run-diloco" or storage == "hf"
+    assert sorted(config.backends) == sorted(backends)
+    assert config.run.replicas == 2 * len(backends)  # each backend's default: 2 replicas
+    answers = answers_of(project)
+    for backend in BACKENDS:
+        asked = [key for key in answers if key.startswith(f"{backend}_")]
+        assert bool(asked) == (backend in backends), (backend, asked)
+
+
+def test_k8s_gpus_become_processes_per_replica(tmp_path) -> None:
+    project = render(tmp_path, storage="gcs", backends=["k8s"], k8s_gpus_per_pod=4)
+    config = parse_config((project / "run.toml").read_text(), "run.toml")
+    assert config.backends["k8s"]["processes_per_replica"] == 4
+
+
+@pytest.mark.parametrize(
+    ("answers", "message"),
+    [
+        ({"project_name": "My Run"}, "project_name My Run is not allowed: 2-63 lowercase"),
+        ({"package_name": "2fast"}, "package_name 2fast is not allowed: a lowercase Python"),
+        ({"package_name": "diloco_anywhere"}, "other than diloco_anywhere"),
+        ({"storage": "s3", "bucket": "My_Bucket"}, "S3 bucket names are 3-63 lowercase"),
+        ({"storage": "s3", "bucket": "a..b"}, "without '..'"),
+        ({"storage": "gcs", "bucket": "google-runs"}, "nor containing google"),
+        ({"storage": "azure", "bucket": "runs--x"}, "Azure container names are 3-63"),
+        ({"storage": "hf", "bucket": "no-owner"}, "owner/name"),
+        ({"backends": ["modal"]}, "replicas on a platform cannot reach a local folder"),
+        ({"storage": "s3", "backends": ["hf_jobs"], "hf_jobs_flavor": "h100"}, "h100"),
+        ({"storage": "s3", "backends": ["modal"], "modal_gpu": "V100"}, "V100"),
+        ({"storage": "s3", "backends": ["k8s"], "k8s_gpus_per_pod": 9}, "0 to 8"),
+        ({"registry": "https://ghcr.io/x/y"}, "without a scheme"),
+    ],
+)
+def test_bad_answers_are_refused_saying_what_is_allowed(tmp_path, answers, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        render(tmp_path, **answers)
+    assert not (tmp_path / "project" / "run.toml").exists()
+
+
+def test_hf_jobs_flavors_are_the_hubs_gpu_flavors() -> None:
+    """The template offers the flavors huggingface_hub knows (its JobHardware enum, kept in
+    sync with the Hub API), GPU ones only."""
+    questions = yaml.safe_load((ROOT / "copier.yml").read_text())
+    offered = set(questions["hf_jobs_flavor"]["choices"])
+    hub = {flavor.value for flavor in JobHardware if not flavor.value.startswith("cpu")}
+    assert offered <= hub, offered - hub
+    assert "h100" not in offered
+
+
+def test_the_project_carries_the_runtime_this_repository_tests(tmp_path) -> None:
+    """Copied through symlinks: the rendered package is this repository's, file for file, and
+    its dependencies are this repository's list; the chosen store's SDK is an extra."""
+    project = render(tmp_path, storage="gcs", backends=["k8s"])
+    runtime = ROOT / "src" / "diloco_anywhere"
+    ours = {p.relative_to(runtime) for p in runtime.rglob("*.py")}
+    theirs = {p.relative_to(project / "src" / "diloco_anywhere")
+              for p in (project / "src" / "diloco_anywhere").rglob("*.py")}  # fmt: skip
+    assert theirs == ours
+    for relative in ours:
+        assert (runtime / relative).read_bytes() == (
+            project / "src" / "diloco_anywhere" / relative
+        ).read_bytes()
+    assert not list(project.rglob("__pycache__"))
+    assert (project / "requirements-runtime.txt").read_text() == (
+        ROOT / "requirements-runtime.txt"
+    ).read_text()
+    pyproject = tomllib.loads((project / "pyproject.toml").read_text())
+    assert pyproject["project"]["name"] == "my-diloco-run"
+    assert pyproject["project"]["optional-dependencies"]["store"] == ["gcsfs>=2025.3.0"]
+    ours_gcs = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert ours_gcs["optional-dependencies"]["gcs"] == ["gcsfs>=2025.3.0"]
+    assert (project / "src" / "my_diloco_run" / "task.py").exists()
