@@ -44,12 +44,12 @@ demo: setup
 	$(VENV)/bin/diloco launch --fresh
 
 lint: setup
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src tests template/tests
+	$(VENV)/bin/ruff format --check src tests template/tests
 
 format: setup
-	$(VENV)/bin/ruff check --fix src tests
-	$(VENV)/bin/ruff format src tests
+	$(VENV)/bin/ruff check --fix src tests template/tests
+	$(VENV)/bin/ruff format src tests template/tests
 
 test: lint $(AZURITE)
 	$(PY) -m pytest

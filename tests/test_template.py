@@ -7,6 +7,8 @@ validator's message; the hardware choices are the platforms' own.
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -159,3 +161,16 @@ def test_the_project_carries_the_runtime_this_repository_tests(tmp_path) -> None
     ours_gcs = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert ours_gcs["optional-dependencies"]["gcs"] == ["gcsfs>=2025.3.0"]
     assert (project / "src" / "my_diloco_run" / "task.py").exists()
+
+
+def test_the_rendered_projects_own_tests_pass(tmp_path) -> None:
+    """The project's tests, run by pytest from its folder, with its src first on the path
+    (as installing it would put it): the replicas import its task package."""
+    project = render(tmp_path, storage="s3", backends=["modal", "k8s"], model_preset="tiny")
+    environment = {**os.environ, "PYTHONPATH": str(project / "src")}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
+        cwd=project, env=environment, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "3 passed" in result.stdout
