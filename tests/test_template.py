@@ -174,3 +174,46 @@ def test_the_rendered_projects_own_tests_pass(tmp_path) -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert "3 passed" in result.stdout
+
+
+GIT_IDENTITY = {
+    "GIT_AUTHOR_NAME": "template test", "GIT_AUTHOR_EMAIL": "test@example.com",
+    "GIT_COMMITTER_NAME": "template test", "GIT_COMMITTER_EMAIL": "test@example.com",
+}  # fmt: skip
+
+
+def git(cwd: Path, *args: str) -> None:
+    subprocess.run(
+        ["git", *args], cwd=cwd, check=True, capture_output=True, env={**os.environ, **GIT_IDENTITY}
+    )
+
+
+def test_copier_update_keeps_the_users_edit_and_brings_the_template_change(tmp_path) -> None:
+    """v0.1.0 of the template renders a project; its user edits the task; the template changes
+    and is tagged v0.2.0; ``copier update`` merges both, with no conflict left."""
+    template = tmp_path / "template-repo"
+    git(tmp_path, "clone", "-q", str(ROOT), str(template))  # this repository's committed HEAD
+    git(template, "tag", "v0.1.0")
+    project = tmp_path / "project"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        copier.run_copy(str(template), project, defaults=True, quiet=True, vcs_ref="v0.1.0")
+    git(project, "init", "-q")
+    git(project, "add", "-A")
+    git(project, "commit", "-qm", "rendered from v0.1.0")
+    task = project / "src" / "my_diloco_run" / "task.py"
+    task.write_text(task.read_text() + "\nUSER_EDIT = True\n")
+    git(project, "commit", "-qam", "the user's edit")
+    readme = template / "template" / "README.md.jinja"
+    readme.write_text(readme.read_text() + "\n## New in v0.2.0\n")
+    git(template, "commit", "-qam", "a template change")
+    git(template, "tag", "v0.2.0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        copier.run_update(project, defaults=True, overwrite=True, quiet=True, vcs_ref="v0.2.0")
+    assert "USER_EDIT = True" in task.read_text()
+    assert "## New in v0.2.0" in (project / "README.md").read_text()
+    assert answers_of(project)["_commit"] == "v0.2.0"
+    for path in rendered_files(project):
+        if ".git" not in path.relative_to(project).parts:
+            assert "<<<<<<<" not in path.read_text(errors="replace"), path
