@@ -7,6 +7,7 @@ validator's message; the hardware choices are the platforms' own.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -49,13 +50,25 @@ def answers_of(project: Path) -> dict:
     return yaml.safe_load((project / ".copier-answers.yml").read_text())
 
 
+PARSERS = {".toml": tomllib.loads, ".yml": yaml.safe_load, ".yaml": yaml.safe_load,
+           ".json": json.loads}  # fmt: skip
+
+
 def assert_clean(project: Path) -> None:
-    """Every file rendered: no Jinja markup left, no .jinja suffix."""
+    """Every file rendered: no Jinja markup left, no .jinja suffix, every TOML, YAML and JSON
+    file parses, and ruff passes on the project with the project's own settings."""
     for path in rendered_files(project):
         text = path.read_text()
         assert path.suffix != ".jinja", path
         assert "{{" not in text, path
         assert "{%" not in text, path
+        if path.suffix in PARSERS:
+            PARSERS[path.suffix](text)
+    ruff = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "."],
+        cwd=project, capture_output=True, text=True,
+    )  # fmt: skip
+    assert ruff.returncode == 0, ruff.stdout[-2000:]
 
 
 def test_the_defaults_render_a_local_run(tmp_path) -> None:
