@@ -40,8 +40,15 @@ $(AZURITE):
 	fi
 
 # The main job: the embedded default run (4 local replicas, a local store), its summary and plot.
+# The front door, as a user meets it: the copier template rendered with its defaults (and a
+# short CPU-sized run) into a project, whose local DiLoCo run then trains. Its task package
+# is imported from the project's src/, as installing the project would.
+DEMO_PROJECT := .diloco/demo-project
 demo: setup
-	$(VENV)/bin/diloco launch --fresh
+	$(VENV)/bin/copier copy --quiet --defaults --overwrite --vcs-ref HEAD \
+		--data project_name=demo --data model_preset=tiny --data sync_every=25 \
+		--data outer_steps=8 --data local_replicas=4 . $(DEMO_PROJECT)
+	cd $(DEMO_PROJECT) && PYTHONPATH=src $(CURDIR)/$(VENV)/bin/diloco launch --config run.toml --fresh
 
 lint: setup
 	$(VENV)/bin/ruff check src tests template/tests
