@@ -82,6 +82,7 @@ def test_the_defaults_render_a_local_run(tmp_path) -> None:
     assert config.task.options == {"preset": "small"}
     assert config.backends == {}
     assert (project / "src" / "my_diloco_run" / "task.py").exists()
+    assert ".diloco/" in (project / ".gitignore").read_text().splitlines()  # local stores
     answers = answers_of(project)
     assert answers["storage"] == "local"
     assert not answers.keys() & {"bucket", "region", "modal_gpu"}  # not asked
