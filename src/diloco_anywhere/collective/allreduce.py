@@ -83,10 +83,6 @@ class Work:
         self._future.result(timeout)
         return True
 
-    @property
-    def shape(self) -> torch.Size:
-        return self._shape
-
     def done(self) -> bool:
         return self._future.done()
 
