@@ -83,3 +83,19 @@ def make_backend(standins, tmp_path) -> Callable[[str], Backend]:
 @pytest.fixture(params=LOCAL_BACKENDS + SERVER_BACKENDS)
 def backend(request, make_backend) -> Backend:
     return make_backend(request.param)
+
+
+@pytest.fixture
+def s3_run(standins, monkeypatch) -> tuple[str, dict[str, str]]:
+    """A fresh prefix on the moto S3 server, for runs whose replicas are remote: its URL, and
+    the credentials a replica needs (set in this process too, so the test reads the bucket)."""
+    server = standins("s3")
+    credentials = {
+        "AWS_ACCESS_KEY_ID": server.storage_options["key"],
+        "AWS_SECRET_ACCESS_KEY": server.storage_options["secret"],
+        "AWS_ENDPOINT_URL": server.storage_options["endpoint_url"],
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    for name, value in credentials.items():
+        monkeypatch.setenv(name, value)
+    return f"{server.url}/r-{uuid.uuid4().hex[:12]}", credentials

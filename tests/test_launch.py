@@ -215,7 +215,7 @@ def test_dry_run_prints_each_replica_spec_and_starts_nothing(run_toml, tmp_path)
     config = run_toml(replicas=3)
     result = diloco("launch", "--config", config, "--backend", "local", "--dry-run")
     assert result.exit_code == 0, result.output
-    specs = json.loads(result.stdout)
+    specs = json.loads(result.stdout)["replicas"]
     assert [spec["replica_id"] for spec in specs] == ["local-0", "local-1", "local-2"]
     assert [spec["env"]["DILOCO_REPLICA_INDEX"] for spec in specs] == ["0", "1", "2"]
     assert {spec["env"]["DILOCO_STORE"] for spec in specs} == {str(tmp_path / "store")}

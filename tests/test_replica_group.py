@@ -24,7 +24,7 @@ def test_replicas_of_two_processes_train_and_only_rank_0_uses_the_bucket(tmp_pat
     monkeypatch.chdir(tmp_path)
     (tmp_path / "run.toml").write_text(RUN_TOML.format(replicas=2, outer_steps=3) + TWO_PROCESSES)
     dry = diloco("launch", "--config", "run.toml", "--dry-run")
-    assert [spec["processes"] for spec in json.loads(dry.stdout)] == [2, 2]
+    assert [spec["processes"] for spec in json.loads(dry.stdout)["replicas"]] == [2, 2]
 
     result = diloco("launch", "--config", "run.toml")
     assert result.exit_code == 0, result.output
@@ -51,5 +51,8 @@ def test_a_bad_process_count_is_refused_before_anything_starts(tmp_path, monkeyp
     (tmp_path / "run.toml").write_text(bad)
     result = diloco("launch", "--config", "run.toml")
     assert result.exit_code == 1
-    assert "backends.local.processes_per_replica = 0: give a whole number >= 1" in result.output
+    expected = (
+        "backends.local.processes_per_replica = 0: Input should be greater than or equal to 1"
+    )
+    assert expected in result.output
     assert not (tmp_path / "store").exists()

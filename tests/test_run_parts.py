@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from diloco_anywhere.cli.run import parse_backends
+from diloco_anywhere.config import RunConfig
 from diloco_anywhere.layout import RunLayout
 from diloco_anywhere.metrics import MetricsReader, MetricsWriter, StepLine, SyncLine
 from diloco_anywhere.report import summarize
@@ -72,25 +73,41 @@ def test_a_task_function_must_return_a_task(tmp_path, monkeypatch):
     sys.modules.pop("my_task", None)
 
 
-@pytest.mark.parametrize(
-    ("values", "counts"),
-    [(["local"], {"local": 4}), (["local=2"], {"local": 2})],
+MIXED = RunConfig.model_validate(
+    {"run": {"replicas": 4}, "backends": {"modal": {"replicas": 2}, "k8s": {"gpus_per_pod": 1}}}
 )
-def test_backend_counts(values, counts):
-    assert parse_backends(values, replicas=4) == counts
+
+
+@pytest.mark.parametrize(
+    ("values", "replicas", "counts"),
+    [
+        (["local"], None, {"local": 4}),
+        (["local"], 3, {"local": 3}),
+        (["local=2"], None, {"local": 2}),
+        (["modal"], None, {"modal": 2}),  # [backends.modal] replicas
+        (["modal=1", "hf_jobs=2", "local=1"], None, {"modal": 1, "hf_jobs": 2, "local": 1}),
+        ([], None, {"modal": 2}),  # every [backends.*] that sets replicas
+    ],
+)
+def test_backend_counts(values, replicas, counts):
+    assert parse_backends(values, MIXED, replicas) == counts
+
+
+def test_without_backends_in_run_toml_the_default_is_local():
+    assert parse_backends([], RunConfig(), None) == {"local": 4}
 
 
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        (["mainframe"], "choose from local"),
+        (["mainframe"], "choose from local, modal, hf_jobs, sagemaker, k8s"),
         (["local", "local"], "give each a count"),
         (["local=0"], "whole number >= 1"),
     ],
 )
 def test_bad_backend_counts_say_what_is_allowed(values, message):
     with pytest.raises(ValueError, match=message):
-        parse_backends(values, replicas=4)
+        parse_backends(values, RunConfig(), None)
 
 
 def _sync(outer_step: int, eval_loss: float | None) -> SyncLine:

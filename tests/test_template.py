@@ -19,7 +19,10 @@ import pytest
 import yaml
 from huggingface_hub import JobHardware
 
+from diloco_anywhere.backends import modal as modal_backend
+from diloco_anywhere.backends import sagemaker as sagemaker_backend
 from diloco_anywhere.config import parse_config
+from diloco_anywhere.launch import plan_launch
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -27,6 +30,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
+ACCOUNT = {"aws_account_id": "123456789012"}  # asked only with sagemaker
 BACKENDS = ("modal", "hf_jobs", "sagemaker", "k8s")
 CLOUD = {"s3": "s3", "gcs": "gs", "azure": "az", "hf": "hf"}
 
@@ -95,12 +99,13 @@ def test_the_defaults_render_a_local_run(tmp_path) -> None:
         ("s3", ["hf_jobs"]),
         ("s3", ["sagemaker"]),
         ("gcs", ["k8s"]),
-        ("azure", list(BACKENDS)),
+        ("s3", list(BACKENDS)),
+        ("azure", ["modal", "hf_jobs", "k8s"]),
         ("hf", ["hf_jobs"]),
     ],
 )
 def test_answer_sets_render_only_what_they_chose(tmp_path, storage, backends) -> None:
-    project = render(tmp_path, storage=storage, backends=backends)
+    project = render(tmp_path, storage=storage, backends=backends, **ACCOUNT)
     assert_clean(project)
     config = parse_config((project / "run.toml").read_text(), "run.toml")
     assert config.run.store == f"{CLOUD[storage]}://my-diloco-run-diloco" or storage == "hf"
@@ -110,6 +115,11 @@ def test_answer_sets_render_only_what_they_chose(tmp_path, storage, backends) ->
     for backend in BACKENDS:
         asked = [key for key in answers if key.startswith(f"{backend}_")]
         assert bool(asked) == (backend in backends), (backend, asked)
+    # every platform's settings are accepted by its launcher, image and all
+    plan = plan_launch(config, dict.fromkeys(backends, 1), root=tmp_path)
+    assert set(plan.backends) == set(backends)
+    pyproject = tomllib.loads((project / "pyproject.toml").read_text())
+    assert len(pyproject["project"]["optional-dependencies"]["launch"]) == len(backends)
 
 
 def test_k8s_gpus_become_processes_per_replica(tmp_path) -> None:
@@ -133,6 +143,8 @@ def test_k8s_gpus_become_processes_per_replica(tmp_path) -> None:
         ({"storage": "s3", "backends": ["hf_jobs"], "hf_jobs_flavor": "h100"}, "h100"),
         ({"storage": "s3", "backends": ["modal"], "modal_gpu": "V100"}, "V100"),
         ({"storage": "s3", "backends": ["k8s"], "k8s_gpus_per_pod": 9}, "0 to 8"),
+        ({"storage": "gcs", "backends": ["sagemaker"], **ACCOUNT}, "choose s3 storage"),
+        ({"storage": "s3", "backends": ["sagemaker"], "aws_account_id": "12345"}, "12 digits"),
         ({"registry": "https://ghcr.io/x/y"}, "without a scheme"),
     ],
 )
@@ -150,6 +162,15 @@ def test_hf_jobs_flavors_are_the_hubs_gpu_flavors() -> None:
     hub = {flavor.value for flavor in JobHardware if not flavor.value.startswith("cpu")}
     assert offered <= hub, offered - hub
     assert "h100" not in offered
+
+
+def test_modal_gpus_and_sagemaker_instances_are_what_the_launchers_accept() -> None:
+    """The template's hardware choices pass the launchers' own checks (Modal's GPU names,
+    botocore's list of SageMaker training instance types)."""
+    questions = yaml.safe_load((ROOT / "copier.yml").read_text())
+    assert set(questions["modal_gpu"]["choices"]) <= set(modal_backend.GPU_NAMES)
+    offered = set(questions["sagemaker_instance_type"]["choices"])
+    assert offered <= set(sagemaker_backend.instance_types())
 
 
 def test_the_project_carries_the_runtime_this_repository_tests(tmp_path) -> None:
@@ -187,7 +208,8 @@ def test_the_rendered_projects_own_tests_pass(tmp_path) -> None:
         cwd=project, env=environment, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    assert "3 passed" in result.stdout
+    # 3 of its own, and a launch request for each of its 2 platforms
+    assert "5 passed" in result.stdout
 
 
 GIT_IDENTITY = {

@@ -112,12 +112,20 @@ class TaskSection(_Section):
     eval_every: Annotated[int, Field(ge=0)] = 1
 
 
+class ImageSection(_Section):
+    """The one image every remote platform starts (images/Dockerfile); local replicas run from
+    this checkout instead."""
+
+    ref: str = ""  # e.g. ghcr.io/<owner>/<project>:latest; a digest pins it exactly
+
+
 class RunConfig(_Section):
     run: RunSection = Field(default_factory=RunSection)
     diloco: DilocoSection = Field(default_factory=DilocoSection)
     sync: SyncSection = Field(default_factory=SyncSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     task: TaskSection = Field(default_factory=TaskSection)
+    image: ImageSection = Field(default_factory=ImageSection)
     # Per-backend settings ([backends.modal] ...), validated by each backend when it launches.
     backends: dict[str, dict[str, Any]] = Field(default_factory=dict)
     source: Path | None = Field(default=None, exclude=True)  # where it was loaded from
@@ -131,10 +139,11 @@ class RunConfig(_Section):
         return str((base / url).resolve())
 
 
-def _problems(exc: ValidationError, where: str) -> str:
+def problems(exc: ValidationError, where: str, prefix: str = "") -> str:
+    """One line per bad field: where, its dotted path (under ``prefix``), the value, the rule."""
     lines = []
     for error in exc.errors(include_url=False):
-        path = ".".join(str(part) for part in error["loc"])
+        path = ".".join([prefix] * bool(prefix) + [str(part) for part in error["loc"]])
         shown = error["type"] != "missing" and not isinstance(error["input"], dict)
         found = f" = {error['input']!r:.60}" if shown else ""
         message = error["msg"].removeprefix("Value error, ")
@@ -146,7 +155,7 @@ def validate_config(data: dict[str, Any], where: str, source: Path | None = None
     try:
         return RunConfig.model_validate({**data, "source": source})
     except ValidationError as exc:
-        raise ConfigError(_problems(exc, where)) from None
+        raise ConfigError(problems(exc, where)) from None
 
 
 def parse_config(text: str, where: str, source: Path | None = None) -> RunConfig:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
-from diloco_anywhere import replica
+from diloco_anywhere import published_config, replica
 from diloco_anywhere.backends import get_backend
-from diloco_anywhere.backends.base import Backend, ReplicaHandle, ReplicaSpec
-from diloco_anywhere.config import RunConfig
+from diloco_anywhere.backends.base import Backend, ReplicaHandle, ReplicaSpec, stop_all
+from diloco_anywhere.config import ConfigError, RunConfig
 from diloco_anywhere.layout import RunLayout
 from diloco_anywhere.metrics import MetricsReader
 from diloco_anywhere.store import Store, redact_url
@@ -33,43 +35,59 @@ class LaunchPlan:
     config: RunConfig
     run_dir: Path
     specs: tuple[ReplicaSpec, ...]
+    backends: dict[str, Backend]  # one launcher per platform of the launch, settings checked
+    config_key: str | None = None  # where remote replicas read run.toml (published at start)
 
 
 def plan_launch(config: RunConfig, counts: dict[str, int], root: Path | None = None) -> LaunchPlan:
-    """``counts``: replicas per backend, e.g. ``{"local": 4}``; their sum is the run's size."""
-    total = sum(counts.values())
-    args = ("--config", str(config.source)) if config.source else ()
+    """``counts``: replicas per backend, e.g. ``{"local": 4}``; their sum is the run's size.
+    Validates every platform's ``[backends.*]`` settings; contacts nothing."""
+    backends = {platform: get_backend(platform, config) for platform in counts}
+    remote = [platform for platform, backend in backends.items() if backend.remote]
+    if remote:
+        check_remote_store(config, remote)
+    config_key = published_config.config_key(config) if remote else None
+    local_args = ("--config", str(config.source)) if config.source else ()
     common = {
         replica.ENV_RUN: config.run.name,
         replica.ENV_STORE: config.store_url(),
-        replica.ENV_REPLICAS: str(total),
+        replica.ENV_REPLICAS: str(sum(counts.values())),
     }
     specs, index = [], 0
     for platform, count in counts.items():
-        processes = processes_per_replica(config, platform)
+        backend = backends[platform]
+        args = () if backend.remote else local_args
+        published = {published_config.ENV_CONFIG_KEY: config_key} if backend.remote else {}
+        processes = backend.settings.processes_per_replica
         for k in range(count):
             replica_id = f"{platform}-{k}"
             env = {
                 **common,
+                **published,
                 replica.ENV_REPLICA_ID: replica_id,
                 replica.ENV_REPLICA_INDEX: str(index),
                 replica.ENV_PLATFORM: platform,
             }
             specs.append(ReplicaSpec(replica_id, index, platform, env, args, processes))
             index += 1
-    return LaunchPlan(config, run_dir(config, root), tuple(specs))
+    return LaunchPlan(config, run_dir(config, root), tuple(specs), backends, config_key)
 
 
-def processes_per_replica(config: RunConfig, platform: str) -> int:
-    """``[backends.<platform>] processes_per_replica`` (default 1): a replica of several
-    processes runs under torchrun, one per GPU, with DDP inside the replica."""
-    value = config.backends.get(platform, {}).get("processes_per_replica", 1)
-    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        raise ValueError(
-            f"backends.{platform}.processes_per_replica = {value!r}: give a whole number >= 1 "
-            f"(processes per replica, usually its GPU count)"
+def check_remote_store(config: RunConfig, platforms: list[str]) -> None:
+    """Replicas elsewhere need a bucket they can reach, and credentials from their platform,
+    never inside the URL (it travels in job specs and logs)."""
+    url = config.store_url()
+    parts = urlsplit(url)
+    if parts.scheme in ("", "file", "local", "memory"):
+        raise ConfigError(
+            f"run.store = {redact_url(url)!r} is on this machine, which replicas on "
+            f"{', '.join(platforms)} cannot reach: use a bucket (s3://, gs://, az://)"
         )
-    return value
+    if "@" in parts.netloc or parts.query:
+        raise ConfigError(
+            f"run.store = {redact_url(url)!r} carries credentials in the URL: remove them and "
+            f"give each platform its own (docs/backends.md)"
+        )
 
 
 def run_metrics(config: RunConfig) -> MetricsReader:
@@ -96,18 +114,50 @@ def stopped_on_purpose(run_folder: Path, replica_id: str) -> bool:
     return (run_folder / STOPPED_FOLDER / replica_id).exists()
 
 
+class LaunchError(RuntimeError):
+    """A platform failed to start its replicas; the message says what became of the others."""
+
+
+def describe(plan: LaunchPlan) -> dict[str, list[dict[str, Any]]]:
+    """What each platform would be sent (``--dry-run``), secret values masked."""
+    return {
+        platform: backend.describe([s for s in plan.specs if s.platform == platform])
+        for platform, backend in plan.backends.items()
+    }
+
+
 def start(plan: LaunchPlan) -> dict[str, tuple[Backend, list[ReplicaHandle]]]:
-    """Start every replica, platform by platform; save the handles as they come. Stops
-    recorded for an earlier launch of the run no longer apply."""
+    """Check every platform can start (SDK, credentials), publish run.toml for remote
+    replicas, then start platform by platform, saving the handles as they come. If one
+    platform fails, the replicas already started are stopped: no paid job is left orphaned.
+    Stops recorded for an earlier launch of the run no longer apply."""
+    for backend in plan.backends.values():
+        backend.check()
+    if plan.config_key:
+        with Store(plan.config.store_url()) as store:
+            published_config.publish_config(store, plan.config)
     for marker in (plan.run_dir / STOPPED_FOLDER).glob("*"):
         marker.unlink()
     started: dict[str, tuple[Backend, list[ReplicaHandle]]] = {}
-    for platform in dict.fromkeys(spec.platform for spec in plan.specs):
-        backend = get_backend(platform)
+    for platform, backend in plan.backends.items():
         specs = [spec for spec in plan.specs if spec.platform == platform]
-        started[platform] = (backend, backend.launch(specs, plan.run_dir))
+        try:
+            started[platform] = (backend, backend.launch(specs, plan.run_dir))
+        except Exception as exc:
+            raise LaunchError(f"{platform} failed to start its replicas: {exc}; "
+                              f"{roll_back(plan, started)}") from exc  # fmt: skip
         save_state(plan, [h for _, handles in started.values() for h in handles])
     return started
+
+
+def roll_back(plan: LaunchPlan, started: dict[str, tuple[Backend, list[ReplicaHandle]]]) -> str:
+    """Stop what a failed launch had started (not to be restarted); what became of it."""
+    handles = [handle for _, platform_handles in started.values() for handle in platform_handles]
+    for handle in handles:
+        mark_stopped(plan.run_dir, handle.replica_id)
+    said = stop_all(handles, lambda handle: plan.backends[handle.platform].stop(handle))
+    save_state(plan, handles)
+    return said
 
 
 def save_state(plan: LaunchPlan, handles: list[ReplicaHandle]) -> None:

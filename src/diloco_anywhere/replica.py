@@ -1,10 +1,14 @@
 """The replica entrypoint every backend starts: ``python -m diloco_anywhere.replica``.
 
-    python -m diloco_anywhere.replica --config run.toml [--replica-id ID] [--replica-index I]
+    python -m diloco_anywhere.replica [--config run.toml] [--replica-id ID] [--replica-index I]
 
 Backends pass who this replica is through the environment (``DILOCO_REPLICA_ID``,
 ``DILOCO_REPLICA_INDEX``, ``DILOCO_PLATFORM``) and may override the run and store
-(``DILOCO_RUN``, ``DILOCO_STORE``), so one image and one command serve every platform. Store
+(``DILOCO_RUN``, ``DILOCO_STORE``), so one image and one command serve every platform. A
+Kubernetes Indexed Job gives all its pods one template, so there the id is
+``{DILOCO_PLATFORM}-{JOB_COMPLETION_INDEX}`` and the shard ``DILOCO_REPLICA_INDEX_BASE`` plus
+that index. Remote replicas read run.toml from the store (``DILOCO_CONFIG_KEY``, published by
+the launcher: ``published_config.py``); local ones read the file given by ``--config``. Store
 credentials come from the platform's standard environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS,
 AZURE_*), read by the store's SDK, never by us.
 
@@ -29,6 +33,7 @@ from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.config import ConfigError, RunConfig, load_config, validate_config
 from diloco_anywhere.layout import RunLayout, check_name
 from diloco_anywhere.metrics import MetricsWriter
+from diloco_anywhere.published_config import ENV_CONFIG_KEY, read_config
 from diloco_anywhere.replica_group import ReplicaGroup
 from diloco_anywhere.store import Store, StoreError, scrub_secrets
 from diloco_anywhere.training import collective_config, resolve_device, train
@@ -40,6 +45,8 @@ ENV_PLATFORM = "DILOCO_PLATFORM"
 ENV_RUN = "DILOCO_RUN"
 ENV_STORE = "DILOCO_STORE"
 ENV_REPLICAS = "DILOCO_REPLICAS"
+ENV_REPLICA_INDEX_BASE = "DILOCO_REPLICA_INDEX_BASE"
+ENV_COMPLETION_INDEX = "JOB_COMPLETION_INDEX"  # set by Kubernetes in an Indexed Job's pods
 EXIT_STOPPED = 128 + signal.SIGTERM  # as shells and platforms report a SIGTERM exit
 
 
@@ -57,17 +64,53 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m diloco_anywhere.replica",
         description="Train one DiLoCo replica of the run that run.toml describes.",
     )
-    parser.add_argument("--config", help="run.toml (default: the embedded demo run)")
     parser.add_argument(
-        "--replica-id", default=os.environ.get(ENV_REPLICA_ID), help=f"or ${ENV_REPLICA_ID}"
+        "--config",
+        help=f"run.toml (default: the one the launcher published, ${ENV_CONFIG_KEY}, else the "
+        f"embedded demo run)",
     )
+    parser.add_argument("--replica-id", help=f"or ${ENV_REPLICA_ID}")
     parser.add_argument(
         "--replica-index",
         type=int,
-        default=os.environ.get(ENV_REPLICA_INDEX),
         help=f"data shard, 0..replicas-1 (or ${ENV_REPLICA_INDEX}; default: the id's number)",
     )
     return parser.parse_args(argv)
+
+
+def identity(arguments: argparse.Namespace, environ: dict[str, str]) -> tuple[str, int | None]:
+    """The replica id and, if given, its data shard: from the arguments, else the launcher's
+    variables, else an Indexed Job's completion index."""
+    replica_id = arguments.replica_id or environ.get(ENV_REPLICA_ID)
+    index = arguments.replica_index
+    if index is None and environ.get(ENV_REPLICA_INDEX):
+        index = _whole_number(environ[ENV_REPLICA_INDEX], ENV_REPLICA_INDEX)
+    completion = environ.get(ENV_COMPLETION_INDEX)
+    if replica_id is None and completion is not None:
+        offset = _whole_number(completion, ENV_COMPLETION_INDEX)
+        replica_id = f"{environ.get(ENV_PLATFORM, 'k8s')}-{offset}"
+        base = _whole_number(environ.get(ENV_REPLICA_INDEX_BASE, "0"), ENV_REPLICA_INDEX_BASE)
+        index = base + offset if index is None else index
+    return check_name(replica_id or "", f"replica id (--replica-id or ${ENV_REPLICA_ID})"), index
+
+
+def _whole_number(value: str, name: str) -> int:
+    if not value.isdigit():
+        raise ValueError(f"${name} = {value!r}: expected a whole number >= 0")
+    return int(value)
+
+
+def configuration(path: str | None, environ: dict[str, str]) -> RunConfig:
+    """run.toml: the file given, else the launcher's published copy, else the embedded run;
+    then the launcher's overrides."""
+    if path is None and environ.get(ENV_CONFIG_KEY):
+        if not environ.get(ENV_STORE):
+            raise ConfigError(f"${ENV_CONFIG_KEY} is set but ${ENV_STORE} is not")
+        with Store(environ[ENV_STORE]) as store:
+            config = read_config(store, environ[ENV_CONFIG_KEY])
+    else:
+        config = load_config(path)
+    return with_overrides(config, environ)
 
 
 def replica_index(replica_id: str, given: int | None, replicas: int) -> int:
@@ -141,11 +184,12 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     arguments = _arguments(argv)
+    environ = dict(os.environ)
     try:
-        config = with_overrides(load_config(arguments.config), dict(os.environ))
-        replica_id = check_name(arguments.replica_id or "", "replica id (--replica-id)")
-        index = replica_index(replica_id, arguments.replica_index, config.run.replicas)
-    except (ConfigError, ValueError) as exc:
+        config = configuration(arguments.config, environ)
+        replica_id, given_index = identity(arguments, environ)
+        index = replica_index(replica_id, given_index, config.run.replicas)
+    except (ConfigError, ValueError, StoreError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _raise_stopped)

@@ -7,7 +7,8 @@ steps the dead one had not synced. Not restarted: a replica stopped on purpose (
 stop`` or Ctrl-C leave a marker in the run folder, since a torchrun replica exits 1 however it
 ends; a lone process stopped by SIGTERM exits 143 or -15) or one that refused its configuration
 (exit 2: it would only fail again), and none beyond ``max_restarts`` per replica. A torchrun
-replica torn down because one of its ranks crashed is restarted.
+replica torn down because one of its ranks crashed is restarted. Replicas on remote platforms
+are retried by their platform (``[backends.*]`` retry settings), not from here.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections import Counter
 from diloco_anywhere.backends.base import Backend, ReplicaHandle
 from diloco_anywhere.launch import LaunchPlan, save_state, stopped_on_purpose
 
+ACTIVE = ("pending", "running")
 NOT_RESTARTED = {2: "bad configuration", 143: "stopped", -15: "stopped"}
 
 
@@ -37,6 +39,10 @@ class Supervisor:
     def state(self, handle: ReplicaHandle) -> str:
         return self.backends[handle.platform].state(handle)
 
+    def active(self, handle: ReplicaHandle) -> bool:
+        """Its job has not ended: queued on its platform, or running."""
+        return self.state(handle) in ACTIVE
+
     def restart_failed(self) -> list[str]:
         """Restart every failed replica that may be; one line per decision, for the user."""
         notes = []
@@ -44,6 +50,8 @@ class Supervisor:
             if self.max_restarts == 0 or self.state(handle) != "failed":
                 continue
             backend = self.backends[handle.platform]
+            if backend.remote:  # its platform retries it (Modal retries, HF attempts, k8s)
+                continue
             code = getattr(backend, "exit_code", lambda _: None)(handle)
             replica = handle.replica_id
             if code in NOT_RESTARTED or self.restarts[replica] >= self.max_restarts:

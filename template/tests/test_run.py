@@ -1,10 +1,13 @@
-"""This project's own checks: run.toml loads, the task builds and trains, and a two-replica
-DiLoCo run of a few rounds completes on local processes and a local store."""
+"""This project's own checks: run.toml loads, the task builds and trains, a two-replica DiLoCo
+run of a few rounds completes on local processes and a local store, and every platform of
+run.toml produces its launch request without touching the network (``--dry-run``)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
 import tomli_w
 import torch
 from typer.testing import CliRunner
@@ -14,6 +17,7 @@ from diloco_anywhere.config import load_config, validate_config
 from diloco_anywhere.task import TaskContext, build_task
 
 PROJECT = Path(__file__).resolve().parents[1]
+PLATFORMS = sorted(load_config(PROJECT / "run.toml").backends) or ["local"]
 
 
 def test_run_toml_loads() -> None:
@@ -52,3 +56,21 @@ def test_a_two_replica_local_run_completes(tmp_path, monkeypatch) -> None:
     result = CliRunner().invoke(app, ["launch", "--config", "smoke.toml", "--fresh"])
     assert result.exit_code == 0, result.output
     assert "Run summary" in result.stdout
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_each_platform_gets_its_launch_request_offline(platform, tmp_path, monkeypatch) -> None:
+    """What `diloco launch --dry-run` shows: one spec per replica and the platform's own
+    request for each (job bodies, manifests, app settings), with no secret value in it."""
+    monkeypatch.chdir(tmp_path)
+    config = load_config(PROJECT / "run.toml")
+    replicas = config.backends.get(platform, {}).get("replicas", config.run.replicas)
+    command = ["launch", "--config", str(PROJECT / "run.toml"), "--backend", platform]
+    result = CliRunner().invoke(app, [*command, "--dry-run"])
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.stdout)
+    assert [spec["platform"] for spec in shown["replicas"]] == [platform] * replicas
+    assert shown["submit"][platform]
+    if platform != "local":
+        assert config.image.ref in result.stdout  # the project image, on every platform
+    assert not (tmp_path / ".diloco").exists()  # nothing started, nothing written

@@ -17,15 +17,40 @@ import subprocess
 import sys
 from pathlib import Path
 
-from diloco_anywhere.backends.base import JobState, ReplicaHandle, ReplicaSpec
+from diloco_anywhere.backends.base import (
+    BackendSettings,
+    JobState,
+    ReplicaHandle,
+    ReplicaSpec,
+    backend_settings,
+)
+from diloco_anywhere.config import RunConfig
+from diloco_anywhere.replica import ENV_STORE
+from diloco_anywhere.store import redact_url
 
 
 class LocalBackend:
     name = "local"
+    remote = False
 
-    def __init__(self) -> None:
+    def __init__(self, config: RunConfig | None = None) -> None:
+        self.settings = backend_settings(config or RunConfig(), self.name, BackendSettings)
         self._processes: dict[int, subprocess.Popen] = {}  # the ones this process started
         self._threads: int | None = None  # per replica, fixed by the first launch
+
+    def check(self) -> None:
+        """Nothing to check: this Python runs the replicas."""
+
+    def describe(self, specs: list[ReplicaSpec]) -> list[dict[str, object]]:
+        """Each process's command and environment (a store URL without its credentials)."""
+        return [
+            {
+                "replica": spec.replica_id,
+                "command": spec.command(sys.executable),
+                "env": {**spec.env, ENV_STORE: redact_url(spec.env[ENV_STORE])},
+            }
+            for spec in specs
+        ]
 
     def launch(self, specs: list[ReplicaSpec], run_dir: Path) -> list[ReplicaHandle]:
         """Start ``specs``; a later call (a restart) gives its replicas the thread count of

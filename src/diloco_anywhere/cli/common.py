@@ -8,9 +8,12 @@ from contextlib import contextmanager
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from diloco_anywhere.backends.base import BackendUnavailableError
 from diloco_anywhere.config import ConfigError
+from diloco_anywhere.launch import LaunchError
 from diloco_anywhere.standins import StandInUnavailableError
 from diloco_anywhere.store import StoreError
 
@@ -23,7 +26,10 @@ SIZE_UNITS = {
     "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,
 }  # fmt: skip
 MIN_BENCH_SIZE = 1024
-USER_ERRORS = (StoreError, StandInUnavailableError, ConfigError, ValueError, FileNotFoundError)
+USER_ERRORS = (
+    StoreError, StandInUnavailableError, ConfigError, ValueError, FileNotFoundError,
+    BackendUnavailableError, LaunchError,
+)  # fmt: skip
 
 
 def parse_size(text: str) -> int:
@@ -56,5 +62,6 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except USER_ERRORS as exc:
-        stderr.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        # escaped: messages quote run.toml sections ("[image] ref"), which rich reads as markup
+        stderr.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None

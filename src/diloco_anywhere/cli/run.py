@@ -19,6 +19,7 @@ from diloco_anywhere.config import RunConfig, load_config, validate_config
 from diloco_anywhere.launch import (
     LaunchPlan,
     delete_run_objects,
+    describe,
     load_handles,
     mark_stopped,
     plan_launch,
@@ -47,8 +48,14 @@ def _shown(spec: ReplicaSpec) -> dict:
     return {**asdict(spec), "env": env, "args": list(spec.args)}
 
 
-def parse_backends(values: list[str], replicas: int) -> dict[str, int]:
-    """``["local"]`` -> ``{"local": replicas}``; ``["modal=2", "local=1"]`` -> counts."""
+def parse_backends(values: list[str], config: RunConfig, replicas: int | None) -> dict[str, int]:
+    """Replicas per platform. ``["modal=2", "local=1"]`` -> those counts; ``["modal"]`` ->
+    ``--replicas``, else ``[backends.modal] replicas``, else ``run.replicas``. No ``--backend``:
+    every ``[backends.*]`` section that sets ``replicas`` (the run's usual mix), else local."""
+    if not values:
+        configured = {name: section["replicas"] for name, section in config.backends.items()
+                      if name in BACKENDS and "replicas" in section}  # fmt: skip
+        values = [f"{name}={count}" for name, count in configured.items()] or ["local"]
     counts = {}
     for value in values:
         name, _, count = value.partition("=")
@@ -58,7 +65,8 @@ def parse_backends(values: list[str], replicas: int) -> dict[str, int]:
             raise ValueError(f"--backend {value!r}: with several backends give each a count")
         if count and not (count.isdigit() and int(count) > 0):
             raise ValueError(f"--backend {value!r}: the count must be a whole number >= 1")
-        counts[name] = int(count) if count else replicas
+        default = config.backends.get(name, {}).get("replicas", config.run.replicas)
+        counts[name] = int(count) if count else (replicas or default)
     return counts
 
 
@@ -109,7 +117,7 @@ def _follow(plan: LaunchPlan, supervisor: Supervisor) -> int:
                     live.console.print(note)
                 rows = replica_statuses(reader.read(), supervisor.handles, supervisor.state)
                 live.update(_status_table(rows, title))
-                if all(supervisor.state(handle) != "running" for handle in supervisor.handles):
+                if not any(map(supervisor.active, supervisor.handles)):
                     break
                 time.sleep(1.0)
     except KeyboardInterrupt:
@@ -130,19 +138,26 @@ def _follow(plan: LaunchPlan, supervisor: Supervisor) -> int:
 def launch(
     config_path: ConfigPath = None,
     backend: Annotated[
-        list[str],
+        list[str] | None,
         typer.Option(
-            help="Where replicas run: a backend name, or name=count; repeat the "
-            f"option for a run across platforms. Backends: {', '.join(BACKENDS)}."
+            help="Where replicas run: a backend name, or name=count; repeat the option for "
+            f"a run across platforms. Backends: {', '.join(BACKENDS)}. Default: every "
+            "[backends.*] of run.toml that sets replicas, else local.",
         ),
-    ] = ["local"],  # noqa: B006 (typer reads the default; it is never mutated)
+    ] = None,
     replicas: Annotated[
         int | None, typer.Option(min=1, help="Replicas (one backend). Default: run.replicas.")
     ] = None,
     detach: Annotated[
         bool, typer.Option(help="Return once started; follow with `diloco status`.")
     ] = False,
-    dry_run: Annotated[bool, typer.Option(help="Print every replica spec; start nothing.")] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            help="Print every replica and exactly what each platform would be sent (secret "
+            "values masked); contact nothing, start nothing."
+        ),
+    ] = False,
     fresh: Annotated[
         bool,
         typer.Option(
@@ -170,11 +185,12 @@ def launch(
     """
     with user_errors():
         config = load_config(config_path)
-        counts = parse_backends(backend, replicas or config.run.replicas)
+        counts = parse_backends(backend or [], config, replicas)
         config = _sized(config, sum(counts.values()))
         plan = plan_launch(config, counts)
         if dry_run:
-            print(json.dumps([_shown(spec) for spec in plan.specs], indent=2))
+            shown = {"replicas": [_shown(spec) for spec in plan.specs], "submit": describe(plan)}
+            print(json.dumps(shown, indent=2))
             return
         if store_has_run(config):
             if fresh:
@@ -201,8 +217,9 @@ def status(config_path: ConfigPath = None, json_output: JsonFlag = False) -> Non
         config = load_config(config_path)
         reader = run_metrics(config)
         handles = load_handles(config)
+        backends = {p: get_backend(p, config) for p in {h.platform for h in handles}}
         rows = replica_statuses(
-            reader.read(), handles, lambda handle: get_backend(handle.platform).state(handle)
+            reader.read(), handles, lambda handle: backends[handle.platform].state(handle)
         )
     if json_output:
         print(json.dumps([row.as_dict() for row in rows], indent=2))
@@ -219,26 +236,29 @@ def logs(
 ) -> None:
     """Print the replicas' own output (stdout and stderr), as their platform keeps it."""
     with user_errors():
-        handles = load_handles(load_config(config_path))
+        config = load_config(config_path)
+        handles = load_handles(config)
         chosen = [h for h in handles if replica in (None, h.replica_id)]
         if not chosen:
             known = ", ".join(h.replica_id for h in handles) or "none launched from here"
             raise ValueError(f"no replica {replica!r} in this run's launch; replicas: {known}")
         for handle in chosen:
-            lines = get_backend(handle.platform).logs(handle).splitlines()[-tail:]
+            lines = get_backend(handle.platform, config).logs(handle).splitlines()[-tail:]
             stdout.rule(f"{handle.replica_id} ({handle.platform})")
             print("\n".join(lines))
 
 
 def stop(config_path: ConfigPath = None) -> None:
-    """Stop every replica of the run's last launch."""
+    """Stop every replica of the run's last launch, on every platform."""
     with user_errors():
         config = load_config(config_path)
         handles = load_handles(config)
+        backends = {p: get_backend(p, config) for p in {h.platform for h in handles}}
         for handle in handles:
             mark_stopped(run_dir(config), handle.replica_id)  # not restarted by the launcher
-            get_backend(handle.platform).stop(handle)
-    stdout.print(f"stop sent to {len(handles)} replicas")
+            backends[handle.platform].stop(handle)
+    platforms = sorted({handle.platform for handle in handles})
+    stdout.print(f"stop sent to {len(handles)} replicas ({', '.join(platforms) or 'none'})")
 
 
 def _summary_table(summary: RunSummary) -> Table:

@@ -1,0 +1,173 @@
+"""Hugging Face Jobs: one job per replica, started with ``huggingface_hub``'s Jobs API.
+
+Each replica is ``HfApi.run_job`` with the project image, the replica command, the chosen
+flavor and a timeout from run.toml: the hub's default of 30 minutes would kill a training run
+(huggingface_hub issue #3665). Store credentials travel as HF Jobs *secrets*, which the hub
+keeps encrypted and does not show on the job page; run.toml names them
+(``[backends.hf_jobs] secrets``) and their values are read from the launcher's environment at
+launch, never written anywhere by us. Status is ``inspect_job``, logs ``fetch_job_logs``, stop
+``cancel_job`` (https://huggingface.co/docs/huggingface_hub/guides/jobs).
+
+The hub is reached at ``$HF_ENDPOINT`` when set (read at each call, so a test's local
+stand-in applies), else huggingface.co; the token is huggingface_hub's own (``HF_TOKEN`` or
+``hf auth login``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator
+
+from diloco_anywhere.backends.base import (
+    BackendSettings,
+    BackendUnavailableError,
+    JobState,
+    ReplicaHandle,
+    ReplicaSpec,
+    backend_settings,
+    image_of,
+    launch_each,
+)
+from diloco_anywhere.config import RunConfig
+
+INSTALL = "pip install 'diloco-anywhere[hf_jobs]'"
+STATES: dict[str, JobState] = {
+    "SCHEDULING": "pending",
+    "RUNNING": "running",
+    "COMPLETED": "exited",
+    "ERROR": "failed",
+    "CANCELED": "stopped",
+    "DELETED": "stopped",
+}
+_TIMEOUT = re.compile(r"\d+(\.\d+)?[smhd]?")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class Settings(BackendSettings):
+    flavor: str = "a10g-small"  # the hub's hardware names (JobHardware); there is no h100
+    timeout: str = "24h"  # seconds, or a number with s, m, h or d
+    attempts: Annotated[int, Field(ge=1, le=10)] = 3  # the hub restarts a failed job
+    namespace: str | None = None  # user or organization; default: the token's user
+    # Names of environment variables whose values become the job's secrets (store credentials)
+    secrets: list[str] = Field(default_factory=list)
+
+    @field_validator("flavor")
+    @classmethod
+    def _known_flavor(cls, flavor: str) -> str:
+        allowed = flavors()
+        if allowed and flavor not in allowed:
+            raise ValueError(f"HF Jobs has no flavor {flavor!r}; choose from {', '.join(allowed)}")
+        return flavor
+
+    @field_validator("timeout")
+    @classmethod
+    def _duration(cls, timeout: str) -> str:
+        if not _TIMEOUT.fullmatch(timeout):
+            raise ValueError("give seconds, or a number followed by s, m, h or d (e.g. '24h')")
+        return timeout
+
+    @field_validator("secrets")
+    @classmethod
+    def _variable_names(cls, names: list[str]) -> list[str]:
+        bad = [name for name in names if not _ENV_NAME.fullmatch(name)]
+        if bad:
+            raise ValueError(f"{bad} are not environment variable names")
+        return names
+
+
+def flavors() -> list[str]:
+    """The hub's flavors as this huggingface_hub knows them ([] without the SDK: ``check``
+    reports that)."""
+    try:
+        from huggingface_hub import JobHardware
+    except ImportError:
+        return []
+    return [hardware.value for hardware in JobHardware]
+
+
+class HfJobsBackend:
+    name = "hf_jobs"
+    remote = True
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+        self.settings = backend_settings(config, self.name, Settings)
+
+    def _api(self) -> Any:
+        from huggingface_hub import HfApi
+
+        return HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
+
+    def check(self) -> None:
+        try:
+            from huggingface_hub import get_token
+        except ImportError:
+            raise BackendUnavailableError(
+                f"backend hf_jobs needs huggingface_hub: {INSTALL}"
+            ) from None
+        if get_token() is None:
+            raise BackendUnavailableError(
+                "backend hf_jobs: no Hugging Face token; run `hf auth login` or set HF_TOKEN "
+                "(a token allowed to start Jobs)"
+            )
+        missing = [name for name in self.settings.secrets if name not in os.environ]
+        if missing:
+            raise BackendUnavailableError(
+                f"backend hf_jobs: backends.hf_jobs.secrets names {', '.join(missing)}, not set "
+                f"here; export them before launching (their values become the jobs' secrets)"
+            )
+
+    def _job(self, spec: ReplicaSpec, secrets: dict[str, str]) -> dict[str, Any]:
+        """``run_job``'s arguments for one replica."""
+        return {
+            "image": image_of(self.config, self.settings, self.name),
+            "command": spec.command("python"),
+            "env": spec.env,
+            "secrets": secrets,
+            "flavor": self.settings.flavor,
+            "timeout": self.settings.timeout,
+            "attempts": self.settings.attempts,
+            "labels": {"diloco-run": self.config.run.name, "diloco-replica": spec.replica_id},
+            "namespace": self.settings.namespace,
+        }
+
+    def describe(self, specs: list[ReplicaSpec]) -> list[dict[str, Any]]:
+        masked = dict.fromkeys(self.settings.secrets, "***")
+        return [{"run_job": self._job(spec, masked)} for spec in specs]
+
+    def launch(self, specs: list[ReplicaSpec], run_dir: Path) -> list[ReplicaHandle]:
+        api = self._api()
+        namespace = self.settings.namespace or api.whoami()["name"]
+        secrets = {name: os.environ[name] for name in self.settings.secrets}
+
+        def start_one(spec: ReplicaSpec) -> ReplicaHandle:
+            job = api.run_job(**{**self._job(spec, secrets), "namespace": namespace})
+            reference = {"id": job.id, "namespace": namespace, "url": job.url}
+            return ReplicaHandle(spec.replica_id, self.name, reference)
+
+        return launch_each(specs, start_one, self.stop)
+
+    def state(self, handle: ReplicaHandle) -> JobState:
+        from huggingface_hub.errors import HfHubHTTPError
+
+        try:
+            job = self._api().inspect_job(**_reference(handle))
+        except HfHubHTTPError as exc:
+            status = exc.response.status_code if exc.response is not None else None
+            return "stopped" if status == 404 else "unknown"
+        return STATES.get(str(job.status.stage), "unknown")
+
+    def logs(self, handle: ReplicaHandle) -> str:
+        return "\n".join(self._api().fetch_job_logs(**_reference(handle), follow=False))
+
+    def stop(self, handle: ReplicaHandle) -> None:
+        if self.state(handle) in ("pending", "running"):
+            self._api().cancel_job(**_reference(handle))
+
+
+def _reference(handle: ReplicaHandle) -> dict[str, str]:
+    return {"job_id": handle.job["id"], "namespace": handle.job["namespace"]}

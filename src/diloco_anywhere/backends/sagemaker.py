@@ -1,0 +1,439 @@
+"""Amazon SageMaker: one training job per replica, started with boto3's ``CreateTrainingJob``.
+
+Why boto3 and not the SageMaker Python SDK v3 (``ModelTrainer``): we start a prebuilt image with
+our own entrypoint, one single-instance job per replica. ModelTrainer's value (uploading source,
+recipes, launching distributed training across instances) would go unused, it adds about 1 GB of
+dependencies, and it calls IAM ``SimulatePrincipalPolicy``, which moto does not model, so it
+could not be tested against a local stand-in. boto3 already comes with the S3 store.
+
+Each replica is a job (https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_CreateTrainingJob.html)
+whose ``ContainerEntrypoint`` is the replica command, so the image's own ENTRYPOINT and
+SageMaker's ``train`` argument convention are bypassed; ``Environment`` carries the DILOCO_*
+variables. There are no secrets: the job runs as the execution role (``role_arn``), whose
+policies give the replica the bucket through the container's credentials, which boto3 and s3fs
+find on their own. SageMaker pulls training images from Amazon ECR only (another registry needs
+a VPC, https://docs.aws.amazon.com/sagemaker/latest/dg/docker-containers-adapt-your-own-private-registry.html),
+so the image must be an ECR URI.
+
+With ``spot`` (managed spot training) SageMaker restarts an interrupted job itself, and the
+replica resumes from the run's global checkpoint in the bucket like any new replica; that is
+why ``checkpoint_s3_uri`` (where SageMaker syncs /opt/ml/checkpoints) is optional. Status is
+``DescribeTrainingJob``, logs are CloudWatch Logs (group /aws/sagemaker/TrainingJobs, one stream
+per instance named ``<job>/algo-1-<epoch>``), stop is ``StopTrainingJob``.
+
+Limits (instance types, regions, name and ARN patterns, environment sizes) come from botocore's
+model of the SageMaker API, so they follow the installed SDK rather than a list copied here.
+Every call honours boto3's own configuration, ``AWS_ENDPOINT_URL`` included (tests point it at
+moto's server).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import time
+from functools import cache
+from pathlib import Path
+from secrets import token_hex
+from typing import Annotated, Any
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from diloco_anywhere.backends.base import (
+    BackendSettings,
+    BackendUnavailableError,
+    JobState,
+    ReplicaHandle,
+    ReplicaSpec,
+    backend_settings,
+    image_of,
+    launch_each,
+)
+from diloco_anywhere.config import ConfigError, RunConfig
+
+INSTALL = "pip install 'diloco-anywhere[sagemaker]'"
+LOG_GROUP = "/aws/sagemaker/TrainingJobs"
+# StoppingCondition.MaxRuntimeInSeconds: "The maximum value is 28 days" (API_StoppingCondition)
+MAX_RUNTIME_HOURS = 28 * 24
+MAX_JOB_NAME = 63
+ENDED: dict[str, JobState] = {
+    "Completed": "exited",
+    "Failed": "failed",
+    "Stopping": "stopped",
+    "Stopped": "stopped",
+    "Deleting": "stopped",
+}
+# SecondaryStatus of an InProgress job whose container runs our command; the others (Starting,
+# Downloading, Interrupted: a spot job waiting for capacity, Restarting...) are still pending.
+RUNNING_PHASES = frozenset({"Training", "Uploading"})
+_ECR_HOST = re.compile(r"\d{12}\.dkr[.-]ecr(-fips)?\.[a-z0-9-]+\.(amazonaws\.com(\.cn)?|on\.aws)")
+# Settings checked against a shape of the API model: field -> (shape, an example)
+_SHAPED = {
+    "role_arn": ("RoleArn", "arn:aws:iam::123456789012:role/SageMakerExecution"),
+    "checkpoint_s3_uri": ("S3Uri", "s3://<bucket>/<prefix>"),
+    "output_s3_uri": ("S3Uri", "s3://<bucket>/<prefix>"),
+}
+
+
+class Settings(BackendSettings):
+    # The IAM role the jobs run as: trusted by sagemaker.amazonaws.com, allowed to pull the
+    # image from ECR, write CloudWatch logs and read and write the run's bucket.
+    role_arn: str | None = None
+    instance_type: str = "ml.g5.xlarge"  # botocore's TrainingInstanceType names
+    region: str | None = None  # default: boto3's (AWS_DEFAULT_REGION, ~/.aws/config)
+    spot: bool = False  # managed spot training: cheaper, interruptible, restarted by SageMaker
+    max_runtime_hours: Annotated[float, Field(gt=0, le=MAX_RUNTIME_HOURS)] = 24
+    max_wait_hours: Annotated[float, Field(gt=0)] | None = None  # spot: waiting + running
+    checkpoint_s3_uri: str | None = None  # optional: replicas resume from the bucket anyway
+    output_s3_uri: str | None = None  # default: <run.store>/<run>/sagemaker-output (s3 store)
+    volume_size_gb: Annotated[int, Field(ge=1)] = 100
+
+    @field_validator("instance_type")
+    @classmethod
+    def _known_instance_type(cls, instance_type: str) -> str:
+        allowed = instance_types()
+        if allowed and instance_type not in allowed:
+            raise ValueError(_unknown_instance_type(instance_type, allowed))
+        return instance_type
+
+    @field_validator("region")
+    @classmethod
+    def _known_region(cls, region: str | None) -> str | None:
+        allowed = regions()
+        if region is not None and allowed and region not in allowed:
+            raise ValueError(
+                f"SageMaker has no region {region!r}; choose from {', '.join(allowed)}"
+            )
+        return region
+
+    @field_validator(*_SHAPED)
+    @classmethod
+    def _api_shape(cls, value: str | None, info: ValidationInfo) -> str | None:
+        shape, example = _SHAPED[str(info.field_name)]
+        refused = [] if value is None else refusals(value, shape, "it")
+        if refused:
+            raise ValueError(f"{'; '.join(refused)} (e.g. {example})")
+        return value
+
+    @model_validator(mode="after")
+    def _spot_wait(self) -> Settings:
+        """A spot job's MaxWaitTimeInSeconds (waiting for capacity plus running) must be at
+        least its MaxRuntimeInSeconds; it means nothing without spot."""
+        if not self.spot and self.max_wait_hours is not None:
+            raise ValueError("max_wait_hours applies only with spot = true")
+        if self.spot and (self.max_wait_hours or 0) < self.max_runtime_hours:
+            raise ValueError(
+                f"spot = true needs max_wait_hours (got {self.max_wait_hours}) at least "
+                f"max_runtime_hours ({self.max_runtime_hours:g}): the time a job may wait for "
+                f"spot capacity plus the time it runs"
+            )
+        return self
+
+
+@cache
+def _botocore() -> Any | None:
+    """botocore's session (None without botocore: ``check`` says how to install it)."""
+    try:
+        import botocore.session
+    except ImportError:
+        return None
+    return botocore.session.get_session()
+
+
+@cache
+def _api() -> Any | None:
+    """botocore's model of the SageMaker API."""
+    session = _botocore()
+    return None if session is None else session.get_service_model("sagemaker")
+
+
+def instance_types() -> list[str]:
+    """The training instance types this botocore knows ([] without botocore)."""
+    api = _api()
+    return [] if api is None else list(api.shape_for("TrainingInstanceType").enum)
+
+
+def regions() -> list[str]:
+    """Every region, in every partition, where this botocore knows SageMaker."""
+    session = _botocore()
+    if session is None:
+        return []
+    partitions = session.get_available_partitions()
+    return sorted({r for p in partitions for r in session.get_available_regions("sagemaker", p)})
+
+
+def _unknown_instance_type(instance_type: str, allowed: list[str]) -> str:
+    close = difflib.get_close_matches(instance_type, allowed, n=3)
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    families = sorted({name.rsplit(".", 1)[0] for name in allowed})
+    return (
+        f"SageMaker training has no instance type {instance_type!r}; {hint}the {len(allowed)} "
+        f"botocore knows are ml.<family>.<size> with families {', '.join(families)}"
+    )
+
+
+def refusals(value: Any, shape: str, what: str) -> list[str]:
+    """What the API model's ``shape`` refuses in ``value``: sizes and patterns, which botocore
+    does not check before sending and SageMaker answers with a bare ValidationException."""
+    api = _api()
+    return [] if api is None else _refusals(value, api.shape_for(shape), what)
+
+
+def _refusals(value: Any, shape: Any, what: str) -> list[str]:
+    kind = shape.type_name
+    found = _size(len(value), shape.metadata, what, "entries" if kind in ("list", "map") else "")
+    if kind == "map":
+        for key, item in value.items():
+            found += _refusals(key, shape.key, f"{what} name {key!r:.40}")
+            found += _refusals(item, shape.value, f"{what}[{key!r:.40}]")
+    elif kind == "list":
+        for position, item in enumerate(value):
+            found += _refusals(item, shape.member, f"{what}[{position}]")
+    elif "pattern" in shape.metadata and not re.fullmatch(shape.metadata["pattern"], value):
+        found.append(f"{what} does not match SageMaker's pattern {shape.metadata['pattern']}")
+    return found
+
+
+def _size(size: int, limits: dict[str, Any], what: str, unit: str) -> list[str]:
+    low, high = limits.get("min", 0), limits.get("max")
+    if size >= low and (high is None or size <= high):
+        return []
+    allowed = f"{low} to {high}" if high is not None else f"at least {low}"
+    return [f"{what} has {size} {unit or 'characters'}; SageMaker allows {allowed}"]
+
+
+def job_name(run: str, replica_id: str, suffix: str) -> str:
+    """A TrainingJobName: unique in the account and region for good (SageMaker keeps ended
+    jobs' names), so every launch and restart takes a new ``suffix``; letters, digits and
+    hyphens, at most 63 characters. Other characters become hyphens; the run name is cut."""
+    tail = _hyphenated(f"{replica_id}-{suffix}")
+    head = _hyphenated(run)[: MAX_JOB_NAME - len(tail) - 1].strip("-")
+    return f"{head}-{tail}" if head else tail
+
+
+def _hyphenated(text: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9]+", "-", text).strip("-")
+
+
+def launch_suffix() -> str:
+    """UTC time to the second and 4 random hex digits: job names sort by launch, never clash."""
+    return f"{time.strftime('%y%m%d-%H%M%S', time.gmtime())}-{token_hex(2)}"
+
+
+def job_state(job: dict[str, Any]) -> JobState:
+    """A DescribeTrainingJob answer as a JobState."""
+    status = job["TrainingJobStatus"]
+    if status == "InProgress":
+        return "running" if job.get("SecondaryStatus") in RUNNING_PHASES else "pending"
+    return ENDED.get(status, "unknown")
+
+
+def _config_error(config: RunConfig, field: str, message: str) -> ConfigError:
+    return ConfigError(f"{config.source or 'run.toml'}: backends.sagemaker.{field}: {message}")
+
+
+def ecr_image(config: RunConfig, settings: Settings) -> str:
+    """The image, which SageMaker pulls from Amazon ECR only."""
+    image = image_of(config, settings, SageMakerBackend.name)
+    if not _ECR_HOST.fullmatch(image.split("/", 1)[0]):
+        raise _config_error(config, "image", (
+            f"{image!r} is not in Amazon ECR, the only registry SageMaker training pulls "
+            f"from; push the image to <account>.dkr.ecr.<region>.amazonaws.com/<repository>"
+            f":<tag> and set [backends.sagemaker] image to it"
+        ))  # fmt: skip
+    return image
+
+
+def default_output(config: RunConfig) -> str:
+    """Where SageMaker writes each job's output (required by the API): next to the run's
+    objects when the store is on S3."""
+    store = config.store_url().rstrip("/")
+    if not store.startswith("s3://"):
+        raise _config_error(config, "output_s3_uri", (
+            f"required when run.store is not on S3 ({store.partition(':')[0]}): SageMaker "
+            f"writes each job's output to an s3:// folder, e.g. s3://<bucket>/sagemaker-output"
+        ))  # fmt: skip
+    return f"{store}/{config.run.name}/sagemaker-output"
+
+
+class SageMakerBackend:
+    name = "sagemaker"
+    remote = True
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+        self.settings = backend_settings(config, self.name, Settings)
+        self.image = ecr_image(config, self.settings)
+        self.output_s3_uri = self.settings.output_s3_uri or default_output(config)
+        self._clients: dict[tuple[str, str], Any] = {}
+
+    def check(self) -> None:
+        """boto3, credentials, role, region: in the order a user provides them. Resolves
+        credentials the way boto3 does; starts nothing."""
+        try:
+            import boto3
+            from botocore.exceptions import BotoCoreError
+        except ImportError:
+            raise BackendUnavailableError(f"backend sagemaker needs boto3: {INSTALL}") from None
+        try:
+            credentials = boto3.Session().get_credentials()
+        except BotoCoreError as exc:  # e.g. AWS_PROFILE names a profile that does not exist
+            raise BackendUnavailableError(f"backend sagemaker: AWS credentials: {exc}") from None
+        if credentials is None:
+            raise BackendUnavailableError(
+                "backend sagemaker: no AWS credentials; run `aws configure` (or `aws sso login`)"
+                ", set AWS_PROFILE, or in GitHub Actions assume the OIDC role "
+                "(aws-actions/configure-aws-credentials)"
+            )
+        self._role()
+        self._region()
+
+    def _role(self) -> str:
+        if self.settings.role_arn is None:
+            raise _config_error(self.config, "role_arn", (
+                "required: the IAM role the jobs run as (trusted by sagemaker.amazonaws.com, "
+                "allowed to pull the image, write logs and use the run's bucket), e.g. "
+                f"{_SHAPED['role_arn'][1]}"
+            ))  # fmt: skip
+        return self.settings.role_arn
+
+    def _region(self) -> str:
+        import boto3
+
+        region = self.settings.region or boto3.Session().region_name
+        if not region:
+            raise BackendUnavailableError(
+                "backend sagemaker: no AWS region; set [backends.sagemaker] region (e.g. "
+                "us-east-1), AWS_DEFAULT_REGION, or `aws configure set region`"
+            )
+        return region
+
+    def _client(self, service: str, region: str) -> Any:
+        """One client per service and region for this backend's life (a supervisor asks for
+        states every few seconds)."""
+        if (service, region) not in self._clients:
+            import boto3
+
+            self._clients[service, region] = boto3.Session().client(service, region_name=region)
+        return self._clients[service, region]
+
+    def _stopping_condition(self) -> dict[str, int]:
+        condition = {"MaxRuntimeInSeconds": round(self.settings.max_runtime_hours * 3600)}
+        if self.settings.spot:
+            condition["MaxWaitTimeInSeconds"] = round((self.settings.max_wait_hours or 0) * 3600)
+        return condition
+
+    def _request(self, spec: ReplicaSpec, role: str, suffix: str) -> dict[str, Any]:
+        """CreateTrainingJob's body for one replica: one instance running our command."""
+        entrypoint = spec.command("python")
+        refused = refusals(entrypoint, "TrainingContainerEntrypoint", "ContainerEntrypoint")
+        refused += refusals(spec.env, "TrainingEnvironmentMap", "Environment")
+        if refused:
+            raise ValueError(
+                f"SageMaker would refuse {spec.replica_id}'s job: {'; '.join(refused)}"
+            )
+        settings = self.settings
+        request = {
+            "TrainingJobName": job_name(self.config.run.name, spec.replica_id, suffix),
+            "RoleArn": role,
+            "AlgorithmSpecification": {
+                "TrainingImage": self.image,
+                "TrainingInputMode": "File",
+                "ContainerEntrypoint": entrypoint,
+            },
+            "Environment": dict(spec.env),
+            "OutputDataConfig": {"S3OutputPath": self.output_s3_uri},
+            "ResourceConfig": {
+                "InstanceType": settings.instance_type,
+                "InstanceCount": 1,
+                "VolumeSizeInGB": settings.volume_size_gb,
+            },
+            "StoppingCondition": self._stopping_condition(),
+            "EnableManagedSpotTraining": settings.spot,
+            "Tags": [
+                {"Key": "diloco:run", "Value": self.config.run.name},
+                {"Key": "diloco:replica", "Value": spec.replica_id},
+            ],
+        }
+        if settings.checkpoint_s3_uri:
+            request["CheckpointConfig"] = {"S3Uri": settings.checkpoint_s3_uri}
+        return request
+
+    def _requests(self, specs: list[ReplicaSpec]) -> list[dict[str, Any]]:
+        role, suffix = self._role(), launch_suffix()
+        return [self._request(spec, role, suffix) for spec in specs]
+
+    def describe(self, specs: list[ReplicaSpec]) -> list[dict[str, Any]]:
+        """The CreateTrainingJob bodies (there is no secret to mask); job names get a new
+        time and random suffix at each call, as at each launch."""
+        return [{"CreateTrainingJob": request} for request in self._requests(specs)]
+
+    def launch(self, specs: list[ReplicaSpec], run_dir: Path) -> list[ReplicaHandle]:
+        region = self._region()
+        client = self._client("sagemaker", region)
+        requests = dict(zip((s.replica_id for s in specs), self._requests(specs), strict=True))
+
+        def start_one(spec: ReplicaSpec) -> ReplicaHandle:
+            request = requests[spec.replica_id]
+            arn = client.create_training_job(**request)["TrainingJobArn"]
+            job = {"name": request["TrainingJobName"], "region": region, "arn": arn}
+            return ReplicaHandle(spec.replica_id, self.name, job)
+
+        return launch_each(specs, start_one, self.stop)
+
+    def _describe(self, handle: ReplicaHandle) -> dict[str, Any] | None:
+        """DescribeTrainingJob, or None for a job SageMaker does not know (deleted)."""
+        client = self._client("sagemaker", handle.job["region"])
+        try:
+            return client.describe_training_job(TrainingJobName=handle.job["name"])
+        except client.exceptions.ClientError as exc:
+            if _not_found(exc):
+                return None
+            raise
+
+    def state(self, handle: ReplicaHandle) -> JobState:
+        job = self._describe(handle)
+        return "unknown" if job is None else job_state(job)
+
+    def logs(self, handle: ReplicaHandle) -> str:
+        """The latest page (up to 1 MB) of each of the job's streams, one per instance start."""
+        name, client = handle.job["name"], self._client("logs", handle.job["region"])
+        try:
+            streams = client.describe_log_streams(
+                logGroupName=LOG_GROUP, logStreamNamePrefix=f"{name}/"
+            )["logStreams"]
+        except client.exceptions.ResourceNotFoundException:  # no job has logged yet
+            streams = []
+        messages = [
+            event["message"]
+            for stream in streams
+            for event in client.get_log_events(
+                logGroupName=LOG_GROUP, logStreamName=stream["logStreamName"], startFromHead=False
+            )["events"]
+        ]
+        if not messages:
+            return f"(no log events yet in CloudWatch Logs {LOG_GROUP} for {name}/*)\n"
+        return "\n".join(messages) + "\n"
+
+    def stop(self, handle: ReplicaHandle) -> None:
+        """StopTrainingJob if the job is in progress; SageMaker refuses it for any other job
+        (ValidationException), which we take as done, the job having ended meanwhile."""
+        job = self._describe(handle)
+        if job is None or job["TrainingJobStatus"] != "InProgress":
+            return
+        client = self._client("sagemaker", handle.job["region"])
+        try:
+            client.stop_training_job(TrainingJobName=handle.job["name"])
+        except client.exceptions.ClientError as exc:
+            if exc.response["Error"]["Code"] != "ValidationException":
+                raise
+
+
+def _not_found(exc: Any) -> bool:
+    """The API models ResourceNotFound; SageMaker (and moto) answer a ValidationException
+    saying the job is not found."""
+    error = exc.response["Error"]
+    message = str(error.get("Message", "")).lower()
+    return error["Code"] == "ResourceNotFound" or (
+        error["Code"] == "ValidationException" and ("not found" in message or "find" in message)
+    )

@@ -1,0 +1,67 @@
+"""run.toml in the store: how a replica on another platform gets the run's configuration.
+
+A remote replica starts the project image, which has no copy of the user's run.toml (and should
+not need a rebuild when it changes). The launcher therefore writes the validated configuration
+to ``{run}/configs/{crc32c:08x}.toml``, content-addressed and create-only, and passes that key
+in ``DILOCO_CONFIG_KEY``. The replica reads it back, checks the CRC32C against the key and
+validates it like a file. A relaunch with a changed run.toml writes a new key; replicas of the
+earlier launch keep reading the one they were started with. run.toml holds no secrets.
+"""
+
+from __future__ import annotations
+
+import re
+
+import crc32c
+import tomli_w
+
+from diloco_anywhere.config import ConfigError, RunConfig, parse_config
+from diloco_anywhere.layout import RunLayout
+from diloco_anywhere.store import Store
+
+ENV_CONFIG_KEY = "DILOCO_CONFIG_KEY"
+_KEY = re.compile(r"(?P<run>[^/]+)/configs/(?P<crc>[0-9a-f]{8})\.toml")
+
+
+def config_text(config: RunConfig) -> bytes:
+    """The configuration as replicas will load it (defaults filled in, store made absolute)."""
+    data = config.model_dump(exclude={"source"})
+    data["run"]["store"] = config.store_url()
+    return tomli_w.dumps(data).encode()
+
+
+def config_key(config: RunConfig) -> str:
+    text = config_text(config)
+    return f"{RunLayout(config.run.name).run}/configs/{crc32c.crc32c(text):08x}.toml"
+
+
+def publish_config(store: Store, config: RunConfig) -> str:
+    """Write the configuration (once; the same bytes again are a no-op) and return its key."""
+    key = config_key(config)
+    store.put(key, config_text(config))
+    return key
+
+
+def read_config(store: Store, key: str) -> RunConfig:
+    """The configuration a launcher published under ``key``, checked and validated."""
+    match = _KEY.fullmatch(key)
+    if match is None:
+        raise ConfigError(
+            f"${ENV_CONFIG_KEY} = {key!r}: expected '<run>/configs/<8 hex digits>.toml', "
+            f"as `diloco launch` sets it"
+        )
+    where = f"{store.url}/{key}"
+    try:
+        data = store.get(key)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{where}: not found; the launcher publishes it before starting replicas, so the "
+            f"run's objects were deleted (diloco launch --fresh?) after this replica was started"
+        ) from None
+    if f"{crc32c.crc32c(data):08x}" != match["crc"]:
+        raise ConfigError(f"{where}: CRC32C {crc32c.crc32c(data):08x} does not match the key")
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{where}: not UTF-8 text") from None
+    return parse_config(text, where)

@@ -1,0 +1,146 @@
+"""A stand-in for the Hugging Face Jobs API, for the real ``huggingface_hub`` client.
+
+It serves the routes ``HfApi.run_job``, ``inspect_job``, ``fetch_job_logs`` and ``cancel_job``
+use (``/api/jobs/{namespace}[/{id}[/cancel|/logs]]``, and ``/api/whoami-v2`` for the default
+namespace), with the request and response shapes of huggingface_hub 2.x, and runs each job's
+command as a local process (``standin_jobs.ContainerProcess``) with the job's environment and
+secrets. Not modelled: images (this Python runs every job), flavors and their hardware, timeouts,
+attempts (a failed job is not restarted), scheduling delay, authentication beyond requiring a
+bearer token.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+from typing import Any
+
+from standin_jobs import ContainerProcess, RecordingServer
+
+USER = "alice"
+
+
+def _timestamp() -> str:
+    """UTC, as the hub writes it (huggingface_hub parses exactly this shape)."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class _Job:
+    def __init__(self, job_id: str, namespace: str, spec: dict[str, Any], folder: Path) -> None:
+        self.id, self.namespace, self.spec = job_id, namespace, spec
+        self.created = _timestamp()
+        env = {**spec.get("environment", {}), **spec.get("secrets", {})}
+        self.container = ContainerProcess(spec["command"], env, folder / f"{job_id}.log")
+
+    def stage(self) -> str:
+        code = self.container.exit_code()
+        if self.container.cancelled:
+            return "CANCELED"
+        return "RUNNING" if code is None else ("COMPLETED" if code == 0 else "ERROR")
+
+    def info(self) -> dict[str, Any]:
+        """JobInfo as the hub returns it: secrets by name only."""
+        return {
+            "id": self.id,
+            "createdAt": self.created,
+            "dockerImage": self.spec.get("dockerImage"),
+            "command": self.spec["command"],
+            "arguments": self.spec.get("arguments", []),
+            "environment": self.spec.get("environment", {}),
+            "secrets": sorted(self.spec.get("secrets", {})),
+            "flavor": self.spec["flavor"],
+            "labels": self.spec.get("labels"),
+            "owner": {"id": "0", "name": self.namespace, "type": "user"},
+            "status": {"stage": self.stage(), "message": None},
+        }
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: HfJobsStandIn
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: object) -> None:  # quiet
+        pass
+
+    def _reply(self, status: int, body: object, content_type: str = "application/json") -> None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _body(self) -> Any:
+        length = int(self.headers.get("Content-Length") or 0)
+        return json.loads(self.rfile.read(length)) if length else None
+
+    def _route(self, method: str) -> None:
+        body = self._body() if method == "POST" else None
+        self.server.requests.append((method, self.path, body))
+        if not self.headers.get("Authorization", "").startswith("Bearer "):
+            return self._reply(401, {"error": "no token"})
+        parts = self.path.split("?")[0].strip("/").split("/")
+        if parts == ["api", "whoami-v2"]:
+            return self._reply(200, {"name": USER, "type": "user"})
+        if parts[:2] != ["api", "jobs"] or len(parts) < 3:
+            return self._reply(404, {"error": f"no route {self.path}"})
+        if len(parts) == 3 and method == "POST":
+            return self._reply(200, self.server.create(parts[2], body).info())
+        job = self.server.jobs.get(parts[3]) if len(parts) > 3 else None
+        if job is None or job.namespace != parts[2]:
+            return self._reply(404, {"error": "Job not found"})
+        if len(parts) == 4 and method == "GET":
+            return self._reply(200, job.info())
+        if parts[4:] == ["cancel"] and method == "POST":
+            job.container.cancel()
+            return self._reply(200, {})
+        if parts[4:] == ["logs"] and method == "GET":
+            return self._reply(200, _events(job.container.output()), "text/event-stream")
+        return self._reply(404, {"error": f"no route {self.path}"})
+
+    def do_GET(self) -> None:
+        self._route("GET")
+
+    def do_POST(self) -> None:
+        self._route("POST")
+
+
+def _events(output: str) -> bytes:
+    """Log lines as the hub streams them: server-sent events with a timestamp each."""
+    now = _timestamp()
+    lines = ["===== Job started =====", *output.splitlines()]
+    return "".join(
+        f"data: {json.dumps({'timestamp': now, 'data': line})}\n\n" for line in lines
+    ).encode()
+
+
+class HfJobsStandIn(RecordingServer):
+    def __init__(self, folder: Path) -> None:
+        super().__init__(_Handler)
+        self.folder = folder
+        self.jobs: dict[str, _Job] = {}
+
+    def create(self, namespace: str, spec: dict[str, Any]) -> _Job:
+        job = _Job(f"{len(self.jobs) + 1:024x}", namespace, spec, self.folder)
+        self.jobs[job.id] = job
+        return job
+
+    def created(self) -> list[dict[str, Any]]:
+        """The bodies of every job creation request, in order."""
+        return [body for method, path, body in self.requests
+                if method == "POST" and path.count("/") == 3]  # fmt: skip
+
+
+@contextmanager
+def hf_jobs_api() -> Iterator[HfJobsStandIn]:
+    with tempfile.TemporaryDirectory() as folder, HfJobsStandIn(Path(folder)) as server:
+        try:
+            yield server
+        finally:
+            for job in server.jobs.values():
+                job.container.kill()

@@ -1,0 +1,136 @@
+"""The HF Jobs launcher with the real huggingface_hub client, against a local Jobs API that
+runs each job's command as a process (``hf_jobs_standin.py``)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from diloco_anywhere.backends.base import BackendUnavailableError
+from diloco_anywhere.backends.hf_jobs import HfJobsBackend
+from diloco_anywhere.config import ConfigError, load_config, parse_config
+from diloco_anywhere.launch import plan_launch, run_metrics, start
+from hf_jobs_standin import USER, hf_jobs_api
+from test_launch import RUN_TOML
+
+SECRETS = ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION"]
+HF_JOBS = f"""
+[image]
+ref = "ghcr.io/acme/run:1"
+[backends.hf_jobs]
+flavor = "a100-large"
+timeout = "2d"
+attempts = 2
+secrets = {json.dumps(SECRETS)}
+"""
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # the run folder (.diloco/<run>) goes here
+    with hf_jobs_api() as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setenv("HF_TOKEN", "hf_standin_token")
+        yield server
+
+
+def write_run(tmp_path, store: str, replicas: int = 2, outer_steps: int = 2) -> str:
+    text = RUN_TOML.format(replicas=replicas, outer_steps=outer_steps).replace(
+        'store = "store"', f'store = "{store}"'
+    )
+    (tmp_path / "run.toml").write_text(text + HF_JOBS)
+    return str(tmp_path / "run.toml")
+
+
+def wait_for(backend, handles, states, seconds=180.0):
+    deadline = time.monotonic() + seconds
+    while {backend.state(handle) for handle in handles} - set(states):
+        assert time.monotonic() < deadline, [backend.state(handle) for handle in handles]
+        time.sleep(0.5)
+
+
+def test_describe_gives_run_job_arguments_with_secret_values_masked(tmp_path, s3_run):
+    plan = plan_launch(load_config(write_run(tmp_path, s3_run[0])), {"hf_jobs": 2})
+    jobs = [item["run_job"] for item in plan.backends["hf_jobs"].describe(list(plan.specs))]
+    assert [job["env"]["DILOCO_REPLICA_ID"] for job in jobs] == ["hf_jobs-0", "hf_jobs-1"]
+    assert jobs[0]["image"] == "ghcr.io/acme/run:1"
+    assert jobs[0]["command"] == ["python", "-m", "diloco_anywhere.replica"]
+    assert jobs[0]["env"]["DILOCO_CONFIG_KEY"] == plan.config_key
+    assert (jobs[0]["flavor"], jobs[0]["timeout"], jobs[0]["attempts"]) == ("a100-large", "2d", 2)
+    assert jobs[0]["secrets"] == dict.fromkeys(SECRETS, "***")
+    assert "testing" not in json.dumps(jobs)  # the credentials' values
+
+
+def test_replicas_run_as_jobs_and_the_hub_gets_what_describe_said(tmp_path, s3_run, hub):
+    store, credentials = s3_run
+    config = load_config(write_run(tmp_path, store))
+    plan = plan_launch(config, {"hf_jobs": 2})
+    backend = plan.backends["hf_jobs"]
+    handles = start(plan)["hf_jobs"][1]
+    assert [handle.job["namespace"] for handle in handles] == [USER, USER]  # from whoami
+
+    bodies = hub.created()
+    described = [item["run_job"] for item in backend.describe(list(plan.specs))]
+    for body, job in zip(bodies, described, strict=True):
+        assert body["dockerImage"] == job["image"]
+        assert body["command"] == job["command"]
+        assert body["environment"] == job["env"]
+        assert body["flavor"] == "a100-large"
+        assert body["timeoutSeconds"] == 2 * 86400  # not the hub's 30-minute default
+        assert body["attempts"] == 2
+        assert body["secrets"] == credentials  # values only in the request to the hub
+        assert body["labels"]["diloco-replica"] == job["env"]["DILOCO_REPLICA_ID"]
+
+    wait_for(backend, handles, {"exited"})
+    metrics = run_metrics(config).read()
+    assert {replica: m.state() for replica, m in metrics.items()} == {
+        "hf_jobs-0": "done", "hf_jobs-1": "done",
+    }  # fmt: skip
+    assert {m.platform for m in metrics.values()} == {"hf_jobs"}
+    assert "done:" in backend.logs(handles[0])
+    assert "testing" not in backend.logs(handles[0])
+    backend.stop(handles[0])  # an ended job: nothing to cancel
+    assert not [path for method, path, _ in hub.requests if path.endswith("/cancel")]
+
+
+def test_stop_cancels_a_running_job(tmp_path, s3_run, hub):
+    config = load_config(write_run(tmp_path, s3_run[0], replicas=2, outer_steps=500))
+    plan = plan_launch(config, {"hf_jobs": 1})  # 1 of min_replicas 2: it waits, running
+    backend = plan.backends["hf_jobs"]
+    (handle,) = start(plan)["hf_jobs"][1]
+    assert backend.state(handle) == "running"
+    backend.stop(handle)
+    wait_for(backend, [handle], {"stopped"}, seconds=30)
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ('flavor = "h100"', "backends.hf_jobs.flavor = 'h100': HF Jobs has no "
+         "flavor 'h100'; choose from cpu-basic"),
+        ('timeout = "forever"', "backends.hf_jobs.timeout = 'forever': give seconds"),
+        ("attempts = 0", "backends.hf_jobs.attempts = 0: Input should be greater than or equal"),
+        ('secrets = ["AWS KEY"]', "['AWS KEY'] are not environment variable names"),
+        ("gpus = 8", "backends.hf_jobs.gpus = 8: Extra inputs are not permitted"),
+    ],
+)  # fmt: skip
+def test_bad_settings_are_refused_naming_the_field(setting, message):
+    config = parse_config(f"[backends.hf_jobs]\n{setting}\n", "run.toml")
+    with pytest.raises(ConfigError) as error:
+        HfJobsBackend(config)
+    assert message in str(error.value)
+
+
+def test_check_says_what_is_missing_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # no saved login either
+    config = parse_config('[backends.hf_jobs]\nsecrets = ["NOT_SET_HERE"]\n', "run.toml")
+    with pytest.raises(BackendUnavailableError, match="no Hugging Face token") as error:
+        HfJobsBackend(config).check()
+    assert "\n" not in str(error.value)
+    monkeypatch.setenv("HF_TOKEN", "hf_x")
+    monkeypatch.delenv("NOT_SET_HERE", raising=False)
+    with pytest.raises(BackendUnavailableError, match="names NOT_SET_HERE, not set here"):
+        HfJobsBackend(config).check()

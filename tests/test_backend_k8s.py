@@ -1,0 +1,359 @@
+"""The Kubernetes backend: rendered Indexed Jobs checked against the API's schemas, and launches
+through the real ``kubernetes`` client against a stand-in API server that runs the pods here
+(``k8s_standin.py``)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+
+from diloco_anywhere.backends.base import BackendUnavailableError, ReplicaHandle
+from diloco_anywhere.backends.k8s import (
+    KubernetesBackend,
+    api_client,
+    generate_name,
+    label_value,
+    parse_indexes,
+)
+from diloco_anywhere.config import ConfigError, load_config
+from diloco_anywhere.launch import plan_launch, run_metrics, start
+from diloco_anywhere.standins import StandIn, moto_s3
+
+kubernetes = pytest.importorskip("kubernetes", reason="the k8s extra is not installed")
+from k8s_standin import K8sStandIn, k8s_api  # noqa: E402
+
+RUN_TOML = """
+[run]
+name = "{name}"
+store = "s3://diloco"
+replicas = {replicas}
+min_replicas = {replicas}
+[diloco]
+sync_every = 5
+outer_steps = {outer_steps}
+inner_lr = 3e-3
+[sync]
+grace = 2.0
+timeout = 60.0
+lease_period = 1.0
+[task]
+log_every = 1
+eval_every = 2
+[task.options]
+preset = "tiny"
+batch_size = 4
+corpus_bytes = 300000
+[image]
+ref = "ghcr.io/acme/run:1"
+[backends.k8s]
+{backend}
+"""
+SECRET_VALUE = "do-not-leak-this"
+STORE_SECRET = "store-creds"
+
+
+def write_config(folder: Path, backend: str, name: str = "t", replicas: int = 2, outer=2):
+    path = folder / f"{name}.toml"
+    path.write_text(
+        RUN_TOML.format(name=name, replicas=replicas, outer_steps=outer, backend=backend)
+    )
+    return load_config(path)
+
+
+def wait_for(read: Callable[[], Any], done: Callable[[Any], bool], timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while not done(value := read()) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    return value
+
+
+def test_the_rendered_job_is_a_valid_indexed_job_with_gpus_torchrun_and_kueue(
+    tmp_path, monkeypatch
+):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_VALUE)  # the launcher's own: stays here
+    settings = f"""gpus_per_pod = 2
+processes_per_replica = 2
+queue = "team-a"
+secret = "{STORE_SECRET}"
+service_account = "trainer"
+backoff_limit_per_index = 5
+cpu = "8"
+memory = "32Gi"
+"""
+    config = write_config(tmp_path, settings, name="My_Run.v2", replicas=3)
+    plan = plan_launch(config, {"k8s": 3}, root=tmp_path)
+    [job] = plan.backends["k8s"].describe(list(plan.specs))
+
+    for version in ("1.33.0", kubernetes_validate.latest_version()):
+        kubernetes_validate.validate(job, version, strict=True)
+    assert job["metadata"]["generateName"] == "diloco-my-run-v2-"
+    assert job["metadata"]["labels"] == {
+        "diloco.run": "My_Run.v2",
+        "diloco.platform": "k8s",
+        "kueue.x-k8s.io/queue-name": "team-a",
+    }
+    assert "suspend" not in job["spec"]  # Kueue's webhook suspends it until admitted
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed"
+    assert spec["completions"] == spec["parallelism"] == 3
+    assert spec["backoffLimitPerIndex"] == 5
+    assert "maxFailedIndexes" not in spec  # one replica out of retries leaves the others be
+    pod = spec["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    assert pod["serviceAccountName"] == "trainer"
+    [container] = pod["containers"]
+    assert container["image"] == "ghcr.io/acme/run:1"
+    assert container["resources"] == {
+        "limits": {"nvidia.com/gpu": "2"},
+        "requests": {"cpu": "8", "memory": "32Gi"},
+    }
+    assert container["command"][:4] == ["python", "-m", "torch.distributed.run", "--standalone"]
+    assert "--nproc-per-node=2" in container["command"]
+    assert container["command"][-2:] == ["-m", "diloco_anywhere.replica"]
+    assert container["envFrom"] == [{"secretRef": {"name": STORE_SECRET}}]
+    env = {item["name"]: item["value"] for item in container["env"]}
+    assert env["DILOCO_REPLICA_INDEX_BASE"] == "0"
+    assert env["DILOCO_PLATFORM"] == "k8s"
+    assert env["DILOCO_REPLICAS"] == "3"
+    assert "DILOCO_REPLICA_ID" not in env
+    assert "DILOCO_REPLICA_INDEX" not in env  # each pod derives both from its index
+    assert SECRET_VALUE not in json.dumps(job)
+    assert "AWS_SECRET_ACCESS_KEY" not in json.dumps(job)
+
+
+def test_a_cpu_job_without_extras_has_no_resources_or_secret(tmp_path):
+    config = write_config(tmp_path, "gpus_per_pod = 0")
+    plan = plan_launch(config, {"k8s": 2}, root=tmp_path)
+    [job] = plan.backends["k8s"].describe(list(plan.specs))
+    [container] = job["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["python", "-m", "diloco_anywhere.replica"]
+    assert not {"resources", "envFrom", "volumeMounts"} & container.keys()
+    assert "kueue.x-k8s.io/queue-name" not in job["metadata"]["labels"]
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ("gpus_per_pod = -1", "backends.k8s.gpus_per_pod = -1: Input should be greater"),
+        ("gpu = 1", "backends.k8s.gpu = 1: Extra inputs are not permitted"),
+        ('namespace = "Team_A"', "backends.k8s.namespace = 'Team_A': must be a DNS-1123 label"),
+        ('secret = "Store Creds"', "backends.k8s.secret = 'Store Creds': must be a DNS-1123"),
+        ('memory = "lots"', "backends.k8s.memory = 'lots': must be a Kubernetes quantity"),
+        ("backoff_limit_per_index = -2", "backends.k8s.backoff_limit_per_index = -2"),
+        (
+            "gpus_per_pod = 2\nprocesses_per_replica = 4",
+            "processes_per_replica (4) must be at most gpus_per_pod (2)",
+        ),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_field(tmp_path, settings, expected):
+    with pytest.raises(ConfigError, match="k8s") as refused:
+        KubernetesBackend(write_config(tmp_path, settings))
+    assert expected in str(refused.value)
+
+
+def test_one_job_needs_the_replicas_k8s_0_to_n_with_consecutive_indexes(tmp_path):
+    plan = plan_launch(write_config(tmp_path, "", replicas=3), {"k8s": 3}, root=tmp_path)
+    with pytest.raises(ValueError, match=r"expected ids k8s-0\.\.k8s-1 .* got \[\('k8s-1', 1\)"):
+        plan.backends["k8s"].describe(list(plan.specs[1:]))
+
+
+@pytest.mark.parametrize(
+    ("run", "expected"),
+    [("t", "diloco-t-"), ("_Ab.c_d=e", "diloco-ab-c-d-e-"), ("x" * 128, f"diloco-{'x' * 39}-")],
+)
+def test_job_names_are_dns_labels_that_leave_room_for_the_pod_index(run, expected):
+    name = generate_name(run) + "b2c4d"  # the API server's suffix
+    assert generate_name(run) == expected
+    assert len(name) <= 52
+    assert label_value(run) == run.replace("=", "-")[:63].strip("_")
+
+
+def test_index_ranges_of_a_job_status_are_read():
+    assert parse_indexes("0-2,4,7-8") == {0, 1, 2, 4, 7, 8}
+    assert parse_indexes(None) == parse_indexes("") == set()
+
+
+def test_check_without_a_kubeconfig_or_a_cluster_says_so_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    backend = KubernetesBackend(write_config(tmp_path, ""))
+    with pytest.raises(BackendUnavailableError) as unavailable:
+        backend.check()
+    message = str(unavailable.value)
+    assert "\n" not in message
+    assert str(tmp_path / "missing") in message
+    assert "not a pod in a cluster" in message
+    assert "$KUBECONFIG" in message
+
+
+def test_check_without_the_client_says_how_to_install_it(tmp_path, monkeypatch):
+    backend = KubernetesBackend(write_config(tmp_path, ""))
+    monkeypatch.setitem(sys.modules, "kubernetes", None)  # as if not installed
+    with pytest.raises(BackendUnavailableError, match=r"pip install 'diloco-anywhere\[k8s\]'"):
+        backend.check()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tuple[StandIn, K8sStandIn]]:
+    """A bucket and a Kubernetes API whose pods run here, shared by this module's tests."""
+    with moto_s3() as s3, k8s_api() as api:
+        yield s3, api
+
+
+@pytest.fixture
+def kube(cluster, monkeypatch) -> K8sStandIn:
+    """The stand-in as the current cluster, its bucket's credentials in a Secret for the pods
+    and in this process's environment for the launcher (which publishes run.toml) and the
+    test (which reads the metrics)."""
+    s3, api = cluster
+    store_env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_ENDPOINT_URL": s3.storage_options["endpoint_url"],
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
+    for name, value in store_env.items():
+        monkeypatch.setenv(name, value)
+    if ("default", STORE_SECRET) not in api.secrets:
+        client = api_client(None)  # the backend's: kubernetes 36.0.0 needs its token fix
+        data = {
+            name: base64.b64encode(value.encode()).decode() for name, value in store_env.items()
+        }
+        kubernetes.client.CoreV1Api(client).create_namespaced_secret(
+            "default", {"metadata": {"name": STORE_SECRET}, "data": data}
+        )
+    return api
+
+
+def states_of(backend: KubernetesBackend, handles: list[ReplicaHandle], seen: set[str]):
+    states = [backend.state(handle) for handle in handles]
+    seen.update(states)
+    return states
+
+
+def ended(states: list[str]) -> bool:
+    return all(state in ("exited", "failed", "stopped") for state in states)
+
+
+def test_a_server_side_dry_run_creates_nothing(tmp_path, kube):
+    config = write_config(tmp_path, f'secret = "{STORE_SECRET}"')
+    plan = plan_launch(config, {"k8s": 2}, root=tmp_path)
+    backend = plan.backends["k8s"]
+    [manifest] = backend.describe(list(plan.specs))
+    jobs_before = len(kube.jobs)
+
+    answer = backend.submit(manifest, dry_run=True)
+
+    assert answer["metadata"]["name"].startswith("diloco-t-")
+    method, path, body = kube.requests[-1]
+    assert method == "POST"
+    assert parse_qs(urlsplit(path).query)["dryRun"] == ["All"]
+    assert body == manifest  # what describe shows is what is sent
+    assert len(kube.jobs) == jobs_before
+    assert kube.running() == 0
+    job = {"namespace": "default", "name": answer["metadata"]["name"], "index": 0}
+    handle = ReplicaHandle("k8s-0", "k8s", job)
+    assert backend.state(handle) == "stopped"  # no such Job
+
+
+def test_a_two_replica_run_on_the_cluster_finishes(tmp_path, kube):
+    settings = f'secret = "{STORE_SECRET}"\ngpus_per_pod = 0\ncontext = "standin"'
+    config = write_config(tmp_path, settings)
+    plan = plan_launch(config, {"k8s": 2}, root=tmp_path)
+
+    backend, handles = start(plan)["k8s"]
+
+    assert [h.job["index"] for h in handles] == [0, 1]
+    assert {h.job["context"] for h in handles} == {"standin"}
+    assert len({h.job["name"] for h in handles}) == 1  # one Indexed Job
+    seen: set[str] = set()
+    states = wait_for(lambda: states_of(backend, handles, seen), ended, timeout=80)
+    assert "running" in seen
+    logs = backend.logs(handles[0])
+    assert states == ["exited", "exited"], logs
+    metrics = run_metrics(config).read()
+    assert {replica: m.state() for replica, m in metrics.items()} == {
+        "k8s-0": "done",
+        "k8s-1": "done",
+    }
+    assert {m.platform for m in metrics.values()} == {"k8s"}
+    assert "replica k8s-0 done" in logs
+    assert "\n" in logs  # text, not the repr of bytes
+    assert "replica k8s-1 done" in backend.logs(handles[1])
+    jobs_sent = [body for method, path, body in kube.requests if "/jobs" in path]
+    assert jobs_sent
+    assert "testing" not in json.dumps([jobs_sent, [h.job for h in handles]])  # the Secret's
+
+    deletes = sum(method == "DELETE" for method, _, _ in kube.requests)
+    for handle in handles:
+        backend.stop(handle)  # the Job has ended: left as it is
+    assert sum(method == "DELETE" for method, _, _ in kube.requests) == deletes
+    assert [backend.state(h) for h in handles] == ["exited", "exited"]
+
+
+def test_a_replica_that_refuses_its_config_fails_without_retries(tmp_path, kube):
+    """Launched without publishing run.toml, replicas cannot read it and exit 2, which the
+    pod failure policy does not retry."""
+    settings = f'secret = "{STORE_SECRET}"\nbackoff_limit_per_index = 3'
+    plan = plan_launch(write_config(tmp_path, settings, name="broken"), {"k8s": 2}, tmp_path)
+    backend = plan.backends["k8s"]
+    handles = backend.launch(list(plan.specs), tmp_path)
+
+    states = wait_for(lambda: states_of(backend, handles, set()), ended, timeout=40)
+
+    assert states == ["failed", "failed"]
+    status = kube.jobs[("default", handles[0].job["name"])].manifest["status"]
+    assert status["failedIndexes"] == "0-1"
+    assert status["failed"] == 2  # one pod per index
+    assert "broken/configs/" in backend.logs(handles[1])  # its error: not found
+
+
+def test_a_crashing_replica_is_retried_alone_then_failed(tmp_path, kube):
+    """Index 0 crashes (exit 1) every time, index 1 succeeds: index 0 gets its own retries
+    and fails; index 1 is not disturbed."""
+    config = write_config(tmp_path, "backoff_limit_per_index = 1")
+    plan = plan_launch(config, {"k8s": 2}, root=tmp_path)
+    backend = plan.backends["k8s"]
+    [manifest] = backend.describe(list(plan.specs))
+    crash = "import os, sys; sys.exit(os.environ['JOB_COMPLETION_INDEX'] == '0')"
+    manifest["spec"]["template"]["spec"]["containers"][0]["command"] = ["python", "-c", crash]
+    name = backend.submit(manifest, dry_run=False)["metadata"]["name"]
+    handles = [
+        ReplicaHandle(f"k8s-{k}", "k8s", {"namespace": "default", "name": name, "index": k})
+        for k in (0, 1)
+    ]
+
+    states = wait_for(lambda: states_of(backend, handles, set()), ended, timeout=20)
+
+    assert states == ["failed", "exited"]
+    status = kube.jobs[("default", name)].manifest["status"]
+    assert (status["failedIndexes"], status["completedIndexes"]) == ("0", "1")
+    assert status["failed"] == 2  # the first pod of index 0 and its one retry
+    assert status["conditions"][0]["type"] == "Failed"
+
+
+def test_stop_deletes_a_running_job_and_its_pods(tmp_path, kube):
+    config = write_config(tmp_path, f'secret = "{STORE_SECRET}"', name="long", outer=500)
+    backend, handles = start(plan_launch(config, {"k8s": 2}, root=tmp_path))["k8s"]
+    assert wait_for(lambda: backend.state(handles[0]), lambda s: s == "running", 30) == "running"
+
+    backend.stop(handles[0])
+    backend.stop(handles[1])  # the Job is gone already: nothing to do
+
+    assert [backend.state(h) for h in handles] == ["stopped", "stopped"]
+    name = handles[0].job["name"]
+    [(_, path, _)] = [r for r in kube.requests if r[0] == "DELETE" and name in r[1]]
+    assert parse_qs(urlsplit(path).query)["propagationPolicy"] == ["Background"]
+    assert wait_for(kube.running, lambda running: running == 0, 20) == 0

@@ -1,0 +1,294 @@
+"""The SageMaker launcher against moto's server, which serves SageMaker, CloudWatch Logs and S3.
+
+boto3 honours ``AWS_ENDPOINT_URL``, so the real client talks to moto. What moto models of
+SageMaker training jobs (5.2): CreateTrainingJob, DescribeTrainingJob, ListTags. It completes
+every job at once, keeps AlgorithmSpecification (ContainerEntrypoint included, plus its own
+MetricDefinitions) but drops Environment, and does not implement StopTrainingJob (HTTP 500).
+So the states seen here are Completed and unknown; the InProgress mapping is checked on
+DescribeTrainingJob answers as SageMaker documents them, and Environment on ``describe()``,
+whose bodies are what ``launch`` sends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+
+import boto3
+import pytest
+import tomli_w
+
+from diloco_anywhere.backends.base import BackendUnavailableError, ReplicaHandle
+from diloco_anywhere.backends.sagemaker import LOG_GROUP, MAX_JOB_NAME, job_state
+from diloco_anywhere.config import ConfigError, load_config
+from diloco_anywhere.launch import load_handles, plan_launch, start
+from proxy import Fault, FaultProxy
+
+ECR_IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/diloco:1"
+ROLE = "arn:aws:iam::123456789012:role/diloco/sagemaker"
+BASE = {"image": ECR_IMAGE, "role_arn": ROLE}
+SETTINGS = {
+    **BASE,
+    "instance_type": "ml.g5.12xlarge",
+    "processes_per_replica": 2,
+    "spot": True,
+    "max_runtime_hours": 2,
+    "max_wait_hours": 3,
+    "checkpoint_s3_uri": "s3://diloco/checkpoints",
+}
+JOB_NAME = re.compile(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}")  # TrainingJobName in the API model
+
+
+@pytest.fixture
+def aws(s3_run, tmp_path, monkeypatch) -> str:
+    """moto as the AWS endpoint, with its dummy credentials; nothing read from ~/.aws. Returns
+    a fresh s3:// store prefix."""
+    store, _ = s3_run
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "missing-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "missing-credentials"))
+    return store
+
+
+def plan(tmp_path, store: str, settings: dict = SETTINGS, name: str = "t"):
+    """A launch of 2 SageMaker replicas of run ``name`` (plan_launch validates the settings)."""
+    config = {
+        "run": {"name": name, "store": store, "replicas": 2},
+        "image": {"ref": "ghcr.io/acme/run:1"},
+        "backends": {"sagemaker": settings},
+    }
+    path = tmp_path / "run.toml"
+    path.write_text(tomli_w.dumps(config))
+    return plan_launch(load_config(path), {"sagemaker": 2}, root=tmp_path)
+
+
+def sagemaker():
+    return boto3.client("sagemaker", region_name="us-east-1")
+
+
+def bodies(described: list[dict]) -> list[dict]:
+    return [item["CreateTrainingJob"] for item in described]
+
+
+def test_launch_creates_one_job_per_replica_with_the_settings(aws, tmp_path):
+    launch = plan(tmp_path, aws)
+    start(launch)
+    handles = load_handles(launch.config, tmp_path)
+    assert [h.replica_id for h in handles] == ["sagemaker-0", "sagemaker-1"]
+    for spec, handle in zip(launch.specs, handles, strict=True):
+        assert set(handle.job) == {"name", "region", "arn"}
+        assert handle.job["region"] == "us-east-1"
+        job = sagemaker().describe_training_job(TrainingJobName=handle.job["name"])
+        assert job["TrainingJobArn"] == handle.job["arn"]
+        assert job["AlgorithmSpecification"]["TrainingImage"] == ECR_IMAGE
+        assert job["AlgorithmSpecification"]["ContainerEntrypoint"] == spec.command("python")
+        assert job["RoleArn"] == ROLE
+        assert job["ResourceConfig"] == {
+            "InstanceType": "ml.g5.12xlarge",
+            "InstanceCount": 1,
+            "VolumeSizeInGB": 100,
+        }
+        assert job["EnableManagedSpotTraining"] is True
+        assert job["StoppingCondition"] == {
+            "MaxRuntimeInSeconds": 2 * 3600,
+            "MaxWaitTimeInSeconds": 3 * 3600,
+        }
+        assert job["CheckpointConfig"]["S3Uri"] == "s3://diloco/checkpoints"
+        assert job["OutputDataConfig"]["S3OutputPath"] == f"{aws}/t/sagemaker-output"
+        assert job.get("Environment", spec.env) == spec.env  # moto drops it
+        tags = sagemaker().list_tags(ResourceArn=handle.job["arn"])["Tags"]
+        assert {t["Key"]: t["Value"] for t in tags} == {
+            "diloco:run": "t",
+            "diloco:replica": spec.replica_id,
+        }
+        # moto completes every job at once
+        assert launch.backends["sagemaker"].state(handle) == "exited"
+
+
+def test_describe_is_what_launch_sends(aws, tmp_path):
+    launch = plan(tmp_path, aws)
+    backend, specs = launch.backends["sagemaker"], list(launch.specs)
+    described = bodies(backend.describe(specs))
+    handles = backend.launch(specs, tmp_path)
+    for body, spec, handle in zip(described, specs, handles, strict=True):
+        job = sagemaker().describe_training_job(TrainingJobName=handle.job["name"])
+        job["AlgorithmSpecification"].pop("MetricDefinitions")  # moto adds its own
+        sent = {key: value for key, value in body.items() if key != "TrainingJobName"}
+        kept = {key: job[key] for key in sent if key in job}
+        assert kept == {key: sent[key] for key in kept}
+        assert set(sent) - set(kept) == {"Environment", "Tags"}  # moto drops or keeps apart
+        tags = sagemaker().list_tags(ResourceArn=handle.job["arn"])["Tags"]
+        assert tags == body["Tags"]
+        assert body["Environment"] == spec.env
+        assert {"DILOCO_RUN", "DILOCO_STORE", "DILOCO_CONFIG_KEY", "DILOCO_REPLICA_ID"} <= set(
+            body["Environment"]
+        )
+        entrypoint = body["AlgorithmSpecification"]["ContainerEntrypoint"]
+        assert entrypoint[:3] == ["python", "-m", "torch.distributed.run"]
+        assert "--nproc-per-node=2" in entrypoint
+    text = json.dumps(described)
+    assert "testing" not in text  # the secret key moto's credentials use
+    assert "AWS_" not in text
+
+
+def test_job_names_fit_the_api_whatever_the_run_name(aws, tmp_path):
+    launch = plan(tmp_path, aws, name="my_run.v2=" + "x" * 100)
+    backend, specs = launch.backends["sagemaker"], list(launch.specs)
+    first, second = bodies(backend.describe(specs)), bodies(backend.describe(specs))
+    names = [body["TrainingJobName"] for body in first + second]
+    assert all(JOB_NAME.fullmatch(name) and len(name) <= MAX_JOB_NAME for name in names)
+    assert names[0].startswith("my-run-v2-xxx")
+    assert "-sagemaker-0-" in names[0]
+    assert len(set(names)) == 4  # a new suffix per launch: SageMaker never reuses a name
+
+
+@pytest.mark.parametrize(
+    ("settings", "field", "says"),
+    [
+        ({"instance_type": "ml.h100.8xlarge"}, "instance_type", "ml.p5"),
+        ({"instance_type": "p4d.24xlarge"}, "instance_type", "did you mean ml.p4d.24xlarge"),
+        ({"spot": True}, "backends.sagemaker", "max_wait_hours"),
+        ({"spot": True, "max_runtime_hours": 10, "max_wait_hours": 5}, "sagemaker", "max_wait"),
+        ({"max_wait_hours": 5}, "backends.sagemaker", "max_wait_hours applies only with spot"),
+        ({"max_runtime_hours": 700}, "max_runtime_hours", "672"),
+        ({"role_arn": "arn:aws:iam::1234:role/x"}, "role_arn", "pattern"),
+        ({"role_arn": "arn:aws:iam::123456789012:user/x"}, "role_arn", "pattern"),
+        ({"checkpoint_s3_uri": "/tmp/checkpoints"}, "checkpoint_s3_uri", "s3://"),
+        ({"region": "us-eats-1"}, "region", "us-east-1"),
+        ({"gpu": "h100"}, "backends.sagemaker.gpu", "Extra inputs"),
+        ({"image": "ghcr.io/acme/run:1"}, "backends.sagemaker.image", "Amazon ECR"),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_field(aws, tmp_path, settings, field, says):
+    with pytest.raises(ConfigError) as refused:
+        plan(tmp_path, aws, {**BASE, **settings})
+    message = str(refused.value)
+    assert field in message
+    assert says in message
+    assert "\n" not in message
+
+
+def test_a_store_off_s3_needs_an_output_folder(aws, tmp_path):
+    with pytest.raises(ConfigError, match=r"backends\.sagemaker\.output_s3_uri: required"):
+        plan(tmp_path, "gs://bucket/runs", BASE)
+    settings = {**BASE, "output_s3_uri": "s3://out/x"}
+    backend = plan(tmp_path, "gs://bucket/runs", settings).backends["sagemaker"]
+    assert backend.output_s3_uri == "s3://out/x"
+
+
+def test_describe_and_check_need_the_role(aws, tmp_path):
+    launch = plan(tmp_path, aws, {"image": ECR_IMAGE})
+    backend = launch.backends["sagemaker"]
+    with pytest.raises(ConfigError, match=r"backends\.sagemaker\.role_arn: required"):
+        backend.describe(list(launch.specs))
+    with pytest.raises(ConfigError, match=r"backends\.sagemaker\.role_arn: required"):
+        backend.check()
+
+
+def test_an_environment_sagemaker_would_refuse_is_refused_before_sending(aws, tmp_path):
+    launch = plan(tmp_path, aws)
+    spec = launch.specs[0]
+    big = dataclasses.replace(spec, env={**spec.env, "DILOCO_BIG": "x" * 513})
+    with pytest.raises(ValueError, match=r"Environment\['DILOCO_BIG'\] has 513 characters.*512"):
+        launch.backends["sagemaker"].describe([big])
+
+
+def test_stop_leaves_an_ended_or_unknown_job_alone(aws, tmp_path):
+    """moto has no StopTrainingJob (it answers 500): stop must not call it for a job that has
+    ended, which SageMaker would refuse anyway. An unknown (deleted) job is fine too."""
+    launch = plan(tmp_path, aws)
+    backend = launch.backends["sagemaker"]
+    [handle, _] = backend.launch(list(launch.specs), tmp_path)
+    backend.stop(handle)
+    backend.stop(handle)
+    assert backend.state(handle) == "exited"
+    gone = ReplicaHandle("sagemaker-9", "sagemaker", {**handle.job, "name": "t-deleted-job"})
+    backend.stop(gone)
+    assert backend.state(gone) == "unknown"
+
+
+def test_logs_are_the_jobs_cloudwatch_streams(aws, tmp_path):
+    launch = plan(tmp_path, aws)
+    backend = launch.backends["sagemaker"]
+    [handle, other] = backend.launch(list(launch.specs), tmp_path)
+    assert "no log events yet" in backend.logs(handle)
+    logs = boto3.client("logs", region_name="us-east-1")
+    with contextlib.suppress(logs.exceptions.ResourceAlreadyExistsException):
+        logs.create_log_group(logGroupName=LOG_GROUP)  # the session's tests share the server
+    stream = f"{handle.job['name']}/algo-1-123"
+    logs.create_log_stream(logGroupName=LOG_GROUP, logStreamName=stream)
+    now = int(time.time() * 1000)
+    events = [{"timestamp": now, "message": "step 1"}, {"timestamp": now + 1, "message": "step 2"}]
+    logs.put_log_events(logGroupName=LOG_GROUP, logStreamName=stream, logEvents=events)
+    assert backend.logs(handle) == "step 1\nstep 2\n"
+    assert "no log events yet" in backend.logs(other)
+
+
+def test_check_without_credentials_says_how_to_provide_them(tmp_path, monkeypatch):
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "missing-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "missing-credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # a runner on EC2 has credentials
+    backend = plan(tmp_path, "s3://diloco", BASE)
+    with pytest.raises(BackendUnavailableError) as missing:
+        backend.backends["sagemaker"].check()
+    message = str(missing.value)
+    assert "\n" not in message
+    assert "aws configure" in message
+    assert "AWS_PROFILE" in message
+
+
+@dataclass
+class SecondPost(Fault):
+    """Refuses the second POST: SageMaker's calls are all POST /, so within one ``launch``
+    the second CreateTrainingJob, answered as a quota refusal in SageMaker's JSON."""
+
+    seen: int = 0
+
+    def matches(self, method: str, path: str) -> bool:
+        self.seen += method == "POST"
+        return self.times > 0 and self.seen == 2
+
+    def body(self) -> bytes:
+        return json.dumps({"__type": self.code, "message": self.message}).encode()
+
+
+def test_a_launch_refused_part_way_stops_the_jobs_it_created(aws, tmp_path, monkeypatch):
+    launch = plan(tmp_path, aws)
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    with FaultProxy(endpoint) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        quota = "account-level service limit 'ml.g5.12xlarge for spot training job usage' is 1"
+        proxy.inject(SecondPost("POST", status=400, code="ResourceLimitExceeded", message=quota))
+        with pytest.raises(RuntimeError) as refused:
+            launch.backends["sagemaker"].launch(list(launch.specs), tmp_path)
+    message = str(refused.value)
+    assert "ResourceLimitExceeded" in message
+    assert quota in message
+    assert "stopped the 1 replicas already started" in message
+    assert "STILL RUNNING" not in message
+
+
+@pytest.mark.parametrize(
+    ("status", "secondary", "state"),
+    [
+        ("InProgress", "Starting", "pending"),
+        ("InProgress", "Downloading", "pending"),
+        ("InProgress", "Interrupted", "pending"),  # spot capacity taken back; waits, restarts
+        ("InProgress", "Training", "running"),
+        ("InProgress", "Uploading", "running"),
+        ("Completed", "Completed", "exited"),
+        ("Failed", "Failed", "failed"),
+        ("Stopping", "Stopping", "stopped"),
+        ("Stopped", "MaxRuntimeExceeded", "stopped"),
+    ],
+)
+def test_job_states(status, secondary, state):
+    """The mapping of DescribeTrainingJob answers moto cannot produce (it completes at once)."""
+    assert job_state({"TrainingJobStatus": status, "SecondaryStatus": secondary}) == state

@@ -1,0 +1,89 @@
+"""One run across platforms: ``diloco launch --backend local=1 --backend hf_jobs=1 ...``
+starts one run (one run id, one store), ``status`` lists every replica with its platform, and
+``stop`` reaches them all. Remote platforms are their local stand-ins, whose jobs run here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from diloco_anywhere.config import load_config
+from diloco_anywhere.launch import load_handles, run_metrics
+from hf_jobs_standin import hf_jobs_api
+from test_backend_hf_jobs import write_run
+from test_launch import diloco, statuses
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    with hf_jobs_api() as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setenv("HF_TOKEN", "hf_standin_token")
+        yield server
+
+
+def test_one_run_spans_platforms_and_reports_in_one_table(tmp_path, monkeypatch, s3_run, hub):
+    monkeypatch.chdir(tmp_path)
+    config = write_run(tmp_path, s3_run[0], replicas=3, outer_steps=2)
+    mix = ("--backend", "local=1", "--backend", "hf_jobs=2")
+    result = diloco("launch", "--config", config, *mix)
+    assert result.exit_code == 0, result.output
+    assert "Run summary" in result.stdout
+
+    rows = statuses(config)
+    assert {(r, row["platform"], row["state"], row["outer_step"]) for r, row in rows.items()} == {
+        ("local-0", "local", "done", 2),
+        ("hf_jobs-0", "hf_jobs", "done", 2),
+        ("hf_jobs-1", "hf_jobs", "done", 2),
+    }
+    metrics = run_metrics(load_config(config)).read()
+    # one run: every replica committed the same rounds with the same global state
+    fingerprints = {tuple(s.fingerprint for s in m.syncs if s.committed) for m in metrics.values()}
+    assert len(fingerprints) == 1
+    assert [b["environment"]["DILOCO_REPLICA_INDEX"] for b in hub.created()] == ["1", "2"]
+    table = diloco("status", "--config", config)
+    assert all(name in table.stdout for name in ("local-0", "hf_jobs-0", "hf_jobs-1"))
+
+
+def test_stop_reaches_every_platform(tmp_path, monkeypatch, s3_run, hub):
+    monkeypatch.chdir(tmp_path)
+    config = write_run(tmp_path, s3_run[0], replicas=3, outer_steps=500)
+    mix = ("--backend", "local=1", "--backend", "hf_jobs=2")
+    assert diloco("launch", "--config", config, *mix, "--detach").exit_code == 0
+    result = diloco("stop", "--config", config)
+    assert result.exit_code == 0, result.output
+    assert "stop sent to 3 replicas (hf_jobs, local)" in result.stdout
+    assert len([p for m, p, _ in hub.requests if m == "POST" and p.endswith("/cancel")]) == 2
+    handles = load_handles(load_config(config))
+    assert [h.platform for h in handles] == ["local", "hf_jobs", "hf_jobs"]
+
+
+def test_a_platform_failing_mid_launch_stops_what_had_started(tmp_path, monkeypatch, s3_run):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: run_job fails
+    monkeypatch.setenv("HF_TOKEN", "hf_x")
+    config = write_run(tmp_path, s3_run[0], replicas=2, outer_steps=500)
+    result = diloco("launch", "--config", config, "--backend", "local=1", "--backend", "hf_jobs=1")
+    assert result.exit_code == 1
+    assert "hf_jobs failed to start its replicas" in result.output
+    assert "stopped the 1 replicas already started" in result.output
+    assert "Traceback" not in result.output
+    (local,) = load_handles(load_config(config))
+    rows = statuses(config)
+    assert rows[local.replica_id]["state"] in ("stopped", "exited")
+
+
+def test_dry_run_shows_each_platform_request_and_contacts_nothing(tmp_path, monkeypatch, s3_run):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    config = write_run(tmp_path, s3_run[0], replicas=3)
+    result = diloco("launch", "--config", config, "--backend", "local=1", "--backend", "hf_jobs=2",
+                    "--dry-run")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.stdout)
+    assert [r["replica_id"] for r in shown["replicas"]] == ["local-0", "hf_jobs-0", "hf_jobs-1"]
+    assert set(shown["submit"]) == {"local", "hf_jobs"}
+    assert shown["submit"]["hf_jobs"][1]["run_job"]["secrets"]["AWS_SECRET_ACCESS_KEY"] == "***"
+    assert "testing" not in result.stdout
+    assert not (tmp_path / ".diloco").exists()

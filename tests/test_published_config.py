@@ -1,0 +1,86 @@
+"""How a remote replica learns its run: run.toml published in the store, and its identity from
+the launcher's variables or an Indexed Job's completion index."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from diloco_anywhere.config import ConfigError, RunConfig, parse_config
+from diloco_anywhere.published_config import config_key, publish_config, read_config
+from diloco_anywhere.replica import configuration, identity
+from diloco_anywhere.store import Store
+
+RUN = '[run]\nname = "pub"\nstore = "s3://bucket/runs"\n[diloco]\nouter_steps = 7\n'
+
+
+def test_a_published_config_reads_back_equal_under_a_content_address(tmp_path):
+    config = parse_config(RUN, "run.toml")
+    store = Store(str(tmp_path))
+    key = publish_config(store, config)
+    assert key == config_key(config)
+    assert re.fullmatch(r"pub/configs/[0-9a-f]{8}\.toml", key)
+    assert publish_config(store, config) == key  # the same bytes again: a no-op
+    assert read_config(store, key) == config
+    changed = parse_config(RUN.replace("7", "8"), "run.toml")
+    assert config_key(changed) != key  # a relaunch with changes does not touch this one
+
+
+def test_the_replica_reads_it_from_the_variables_the_launcher_sets(tmp_path):
+    config = parse_config(RUN, "run.toml")
+    key = publish_config(Store(str(tmp_path)), config)
+    environ = {"DILOCO_CONFIG_KEY": key, "DILOCO_STORE": str(tmp_path), "DILOCO_REPLICAS": "3"}
+    loaded = configuration(None, environ)
+    assert loaded.diloco.outer_steps == 7
+    assert (loaded.run.replicas, loaded.run.store) == (3, str(tmp_path))
+
+
+def test_a_changed_object_is_refused_naming_its_key(tmp_path):
+    store = Store(str(tmp_path))
+    key = publish_config(store, RunConfig())
+    (tmp_path / key).write_text((tmp_path / key).read_text().replace("0.7", "0.9"))
+    with pytest.raises(ConfigError, match=rf"{key}: CRC32C [0-9a-f]{{8}} does not match the key"):
+        read_config(store, key)
+
+
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [
+        ("pub/configs/nothex00.toml", "expected '<run>/configs/<8 hex digits>.toml'"),
+        ("pub/configs/0badc0de.toml", "not found; the launcher publishes it"),
+    ],
+)
+def test_a_bad_or_missing_key_says_why(tmp_path, key, message):
+    with pytest.raises(ConfigError, match=message):
+        read_config(Store(str(tmp_path)), key)
+
+
+def test_without_a_store_the_key_alone_is_refused():
+    with pytest.raises(ConfigError, match=r"\$DILOCO_CONFIG_KEY is set but \$DILOCO_STORE is not"):
+        configuration(None, {"DILOCO_CONFIG_KEY": "pub/configs/0badc0de.toml"})
+
+
+NO_ARGUMENTS = argparse.Namespace(replica_id=None, replica_index=None)
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({"DILOCO_REPLICA_ID": "modal-1", "DILOCO_REPLICA_INDEX": "3"}, ("modal-1", 3)),
+        ({"DILOCO_REPLICA_ID": "local-2"}, ("local-2", None)),
+        # an Indexed Job: one pod template, the index from Kubernetes
+        ({"DILOCO_PLATFORM": "k8s", "DILOCO_REPLICA_INDEX_BASE": "4", "JOB_COMPLETION_INDEX": "2"},
+         ("k8s-2", 6)),
+    ],
+)  # fmt: skip
+def test_identity_from_the_launcher_or_the_completion_index(environ, expected):
+    assert identity(NO_ARGUMENTS, environ) == expected
+
+
+def test_arguments_win_and_bad_numbers_are_named():
+    given = argparse.Namespace(replica_id="x-1", replica_index=0)
+    assert identity(given, {"JOB_COMPLETION_INDEX": "5"}) == ("x-1", 0)
+    with pytest.raises(ValueError, match=r"\$JOB_COMPLETION_INDEX = '-1': expected a whole"):
+        identity(NO_ARGUMENTS, {"JOB_COMPLETION_INDEX": "-1"})
