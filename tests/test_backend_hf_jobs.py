@@ -4,15 +4,19 @@ runs each job's command as a process (``hf_jobs_standin.py``)."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import pytest
+from huggingface_hub.errors import HfHubHTTPError
 
-from diloco_anywhere.backends.base import BackendUnavailableError
+from diloco_anywhere.backends.base import BackendUnavailableError, ReplicaHandle
 from diloco_anywhere.backends.hf_jobs import HfJobsBackend
 from diloco_anywhere.config import ConfigError, load_config, parse_config
 from diloco_anywhere.launch import plan_launch, run_metrics, start
+from diloco_anywhere.standins import free_port
 from hf_jobs_standin import USER, hf_jobs_api
+from proxy import Fault, FaultProxy
 from test_launch import RUN_TOML
 
 SECRETS = ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION"]
@@ -105,6 +109,56 @@ def test_stop_cancels_a_running_job(tmp_path, s3_run, hub):
     wait_for(backend, [handle], {"stopped"}, seconds=30)
 
 
+def handle_of(job_id: str) -> ReplicaHandle:
+    return ReplicaHandle("hf_jobs-0", "hf_jobs", {"id": job_id, "namespace": USER, "url": ""})
+
+
+def cancels(hub, job_id: str) -> int:
+    return sum(path.endswith(f"/{job_id}/cancel") for _, path, _ in hub.requests)
+
+
+@pytest.fixture
+def flaky_hub(hub, monkeypatch):
+    """The stand-in behind a proxy that can refuse requests, as the client's endpoint."""
+    with FaultProxy(hub.url) as proxy:
+        monkeypatch.setenv("HF_ENDPOINT", proxy.url)
+        yield hub, proxy
+
+
+def test_stop_cancels_a_job_whose_state_the_hub_could_not_give(flaky_hub):
+    hub, proxy = flaky_hub
+    job = hub.create(USER, {"command": ["python", "-c", "import time; time.sleep(60)"],
+                            "flavor": "cpu-basic"})  # fmt: skip
+    backend, handle = HfJobsBackend(parse_config("", "run.toml")), handle_of(job.id)
+    inspect = Fault("GET", status=503, path_contains=f"/api/jobs/{USER}/{job.id}", times=2)
+    proxy.inject(inspect)
+    assert backend.state(handle) == "unknown"  # a 503: the job may well be running
+
+    backend.stop(handle)
+
+    assert cancels(hub, job.id) == 1
+    assert job.container.cancelled
+    assert backend.state(handle) == "stopped"
+
+
+def test_stop_takes_a_job_gone_meanwhile_as_stopped(flaky_hub):
+    """The hub could not say (503), so stop cancels; the job is gone by then (404)."""
+    hub, proxy = flaky_hub
+    backend, handle = HfJobsBackend(parse_config("", "run.toml")), handle_of("f" * 24)
+    proxy.inject(Fault("GET", status=503, path_contains=f"/api/jobs/{USER}/{'f' * 24}"))
+    backend.stop(handle)
+    assert cancels(hub, "f" * 24) == 1
+    assert backend.state(handle) == "stopped"  # 404: the hub does not know it
+
+
+def test_state_raises_when_the_hub_cannot_be_reached(hub, monkeypatch):
+    """Not a job state: the caller (status, supervisor) decides what an outage means."""
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(Exception) as error:  # noqa: PT011 (the HTTP library's own error)
+        HfJobsBackend(parse_config("", "run.toml")).state(handle_of("1" * 24))
+    assert not isinstance(error.value, HfHubHTTPError)
+
+
 @pytest.mark.parametrize(
     ("setting", "message"),
     [
@@ -134,3 +188,12 @@ def test_check_says_what_is_missing_in_one_line(tmp_path, monkeypatch):
     monkeypatch.delenv("NOT_SET_HERE", raising=False)
     with pytest.raises(BackendUnavailableError, match="names NOT_SET_HERE, not set here"):
         HfJobsBackend(config).check()
+
+
+def test_check_without_the_sdk_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # as if not installed
+    with pytest.raises(BackendUnavailableError) as error:
+        HfJobsBackend(parse_config("", "run.toml")).check()
+    assert str(error.value) == (
+        "backend hf_jobs needs the huggingface_hub package: pip install 'diloco-anywhere[hf_jobs]'"
+    )

@@ -227,7 +227,7 @@ def kube(cluster, monkeypatch) -> K8sStandIn:
     for name, value in store_env.items():
         monkeypatch.setenv(name, value)
     if ("default", STORE_SECRET) not in api.secrets:
-        client = api_client(None)  # the backend's: kubernetes 36.0.0 needs its token fix
+        client = api_client(None)  # the backend's, from the stand-in's kubeconfig
         data = {
             name: base64.b64encode(value.encode()).decode() for name, value in store_env.items()
         }
@@ -266,6 +266,29 @@ def test_a_server_side_dry_run_creates_nothing(tmp_path, kube):
     job = {"namespace": "default", "name": answer["metadata"]["name"], "index": 0}
     handle = ReplicaHandle("k8s-0", "k8s", job)
     assert backend.state(handle) == "stopped"  # no such Job
+
+
+def test_api_errors_reach_the_user_as_one_short_line(tmp_path, kube, monkeypatch):
+    """An ApiException's text holds the response's headers and body over many lines: the
+    user gets its status, reason and the API server's message."""
+    plan = plan_launch(write_config(tmp_path, ""), {"k8s": 2}, root=tmp_path)
+    backend = plan.backends["k8s"]
+    [manifest] = backend.describe(list(plan.specs))
+    manifest["spec"]["completionMode"] = "NonIndexed"
+    with pytest.raises(RuntimeError) as refused:
+        backend.submit(manifest, dry_run=False)
+    assert str(refused.value) == "422 Unprocessable Entity: the stand-in runs Indexed Jobs only"
+    assert isinstance(refused.value.__cause__, kubernetes.client.ApiException)
+
+    kubeconfig = json.loads(kube.kubeconfig.read_text())
+    kubeconfig["users"][0]["user"]["token"] = "revoked"
+    (tmp_path / "kubeconfig").write_text(json.dumps(kubeconfig))
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
+    handle = ReplicaHandle("k8s-0", "k8s", {"namespace": "default", "name": "gone", "index": 0})
+    for call in (KubernetesBackend(plan.config).stop, KubernetesBackend(plan.config).state):
+        with pytest.raises(RuntimeError) as unauthorized:
+            call(handle)
+        assert str(unauthorized.value) == "401 Unauthorized: no bearer token"
 
 
 def test_a_two_replica_run_on_the_cluster_finishes(tmp_path, kube):

@@ -1,7 +1,8 @@
 """The Modal launcher with the real modal SDK, offline: the App it defines, its settings, and
 the function body every replica's call runs. Deploying, spawning, polling and cancelling talk
-to Modal's servers and are not run here; the client is pointed at a closed local port so that
-anything that tried would fail instead of reaching Modal."""
+to Modal's servers and are not run here (polling and cancelling are checked on a stand-in for
+``FunctionCall``); the client is pointed at a closed local port so that anything that tried
+would fail instead of reaching Modal."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
+from grpclib import GRPCError, Status
+from grpclib.exceptions import StreamTerminatedError
 
-from diloco_anywhere.backends.base import BackendUnavailableError
+from diloco_anywhere.backends.base import BackendUnavailableError, ReplicaHandle
 from diloco_anywhere.backends.modal import ModalBackend, ReplicaExitError
 from diloco_anywhere.config import ConfigError, load_config, parse_config
 from diloco_anywhere.launch import plan_launch, run_metrics
@@ -184,6 +187,81 @@ def test_a_failing_replica_raises_without_its_environment_in_the_message():
     assert "bucket-name-here" not in str(error.value)
 
 
+def test_a_replica_that_refuses_its_config_returns_its_code_so_modal_does_not_retry():
+    """Exit 2: the replica refused its run.toml, which a retry would refuse again. Returned,
+    not raised, so Modal counts the call as done; ``state`` reads the code as failed."""
+    _, function = ModalBackend(parse_config(IMAGE, "run.toml")).build_app()
+    assert function.local({}, [sys.executable, "-c", "import sys; sys.exit(2)"]) == 2
+
+
+class Call:
+    """A stand-in for ``modal.FunctionCall``: ``get`` returns ``result`` or raises it."""
+
+    def __init__(self, result: object) -> None:
+        self.result, self.cancelled = result, False
+
+    def get(self, timeout: float | None = None) -> object:
+        assert timeout == 0  # polled, never waited on
+        if isinstance(self.result, BaseException):
+            raise self.result
+        return self.result
+
+    def cancel(self, terminate_containers: bool = False) -> None:
+        self.cancelled = terminate_containers
+
+
+def polled(monkeypatch, result: object) -> Call:
+    call = Call(result)
+    monkeypatch.setattr(modal.FunctionCall, "from_id", lambda call_id: call)
+    return call
+
+
+HANDLE = ReplicaHandle("modal-0", "modal", {"app": "diloco-t", "call_id": "fc-1"})
+
+
+@pytest.mark.parametrize(
+    ("result", "state"),
+    [
+        (TimeoutError(), "running"),  # no result yet
+        (0, "exited"),
+        (2, "failed"),  # run_replica returned a refused run.toml's code
+        (ReplicaExitError("`python -m diloco_anywhere.replica` exited with code 1"), "failed"),
+        (FileNotFoundError("python"), "failed"),  # raised by the call, in the container
+        (modal.exception.FunctionTimeoutError("timed out after 6h"), "failed"),
+        (modal.exception.InternalFailure("the input failed"), "failed"),
+        (modal.exception.RemoteError("container crashed"), "failed"),
+        (modal.exception.RemoteError(""), "stopped"),  # a cancelled call
+        (modal.exception.AuthError("token rejected"), "unknown"),
+        (modal.exception.NotFoundError("no such call"), "unknown"),
+        (modal.exception.ServiceError("unavailable"), "unknown"),
+        (modal.exception.InternalError("oops"), "unknown"),
+        (modal.exception.ConnectionError("Could not connect"), "unknown"),
+        (modal.exception.OutputExpiredError(), "unknown"),  # the result is no longer kept
+        (GRPCError(Status.UNAVAILABLE, "down"), "unknown"),
+        (StreamTerminatedError("reset"), "unknown"),
+    ],
+)
+def test_state_is_failed_only_when_the_call_itself_failed(monkeypatch, result, state):
+    polled(monkeypatch, result)
+    assert ModalBackend(parse_config(IMAGE, "run.toml")).state(HANDLE) == state
+
+
+@pytest.mark.parametrize(
+    ("result", "cancelled"),
+    [
+        (TimeoutError(), True),
+        (modal.exception.ServiceError("unavailable"), True),  # unknown: it may be running
+        (0, False),
+        (ReplicaExitError("exited with code 1"), False),
+        (modal.exception.RemoteError(""), False),
+    ],
+)
+def test_stop_cancels_a_call_unless_it_has_ended(monkeypatch, result, cancelled):
+    call = polled(monkeypatch, result)
+    ModalBackend(parse_config(IMAGE, "run.toml")).stop(HANDLE)
+    assert call.cancelled is cancelled
+
+
 def test_a_cancelled_call_gives_the_replica_sigterm(tmp_path):
     """Modal cancels a running call by raising InputCancellation from a SIGUSR1 handler in the
     function's thread; the replica must then get SIGTERM, so that it records its stop."""
@@ -219,7 +297,6 @@ def test_a_cancelled_call_gives_the_replica_sigterm(tmp_path):
 
 CHECK = """
 from diloco_anywhere.backends.base import BackendUnavailableError
-from diloco_anywhere.backends.modal import ModalBackend, ReplicaExitError
 from diloco_anywhere.backends.modal import ModalBackend
 from diloco_anywhere.config import RunConfig
 try:
@@ -258,5 +335,5 @@ def test_check_without_the_sdk_says_how_to_install_it(monkeypatch):
     with pytest.raises(BackendUnavailableError) as error:
         ModalBackend(parse_config("", "run.toml")).check()
     assert str(error.value) == (
-        "backend modal needs the modal SDK: pip install 'diloco-anywhere[modal]'"
+        "backend modal needs the modal package: pip install 'diloco-anywhere[modal]'"
     )

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import re
+import sys
 import time
 from dataclasses import dataclass
 
@@ -23,8 +24,12 @@ import boto3
 import pytest
 import tomli_w
 
-from diloco_anywhere.backends.base import BackendUnavailableError, ReplicaHandle
-from diloco_anywhere.backends.sagemaker import LOG_GROUP, MAX_JOB_NAME, job_state
+from diloco_anywhere.backends.base import (
+    BackendUnavailableError,
+    PartialLaunchError,
+    ReplicaHandle,
+)
+from diloco_anywhere.backends.sagemaker import LOG_GROUP, MAX_JOB_NAME, SageMakerBackend, job_state
 from diloco_anywhere.config import ConfigError, load_config
 from diloco_anywhere.launch import load_handles, plan_launch, start
 from proxy import Fault, FaultProxy
@@ -161,7 +166,6 @@ def test_job_names_fit_the_api_whatever_the_run_name(aws, tmp_path):
         ({"checkpoint_s3_uri": "/tmp/checkpoints"}, "checkpoint_s3_uri", "s3://"),
         ({"region": "us-eats-1"}, "region", "us-east-1"),
         ({"gpu": "h100"}, "backends.sagemaker.gpu", "Extra inputs"),
-        ({"image": "ghcr.io/acme/run:1"}, "backends.sagemaker.image", "Amazon ECR"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_field(aws, tmp_path, settings, field, says):
@@ -173,12 +177,37 @@ def test_bad_settings_are_refused_naming_the_field(aws, tmp_path, settings, fiel
     assert "\n" not in message
 
 
-def test_a_store_off_s3_needs_an_output_folder(aws, tmp_path):
-    with pytest.raises(ConfigError, match=r"backends\.sagemaker\.output_s3_uri: required"):
-        plan(tmp_path, "gs://bucket/runs", BASE)
+@pytest.mark.parametrize(
+    ("store", "settings", "refused"),
+    [
+        ("gs://bucket/runs", BASE, r"backends\.sagemaker\.output_s3_uri: required when run"),
+        (None, {**BASE, "image": "ghcr.io/acme/run:1"}, r"backends\.sagemaker\.image: .* ECR"),
+    ],
+)
+def test_a_new_job_needs_an_ecr_image_and_an_s3_output(aws, tmp_path, store, settings, refused):
+    """describe, check and launch refuse them; the backend itself does not, so that status,
+    logs and stop reach the jobs of a launch made before run.toml changed (B6)."""
+    earlier = plan(tmp_path, aws)
+    [handle, _] = earlier.backends["sagemaker"].launch(list(earlier.specs), tmp_path)
+    launch = plan(tmp_path, store or aws, settings)
+    backend, specs = launch.backends["sagemaker"], list(launch.specs)
+    with pytest.raises(ConfigError, match=refused) as error:
+        backend.describe(specs)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ConfigError, match=refused):
+        backend.check()
+    with pytest.raises(ConfigError, match=refused):
+        backend.launch(specs, tmp_path)
+    assert backend.state(handle) == "exited"
+    backend.stop(handle)
+    assert "no log events yet" in backend.logs(handle)
+
+
+def test_an_s3_output_folder_serves_a_store_off_s3(aws, tmp_path):
     settings = {**BASE, "output_s3_uri": "s3://out/x"}
-    backend = plan(tmp_path, "gs://bucket/runs", settings).backends["sagemaker"]
-    assert backend.output_s3_uri == "s3://out/x"
+    launch = plan(tmp_path, "gs://bucket/runs", settings)
+    [body, _] = bodies(launch.backends["sagemaker"].describe(list(launch.specs)))
+    assert body["OutputDataConfig"] == {"S3OutputPath": "s3://out/x"}
 
 
 def test_describe_and_check_need_the_role(aws, tmp_path):
@@ -245,15 +274,16 @@ def test_check_without_credentials_says_how_to_provide_them(tmp_path, monkeypatc
 
 
 @dataclass
-class SecondPost(Fault):
-    """Refuses the second POST: SageMaker's calls are all POST /, so within one ``launch``
-    the second CreateTrainingJob, answered as a quota refusal in SageMaker's JSON."""
+class NthPost(Fault):
+    """Answers the ``post``-th POST with an error in SageMaker's JSON. SageMaker's calls are
+    all POST /, so within one ``launch`` the second is the second CreateTrainingJob."""
 
+    post: int = 1
     seen: int = 0
 
     def matches(self, method: str, path: str) -> bool:
         self.seen += method == "POST"
-        return self.times > 0 and self.seen == 2
+        return self.times > 0 and self.seen == self.post
 
     def body(self) -> bytes:
         return json.dumps({"__type": self.code, "message": self.message}).encode()
@@ -265,14 +295,56 @@ def test_a_launch_refused_part_way_stops_the_jobs_it_created(aws, tmp_path, monk
     with FaultProxy(endpoint) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         quota = "account-level service limit 'ml.g5.12xlarge for spot training job usage' is 1"
-        proxy.inject(SecondPost("POST", status=400, code="ResourceLimitExceeded", message=quota))
-        with pytest.raises(RuntimeError) as refused:
+        refusal = NthPost("POST", status=400, code="ResourceLimitExceeded", message=quota, post=2)
+        proxy.inject(refusal)
+        with pytest.raises(PartialLaunchError) as refused:
             launch.backends["sagemaker"].launch(list(launch.specs), tmp_path)
     message = str(refused.value)
     assert "ResourceLimitExceeded" in message
     assert quota in message
-    assert "stopped the 1 replicas already started" in message
+    assert "stopped 1 replicas (sagemaker-0)" in message
     assert "STILL RUNNING" not in message
+    assert [handle.replica_id for handle in refused.value.started] == ["sagemaker-0"]
+
+
+@pytest.mark.parametrize("stop_fails", [False, True])
+def test_a_create_that_failed_after_sagemaker_took_it_stops_that_job(
+    aws, tmp_path, monkeypatch, stop_fails
+):
+    """The first CreateTrainingJob reaches SageMaker, which creates the job, but the client
+    gets an error: as when botocore retries a call whose answer was lost and SageMaker
+    refuses the retry (ResourceInUse: the name is taken, by that very job). The job has no
+    handle, but its name is known: it is stopped by name."""
+    launch = plan(tmp_path, aws)
+    backend = launch.backends["sagemaker"]
+    stopped: list[str] = []
+
+    def stop(handle: ReplicaHandle) -> None:
+        stopped.append(handle.job["name"])
+        if stop_fails:
+            raise RuntimeError("AccessDeniedException: not allowed to StopTrainingJob")
+        SageMakerBackend.stop(backend, handle)
+
+    monkeypatch.setattr(backend, "stop", stop)
+    taken = "Training job names must be unique within an AWS account and region"
+    with FaultProxy(os.environ["AWS_ENDPOINT_URL"]) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        proxy.inject(NthPost("POST", status=400, code="ResourceInUse", message=taken, mode="after"))
+        with pytest.raises(PartialLaunchError) as refused:
+            backend.launch(list(launch.specs), tmp_path)
+        [name] = stopped  # the job of sagemaker-0, the only one tried
+        assert "-sagemaker-0-" in name
+        assert sagemaker().describe_training_job(TrainingJobName=name)["TrainingJobName"] == name
+    message = str(refused.value)
+    assert "ResourceInUse" in message
+    assert "none to stop" in message  # no earlier job of this launch
+    assert refused.value.started == []
+    if stop_fails:
+        assert f"SageMaker job {name} (region us-east-1) may exist and could not be" in message
+        assert "not allowed to StopTrainingJob" in message
+        assert "stop it by hand" in message
+    else:
+        assert "stop it by hand" not in message
 
 
 @pytest.mark.parametrize(
@@ -286,9 +358,21 @@ def test_a_launch_refused_part_way_stops_the_jobs_it_created(aws, tmp_path, monk
         ("Completed", "Completed", "exited"),
         ("Failed", "Failed", "failed"),
         ("Stopping", "Stopping", "stopped"),
-        ("Stopped", "MaxRuntimeExceeded", "stopped"),
+        ("Stopped", "Stopped", "stopped"),
+        ("Stopped", "MaxRuntimeExceeded", "failed"),  # out of time: it did not finish
+        ("Stopped", "MaxWaitTimeExceeded", "failed"),  # spot: waited and ran too long
     ],
 )
 def test_job_states(status, secondary, state):
     """The mapping of DescribeTrainingJob answers moto cannot produce (it completes at once)."""
     assert job_state({"TrainingJobStatus": status, "SecondaryStatus": secondary}) == state
+
+
+def test_check_without_boto3_says_how_to_install_it(aws, tmp_path, monkeypatch):
+    backend = plan(tmp_path, aws).backends["sagemaker"]
+    monkeypatch.setitem(sys.modules, "boto3", None)  # as if not installed
+    with pytest.raises(BackendUnavailableError) as error:
+        backend.check()
+    assert str(error.value) == (
+        "backend sagemaker needs the boto3 package: pip install 'diloco-anywhere[sagemaker]'"
+    )

@@ -9,6 +9,7 @@ from any shell. The run folder is ``.diloco/{run name}`` under the current direc
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -16,12 +17,20 @@ from urllib.parse import urlsplit
 
 from diloco_anywhere import published_config, replica
 from diloco_anywhere.backends import get_backend
-from diloco_anywhere.backends.base import Backend, ReplicaHandle, ReplicaSpec, stop_all
+from diloco_anywhere.backends.base import (
+    Backend,
+    JobState,
+    ReplicaHandle,
+    ReplicaSpec,
+    one_line,
+    stop_all,
+)
 from diloco_anywhere.config import ConfigError, RunConfig
 from diloco_anywhere.layout import RunLayout
 from diloco_anywhere.metrics import MetricsReader
 from diloco_anywhere.store import Store, redact_url
 
+log = logging.getLogger("diloco_anywhere.launch")
 STATE_FILE = "launch.json"
 STOPPED_FOLDER = "stopped"  # one empty file per replica that `diloco stop` stopped on purpose
 
@@ -83,7 +92,7 @@ def check_remote_store(config: RunConfig, platforms: list[str]) -> None:
             f"run.store = {redact_url(url)!r} is on this machine, which replicas on "
             f"{', '.join(platforms)} cannot reach: use a bucket (s3://, gs://, az://)"
         )
-    if "@" in parts.netloc or parts.query:
+    if ":" in parts.netloc.rpartition("@")[0] or parts.query:  # user:secret@, SAS tokens
         raise ConfigError(
             f"run.store = {redact_url(url)!r} carries credentials in the URL: remove them and "
             f"give each platform its own (docs/backends.md)"
@@ -126,13 +135,53 @@ def describe(plan: LaunchPlan) -> dict[str, list[dict[str, Any]]]:
     }
 
 
+def dry_run_on_servers(plan: LaunchPlan) -> dict[str, Any]:
+    """Each platform's own verdict on what ``start`` would submit, where it offers one;
+    credentials are checked first, nothing is started."""
+    results: dict[str, Any] = {}
+    for platform, backend in plan.backends.items():
+        backend.check()
+        specs = [spec for spec in plan.specs if spec.platform == platform]
+        server_dry_run = getattr(backend, "server_dry_run", None)
+        results[platform] = (
+            server_dry_run(specs) if server_dry_run
+            else f"{platform} has no server-side dry run; --dry-run shows its requests"
+        )  # fmt: skip
+    return results
+
+
+def job_state(backend: Backend, handle: ReplicaHandle) -> JobState:
+    """The replica's job state; ``unknown`` when its platform cannot be asked right now (an
+    outage, a throttled API, expired credentials): a status must not fail on one platform."""
+    try:
+        return backend.state(handle)
+    except Exception as exc:
+        log.warning("state of %s on %s: %s", handle.replica_id, handle.platform, one_line(exc))
+        return "unknown"
+
+
+def refuse_if_running(plan: LaunchPlan) -> None:
+    """A relaunch replaces launch.json: jobs of the last launch that still run would lose
+    their handles (and replicas with the same ids would join twice)."""
+    handles = handles_in(plan.run_dir)
+    backends = {p: get_backend(p, plan.config) for p in {h.platform for h in handles}}
+    running = [h.replica_id for h in handles
+               if job_state(backends[h.platform], h) in ("pending", "running")]  # fmt: skip
+    if running:
+        raise LaunchError(
+            f"{len(running)} replicas of the last launch of run {plan.config.run.name} are "
+            f"still running ({', '.join(running)}): `diloco stop` them first"
+        )
+
+
 def start(plan: LaunchPlan) -> dict[str, tuple[Backend, list[ReplicaHandle]]]:
     """Check every platform can start (SDK, credentials), publish run.toml for remote
     replicas, then start platform by platform, saving the handles as they come. If one
-    platform fails, the replicas already started are stopped: no paid job is left orphaned.
-    Stops recorded for an earlier launch of the run no longer apply."""
+    platform fails, or the user presses Ctrl-C, the replicas already started are stopped: no
+    paid job is left orphaned. Stops recorded for an earlier launch no longer apply."""
     for backend in plan.backends.values():
         backend.check()
+    refuse_if_running(plan)
     if plan.config_key:
         with Store(plan.config.store_url()) as store:
             published_config.publish_config(store, plan.config)
@@ -143,21 +192,31 @@ def start(plan: LaunchPlan) -> dict[str, tuple[Backend, list[ReplicaHandle]]]:
         specs = [spec for spec in plan.specs if spec.platform == platform]
         try:
             started[platform] = (backend, backend.launch(specs, plan.run_dir))
+            save_state(plan, [h for _, handles in started.values() for h in handles])
         except Exception as exc:
-            raise LaunchError(f"{platform} failed to start its replicas: {exc}; "
-                              f"{roll_back(plan, started)}") from exc  # fmt: skip
-        save_state(plan, [h for _, handles in started.values() for h in handles])
+            own = getattr(exc, "started", [])  # this platform's jobs, already told to stop
+            others = roll_back(plan, started, own)
+            raise LaunchError(f"{platform} failed to start its replicas: {one_line(exc)}; "
+                              f"other platforms: {others}") from exc  # fmt: skip
+        except BaseException:  # Ctrl-C: nothing started may be left running
+            roll_back(plan, started, [])
+            raise
     return started
 
 
-def roll_back(plan: LaunchPlan, started: dict[str, tuple[Backend, list[ReplicaHandle]]]) -> str:
-    """Stop what a failed launch had started (not to be restarted); what became of it."""
+def roll_back(
+    plan: LaunchPlan,
+    started: dict[str, tuple[Backend, list[ReplicaHandle]]],
+    stopped_already: list[ReplicaHandle],
+) -> str:
+    """Stop what a failed launch had started (not to be restarted), and keep every handle in
+    launch.json so that `diloco stop` can try again on any whose stop failed."""
     handles = [handle for _, platform_handles in started.values() for handle in platform_handles]
-    for handle in handles:
+    for handle in handles + stopped_already:
         mark_stopped(plan.run_dir, handle.replica_id)
-    said = stop_all(handles, lambda handle: plan.backends[handle.platform].stop(handle))
-    save_state(plan, handles)
-    return said
+    report = stop_all(handles, lambda handle: plan.backends[handle.platform].stop(handle))
+    save_state(plan, handles + stopped_already)
+    return str(report)
 
 
 def save_state(plan: LaunchPlan, handles: list[ReplicaHandle]) -> None:
@@ -172,7 +231,11 @@ def save_state(plan: LaunchPlan, handles: list[ReplicaHandle]) -> None:
 
 def load_handles(config: RunConfig, root: Path | None = None) -> list[ReplicaHandle]:
     """The handles of the run's last launch ([] when it was never launched from here)."""
-    path = run_dir(config, root) / STATE_FILE
+    return handles_in(run_dir(config, root))
+
+
+def handles_in(run_folder: Path) -> list[ReplicaHandle]:
+    path = run_folder / STATE_FILE
     try:
         state = json.loads(path.read_text())
     except FileNotFoundError:

@@ -62,6 +62,10 @@ class RunLayout:
     def __post_init__(self) -> None:
         check_name(self.run, "run")
 
+    def config(self, checksum: int) -> str:
+        """The run.toml a launcher published for remote replicas (``published_config.py``)."""
+        return f"{self.run}/configs/{_check_count(checksum, 'checksum', 2**32 - 1):08x}.toml"
+
     # -- membership ------------------------------------------------------------------------
 
     def members(self) -> str:

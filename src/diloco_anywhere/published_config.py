@@ -31,8 +31,7 @@ def config_text(config: RunConfig) -> bytes:
 
 
 def config_key(config: RunConfig) -> str:
-    text = config_text(config)
-    return f"{RunLayout(config.run.name).run}/configs/{crc32c.crc32c(text):08x}.toml"
+    return RunLayout(config.run.name).config(crc32c.crc32c(config_text(config)))
 
 
 def publish_config(store: Store, config: RunConfig) -> str:
@@ -64,4 +63,7 @@ def read_config(store: Store, key: str) -> RunConfig:
         text = data.decode()
     except UnicodeDecodeError:
         raise ConfigError(f"{where}: not UTF-8 text") from None
-    return parse_config(text, where)
+    config = parse_config(text, where)
+    if config.run.name != match["run"]:
+        raise ConfigError(f"{where}: run.name = {config.run.name!r}, not this key's run")
+    return config

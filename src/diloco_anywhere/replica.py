@@ -48,6 +48,7 @@ ENV_REPLICAS = "DILOCO_REPLICAS"
 ENV_REPLICA_INDEX_BASE = "DILOCO_REPLICA_INDEX_BASE"
 ENV_COMPLETION_INDEX = "JOB_COMPLETION_INDEX"  # set by Kubernetes in an Indexed Job's pods
 EXIT_STOPPED = 128 + signal.SIGTERM  # as shells and platforms report a SIGTERM exit
+EXIT_BAD_CONFIG = 2  # run.toml or arguments refused, nothing started: a retry cannot help
 
 
 class StopRequestedError(Exception):
@@ -189,9 +190,12 @@ def main(argv: list[str] | None = None) -> int:
         config = configuration(arguments.config, environ)
         replica_id, given_index = identity(arguments, environ)
         index = replica_index(replica_id, given_index, config.run.replicas)
-    except (ConfigError, ValueError, StoreError) as exc:
+    except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_CONFIG
+    except StoreError as exc:  # reading the published run.toml: may pass, so not exit 2
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     signal.signal(signal.SIGTERM, _raise_stopped)
     try:
         return run_replica(config, replica_id, index, os.environ.get(ENV_PLATFORM, "local"))

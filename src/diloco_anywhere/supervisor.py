@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-from diloco_anywhere.backends.base import Backend, ReplicaHandle
-from diloco_anywhere.launch import LaunchPlan, save_state, stopped_on_purpose
+from diloco_anywhere.backends.base import ACTIVE_STATES, Backend, JobState, ReplicaHandle
+from diloco_anywhere.launch import LaunchPlan, job_state, save_state, stopped_on_purpose
+from diloco_anywhere.replica import EXIT_BAD_CONFIG, EXIT_STOPPED
 
-ACTIVE = ("pending", "running")
-NOT_RESTARTED = {2: "bad configuration", 143: "stopped", -15: "stopped"}
+NOT_RESTARTED = {EXIT_BAD_CONFIG: "bad configuration", EXIT_STOPPED: "stopped", -15: "stopped"}
 
 
 class Supervisor:
@@ -36,21 +36,25 @@ class Supervisor:
         self.handles = [handle for _, handles in started.values() for handle in handles]
         self.restarts: Counter[str] = Counter()
 
-    def state(self, handle: ReplicaHandle) -> str:
-        return self.backends[handle.platform].state(handle)
+    def state(self, handle: ReplicaHandle) -> JobState:
+        return job_state(self.backends[handle.platform], handle)
 
     def active(self, handle: ReplicaHandle) -> bool:
-        """Its job has not ended: queued on its platform, or running."""
-        return self.state(handle) in ACTIVE
+        """Its job may not have ended: queued, running, or its platform cannot say now."""
+        return self.state(handle) in ACTIVE_STATES
+
+    @property
+    def remote(self) -> bool:
+        return any(backend.remote for backend in self.backends.values())
 
     def restart_failed(self) -> list[str]:
         """Restart every failed replica that may be; one line per decision, for the user."""
         notes = []
         for position, handle in enumerate(self.handles):
-            if self.max_restarts == 0 or self.state(handle) != "failed":
-                continue
             backend = self.backends[handle.platform]
             if backend.remote:  # its platform retries it (Modal retries, HF attempts, k8s)
+                continue
+            if self.max_restarts == 0 or self.state(handle) != "failed":
                 continue
             code = getattr(backend, "exit_code", lambda _: None)(handle)
             replica = handle.replica_id

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib import import_module
 from pathlib import Path
+from types import ModuleType
 from typing import Annotated, Any, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -25,6 +27,9 @@ from diloco_anywhere.config import ConfigError, RunConfig, problems
 
 # pending: accepted by the platform, not yet running (queued, scheduling, pulling the image)
 JobState = Literal["pending", "running", "exited", "failed", "stopped", "unknown"]
+# The job may still be running (or its platform could not say): not to be replaced or forgotten.
+ACTIVE_STATES = ("pending", "running", "unknown")
+MAX_MESSAGE = 400
 
 
 class BackendUnavailableError(RuntimeError):
@@ -81,6 +86,29 @@ def backend_settings(config: RunConfig, platform: str, model: type[SettingsT]) -
         raise ConfigError(problems(exc, where, prefix=f"backends.{platform}")) from None
 
 
+def settings_error(config: RunConfig, platform: str, field: str, message: str) -> ConfigError:
+    """A ``[backends.<platform>]`` field that cannot launch, named as the loader names fields."""
+    return ConfigError(f"{config.source or 'run.toml'}: backends.{platform}.{field}: {message}")
+
+
+def import_sdk(module: str, platform: str) -> ModuleType:
+    """The platform's SDK, or ``BackendUnavailableError`` saying which extra installs it."""
+    try:
+        return import_module(module)
+    except ImportError:
+        raise BackendUnavailableError(
+            f"backend {platform} needs the {module.split('.')[0]} package: "
+            f"pip install 'diloco-anywhere[{platform}]'"
+        ) from None
+
+
+def one_line(exc: BaseException) -> str:
+    """An SDK's error as one short line: some (kubernetes' ApiException) carry HTTP headers
+    and bodies over many lines."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 3] + "..."
+
+
 def image_of(config: RunConfig, settings: BackendSettings, platform: str) -> str:
     """The image a remote platform starts: ``[backends.<platform>] image`` or ``[image] ref``."""
     image = settings.image or config.image.ref
@@ -92,18 +120,43 @@ def image_of(config: RunConfig, settings: BackendSettings, platform: str) -> str
     return image
 
 
-def stop_all(handles: list[ReplicaHandle], stop: Callable[[ReplicaHandle], None]) -> str:
-    """Stop every job of a launch that failed part-way; what became of them, in words. A job
-    whose stop fails is named with its platform reference: the user must stop it by hand."""
+@dataclass(frozen=True)
+class StopReport:
+    """What became of the jobs a stop was sent to: a job whose stop failed is named with its
+    platform reference, for the user to stop by hand."""
+
+    stopped: list[str]
+    left: list[str]
+
+    def __str__(self) -> str:
+        said = f"stopped {len(self.stopped)} replicas ({', '.join(self.stopped)})"
+        said = said if self.stopped else "none to stop"
+        return said + (
+            f"; STILL RUNNING, stop by hand: {'; '.join(self.left)}" if self.left else ""
+        )
+
+
+def stop_all(handles: list[ReplicaHandle], stop: Callable[[ReplicaHandle], None]) -> StopReport:
+    """Send a stop to every job, carrying on past any that fails."""
     stopped, left = [], []
     for handle in handles:
         try:
             stop(handle)
             stopped.append(handle.replica_id)
         except Exception as exc:  # every job must be reported, whatever its platform said
-            left.append(f"{handle.replica_id} ({handle.platform} job {handle.job}: {exc})")
-    said = f"stopped the {len(stopped)} replicas already started" if stopped else "none started"
-    return said + (f"; STILL RUNNING, stop by hand: {'; '.join(left)}" if left else "")
+            left.append(
+                f"{handle.replica_id} ({handle.platform} job {handle.job}: {one_line(exc)})"
+            )
+    return StopReport(stopped, left)
+
+
+class PartialLaunchError(RuntimeError):
+    """A platform failed part-way; ``started`` are the jobs it had started (already told to
+    stop; kept so the launch record still names any whose stop failed)."""
+
+    def __init__(self, message: str, started: list[ReplicaHandle]) -> None:
+        super().__init__(message)
+        self.started = started
 
 
 def launch_each(
@@ -111,14 +164,18 @@ def launch_each(
     start_one: Callable[[ReplicaSpec], ReplicaHandle],
     stop: Callable[[ReplicaHandle], None],
 ) -> list[ReplicaHandle]:
-    """Start one job per spec; if one fails (a quota, most often), stop those this call
-    started before raising, so a platform that fails half-way leaves no paid job behind."""
+    """Start one job per spec; if one fails (a quota, most often) or the user presses Ctrl-C,
+    stop those this call started before raising, so a platform that fails half-way leaves no
+    paid job behind."""
     handles: list[ReplicaHandle] = []
     try:
         for spec in specs:
             handles.append(start_one(spec))
     except Exception as exc:
-        raise RuntimeError(f"{exc}; {stop_all(handles, stop)}") from exc
+        raise PartialLaunchError(f"{one_line(exc)}; {stop_all(handles, stop)}", handles) from exc
+    except BaseException:
+        stop_all(handles, stop)
+        raise
     return handles
 
 
@@ -136,6 +193,9 @@ class Backend(Protocol):
         """What ``launch`` would submit, as the platform sees it, secret values masked."""
 
     def launch(self, specs: list[ReplicaSpec], run_dir: Path) -> list[ReplicaHandle]: ...
+
+    # Optional: ``server_dry_run(specs) -> list[dict]``, the platform's own dry run of what
+    # ``launch`` would submit (Kubernetes: the API server admits the Job, stores nothing).
 
     def state(self, handle: ReplicaHandle) -> JobState: ...
 

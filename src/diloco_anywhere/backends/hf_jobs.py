@@ -23,6 +23,7 @@ from typing import Annotated, Any
 from pydantic import Field, field_validator
 
 from diloco_anywhere.backends.base import (
+    ACTIVE_STATES,
     BackendSettings,
     BackendUnavailableError,
     JobState,
@@ -30,11 +31,11 @@ from diloco_anywhere.backends.base import (
     ReplicaSpec,
     backend_settings,
     image_of,
+    import_sdk,
     launch_each,
 )
 from diloco_anywhere.config import RunConfig
 
-INSTALL = "pip install 'diloco-anywhere[hf_jobs]'"
 STATES: dict[str, JobState] = {
     "SCHEDULING": "pending",
     "RUNNING": "running",
@@ -103,13 +104,7 @@ class HfJobsBackend:
         return HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
 
     def check(self) -> None:
-        try:
-            from huggingface_hub import get_token
-        except ImportError:
-            raise BackendUnavailableError(
-                f"backend hf_jobs needs huggingface_hub: {INSTALL}"
-            ) from None
-        if get_token() is None:
+        if import_sdk("huggingface_hub", self.name).get_token() is None:
             raise BackendUnavailableError(
                 "backend hf_jobs: no Hugging Face token; run `hf auth login` or set HF_TOKEN "
                 "(a token allowed to start Jobs)"
@@ -152,22 +147,34 @@ class HfJobsBackend:
         return launch_each(specs, start_one, self.stop)
 
     def state(self, handle: ReplicaHandle) -> JobState:
+        """The job's stage; a job the hub no longer knows is stopped, and one it could not
+        tell about (an HTTP error) unknown. Other errors (the hub unreachable) are raised."""
         from huggingface_hub.errors import HfHubHTTPError
 
         try:
             job = self._api().inspect_job(**_reference(handle))
         except HfHubHTTPError as exc:
-            status = exc.response.status_code if exc.response is not None else None
-            return "stopped" if status == 404 else "unknown"
+            return "stopped" if _not_found(exc) else "unknown"
         return STATES.get(str(job.status.stage), "unknown")
 
     def logs(self, handle: ReplicaHandle) -> str:
         return "\n".join(self._api().fetch_job_logs(**_reference(handle), follow=False))
 
     def stop(self, handle: ReplicaHandle) -> None:
-        if self.state(handle) in ("pending", "running"):
-            self._api().cancel_job(**_reference(handle))
+        """Cancel the job unless it has ended; an unknown state may hide a running job."""
+        from huggingface_hub.errors import HfHubHTTPError
+
+        if self.state(handle) in ACTIVE_STATES:
+            try:
+                self._api().cancel_job(**_reference(handle))
+            except HfHubHTTPError as exc:
+                if not _not_found(exc):  # gone meanwhile
+                    raise
 
 
 def _reference(handle: ReplicaHandle) -> dict[str, str]:
     return {"job_id": handle.job["id"], "namespace": handle.job["namespace"]}
+
+
+def _not_found(exc: Any) -> bool:
+    return exc.response is not None and exc.response.status_code == 404

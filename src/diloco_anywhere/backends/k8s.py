@@ -24,8 +24,11 @@ service account when it runs inside a cluster.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -39,14 +42,20 @@ from diloco_anywhere.backends.base import (
     ReplicaSpec,
     backend_settings,
     image_of,
+    import_sdk,
+    one_line,
 )
 from diloco_anywhere.config import RunConfig
-from diloco_anywhere.replica import ENV_REPLICA_ID, ENV_REPLICA_INDEX, ENV_REPLICA_INDEX_BASE
+from diloco_anywhere.replica import (
+    ENV_REPLICA_ID,
+    ENV_REPLICA_INDEX,
+    ENV_REPLICA_INDEX_BASE,
+    EXIT_BAD_CONFIG,
+)
 
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient, V1Job, V1Pod
 
-INSTALL = "pip install 'diloco-anywhere[k8s]'"
 CONTAINER = "replica"
 GPU_RESOURCE = "nvidia.com/gpu"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -54,7 +63,6 @@ RUN_LABEL = "diloco.run"
 PLATFORM_LABEL = "diloco.platform"
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
-EXIT_BAD_CONFIG = 2  # replica.py: run.toml or arguments refused, nothing started
 # An Indexed Job's pods are named and hostnamed "<job>-<index>", a DNS label (63): the Job's
 # name stays within 52 so that any index fits; the API server appends 5 characters.
 MAX_GENERATE_NAME = 52 - 5
@@ -126,6 +134,23 @@ class Settings(BackendSettings):
         return self
 
 
+@contextmanager
+def api_errors() -> Iterator[None]:
+    """On the methods that call the API server: an ``ApiException``, whose text carries the
+    response's headers and body over many lines, becomes one short line, its status, reason
+    and the API server's message (its Status object's)."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        yield
+    except ApiException as exc:
+        try:
+            message = f": {json.loads(exc.body)['message']}"
+        except (TypeError, ValueError, KeyError):  # no body, not JSON, not a Status
+            message = ""
+        raise RuntimeError(f"{exc.status} {exc.reason}{message}") from exc
+
+
 class KubernetesBackend:
     name = "k8s"
     remote = True
@@ -136,12 +161,7 @@ class KubernetesBackend:
         self._clients: dict[str | None, ApiClient] = {}  # by kubeconfig context
 
     def check(self) -> None:
-        try:
-            import kubernetes  # noqa: F401
-        except ImportError:
-            raise BackendUnavailableError(
-                f"k8s: the kubernetes client is not installed: {INSTALL}"
-            ) from None
+        import_sdk("kubernetes", self.name)
         self._client(self.settings.context)
 
     def describe(self, specs: list[ReplicaSpec]) -> list[dict[str, Any]]:
@@ -232,6 +252,11 @@ class KubernetesBackend:
             for k, spec in enumerate(specs)
         ]
 
+    def server_dry_run(self, specs: list[ReplicaSpec]) -> list[dict[str, Any]]:
+        """The Job as the API server would create it (``dryRun=All``)."""
+        return [self.submit(self.manifest(specs), dry_run=True)]
+
+    @api_errors()
     def submit(self, manifest: dict[str, Any], dry_run: bool) -> dict[str, Any]:
         """Create the Job; ``dry_run``: the API server validates and admits it (webhooks,
         quotas, the generated name) but stores and starts nothing. The Job as the server
@@ -244,12 +269,14 @@ class KubernetesBackend:
         )
         return client.sanitize_for_serialization(created)
 
+    @api_errors()
     def state(self, handle: ReplicaHandle) -> JobState:
         job = self._job(handle)
         if job is None or job.metadata.deletion_timestamp is not None:
             return "stopped"
         return index_state(job, self._pods(handle), handle.job["index"])
 
+    @api_errors()
     def logs(self, handle: ReplicaHandle) -> str:
         """The output of the index's newest pod (an earlier attempt's is gone with its pod
         once retried); empty before its container has started."""
@@ -273,6 +300,7 @@ class KubernetesBackend:
                 return ""
             raise
 
+    @api_errors()
     def stop(self, handle: ReplicaHandle) -> None:
         """Delete the Job unless it has ended. That ends every replica of its launch:
         Kubernetes cannot stop one index alone, and ``diloco stop`` stops them all anyway.
@@ -343,7 +371,7 @@ def api_client(context: str | None) -> ApiClient:
     try:
         config.load_kube_config(path, context, client_configuration=configuration)
     except config.ConfigException as exc:
-        kubeconfig_problem = " ".join(str(exc).split())
+        kubeconfig_problem = one_line(exc)
         try:
             config.load_incluster_config(client_configuration=configuration)
         except config.ConfigException:

@@ -23,10 +23,9 @@ from diloco_anywhere.backends.base import (
     ReplicaHandle,
     ReplicaSpec,
     backend_settings,
+    launch_each,
 )
 from diloco_anywhere.config import RunConfig
-from diloco_anywhere.replica import ENV_STORE
-from diloco_anywhere.store import redact_url
 
 
 class LocalBackend:
@@ -42,15 +41,9 @@ class LocalBackend:
         """Nothing to check: this Python runs the replicas."""
 
     def describe(self, specs: list[ReplicaSpec]) -> list[dict[str, object]]:
-        """Each process's command and environment (a store URL without its credentials)."""
-        return [
-            {
-                "replica": spec.replica_id,
-                "command": spec.command(sys.executable),
-                "env": {**spec.env, ENV_STORE: redact_url(spec.env[ENV_STORE])},
-            }
-            for spec in specs
-        ]
+        """Each process's command; its environment is this one plus the spec's."""
+        return [{"replica": spec.replica_id, "command": spec.command(sys.executable)}
+                for spec in specs]  # fmt: skip
 
     def launch(self, specs: list[ReplicaSpec], run_dir: Path) -> list[ReplicaHandle]:
         """Start ``specs``; a later call (a restart) gives its replicas the thread count of
@@ -58,10 +51,11 @@ class LocalBackend:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self._threads = self._threads or threads_per_replica(sum(s.processes for s in specs))
         threads = {"OMP_NUM_THREADS": str(self._threads)}
-        return [
-            self._start(spec, run_dir / "logs" / f"{spec.replica_id}.log", threads)
-            for spec in specs
-        ]
+        return launch_each(
+            specs,
+            lambda spec: self._start(spec, run_dir / "logs" / f"{spec.replica_id}.log", threads),
+            self.stop,
+        )
 
     def _start(self, spec: ReplicaSpec, log_path: Path, threads: dict[str, str]) -> ReplicaHandle:
         with log_path.open("ab") as log:

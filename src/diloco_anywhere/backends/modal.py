@@ -8,7 +8,8 @@ container's environment (https://modal.com/docs/guide/secrets). It deploys the A
 https://modal.com/docs/guide/job-queue); each call's id is the replica's handle, so status,
 logs and stop work from any shell through ``FunctionCall.from_id``. A call runs the replica
 entrypoint as a subprocess (under ``torchrun`` for several GPUs) and raises if it fails, so
-Modal's retries start it again; a preempted GPU container is restarted on the same input
+Modal's retries start it again, except when the replica refused its run.toml (exit 2), which
+would only fail again; a preempted GPU container is restarted on the same input
 (https://modal.com/docs/guide/preemption). Modal ends a call after at most 24 hours
 (https://modal.com/docs/guide/timeouts), and attaches at most 8 GPUs to a container
 (https://modal.com/docs/guide/gpu). The launcher's token is the SDK's own: ``modal token new``,
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 from pydantic import Field, field_validator, model_validator
 
 from diloco_anywhere.backends.base import (
+    ACTIVE_STATES,
     BackendSettings,
     BackendUnavailableError,
     JobState,
@@ -33,14 +35,16 @@ from diloco_anywhere.backends.base import (
     ReplicaSpec,
     backend_settings,
     image_of,
+    import_sdk,
     launch_each,
+    settings_error,
 )
-from diloco_anywhere.config import ConfigError, RunConfig
+from diloco_anywhere.config import RunConfig
+from diloco_anywhere.replica import EXIT_BAD_CONFIG
 
 if TYPE_CHECKING:
     import modal
 
-INSTALL = "pip install 'diloco-anywhere[modal]'"
 # Modal's GPU names (https://modal.com/docs/guide/gpu). The SDK has no list to take them from:
 # its parser (modal._utils.function_utils.parse_gpu_config) accepts any name and Modal's
 # servers judge it at deploy time, and the GPUType enum in its protocol is frozen ("no longer
@@ -58,8 +62,8 @@ LOG_ENTRIES = 2000
 
 
 class ReplicaExitError(RuntimeError):
-    """The replica command exited non-zero: raised so that Modal counts the call as failed
-    and retries it."""
+    """The replica command exited non-zero (and not 2): raised so that Modal counts the call
+    as failed and retries it."""
 
 
 def run_replica(env: dict[str, str], command: list[str]) -> int:
@@ -68,14 +72,17 @@ def run_replica(env: dict[str, str], command: list[str]) -> int:
     variables). A subprocess rather than a call into the entrypoint, so that ``torchrun`` can
     start one process per GPU. A cancelled or preempted call is interrupted here by an
     exception; the replica then gets SIGTERM, so it records that it stopped before the
-    container goes. Its output goes to the container's, which is the call's log."""
+    container goes. Its output goes to the container's, which is the call's log.
+
+    A replica that refused its run.toml (exit 2) would refuse it again: its code is returned,
+    not raised, so that Modal does not retry it; ``state`` reads it as failed."""
     child = subprocess.Popen(command, env={**os.environ, **env})
     try:
         code = child.wait()
     except BaseException:
         _terminate(child)
         raise
-    if code != 0:  # the message names the command, never an environment value
+    if code not in (0, EXIT_BAD_CONFIG):  # the message names the command, never the env
         raise ReplicaExitError(f"`{shlex.join(command)}` exited with code {code}")
     return code
 
@@ -175,15 +182,10 @@ class ModalBackend:
             _check_object_name(self.app_name, "App")
         except ValueError as exc:
             made = "" if self.settings.app_name else " (made from run.name): set one"
-            raise ConfigError(
-                f"{config.source or 'run.toml'}: backends.modal.app_name: {exc}{made}"
-            ) from None
+            raise settings_error(config, self.name, "app_name", f"{exc}{made}") from None
 
     def check(self) -> None:
-        try:
-            from modal.config import config
-        except ImportError:
-            raise BackendUnavailableError(f"backend modal needs the modal SDK: {INSTALL}") from None
+        config = import_sdk("modal.config", self.name).config
         if not (config.get("token_id") and config.get("token_secret")):
             raise BackendUnavailableError(
                 "backend modal: no Modal token; run `modal token new`, or set MODAL_TOKEN_ID "
@@ -263,14 +265,16 @@ class ModalBackend:
 
     def state(self, handle: ReplicaHandle) -> JobState:
         """From the call's result, polled without waiting. Modal's public API does not tell a
-        queued call from a running one: both are "running" here."""
+        queued call from a running one: both are "running" here. Only the call's own end is
+        "failed"; Modal failing to answer (credentials, an outage, an expired result) is
+        "unknown"."""
         import modal
         from grpclib import GRPCError
-        from modal.exception import ConnectionError as UnreachableError
-        from modal.exception import OutputExpiredError, RemoteError
+        from grpclib.exceptions import StreamTerminatedError
+        from modal.exception import Error, FunctionTimeoutError, InternalFailure, RemoteError
 
         try:
-            modal.FunctionCall.from_id(handle.job["call_id"]).get(timeout=0)
+            result = modal.FunctionCall.from_id(handle.job["call_id"]).get(timeout=0)
         except TimeoutError:  # the builtin, not modal.exception's: no result yet
             return "running"
         except RemoteError as exc:
@@ -278,11 +282,13 @@ class ModalBackend:
             # sends it so: modal/_runtime/container_io_manager.py), which the SDK raises as an
             # empty RemoteError; a failure that has no exception object carries its message.
             return "failed" if str(exc) else "stopped"
-        except (OutputExpiredError, UnreachableError, GRPCError):
-            return "unknown"  # the result is no longer kept, or Modal could not be asked
-        except Exception:  # what the call raised: ReplicaExitError, a timeout, a crash
+        except (FunctionTimeoutError, InternalFailure):  # the call's result: it ended so
             return "failed"
-        return "exited"
+        except (Error, GRPCError, StreamTerminatedError):  # Modal could not say
+            return "unknown"
+        except Exception:  # what the call raised: ReplicaExitError, a crash
+            return "failed"
+        return "failed" if isinstance(result, int) and result != 0 else "exited"
 
     def logs(self, handle: ReplicaHandle) -> str:
         """The call's latest log entries; where Modal cannot give them, how to see them."""
@@ -301,5 +307,5 @@ class ModalBackend:
         """Cancel the call and end its container; a call that has ended is left as it is."""
         import modal
 
-        if self.state(handle) not in ("exited", "failed", "stopped"):  # unknown: try anyway
+        if self.state(handle) in ACTIVE_STATES:  # unknown: it may be running
             modal.FunctionCall.from_id(handle.job["call_id"]).cancel(terminate_containers=True)

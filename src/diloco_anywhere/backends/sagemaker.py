@@ -47,11 +47,13 @@ from diloco_anywhere.backends.base import (
     ReplicaSpec,
     backend_settings,
     image_of,
+    import_sdk,
     launch_each,
+    one_line,
+    settings_error,
 )
-from diloco_anywhere.config import ConfigError, RunConfig
+from diloco_anywhere.config import RunConfig
 
-INSTALL = "pip install 'diloco-anywhere[sagemaker]'"
 LOG_GROUP = "/aws/sagemaker/TrainingJobs"
 # StoppingCondition.MaxRuntimeInSeconds: "The maximum value is 28 days" (API_StoppingCondition)
 MAX_RUNTIME_HOURS = 28 * 24
@@ -66,6 +68,8 @@ ENDED: dict[str, JobState] = {
 # SecondaryStatus of an InProgress job whose container runs our command; the others (Starting,
 # Downloading, Interrupted: a spot job waiting for capacity, Restarting...) are still pending.
 RUNNING_PHASES = frozenset({"Training", "Uploading"})
+# SecondaryStatus of a job SageMaker stopped at its StoppingCondition: it did not finish.
+OUT_OF_TIME = frozenset({"MaxRuntimeExceeded", "MaxWaitTimeExceeded"})
 _ECR_HOST = re.compile(r"\d{12}\.dkr[.-]ecr(-fips)?\.[a-z0-9-]+\.(amazonaws\.com(\.cn)?|on\.aws)")
 # Settings checked against a shape of the API model: field -> (shape, an example)
 _SHAPED = {
@@ -222,21 +226,19 @@ def launch_suffix() -> str:
 
 def job_state(job: dict[str, Any]) -> JobState:
     """A DescribeTrainingJob answer as a JobState."""
-    status = job["TrainingJobStatus"]
+    status, phase = job["TrainingJobStatus"], job.get("SecondaryStatus")
     if status == "InProgress":
-        return "running" if job.get("SecondaryStatus") in RUNNING_PHASES else "pending"
+        return "running" if phase in RUNNING_PHASES else "pending"
+    if status in ("Stopping", "Stopped") and phase in OUT_OF_TIME:
+        return "failed"
     return ENDED.get(status, "unknown")
-
-
-def _config_error(config: RunConfig, field: str, message: str) -> ConfigError:
-    return ConfigError(f"{config.source or 'run.toml'}: backends.sagemaker.{field}: {message}")
 
 
 def ecr_image(config: RunConfig, settings: Settings) -> str:
     """The image, which SageMaker pulls from Amazon ECR only."""
     image = image_of(config, settings, SageMakerBackend.name)
     if not _ECR_HOST.fullmatch(image.split("/", 1)[0]):
-        raise _config_error(config, "image", (
+        raise settings_error(config, SageMakerBackend.name, "image", (
             f"{image!r} is not in Amazon ECR, the only registry SageMaker training pulls "
             f"from; push the image to <account>.dkr.ecr.<region>.amazonaws.com/<repository>"
             f":<tag> and set [backends.sagemaker] image to it"
@@ -249,7 +251,7 @@ def default_output(config: RunConfig) -> str:
     objects when the store is on S3."""
     store = config.store_url().rstrip("/")
     if not store.startswith("s3://"):
-        raise _config_error(config, "output_s3_uri", (
+        raise settings_error(config, SageMakerBackend.name, "output_s3_uri", (
             f"required when run.store is not on S3 ({store.partition(':')[0]}): SageMaker "
             f"writes each job's output to an s3:// folder, e.g. s3://<bucket>/sagemaker-output"
         ))  # fmt: skip
@@ -261,20 +263,19 @@ class SageMakerBackend:
     remote = True
 
     def __init__(self, config: RunConfig) -> None:
+        """Settings only: ``diloco status``, ``logs`` and ``stop`` build the backend from the
+        current run.toml to reach jobs already started, whatever its image or store now are;
+        what a new job needs is resolved where its request is made, and by ``check``."""
         self.config = config
         self.settings = backend_settings(config, self.name, Settings)
-        self.image = ecr_image(config, self.settings)
-        self.output_s3_uri = self.settings.output_s3_uri or default_output(config)
         self._clients: dict[tuple[str, str], Any] = {}
 
     def check(self) -> None:
-        """boto3, credentials, role, region: in the order a user provides them. Resolves
-        credentials the way boto3 does; starts nothing."""
-        try:
-            import boto3
-            from botocore.exceptions import BotoCoreError
-        except ImportError:
-            raise BackendUnavailableError(f"backend sagemaker needs boto3: {INSTALL}") from None
+        """boto3, credentials, role, image, output, region: in the order a user provides
+        them. Resolves credentials the way boto3 does; starts nothing."""
+        boto3 = import_sdk("boto3", self.name)
+        from botocore.exceptions import BotoCoreError
+
         try:
             credentials = boto3.Session().get_credentials()
         except BotoCoreError as exc:  # e.g. AWS_PROFILE names a profile that does not exist
@@ -285,12 +286,20 @@ class SageMakerBackend:
                 ", set AWS_PROFILE, or in GitHub Actions assume the OIDC role "
                 "(aws-actions/configure-aws-credentials)"
             )
-        self._role()
+        self._job_settings()
         self._region()
+
+    def _job_settings(self) -> dict[str, str]:
+        """What every job of a launch shares and run.toml must allow: role, image, output."""
+        return {
+            "role": self._role(),
+            "image": ecr_image(self.config, self.settings),
+            "output": self.settings.output_s3_uri or default_output(self.config),
+        }
 
     def _role(self) -> str:
         if self.settings.role_arn is None:
-            raise _config_error(self.config, "role_arn", (
+            raise settings_error(self.config, self.name, "role_arn", (
                 "required: the IAM role the jobs run as (trusted by sagemaker.amazonaws.com, "
                 "allowed to pull the image, write logs and use the run's bucket), e.g. "
                 f"{_SHAPED['role_arn'][1]}"
@@ -323,7 +332,9 @@ class SageMakerBackend:
             condition["MaxWaitTimeInSeconds"] = round((self.settings.max_wait_hours or 0) * 3600)
         return condition
 
-    def _request(self, spec: ReplicaSpec, role: str, suffix: str) -> dict[str, Any]:
+    def _request(
+        self, spec: ReplicaSpec, suffix: str, role: str, image: str, output: str
+    ) -> dict[str, Any]:
         """CreateTrainingJob's body for one replica: one instance running our command."""
         entrypoint = spec.command("python")
         refused = refusals(entrypoint, "TrainingContainerEntrypoint", "ContainerEntrypoint")
@@ -337,12 +348,12 @@ class SageMakerBackend:
             "TrainingJobName": job_name(self.config.run.name, spec.replica_id, suffix),
             "RoleArn": role,
             "AlgorithmSpecification": {
-                "TrainingImage": self.image,
+                "TrainingImage": image,
                 "TrainingInputMode": "File",
                 "ContainerEntrypoint": entrypoint,
             },
             "Environment": dict(spec.env),
-            "OutputDataConfig": {"S3OutputPath": self.output_s3_uri},
+            "OutputDataConfig": {"S3OutputPath": output},
             "ResourceConfig": {
                 "InstanceType": settings.instance_type,
                 "InstanceCount": 1,
@@ -360,8 +371,8 @@ class SageMakerBackend:
         return request
 
     def _requests(self, specs: list[ReplicaSpec]) -> list[dict[str, Any]]:
-        role, suffix = self._role(), launch_suffix()
-        return [self._request(spec, role, suffix) for spec in specs]
+        shared, suffix = self._job_settings(), launch_suffix()
+        return [self._request(spec, suffix, **shared) for spec in specs]
 
     def describe(self, specs: list[ReplicaSpec]) -> list[dict[str, Any]]:
         """The CreateTrainingJob bodies (there is no secret to mask); job names get a new
@@ -369,17 +380,36 @@ class SageMakerBackend:
         return [{"CreateTrainingJob": request} for request in self._requests(specs)]
 
     def launch(self, specs: list[ReplicaSpec], run_dir: Path) -> list[ReplicaHandle]:
+        requests = dict(zip((s.replica_id for s in specs), self._requests(specs), strict=True))
         region = self._region()
         client = self._client("sagemaker", region)
-        requests = dict(zip((s.replica_id for s in specs), self._requests(specs), strict=True))
 
         def start_one(spec: ReplicaSpec) -> ReplicaHandle:
             request = requests[spec.replica_id]
-            arn = client.create_training_job(**request)["TrainingJobArn"]
-            job = {"name": request["TrainingJobName"], "region": region, "arn": arn}
-            return ReplicaHandle(spec.replica_id, self.name, job)
+            job = {"name": request["TrainingJobName"], "region": region}
+            try:
+                arn = client.create_training_job(**request)["TrainingJobArn"]
+            except BaseException as exc:  # Ctrl-C too: the job may be created all the same
+                self._stop_unacknowledged(ReplicaHandle(spec.replica_id, self.name, job), exc)
+                raise
+            return ReplicaHandle(spec.replica_id, self.name, {**job, "arn": arn})
 
         return launch_each(specs, start_one, self.stop)
+
+    def _stop_unacknowledged(self, handle: ReplicaHandle, exc: BaseException) -> None:
+        """A CreateTrainingJob that raised may still have created the job: the connection
+        dropped or timed out after SageMaker took it, or botocore's retry was refused
+        (ResourceInUse) because its first attempt had succeeded. Its name is known, so it is
+        stopped like any other (a job SageMaker does not know is nothing to stop); if that
+        fails too, the error says so."""
+        try:
+            self.stop(handle)
+        except Exception as stop_exc:
+            raise RuntimeError(
+                f"SageMaker job {handle.job['name']} (region {handle.job['region']}) may "
+                f"exist and could not be stopped ({one_line(stop_exc)}): stop it by hand if "
+                f"it does; creating it failed: {one_line(exc)}"
+            ) from exc
 
     def _describe(self, handle: ReplicaHandle) -> dict[str, Any] | None:
         """DescribeTrainingJob, or None for a job SageMaker does not know (deleted)."""

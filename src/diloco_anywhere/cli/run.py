@@ -10,16 +10,25 @@ from typing import Annotated
 
 import typer
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from diloco_anywhere.backends import BACKENDS, get_backend
-from diloco_anywhere.backends.base import ReplicaSpec
+from diloco_anywhere.backends.base import (
+    ACTIVE_STATES,
+    ReplicaHandle,
+    ReplicaSpec,
+    one_line,
+    stop_all,
+)
 from diloco_anywhere.cli.common import stderr, stdout, user_errors
 from diloco_anywhere.config import RunConfig, load_config, validate_config
 from diloco_anywhere.launch import (
     LaunchPlan,
     delete_run_objects,
     describe,
+    dry_run_on_servers,
+    job_state,
     load_handles,
     mark_stopped,
     plan_launch,
@@ -37,6 +46,8 @@ from diloco_anywhere.supervisor import Supervisor
 CONFIG_OPTION = typer.Option(
     "--config", help="run.toml of the run. Default: the embedded demo run (4 local replicas)."
 )
+LOCAL_POLL_SECONDS = 1.0
+REMOTE_POLL_SECONDS = 10.0
 JSON_OPTION = typer.Option("--json", help="Print JSON instead of a table (for scripts).")
 ConfigPath = Annotated[Path | None, CONFIG_OPTION]
 JsonFlag = Annotated[bool, JSON_OPTION]
@@ -52,9 +63,8 @@ def parse_backends(values: list[str], config: RunConfig, replicas: int | None) -
     """Replicas per platform. ``["modal=2", "local=1"]`` -> those counts; ``["modal"]`` ->
     ``--replicas``, else ``[backends.modal] replicas``, else ``run.replicas``. No ``--backend``:
     every ``[backends.*]`` section that sets ``replicas`` (the run's usual mix), else local."""
+    configured = configured_replicas(config)
     if not values:
-        configured = {name: section["replicas"] for name, section in config.backends.items()
-                      if name in BACKENDS and "replicas" in section}  # fmt: skip
         values = [f"{name}={count}" for name, count in configured.items()] or ["local"]
     counts = {}
     for value in values:
@@ -65,8 +75,26 @@ def parse_backends(values: list[str], config: RunConfig, replicas: int | None) -
             raise ValueError(f"--backend {value!r}: with several backends give each a count")
         if count and not (count.isdigit() and int(count) > 0):
             raise ValueError(f"--backend {value!r}: the count must be a whole number >= 1")
-        default = config.backends.get(name, {}).get("replicas", config.run.replicas)
-        counts[name] = int(count) if count else (replicas or default)
+        counts[name] = (
+            int(count) if count else (replicas or configured.get(name, config.run.replicas))
+        )
+    return counts
+
+
+def configured_replicas(config: RunConfig) -> dict[str, int]:
+    """``[backends.<platform>] replicas`` of every platform that sets it; a section of no
+    known platform (a typo would otherwise fall back to local replicas) is an error."""
+    unknown = sorted(set(config.backends) - set(BACKENDS))
+    if unknown:
+        raise ValueError(f"[backends.{unknown[0]}] in run.toml: no such platform; choose from "
+                         f"{', '.join(BACKENDS)}")  # fmt: skip
+    counts = {}
+    for name, section in config.backends.items():
+        count = section.get("replicas")
+        if count is not None and not (type(count) is int and count >= 1):
+            raise ValueError(f"backends.{name}.replicas = {count!r}: give a whole number >= 1")
+        if count is not None:
+            counts[name] = count
     return counts
 
 
@@ -106,25 +134,27 @@ def _status_table(rows: list[ReplicaStatus], title: str) -> Table:
 
 def _follow(plan: LaunchPlan, supervisor: Supervisor) -> int:
     """Show live status until every replica's job has ended (restarting failed ones when the
-    supervisor may); 0 if all of them are done."""
+    supervisor may); 0 if all of them are done. Remote jobs are asked less often: their APIs
+    throttle (SageMaker's DescribeTrainingJob), and a replica reports progress to the bucket."""
     reader = run_metrics(plan.config)
     target = plan.config.diloco.outer_steps
     title = f"run {plan.config.run.name}: {len(plan.specs)} replicas, {target} outer steps"
+    interval = REMOTE_POLL_SECONDS if supervisor.remote else LOCAL_POLL_SECONDS
     try:
         with Live(console=stderr, refresh_per_second=2) as live:
             while True:
                 for note in supervisor.restart_failed():
                     live.console.print(note)
-                rows = replica_statuses(reader.read(), supervisor.handles, supervisor.state)
+                states = {h.replica_id: supervisor.state(h) for h in supervisor.handles}
+                rows = replica_statuses(reader.read(), supervisor.handles,
+                                        lambda h, known=states: known[h.replica_id])  # fmt: skip
                 live.update(_status_table(rows, title))
-                if not any(map(supervisor.active, supervisor.handles)):
+                if not set(states.values()) & set(ACTIVE_STATES):
                     break
-                time.sleep(1.0)
+                time.sleep(interval)
     except KeyboardInterrupt:
         stderr.print("interrupted: stopping every replica of this launch")
-        for handle in supervisor.handles:
-            mark_stopped(plan.run_dir, handle.replica_id)
-            supervisor.backends[handle.platform].stop(handle)
+        _stop_every(plan.config, supervisor.handles, supervisor.backends)
         return 130
     rows = replica_statuses(reader.read(), supervisor.handles, supervisor.state)
     stdout.print(_status_table(rows, title))
@@ -156,6 +186,13 @@ def launch(
         typer.Option(
             help="Print every replica and exactly what each platform would be sent (secret "
             "values masked); contact nothing, start nothing."
+        ),
+    ] = False,
+    server_dry_run: Annotated[
+        bool,
+        typer.Option(
+            help="Check credentials, then have each platform that can validate the request "
+            "itself do so without starting anything (Kubernetes: dryRun=All); print the result.",
         ),
     ] = False,
     fresh: Annotated[
@@ -192,6 +229,9 @@ def launch(
             shown = {"replicas": [_shown(spec) for spec in plan.specs], "submit": describe(plan)}
             print(json.dumps(shown, indent=2))
             return
+        if server_dry_run:
+            print(json.dumps(dry_run_on_servers(plan), indent=2))
+            return
         if store_has_run(config):
             if fresh:
                 delete_run_objects(config)
@@ -219,7 +259,7 @@ def status(config_path: ConfigPath = None, json_output: JsonFlag = False) -> Non
         handles = load_handles(config)
         backends = {p: get_backend(p, config) for p in {h.platform for h in handles}}
         rows = replica_statuses(
-            reader.read(), handles, lambda handle: backends[handle.platform].state(handle)
+            reader.read(), handles, lambda handle: job_state(backends[handle.platform], handle)
         )
     if json_output:
         print(json.dumps([row.as_dict() for row in rows], indent=2))
@@ -242,10 +282,30 @@ def logs(
         if not chosen:
             known = ", ".join(h.replica_id for h in handles) or "none launched from here"
             raise ValueError(f"no replica {replica!r} in this run's launch; replicas: {known}")
-        for handle in chosen:
-            lines = get_backend(handle.platform, config).logs(handle).splitlines()[-tail:]
-            stdout.rule(f"{handle.replica_id} ({handle.platform})")
-            print("\n".join(lines))
+        backends = {p: get_backend(p, config) for p in {h.platform for h in chosen}}
+    unreadable = 0
+    for handle in chosen:  # one platform failing does not hide the others' logs
+        stdout.rule(f"{handle.replica_id} ({handle.platform})")
+        try:
+            print("\n".join(backends[handle.platform].logs(handle).splitlines()[-tail:]))
+        except Exception as exc:
+            stderr.print(f"[red]error:[/red] {escape(one_line(exc))}", highlight=False)
+            unreadable += 1
+    if unreadable:
+        raise typer.Exit(1)
+
+
+def _stop_every(config: RunConfig, handles: list[ReplicaHandle], backends: dict) -> bool:
+    """Stop every replica (marked first: not to be restarted), carrying on past a platform
+    that fails; say what happened. True if every stop was sent."""
+    for handle in handles:
+        mark_stopped(run_dir(config), handle.replica_id)
+    report = stop_all(handles, lambda handle: backends[handle.platform].stop(handle))
+    platforms = ", ".join(sorted({handle.platform for handle in handles})) or "no platform"
+    (stderr if report.left else stdout).print(
+        escape(f"{report} on {platforms}"), highlight=False, soft_wrap=True
+    )
+    return not report.left
 
 
 def stop(config_path: ConfigPath = None) -> None:
@@ -254,11 +314,8 @@ def stop(config_path: ConfigPath = None) -> None:
         config = load_config(config_path)
         handles = load_handles(config)
         backends = {p: get_backend(p, config) for p in {h.platform for h in handles}}
-        for handle in handles:
-            mark_stopped(run_dir(config), handle.replica_id)  # not restarted by the launcher
-            backends[handle.platform].stop(handle)
-    platforms = sorted({handle.platform for handle in handles})
-    stdout.print(f"stop sent to {len(handles)} replicas ({', '.join(platforms) or 'none'})")
+    if not _stop_every(config, handles, backends):
+        raise typer.Exit(1)
 
 
 def _summary_table(summary: RunSummary) -> Table:
