@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from huggingface_hub.errors import HfHubHTTPError
@@ -166,7 +167,8 @@ def test_state_raises_when_the_hub_cannot_be_reached(hub, monkeypatch):
          "flavor 'h100'; choose from cpu-basic"),
         ('timeout = "forever"', "backends.hf_jobs.timeout = 'forever': give seconds"),
         ("attempts = 0", "backends.hf_jobs.attempts = 0: Input should be greater than or equal"),
-        ('secrets = ["AWS KEY"]', "['AWS KEY'] are not environment variable names"),
+        ('secrets = ["AWS KEY"]', "['AWS KEY']: give NAME or NAME=SOURCE"),
+        ('secrets = ["A=B=C"]', "['A=B=C']: give NAME or NAME=SOURCE"),
         ("gpus = 8", "backends.hf_jobs.gpus = 8: Extra inputs are not permitted"),
     ],
 )  # fmt: skip
@@ -186,7 +188,7 @@ def test_check_says_what_is_missing_in_one_line(tmp_path, monkeypatch):
     assert "\n" not in str(error.value)
     monkeypatch.setenv("HF_TOKEN", "hf_x")
     monkeypatch.delenv("NOT_SET_HERE", raising=False)
-    with pytest.raises(BackendUnavailableError, match="names NOT_SET_HERE, not set here"):
+    with pytest.raises(BackendUnavailableError, match="reads NOT_SET_HERE, not set here"):
         HfJobsBackend(config).check()
 
 
@@ -197,3 +199,19 @@ def test_check_without_the_sdk_says_how_to_install_it(monkeypatch):
     assert str(error.value) == (
         "backend hf_jobs needs the huggingface_hub package: pip install 'diloco-anywhere[hf_jobs]'"
     )
+
+
+def test_a_secret_can_be_read_from_another_variable(tmp_path, s3_run, hub, monkeypatch):
+    """A launcher whose own AWS_* are an OIDC session (GitHub Actions) passes the replicas'
+    long-lived key under other names: ``NAME=SOURCE``."""
+    monkeypatch.setenv("STORE_KEY_ID", "AKIA-REPLICA")
+    path = write_run(tmp_path, s3_run[0], replicas=2, outer_steps=500)
+    text = Path(path).read_text().replace(json.dumps(SECRETS), '["AWS_ACCESS_KEY_ID=STORE_KEY_ID"]')
+    Path(path).write_text(text)
+    plan = plan_launch(load_config(path), {"hf_jobs": 1})
+    backend = plan.backends["hf_jobs"]
+    (described,) = backend.describe(list(plan.specs))
+    assert described["run_job"]["secrets"] == {"AWS_ACCESS_KEY_ID": "***"}
+    (handle,) = start(plan)["hf_jobs"][1]
+    assert hub.created()[0]["secrets"] == {"AWS_ACCESS_KEY_ID": "AKIA-REPLICA"}
+    backend.stop(handle)

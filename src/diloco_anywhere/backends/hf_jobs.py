@@ -53,7 +53,9 @@ class Settings(BackendSettings):
     timeout: str = "24h"  # seconds, or a number with s, m, h or d
     attempts: Annotated[int, Field(ge=1, le=10)] = 3  # the hub restarts a failed job
     namespace: str | None = None  # user or organization; default: the token's user
-    # Names of environment variables whose values become the job's secrets (store credentials)
+    # The job's secrets (store credentials), each read from the launcher's environment:
+    # "NAME" (from NAME), or "NAME=SOURCE" (from SOURCE: a launcher whose own AWS_* are an
+    # OIDC session passes the replicas' long-lived key under other names)
     secrets: list[str] = Field(default_factory=list)
 
     @field_validator("flavor")
@@ -74,10 +76,16 @@ class Settings(BackendSettings):
     @field_validator("secrets")
     @classmethod
     def _variable_names(cls, names: list[str]) -> list[str]:
-        bad = [name for name in names if not _ENV_NAME.fullmatch(name)]
+        bad = [entry for entry in names
+               if not all(_ENV_NAME.fullmatch(part) for part in entry.split("=", 1))]  # fmt: skip
         if bad:
-            raise ValueError(f"{bad} are not environment variable names")
+            raise ValueError(f"{bad}: give NAME or NAME=SOURCE, environment variable names")
         return names
+
+    def secret_sources(self) -> dict[str, str]:
+        """The job's secret name -> the launcher's variable it is read from."""
+        pairs = (entry.partition("=")[::2] for entry in self.secrets)
+        return {name: source or name for name, source in pairs}
 
 
 def flavors() -> list[str]:
@@ -109,10 +117,11 @@ class HfJobsBackend:
                 "backend hf_jobs: no Hugging Face token; run `hf auth login` or set HF_TOKEN "
                 "(a token allowed to start Jobs)"
             )
-        missing = [name for name in self.settings.secrets if name not in os.environ]
+        sources = self.settings.secret_sources().values()
+        missing = [source for source in sources if source not in os.environ]
         if missing:
             raise BackendUnavailableError(
-                f"backend hf_jobs: backends.hf_jobs.secrets names {', '.join(missing)}, not set "
+                f"backend hf_jobs: backends.hf_jobs.secrets reads {', '.join(missing)}, not set "
                 f"here; export them before launching (their values become the jobs' secrets)"
             )
 
@@ -131,13 +140,14 @@ class HfJobsBackend:
         }
 
     def describe(self, specs: list[ReplicaSpec]) -> list[dict[str, Any]]:
-        masked = dict.fromkeys(self.settings.secrets, "***")
+        masked = dict.fromkeys(self.settings.secret_sources(), "***")
         return [{"run_job": self._job(spec, masked)} for spec in specs]
 
     def launch(self, specs: list[ReplicaSpec], run_dir: Path) -> list[ReplicaHandle]:
         api = self._api()
         namespace = self.settings.namespace or api.whoami()["name"]
-        secrets = {name: os.environ[name] for name in self.settings.secrets}
+        sources = self.settings.secret_sources()
+        secrets = {name: os.environ[source] for name, source in sources.items()}
 
         def start_one(spec: ReplicaSpec) -> ReplicaHandle:
             job = api.run_job(**{**self._job(spec, secrets), "namespace": namespace})

@@ -1,4 +1,5 @@
-"""The ``diloco`` command line: run commands (``run.py``) and benchmarks (``bench.py``)."""
+"""The ``diloco`` command line: run commands (``run.py``), cloud resources (``infra.py``) and
+benchmarks (``bench.py``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import typer
 from diloco_anywhere.cli import run
 from diloco_anywhere.cli.bench import bench_app
 from diloco_anywhere.cli.common import parse_size
+from diloco_anywhere.cli.infra import infra_app
 
 app = typer.Typer(
     help="DiLoCo training across platforms that share nothing but an object store.",
@@ -15,6 +17,7 @@ app = typer.Typer(
 )
 for command in (run.launch, run.status, run.logs, run.stop, run.report):
     app.command()(command)
+app.add_typer(infra_app, name="infra")
 app.add_typer(bench_app, name="bench")
 
 __all__ = ["app", "parse_size"]

@@ -13,6 +13,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from diloco_anywhere.backends.base import BackendUnavailableError
 from diloco_anywhere.config import ConfigError
+from diloco_anywhere.infra import InfraError
 from diloco_anywhere.launch import LaunchError
 from diloco_anywhere.standins import StandInUnavailableError
 from diloco_anywhere.store import StoreError
@@ -28,7 +29,7 @@ SIZE_UNITS = {
 MIN_BENCH_SIZE = 1024
 USER_ERRORS = (
     StoreError, StandInUnavailableError, ConfigError, ValueError, FileNotFoundError,
-    BackendUnavailableError, LaunchError,
+    BackendUnavailableError, LaunchError, InfraError,
 )  # fmt: skip
 
 

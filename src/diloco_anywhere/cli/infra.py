@@ -1,0 +1,110 @@
+"""``diloco infra plan | up | output | down``: the run's bucket and identities, by terraform."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from diloco_anywhere.cli.common import stderr, stdout, user_errors
+from diloco_anywhere.cli.run import ConfigPath
+from diloco_anywhere.config import RunConfig, load_config
+from diloco_anywhere.infra import (
+    CLOUDS,
+    InfraError,
+    Terraform,
+    public_values,
+    secrets_to_set,
+    write_run_toml,
+)
+
+infra_app = typer.Typer(
+    help="Provision the run's cloud resources with terraform (infra/aws or infra/gcp) and "
+    "put their outputs into run.toml.",
+    no_args_is_help=True,
+)
+FolderOption = Annotated[
+    Path | None,
+    typer.Option("--dir", help="The Terraform folder. Default: infra/<cloud of run.store>."),
+]
+VarFileOption = Annotated[
+    Path | None,
+    typer.Option(help="Variables file. Default: infra/<cloud>.tfvars when it exists."),
+]
+YesFlag = Annotated[bool, typer.Option("--yes", help="Do not ask before applying.")]
+
+
+def _terraform(config: RunConfig, folder: Path | None, var_file: Path | None) -> Terraform:
+    """terraform in the folder of the run's cloud (from run.store's scheme)."""
+    root = config.source.parent if config.source else Path.cwd()
+    if folder is None:
+        scheme = config.run.store.partition("://")[0]
+        if scheme not in CLOUDS:
+            raise InfraError(
+                f"run.store {config.run.store!r} is not in a cloud with Terraform here (s3://, "
+                f"gs://): give --dir"
+            )
+        folder = root / "infra" / CLOUDS[scheme]
+    if var_file is None and (folder.parent / f"{folder.name}.tfvars").exists():
+        var_file = folder.parent / f"{folder.name}.tfvars"
+    return Terraform(folder, var_file)
+
+
+def plan(config_path: ConfigPath = None, folder: FolderOption = None,
+         var_file: VarFileOption = None) -> None:  # fmt: skip
+    """Show what `diloco infra up` would create or change; changes nothing."""
+    with user_errors():
+        terraform = _terraform(load_config(config_path), folder, var_file)
+        terraform.init()
+        terraform.plan()
+
+
+def up(config_path: ConfigPath = None, folder: FolderOption = None,
+       var_file: VarFileOption = None, yes: YesFlag = False) -> None:  # fmt: skip
+    """Create or update the bucket, the replicas' and launcher's identities (terraform apply;
+    it shows the plan and asks first unless --yes). Then `diloco infra output --write`."""
+    with user_errors():
+        terraform = _terraform(load_config(config_path), folder, var_file)
+        terraform.init()
+        terraform.apply(approve=yes)
+    stdout.print("done: `diloco infra output --write` puts the outputs into run.toml")
+
+
+def output(
+    config_path: ConfigPath = None,
+    folder: FolderOption = None,
+    write: Annotated[bool, typer.Option(help="Write the values into run.toml.")] = False,
+) -> None:
+    """Print Terraform's outputs (never a sensitive one), what each belongs to in run.toml,
+    and the credentials each platform of run.toml still needs, as commands to run."""
+    with user_errors():
+        config = load_config(config_path)
+        terraform = _terraform(config, folder, None)
+        values = public_values(terraform.outputs())
+        if not values:
+            raise InfraError(f"{terraform.folder}: no outputs yet; run `diloco infra up` first")
+        for name, value in sorted(values.items()):
+            stdout.print(f"{name} = {value}", highlight=False, soft_wrap=True)
+        if write:
+            if config.source is None:
+                raise InfraError("--write needs --config run.toml (the file to update)")
+            changed = write_run_toml(config.source, values)
+            stdout.print(f"{config.source}: " + ("; ".join(changed) or "already up to date"),
+                         highlight=False, soft_wrap=True)  # fmt: skip
+        platforms = sorted(config.backends)
+        stderr.print("still to provide:", highlight=False)
+        for line in secrets_to_set(terraform.folder.name, values, platforms):
+            stderr.print(f"  {line}", highlight=False, soft_wrap=True)
+
+
+def down(config_path: ConfigPath = None, folder: FolderOption = None,
+         var_file: VarFileOption = None, yes: YesFlag = False) -> None:  # fmt: skip
+    """Destroy what `diloco infra up` created (terraform destroy; asks first unless --yes).
+    A bucket that still holds objects is refused by the cloud: delete the runs first."""
+    with user_errors():
+        _terraform(load_config(config_path), folder, var_file).destroy(approve=yes)
+
+
+for command in (plan, up, output, down):
+    infra_app.command()(command)
