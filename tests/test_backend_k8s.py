@@ -29,28 +29,9 @@ from diloco_anywhere.standins import StandIn, moto_s3
 
 kubernetes = pytest.importorskip("kubernetes", reason="the k8s extra is not installed")
 from k8s_standin import K8sStandIn, k8s_api  # noqa: E402
+from test_launch import RUN_TOML  # noqa: E402
 
-RUN_TOML = """
-[run]
-name = "{name}"
-store = "s3://diloco"
-replicas = {replicas}
-min_replicas = {replicas}
-[diloco]
-sync_every = 5
-outer_steps = {outer_steps}
-inner_lr = 3e-3
-[sync]
-grace = 2.0
-timeout = 60.0
-lease_period = 1.0
-[task]
-log_every = 1
-eval_every = 2
-[task.options]
-preset = "tiny"
-batch_size = 4
-corpus_bytes = 300000
+K8S = """
 [image]
 ref = "ghcr.io/acme/run:1"
 [backends.k8s]
@@ -61,10 +42,12 @@ STORE_SECRET = "store-creds"
 
 
 def write_config(folder: Path, backend: str, name: str = "t", replicas: int = 2, outer=2):
+    """test_launch's small run, with this run name, every replica needed, an S3 store."""
     path = folder / f"{name}.toml"
-    path.write_text(
-        RUN_TOML.format(name=name, replicas=replicas, outer_steps=outer, backend=backend)
-    )
+    run = RUN_TOML.format(replicas=replicas, outer_steps=outer)
+    run = run.replace('name = "t"', f'name = "{name}"').replace('"store"', '"s3://diloco"')
+    run = run.replace("min_replicas = 2", f"min_replicas = {replicas}")
+    path.write_text(run + K8S.format(backend=backend))
     return load_config(path)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from diloco_anywhere.config import load_config
+from diloco_anywhere.infra import image_in, secrets_to_set
 from test_launch import diloco
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +61,7 @@ def applied(tmp_path, monkeypatch) -> Path:
 
 
 def test_outputs_go_into_run_toml_and_the_rest_is_said_as_commands(applied):
-    result = diloco("infra", "output", "--config", "run.toml", "--write")
+    result = diloco("infra", "output", "--write")  # ./run.toml
     assert result.exit_code == 0, result.output
     config = load_config(applied / "run.toml")
     assert config.run.store == "s3://demo-diloco/runs"
@@ -72,7 +73,11 @@ def test_outputs_go_into_run_toml_and_the_rest_is_said_as_commands(applied):
     assert text.startswith("# my run: comments stay")
     assert "# from terraform" in text
     assert "aws iam create-access-key --user-name demo-replica" in result.output
-    assert "modal secret create" in result.output
+    assert "modal secret create demo-store AWS_ACCESS_KEY_ID=..." in result.output
+    assert "sagemaker: nothing: the jobs run as role_arn" in result.output
+    assert "ECR_REPOSITORY_URL = 123456789012.dkr.ecr.us-east-1.amazonaws.com/demo" in (
+        result.output
+    )
     assert "AWS_LAUNCHER_ROLE_ARN = arn:aws:iam::123456789012:role/demo-launcher" in result.output
     assert "do-not-print-this" not in result.output  # sensitive
     assert "do-not-print-this" not in text
@@ -99,3 +104,33 @@ def test_a_store_outside_the_clouds_with_terraform_needs_a_folder(tmp_path, monk
     result = diloco("infra", "output", "--config", "run.toml")
     assert result.exit_code == 1
     assert "is not in a cloud with Terraform here (s3://, gs://): give --dir" in result.output
+
+
+@pytest.mark.parametrize(
+    ("current", "written"),
+    [
+        (None, "ecr/demo:latest"),
+        ("ecr/demo:v7", "ecr/demo:v7"),  # its tag kept
+        ("ecr/demo@sha256:abc", "ecr/demo@sha256:abc"),  # a pinned digest stays pinned
+        ("ghcr.io/acme/demo:v7", "ecr/demo:latest"),  # another repository: Terraform's
+        ("localhost:5000/demo", "ecr/demo:latest"),  # a port is not a tag
+    ],
+)
+def test_the_image_keeps_its_tag_or_digest(current, written):
+    assert image_in("ecr/demo", current) == written
+
+
+def test_gcp_guidance_names_gcp_things_and_the_run():
+    values = {"workload_identity_provider": "projects/1/locations/global/workloadIdentityPools/p",
+              "launcher_service_account": "launcher@p.iam.gserviceaccount.com"}  # fmt: skip
+    lines = secrets_to_set("gcp", "demo", values, ["k8s", "modal"])
+    assert not [line for line in lines if "AWS" in line]
+    assert lines[0].startswith("k8s: GKE: gke_service_accounts")
+    assert "GCP_SERVICE_ACCOUNT = launcher@p.iam.gserviceaccount.com" in lines[-1]
+
+
+def test_outside_aws_without_a_replica_user_says_how_to_get_one():
+    lines = secrets_to_set("aws", "demo", {}, ["hf_jobs"])
+    assert lines[0] == ("replica key (hf_jobs): set create_replica_user = true, "
+                        "`diloco infra up`, then aws iam create-access-key")  # fmt: skip
+    assert "STORE_AWS_ACCESS_KEY_ID" in lines[1]

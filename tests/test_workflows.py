@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from diloco_anywhere.backends.hf_jobs import Settings as HfJobsSettings
 from diloco_anywhere.config import validate_config
 from diloco_anywhere.launch import plan_launch
 from test_template import ACCOUNT, BACKENDS, render
@@ -378,6 +379,157 @@ def test_smoke_skips_a_backend_without_credentials_with_a_notice(workflows) -> N
         assert "steps.gate.outputs.enabled == 'true'" in step["if"], step.get("name")
 
 
+# What the smoke gate sees when everything it could ask for is configured.
+CONFIGURED = {
+    "SMOKE_STORE": "s3://smoke-bucket/runs",
+    "SMOKE_IMAGE": "ghcr.io/acme/diloco-anywhere:latest",
+    "SMOKE_SAGEMAKER": json.dumps({
+        "role_arn": "arn:aws:iam::123456789012:role/diloco-sagemaker",
+        "image": "123456789012.dkr.ecr.us-east-1.amazonaws.com/diloco-anywhere:latest",
+    }),
+    "AWS_LAUNCHER_ROLE_ARN": "arn:aws:iam::123456789012:role/diloco-launcher",
+    "HAS_MODAL_TOKEN": "true",
+    "HAS_HF_TOKEN": "true",
+    "HAS_KUBE_CONFIG": "true",
+    "HAS_STORE_KEYS": "true",
+    "HAS_AZURE_STORE": "true",
+}  # fmt: skip
+
+
+def run_gate(workflows: Path, backend: str, tmp_path: Path, **changes: str) -> tuple[bool, str]:
+    """The smoke gate's script run by bash as the runner would: (enabled, its notice)."""
+    (job,) = load(workflows / "smoke.yml")["jobs"].values()
+    output = tmp_path / f"gate-{backend}"
+    output.write_text("")
+    environ = {**CONFIGURED, **changes, "BACKEND": backend, "GITHUB_OUTPUT": str(output)}
+    result = subprocess.run(
+        ["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", job["steps"][0]["run"]],
+        env={"PATH": os.environ["PATH"], **environ}, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    enabled = output.read_text().strip()
+    assert enabled in ("enabled=true", "enabled=false"), enabled
+    return enabled == "enabled=true", result.stdout
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_smoke_gate_runs_a_configured_backend(workflows, backend, tmp_path) -> None:
+    if backend == "sagemaker" and shutil.which("jq") is None:
+        pytest.skip("jq not installed (GitHub's runners have it)")
+    enabled, notice = run_gate(workflows, backend, tmp_path)
+    assert enabled, notice
+    assert not notice
+
+
+@pytest.mark.parametrize("backend", ["modal", "hf_jobs", "k8s"])
+def test_smoke_gate_skips_without_an_image_here(backend, tmp_path) -> None:
+    """The embedded run names no image: without SMOKE_IMAGE the job is skipped, not red."""
+    workflows = ROOT / ".github" / "workflows"
+    enabled, notice = run_gate(workflows, backend, tmp_path, SMOKE_IMAGE="")
+    assert not enabled
+    assert "::notice" in notice
+    assert "SMOKE_IMAGE" in notice
+
+
+def test_smoke_gate_skips_sagemaker_without_its_ecr_image_here(tmp_path) -> None:
+    if shutil.which("jq") is None:
+        pytest.skip("jq not installed (GitHub's runners have it)")
+    workflows = ROOT / ".github" / "workflows"
+    assert run_gate(workflows, "sagemaker", tmp_path, SMOKE_IMAGE="")[0]  # it has its own
+    for sagemaker in ("", "{", json.dumps({"role_arn": "arn:aws:iam::1:role/x"})):
+        enabled, notice = run_gate(workflows, "sagemaker", tmp_path, SMOKE_SAGEMAKER=sagemaker)
+        assert not enabled, sagemaker
+        assert "SMOKE_SAGEMAKER" in notice, sagemaker
+
+
+def test_smoke_gate_wants_the_launcher_role_for_an_s3_store(workflows, tmp_path) -> None:
+    """On S3 the launcher reaches the bucket as the OIDC role only; HF Jobs replicas also need
+    the replica user's key."""
+    for backend in BACKENDS:
+        if backend == "sagemaker" and shutil.which("jq") is None:
+            continue
+        enabled, notice = run_gate(workflows, backend, tmp_path, AWS_LAUNCHER_ROLE_ARN="")
+        assert not enabled, backend
+        assert "AWS_LAUNCHER_ROLE_ARN" in notice, backend
+    enabled, notice = run_gate(workflows, "hf_jobs", tmp_path, HAS_STORE_KEYS="false")
+    assert not enabled
+    assert "STORE_AWS_ACCESS_KEY_ID" in notice
+
+
+# The launcher's own AWS identity: set by the OIDC step, never replaced by a shell step.
+AWS_IDENTITY = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+
+
+def test_no_step_replaces_the_launchers_aws_identity_with_the_replica_key(workflows) -> None:
+    """The replica user's key (STORE_AWS_*) reaches HF Jobs through run.toml's NAME=SOURCE
+    entries; put in the launcher's AWS_* it would replace the OIDC role for the whole launch
+    (SageMaker's CreateTrainingJob, PassRole denied), and without it hf_jobs would forward the
+    OIDC session's key without its token."""
+    for path, name, job in jobs_of(workflows):
+        for step in job.get("steps", []):
+            where = f"{path.name} {name} {step.get('name') or step.get('uses')}"
+            script = step.get("run", "")
+            for variable in AWS_IDENTITY:
+                assert not re.search(rf"\b{variable}=", script), f"{where}: sets {variable}"
+                assert not re.search(rf"\bunset\b[^\n]*\b{variable}\b", script), where
+                assert variable not in step.get("env", {}), f"{where}: env {variable}"
+            assert "AWS_SESSION_TOKEN" not in script, where
+            for variable, value in step.get("env", {}).items():
+                passed = re.search(r"secrets\.(STORE_AWS_\w+)\b(?!\s*!=)", str(value))
+                assert not passed or variable == passed.group(1), f"{where}: {variable}"
+
+
+def test_launch_passes_the_replica_key_under_its_own_names(workflows) -> None:
+    """Repository and project (S3 + hf_jobs): the launch step gets STORE_AWS_* as they are."""
+    launch = load(workflows / "launch.yml")["jobs"]["launch"]
+    (step,) = [s for s in launch["steps"] if s.get("name") == "diloco launch --detach"]
+    for variable in ("STORE_AWS_ACCESS_KEY_ID", "STORE_AWS_SECRET_ACCESS_KEY"):
+        assert step["env"][variable] == f"${{{{ secrets.{variable} }}}}"
+    (job,) = load(workflows / "smoke.yml")["jobs"].values()
+    (run,) = [s for s in job["steps"] if s.get("id") == "run"]
+    for variable in ("STORE_AWS_ACCESS_KEY_ID", "STORE_AWS_SECRET_ACCESS_KEY"):
+        value = f"${{{{ matrix.backend == 'hf_jobs' && secrets.{variable} || '' }}}}"
+        assert run["env"][variable] == value  # only HF Jobs replicas get the key
+    stop = job["steps"][-1]
+    assert not [v for v in stop.get("env", {}) if v.startswith("STORE_AWS_")], stop["name"]
+
+
+def test_a_projects_launch_step_has_every_variable_its_hf_jobs_secrets_read(project) -> None:
+    """run.toml's [backends.hf_jobs] secrets and launch.yml agree; on S3 the replicas' key is
+    read from STORE_AWS_*, which the launch step gets, never from the launcher's AWS_*."""
+    run = tomllib.loads((project / "run.toml").read_text())
+    sources = HfJobsSettings(**run["backends"]["hf_jobs"]).secret_sources()
+    assert sources == {
+        "AWS_ACCESS_KEY_ID": "STORE_AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY": "STORE_AWS_SECRET_ACCESS_KEY",
+    }
+    launch = load(project / ".github" / "workflows" / "launch.yml")["jobs"]["launch"]
+    (step,) = [s for s in launch["steps"] if s.get("name") == "diloco launch --detach"]
+    assert set(sources.values()) <= set(step["env"])
+
+
+def test_backends_input_is_split_never_globbed(workflows) -> None:
+    for path, name, job in jobs_of(workflows):
+        for step in job.get("steps", []):
+            script = step.get("run", "")
+            assert not re.search(r"\bin \$\{?BACKENDS\b", script), f"{path.name} {name}"
+            if "$BACKENDS" in script:
+                assert 'read -ra backends <<< "$BACKENDS"' in script, f"{path.name} {name}"
+
+
+def test_ecr_push_only_from_the_default_branch(workflows) -> None:
+    """The launcher role trusts the default branch: a run by hand elsewhere builds, pushes to
+    the registry, and skips ECR instead of failing on the role."""
+    (job,) = load(workflows / "image.yml")["jobs"].values()
+    (names,) = [step for step in job["steps"] if step.get("id") == "names"]
+    default = "github.ref == format('refs/heads/{0}', github.event.repository.default_branch)"
+    assert names["env"]["ON_DEFAULT_BRANCH"] == f"${{{{ {default} }}}}"
+    assert '[ "$ON_DEFAULT_BRANCH" = true ]' in names["run"]
+    for step in job["steps"]:
+        if "ecr" in step.get("uses", "") or "aws-actions" in step.get("uses", ""):
+            assert step["if"] == "steps.names.outputs.ecr == 'true'", step.get("name")
+
+
 # -- the smoke run ------------------------------------------------------------------------------
 
 
@@ -400,7 +552,7 @@ def test_smoke_waits_for_every_replica_done_and_fails_on_any_that_cannot_be() ->
 
 
 SMOKE_ENV = {
-    "SMOKE_STORE": "s3://smoke-bucket/smoke",
+    "SMOKE_STORE": "s3://smoke-bucket/runs",
     "SMOKE_IMAGE": "ghcr.io/acme/diloco-anywhere:main",
     "SMOKE_SAGEMAKER": json.dumps({
         "role_arn": "arn:aws:iam::123456789012:role/diloco-sagemaker",
@@ -427,3 +579,20 @@ def test_smoke_run_toml_is_two_replicas_two_rounds_that_the_launcher_accepts(
         assert len(plan.specs) == 2
     with pytest.raises(SystemExit, match="SMOKE_STORE"):
         smoke.smoke_config(backend, {"run": {"store": ".diloco/x"}}, {})
+
+
+def test_smoke_hf_jobs_replicas_read_the_s3_key_from_store_aws() -> None:
+    """Without a base table, the smoke run's HF Jobs secrets are the store's, on S3 named
+    AWS_* in the job and read from STORE_AWS_* (never the launcher's OIDC AWS_*)."""
+    smoke = smoke_module()
+    base = tomllib.loads((ROOT / "src/diloco_anywhere/default_run.toml").read_text())
+    config = smoke.smoke_config("hf_jobs", base, SMOKE_ENV)
+    run = validate_config(config, "smoke run.toml")
+    settings = HfJobsSettings(**run.backends["hf_jobs"])
+    assert settings.secret_sources() == {
+        "AWS_ACCESS_KEY_ID": "STORE_AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY": "STORE_AWS_SECRET_ACCESS_KEY",
+    }
+    environ = {**SMOKE_ENV, "SMOKE_STORE": "hf://datasets/acme/runs"}
+    section = smoke.smoke_config("hf_jobs", base, environ)["backends"]["hf_jobs"]
+    assert section["secrets"] == ["HF_TOKEN"]

@@ -54,9 +54,14 @@ CHEAP: dict[str, dict[str, Any]] = {
     "sagemaker": {"instance_type": "ml.m5.large", "max_runtime_hours": 1},
     "k8s": {"gpus_per_pod": 0, "backoff_limit_per_index": 1},
 }
-# The variables that carry each store's credentials into an HF Jobs replica.
+# Each store's credentials in an HF Jobs replica: NAME (the job's secret NAME, read from the
+# launcher's NAME) or NAME=SOURCE (read from SOURCE). On S3 the launcher's own AWS_* are its
+# OIDC session, which a job outlives: the replicas get the replica user's key, STORE_AWS_*.
 STORE_SECRETS = {
-    "s3": ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"],
+    "s3": [
+        "AWS_ACCESS_KEY_ID=STORE_AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY=STORE_AWS_SECRET_ACCESS_KEY",
+    ],
     "az": ["AZURE_STORAGE_CONNECTION_STRING"],
     "hf": ["HF_TOKEN"],
 }
@@ -86,7 +91,7 @@ def smoke_config(backend: str, base: dict[str, Any], environ: dict[str, str]) ->
     if "://" not in store or store.startswith(("file://", "memory://")):
         raise SystemExit(
             f"smoke: the store {store!r} is not one a {backend} replica can reach: set the "
-            f"repository variable SMOKE_STORE (e.g. s3://my-bucket/smoke)"
+            f"repository variable SMOKE_STORE (e.g. s3://<bucket>/runs)"
         )
     config["run"]["store"] = store
     if environ.get("SMOKE_IMAGE"):

@@ -24,11 +24,11 @@ import tomlkit
 
 TERRAFORM_INSTALL = "https://developer.hashicorp.com/terraform/install"
 CLOUDS = {"s3": "aws", "gs": "gcp", "gcs": "gcp"}
-# terraform output -> (run.toml table, key, how the value is written)
-RUN_TOML_FIELDS: dict[str, tuple[tuple[str, ...], str, str]] = {
-    "store_url": (("run",), "store", "{}"),
-    "sagemaker_role_arn": (("backends", "sagemaker"), "role_arn", "{}"),
-    "ecr_repository_url": (("backends", "sagemaker"), "image", "{}:latest"),
+# terraform output -> (run.toml table, key)
+RUN_TOML_FIELDS: dict[str, tuple[tuple[str, ...], str]] = {
+    "store_url": (("run",), "store"),
+    "sagemaker_role_arn": (("backends", "sagemaker"), "role_arn"),
+    "ecr_repository_url": (("backends", "sagemaker"), "image"),
 }
 
 
@@ -83,8 +83,12 @@ def _unattended(approve: bool) -> list[str]:
 
 
 def public_values(outputs: dict[str, dict]) -> dict[str, object]:
-    """The outputs that are not sensitive (those are never printed or written)."""
-    return {name: output["value"] for name, output in outputs.items() if not output["sensitive"]}
+    """The outputs that are set and not sensitive (those are never printed or written)."""
+    return {
+        name: output["value"]
+        for name, output in outputs.items()
+        if not output["sensitive"] and output["value"] is not None
+    }
 
 
 def write_run_toml(path: Path, values: dict[str, object]) -> list[str]:
@@ -93,18 +97,33 @@ def write_run_toml(path: Path, values: dict[str, object]) -> list[str]:
     fields changed, as ``table.key = value`` lines."""
     document = tomlkit.parse(path.read_text())
     changed = []
-    for output, (table_path, key, shape) in RUN_TOML_FIELDS.items():
+    for output, (table_path, key) in RUN_TOML_FIELDS.items():
         if output not in values:
             continue
         table = _table(document, table_path)
         if table is None:
             continue
-        value = shape.format(values[output])
+        value = str(values[output])
+        if key == "image":
+            value = image_in(value, table.get(key))
         if table.get(key) != value:
             table[key] = value
             changed.append(f"{'.'.join(table_path)}.{key} = {value!r}")
     path.write_text(tomlkit.dumps(document))
     return changed
+
+
+def image_in(repository: str, current: object) -> str:
+    """The image ``repository`` with the tag or digest run.toml already gives it (a pinned
+    digest stays pinned), else ``:latest``."""
+    current = str(current or "")
+    name, digest = current.partition("@")[::2]
+    if digest:
+        return current if name == repository else f"{repository}@{digest}"
+    head, _, tag = current.rpartition(":")
+    return (
+        f"{repository}:{tag}" if head == repository and "/" not in tag else f"{repository}:latest"
+    )
 
 
 def _table(document: tomlkit.TOMLDocument, names: tuple[str, ...]) -> dict | None:
@@ -116,29 +135,54 @@ def _table(document: tomlkit.TOMLDocument, names: tuple[str, ...]) -> dict | Non
     return table
 
 
-def secrets_to_set(cloud: str, values: dict[str, object], platforms: list[str]) -> list[str]:
+def secrets_to_set(
+    cloud: str, run: str, values: dict[str, object], platforms: list[str]
+) -> list[str]:
     """What the user must still provide per platform: commands with placeholders, never a
     value (Terraform makes no key; docs/infra.md says why)."""
-    lines = []
+    outside = sorted({"modal", "hf_jobs", "k8s"} & set(platforms))
+    lines = _key_lines(cloud, values, outside)
+    if cloud == "aws":
+        credentials = "AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=..."
+        per_platform = {
+            "modal": f"modal secret create {run}-store {credentials}",
+            "hf_jobs": "export STORE_AWS_ACCESS_KEY_ID and STORE_AWS_SECRET_ACCESS_KEY (as "
+            "[backends.hf_jobs] secrets reads them) before `diloco launch`; in GitHub, "
+            "repository secrets of those names",
+            "k8s": f"kubectl create secret generic {run}-store --from-literal=AWS_ACCESS_KEY_ID"
+            "=... --from-literal=AWS_SECRET_ACCESS_KEY=... (EKS: a service account with "
+            "replica_policy_arn instead)",
+            "sagemaker": "nothing: the jobs run as role_arn, which has the bucket",
+        }
+    else:
+        per_platform = {
+            "k8s": "GKE: gke_service_accounts in the tfvars and [backends.k8s] service_account",
+            "modal": "a key of replica_service_account for GOOGLE_APPLICATION_CREDENTIALS "
+            "(docs/infra.md, 'GCS outside Google Cloud')",
+            "hf_jobs": "as for modal (docs/infra.md, 'GCS outside Google Cloud')",
+        }
+    lines += [f"{p}: {per_platform[p]}" for p in platforms if p in per_platform]
+    return lines + _github_lines(values)
+
+
+def _key_lines(cloud: str, values: dict[str, object], outside: list[str]) -> list[str]:
+    """The replicas' key for platforms outside AWS: who makes it, or how to get a user."""
+    if cloud != "aws" or not outside:
+        return []
     user = values.get("replica_user_name")
-    if cloud == "aws" and user and {"modal", "hf_jobs", "k8s"} & set(platforms):
-        lines.append(f"replica key (outside AWS): aws iam create-access-key --user-name {user}")
-    per_platform = {
-        "modal": "modal secret create <project>-store AWS_ACCESS_KEY_ID=... "
-        "AWS_SECRET_ACCESS_KEY=... (the names in [backends.modal] secrets)",
-        "hf_jobs": "export the variables named in [backends.hf_jobs] secrets before "
-        "`diloco launch` (sent as the jobs' encrypted secrets)",
-        "k8s": "kubectl create secret generic <project>-store --from-literal=NAME=... (named in "
-        "[backends.k8s] secret), or a service account with the replica policy/role",
-        "sagemaker": "nothing: the jobs run as role_arn, which has the bucket",
+    if user:
+        return [f"replica key ({', '.join(outside)}): aws iam create-access-key --user-name {user}"]
+    return [f"replica key ({', '.join(outside)}): set create_replica_user = true, "
+            f"`diloco infra up`, then aws iam create-access-key"]  # fmt: skip
+
+
+def _github_lines(values: dict[str, object]) -> list[str]:
+    """The repository variables the workflows read."""
+    names = {
+        "launcher_role_arn": "AWS_LAUNCHER_ROLE_ARN",
+        "ecr_repository_url": "ECR_REPOSITORY_URL",
+        "workload_identity_provider": "GCP_WORKLOAD_IDENTITY_PROVIDER",
+        "launcher_service_account": "GCP_SERVICE_ACCOUNT",
     }
-    lines += [f"{platform}: {per_platform[platform]}" for platform in platforms
-              if platform in per_platform]  # fmt: skip
-    if values.get("launcher_role_arn"):
-        lines.append(f"GitHub: repository variable AWS_LAUNCHER_ROLE_ARN = "
-                     f"{values['launcher_role_arn']}")  # fmt: skip
-    if values.get("workload_identity_provider"):
-        lines.append(f"GitHub: repository variables GCP_WORKLOAD_IDENTITY_PROVIDER = "
-                     f"{values['workload_identity_provider']}, GCP_SERVICE_ACCOUNT = "
-                     f"{values.get('launcher_service_account')}")  # fmt: skip
-    return lines
+    return [f"GitHub: repository variable {variable} = {values[output]}"
+            for output, variable in names.items() if values.get(output)]  # fmt: skip

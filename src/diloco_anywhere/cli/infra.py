@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 
 from diloco_anywhere.cli.common import stderr, stdout, user_errors
-from diloco_anywhere.cli.run import ConfigPath
 from diloco_anywhere.config import RunConfig, load_config
 from diloco_anywhere.infra import (
     CLOUDS,
@@ -24,6 +23,9 @@ infra_app = typer.Typer(
     "put their outputs into run.toml.",
     no_args_is_help=True,
 )
+ConfigPath = Annotated[
+    Path | None, typer.Option("--config", help="run.toml of the run. Default: ./run.toml.")
+]
 FolderOption = Annotated[
     Path | None,
     typer.Option("--dir", help="The Terraform folder. Default: infra/<cloud of run.store>."),
@@ -33,6 +35,13 @@ VarFileOption = Annotated[
     typer.Option(help="Variables file. Default: infra/<cloud>.tfvars when it exists."),
 ]
 YesFlag = Annotated[bool, typer.Option("--yes", help="Do not ask before applying.")]
+
+
+def _config(path: Path | None) -> RunConfig:
+    """run.toml given, else ./run.toml (the project's), which infra commands need."""
+    if path is None and not Path("run.toml").exists():
+        raise InfraError("no run.toml here: give --config run.toml (its store names the cloud)")
+    return load_config(path or Path("run.toml"))
 
 
 def _terraform(config: RunConfig, folder: Path | None, var_file: Path | None) -> Terraform:
@@ -55,7 +64,7 @@ def plan(config_path: ConfigPath = None, folder: FolderOption = None,
          var_file: VarFileOption = None) -> None:  # fmt: skip
     """Show what `diloco infra up` would create or change; changes nothing."""
     with user_errors():
-        terraform = _terraform(load_config(config_path), folder, var_file)
+        terraform = _terraform(_config(config_path), folder, var_file)
         terraform.init()
         terraform.plan()
 
@@ -65,7 +74,7 @@ def up(config_path: ConfigPath = None, folder: FolderOption = None,
     """Create or update the bucket, the replicas' and launcher's identities (terraform apply;
     it shows the plan and asks first unless --yes). Then `diloco infra output --write`."""
     with user_errors():
-        terraform = _terraform(load_config(config_path), folder, var_file)
+        terraform = _terraform(_config(config_path), folder, var_file)
         terraform.init()
         terraform.apply(approve=yes)
     stdout.print("done: `diloco infra output --write` puts the outputs into run.toml")
@@ -79,7 +88,7 @@ def output(
     """Print Terraform's outputs (never a sensitive one), what each belongs to in run.toml,
     and the credentials each platform of run.toml still needs, as commands to run."""
     with user_errors():
-        config = load_config(config_path)
+        config = _config(config_path)
         terraform = _terraform(config, folder, None)
         values = public_values(terraform.outputs())
         if not values:
@@ -94,7 +103,7 @@ def output(
                          highlight=False, soft_wrap=True)  # fmt: skip
         platforms = sorted(config.backends)
         stderr.print("still to provide:", highlight=False)
-        for line in secrets_to_set(terraform.folder.name, values, platforms):
+        for line in secrets_to_set(terraform.folder.name, config.run.name, values, platforms):
             stderr.print(f"  {line}", highlight=False, soft_wrap=True)
 
 
@@ -103,7 +112,9 @@ def down(config_path: ConfigPath = None, folder: FolderOption = None,
     """Destroy what `diloco infra up` created (terraform destroy; asks first unless --yes).
     A bucket that still holds objects is refused by the cloud: delete the runs first."""
     with user_errors():
-        _terraform(load_config(config_path), folder, var_file).destroy(approve=yes)
+        terraform = _terraform(_config(config_path), folder, var_file)
+        terraform.init()
+        terraform.destroy(approve=yes)
 
 
 for command in (plan, up, output, down):
