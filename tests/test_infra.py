@@ -614,18 +614,24 @@ def test_terraform_fmt() -> None:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("where", ["repository", "project"])
 @pytest.mark.parametrize("cloud", CLOUDS)
-def test_checkov(cloud: str) -> None:
+def test_checkov(cloud: str, where: str, tmp_path) -> None:
+    """checkov on this repository's Terraform and on a rendered project's."""
     if not CHECKOV.exists():
         pytest.skip(
             f"checkov not installed at {CHECKOV.relative_to(ROOT)} (the Makefile's checkov target)"
         )
+    folder = INFRA / cloud
+    if where == "project":
+        storage = {"aws": "s3", "gcp": "gcs"}[cloud]
+        folder = render(tmp_path, storage=storage, backends=["k8s"]) / "infra" / cloud
     started = time.monotonic()
     result = subprocess.run(
         [
             str(CHECKOV),
             "-d",
-            str(INFRA / cloud),
+            str(folder),
             "--framework",
             "terraform",
             "--skip-download",
@@ -659,7 +665,7 @@ def test_checkov(cloud: str) -> None:
         assert check["check_id"] in skip_comments, f"{check['check_id']} skipped without a comment"
         assert check["check_result"].get("suppress_comment"), check["check_id"]
     print(
-        f"checkov infra/{cloud}: {summary['passed']} passed, {summary['failed']} failed, "
+        f"checkov {where} infra/{cloud}: {summary['passed']} passed, {summary['failed']} failed, "
         f"{summary['skipped']} skipped ({time.monotonic() - started:.1f} s)"
     )
 
