@@ -54,7 +54,8 @@ EXPECTED_OUTPUTS = {
 }
 
 # The only actions AWS allows on no resource but "*" that this configuration uses.
-STAR_RESOURCE_ACTIONS = {"ecr:GetAuthorizationToken"}
+# Actions AWS allows on "*" only (no resource-level permissions).
+STAR_RESOURCE_ACTIONS = {"ecr:GetAuthorizationToken", "cloudwatch:PutMetricData"}
 SKIP_COMMENT = re.compile(r"#\s*checkov:skip=([A-Z0-9_]+):(.*)")
 
 
@@ -386,6 +387,7 @@ def test_aws_sagemaker_runtime_pulls_one_repository_and_writes_training_logs_onl
     statements = policy_document("sagemaker_runtime")
     actions = {a for s in statements for a in s["actions"]}
     assert actions <= {
+        "cloudwatch:PutMetricData",
         "ecr:GetAuthorizationToken",
         "ecr:BatchCheckLayerAvailability",
         "ecr:BatchGetImage",
@@ -408,6 +410,10 @@ def test_aws_sagemaker_runtime_pulls_one_repository_and_writes_training_logs_onl
                         "log-group:/aws/sagemaker/TrainingJobs:log-stream:*",
                     )
                 ), arn
+        if "cloudwatch:PutMetricData" in statement["actions"]:
+            (condition,) = statement["condition"]
+            assert condition["variable"] == "cloudwatch:namespace"
+            assert condition["values"] == ["/aws/sagemaker/TrainingJobs"]
 
 
 def test_aws_github_oidc_trust_is_pinned_to_the_repository() -> None:

@@ -106,6 +106,20 @@ data "aws_iam_policy_document" "sagemaker_runtime" {
     ]
     resources = [local.training_log_group, local.training_log_stream]
   }
+
+  statement {
+    sid = "TrainingJobMetrics"
+    # SageMaker publishes a training job's metrics as the job's role (CreateTrainingJob's
+    # required permissions). PutMetricData has no resource-level permissions: AWS requires
+    # "*", so the namespace condition is what limits it.
+    actions   = ["cloudwatch:PutMetricData"]
+    resources = ["*"]
+    condition {
+      test     = "StringEquals"
+      variable = "cloudwatch:namespace"
+      values   = ["/aws/sagemaker/TrainingJobs"]
+    }
+  }
 }
 
 resource "aws_iam_role_policy" "sagemaker_runtime" {
