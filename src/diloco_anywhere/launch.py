@@ -47,6 +47,9 @@ class LaunchPlan:
     backends: dict[str, Backend]  # one launcher per platform of the launch, settings checked
     config_key: str | None = None  # where remote replicas read run.toml (published at start)
 
+    def specs_on(self, platform: str) -> list[ReplicaSpec]:
+        return [spec for spec in self.specs if spec.platform == platform]
+
 
 def plan_launch(config: RunConfig, counts: dict[str, int], root: Path | None = None) -> LaunchPlan:
     """``counts``: replicas per backend, e.g. ``{"local": 4}``; their sum is the run's size.
@@ -130,7 +133,7 @@ class LaunchError(RuntimeError):
 def describe(plan: LaunchPlan) -> dict[str, list[dict[str, Any]]]:
     """What each platform would be sent (``--dry-run``), secret values masked."""
     return {
-        platform: backend.describe([s for s in plan.specs if s.platform == platform])
+        platform: backend.describe(plan.specs_on(platform))
         for platform, backend in plan.backends.items()
     }
 
@@ -141,13 +144,17 @@ def dry_run_on_servers(plan: LaunchPlan) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for platform, backend in plan.backends.items():
         backend.check()
-        specs = [spec for spec in plan.specs if spec.platform == platform]
         server_dry_run = getattr(backend, "server_dry_run", None)
         results[platform] = (
-            server_dry_run(specs) if server_dry_run
+            server_dry_run(plan.specs_on(platform)) if server_dry_run
             else f"{platform} has no server-side dry run; --dry-run shows its requests"
         )  # fmt: skip
     return results
+
+
+def backends_for(handles: list[ReplicaHandle], config: RunConfig) -> dict[str, Backend]:
+    """A launcher for each platform the handles are on (to ask about or stop their jobs)."""
+    return {platform: get_backend(platform, config) for platform in {h.platform for h in handles}}
 
 
 def job_state(backend: Backend, handle: ReplicaHandle) -> JobState:
@@ -164,7 +171,7 @@ def refuse_if_running(plan: LaunchPlan) -> None:
     """A relaunch replaces launch.json: jobs of the last launch that still run would lose
     their handles (and replicas with the same ids would join twice)."""
     handles = handles_in(plan.run_dir)
-    backends = {p: get_backend(p, plan.config) for p in {h.platform for h in handles}}
+    backends = backends_for(handles, plan.config)
     running = [h.replica_id for h in handles
                if job_state(backends[h.platform], h) in ("pending", "running")]  # fmt: skip
     if running:
@@ -189,9 +196,8 @@ def start(plan: LaunchPlan) -> dict[str, tuple[Backend, list[ReplicaHandle]]]:
         marker.unlink()
     started: dict[str, tuple[Backend, list[ReplicaHandle]]] = {}
     for platform, backend in plan.backends.items():
-        specs = [spec for spec in plan.specs if spec.platform == platform]
         try:
-            started[platform] = (backend, backend.launch(specs, plan.run_dir))
+            started[platform] = (backend, backend.launch(plan.specs_on(platform), plan.run_dir))
             save_state(plan, [h for _, handles in started.values() for h in handles])
         except Exception as exc:
             own = getattr(exc, "started", [])  # this platform's jobs, already told to stop

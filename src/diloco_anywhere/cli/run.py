@@ -13,7 +13,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
-from diloco_anywhere.backends import BACKENDS, get_backend
+from diloco_anywhere.backends import BACKENDS
 from diloco_anywhere.backends.base import (
     ACTIVE_STATES,
     ReplicaHandle,
@@ -25,6 +25,7 @@ from diloco_anywhere.cli.common import stderr, stdout, user_errors
 from diloco_anywhere.config import RunConfig, load_config, validate_config
 from diloco_anywhere.launch import (
     LaunchPlan,
+    backends_for,
     delete_run_objects,
     describe,
     dry_run_on_servers,
@@ -88,13 +89,11 @@ def configured_replicas(config: RunConfig) -> dict[str, int]:
     if unknown:
         raise ValueError(f"[backends.{unknown[0]}] in run.toml: no such platform; choose from "
                          f"{', '.join(BACKENDS)}")  # fmt: skip
-    counts = {}
-    for name, section in config.backends.items():
-        count = section.get("replicas")
-        if count is not None and not (type(count) is int and count >= 1):
+    counts = {name: section["replicas"] for name, section in config.backends.items()
+              if "replicas" in section}  # fmt: skip
+    for name, count in counts.items():
+        if not (type(count) is int and count >= 1):
             raise ValueError(f"backends.{name}.replicas = {count!r}: give a whole number >= 1")
-        if count is not None:
-            counts[name] = count
     return counts
 
 
@@ -257,7 +256,7 @@ def status(config_path: ConfigPath = None, json_output: JsonFlag = False) -> Non
         config = load_config(config_path)
         reader = run_metrics(config)
         handles = load_handles(config)
-        backends = {p: get_backend(p, config) for p in {h.platform for h in handles}}
+        backends = backends_for(handles, config)
         rows = replica_statuses(
             reader.read(), handles, lambda handle: job_state(backends[handle.platform], handle)
         )
@@ -282,7 +281,7 @@ def logs(
         if not chosen:
             known = ", ".join(h.replica_id for h in handles) or "none launched from here"
             raise ValueError(f"no replica {replica!r} in this run's launch; replicas: {known}")
-        backends = {p: get_backend(p, config) for p in {h.platform for h in chosen}}
+        backends = backends_for(chosen, config)
     unreadable = 0
     for handle in chosen:  # one platform failing does not hide the others' logs
         stdout.rule(f"{handle.replica_id} ({handle.platform})")
@@ -313,7 +312,7 @@ def stop(config_path: ConfigPath = None) -> None:
     with user_errors():
         config = load_config(config_path)
         handles = load_handles(config)
-        backends = {p: get_backend(p, config) for p in {h.platform for h in handles}}
+        backends = backends_for(handles, config)
     if not _stop_every(config, handles, backends):
         raise typer.Exit(1)
 
