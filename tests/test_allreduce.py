@@ -35,7 +35,7 @@ def _replica(url, index, barrier, results):
         second = collective.allreduce(tensor(index, 1), round_=1, fragment=1, weight=1.0)
         future = second.get_future()
         first.wait(timeout=60)
-        means = [first.mean(), future.wait()]
+        means = [first.tensor, future.wait()]
         results.put((index, [m.numpy().tobytes() for m in means], means[0].shape))
 
 
@@ -84,7 +84,8 @@ def test_a_replica_alone_seals_as_soon_as_every_member_is_in():
     config = CollectiveConfig(round=RoundPolicy(min_replicas=1, grace=3600.0, timeout=3600.0))
     with BucketCollective(Store("memory://allreduce-alone"), "run", "solo", config) as collective:
         work = collective.allreduce(torch.arange(6.0).view(2, 3), round_=0)
-        assert work.mean().tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+        work.wait()
+        assert work.tensor.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
     assert work.result().seal.contributors == ("solo-0",)
 
 
@@ -120,7 +121,8 @@ def _member(url, index, barrier, doomed, results):
             doomed.set()
             time.sleep(3600)  # SIGKILLed by the test while the others are in round 0
         works = [collective.allreduce(tensor(index, r), round_=r) for r in range(3)]
-        results.put((index, [w.mean().numpy().tobytes() for w in works], works[-1].result().seal))
+        seal = works[-1].result().seal  # waits for the last round, so for all of them
+        results.put((index, [w.tensor.numpy().tobytes() for w in works], seal))
 
 
 def test_survivors_of_a_sigkilled_member_seal_without_it(tmp_path):
@@ -161,8 +163,10 @@ def test_a_replica_that_starts_mid_round_counts_in_it():
         time.sleep(0.5)
         with BucketCollective(store, "run", "second", config) as second:
             joined = second.allreduce(torch.full((4,), 3.0), round_=0)
-            assert joined.mean().tolist() == [2.0] * 4
-        assert work.mean().tolist() == [2.0] * 4
+            joined.wait()
+            assert joined.tensor.tolist() == [2.0] * 4
+        work.wait()
+        assert work.tensor.tolist() == [2.0] * 4
     assert work.result().seal.contributors == ("first-0", "second-0")
 
 

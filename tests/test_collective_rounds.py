@@ -68,12 +68,13 @@ def _replica(url, options, index, members, policy_fields, codec, delay, late, di
     round_ = Round(
         store, RUN, 0, 0, me, [Participant(m, 0) for m in members], RoundPolicy(**policy_fields)
     )
-    round_.contribute(contribution(index), weight(index), make_codec(codec))
+    tensor = contribution(index)  # receives the mean in place
+    round_.contribute(tensor, weight(index), make_codec(codec))
     if die:  # a replica lost right after contributing: its shards are orphans
         os.kill(os.getpid(), signal.SIGKILL)
     try:
         result = finish_round(round_)
-        mean = result.mean.numpy().tobytes()
+        mean = tensor.numpy().tobytes()
         results.put((me.replica, mean, result.seal, result.excluded))
     except Exception as exc:
         results.put((me.replica, f"error: {exc}", None, {}))
@@ -269,11 +270,39 @@ def test_timeout_names_round_missing_members_and_store():
         round_.wait_for_seal()
 
 
+def _polls_while_waiting(policy: RoundPolicy, seconds: float) -> list[float]:
+    """The delays a wait of ``seconds`` goes through, on a clock that the delays advance."""
+    now = [0.0]
+    delays, waited = policy.poll_delays(clock=lambda: now[0]), []
+    while now[0] < seconds:
+        waited.append(next(delays))
+        now[0] += waited[-1]
+    return waited
+
+
+def test_polling_is_prompt_while_a_wait_is_young():
+    policy = RoundPolicy()
+    delays = _polls_while_waiting(policy, 4.0)
+    assert max(delays) <= policy.poll_max
+    assert len(delays) >= 4.0 / policy.poll_max
+
+
+def test_a_long_wait_polls_less_and_less_up_to_the_cap():
+    """A 10-minute straggler costs a waiting replica a few hundred polls (each one GET of the
+    SEAL and one per missing manifest), not the ~5,000 of a flat 50-200 ms backoff."""
+    policy = RoundPolicy()
+    delays = _polls_while_waiting(policy, 600.0)
+    assert max(delays) <= policy.poll_cap
+    assert max(delays[-50:]) > 4 * policy.poll_max  # the ceiling grew with the wait
+    assert len(delays) < 500
+
+
 @pytest.mark.parametrize(
     ("contributors", "payload", "mode"),
     [
         (1, 1 << 30, "gather"),
-        (2, 1 << 30, "gather"),  # sharding saves nothing at n = 2
+        (2, 256 << 20, "gather"),  # sharding saves nothing at n = 2
+        (2, 1 << 30, "sharded"),  # but the other's 1 GiB would not fit gather_memory
         (3, 64 << 20, "gather"),  # saves P/3 = 21 MiB
         (3, 256 << 20, "sharded"),  # saves 85 MiB
         (8, 1 << 20, "gather"),  # saves 5 MiB: latency dominates
@@ -307,12 +336,14 @@ def test_parts_tile_the_tensor_in_whole_blocks_and_come_in_multiples(
 
 
 def _rounds_in_threads(store, contributions, policy_fields):
-    """Contribute each (name, tensor, fingerprint) in order, then finish all rounds at once."""
+    """Contribute a copy of each (name, tensor, fingerprint) in order, then finish all rounds
+    at once; each copy receives its round's mean."""
     members = [Participant(name, 0) for name, _, _ in contributions]
-    rounds = {}
+    rounds, received = {}, {}
     for name, tensor, fingerprint in contributions:
         rounds[name] = Round(store, RUN, 0, 0, Participant(name, 0), members, policy_fields)
-        rounds[name].contribute(tensor, 1.0, make_codec("fp32"), fingerprint)
+        received[name] = tensor.clone()
+        rounds[name].contribute(received[name], 1.0, make_codec("fp32"), fingerprint)
     outcomes = {}
 
     def finish(name):
@@ -326,7 +357,7 @@ def _rounds_in_threads(store, contributions, policy_fields):
         thread.start()
     for thread in threads:
         thread.join()
-    return outcomes
+    return outcomes, received
 
 
 def test_a_replica_whose_weights_differ_is_left_out_and_fails_loudly():
@@ -334,7 +365,7 @@ def test_a_replica_whose_weights_differ_is_left_out_and_fails_loudly():
     does not seal, and refuses the result instead of applying it to other weights."""
     store = Store("memory://rounds-fingerprint")
     tensors = [sample_tensor("gaussian", 100, seed=i) for i in range(3)]
-    outcomes = _rounds_in_threads(
+    outcomes, received = _rounds_in_threads(
         store,
         [
             ("a", tensors[0], "step-4-aa"),
@@ -345,9 +376,8 @@ def test_a_replica_whose_weights_differ_is_left_out_and_fails_loudly():
     )
     for name in ("a", "b"):
         assert outcomes[name].seal.contributors == ("a-0", "b-0")
-        assert torch.equal(
-            outcomes[name].mean, weighted_mean([(tensors[0], 1.0), (tensors[1], 1.0)])
-        )
+        expected = weighted_mean([(tensors[0], 1.0), (tensors[1], 1.0)])
+        assert torch.equal(received[name], expected)
     assert isinstance(outcomes["c"], DivergedError)  # the replica heals on this error
     assert "this replica's global state (step-3-cc) differs" in str(outcomes["c"])
 

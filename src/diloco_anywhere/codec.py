@@ -12,24 +12,32 @@ A codec is a pydantic model, so its parameters travel in the wire header and are
 decode. Codecs reject non-finite values both ways, including values that only overflow in the
 codec (float32 beyond bfloat16's range, an int8 scale whose 127 steps overflow): a NaN or inf in
 one replica's pseudo-gradient would otherwise poison every replica's average.
+
+Codecs work on element ranges of one object (``encode_range`` / ``decode_range``), so the wire
+layer can stream an object chunk by chunk. The arithmetic runs on the device of the values: on a
+GPU replica the quantization happens there, and only the encoded bytes cross to the host
+payload; decoding copies encoded bytes to the device and dequantizes there. A range starts on a
+block boundary (``align``); the bytes of a range are one contiguous span of the payload when
+``contiguous`` (the cast codecs), so a checksum can follow the chunks in order.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Annotated, ClassVar, Literal, get_args
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+CPU = torch.device("cpu")
 
 
 class CodecDataError(ValueError):
     """Payload bytes that the codec cannot turn into finite float32 values."""
 
 
-def _view(buffer: memoryview, dtype: torch.dtype, count: int, offset: int = 0) -> torch.Tensor:
-    """A tensor aliasing ``buffer`` (writable, so no copy and no torch warning)."""
+def host_view(buffer: memoryview, dtype: torch.dtype, count: int, offset: int = 0) -> torch.Tensor:
+    """A CPU tensor aliasing ``count`` items of ``buffer`` from byte ``offset`` (no copy)."""
     if count == 0:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
@@ -51,8 +59,20 @@ def require_finite(
         raise error(f"{what} has {bad} non-finite values (NaN or inf); only finite values are sent")
 
 
+def _to_host(values: torch.Tensor, out: torch.Tensor) -> None:
+    """``values`` (any device, ``out``'s dtype) into the host tensor ``out``."""
+    out.copy_(values.reshape(-1))
+
+
 class _CodecBase(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    contiguous: ClassVar[bool] = True
+
+    @property
+    def align(self) -> int:
+        """Ranges start on a multiple of this many elements."""
+        return 1
 
 
 class _CastCodec(_CodecBase):
@@ -64,19 +84,34 @@ class _CastCodec(_CodecBase):
     def payload_nbytes(self, numel: int) -> int:
         return self.wire_dtype.itemsize * numel
 
-    def encode_into(self, flat: torch.Tensor, out: memoryview) -> None:
-        values = _view(out, self.wire_dtype, flat.numel())
-        values.copy_(flat)
+    def byte_span(self, start: int, stop: int) -> tuple[int, int]:
+        """The payload bytes of elements ``[start, stop)``."""
+        size = self.wire_dtype.itemsize
+        return start * size, stop * size
+
+    def encode_range(
+        self, values: torch.Tensor, payload: memoryview, numel: int, start: int
+    ) -> None:
+        """Elements ``[start, start + len(values))`` of a ``numel``-element object, from float32
+        ``values`` into ``payload``."""
+        cast = values.to(self.wire_dtype)
         if self.narrows:
-            require_finite(values, f"tensor cast to {self.name} (beyond its range?)", ValueError)
+            require_finite(cast, f"tensor cast to {self.name} (beyond its range?)", ValueError)
+        begin, _ = self.byte_span(start, start)
+        _to_host(cast, host_view(payload, self.wire_dtype, values.numel(), begin))
 
-    def dequantize(self, payload: memoryview, numel: int) -> torch.Tensor:
-        return _view(payload, self.wire_dtype, numel).float()  # fp32: the view itself
+    def decode_range(
+        self, payload: memoryview, numel: int, start: int, stop: int, device: torch.device = CPU
+    ) -> torch.Tensor:
+        """Float32 values of elements ``[start, stop)`` on ``device``, unchecked (a view of the
+        payload for fp32 on the CPU)."""
+        begin, _ = self.byte_span(start, start)
+        encoded = host_view(payload, self.wire_dtype, stop - start, begin)
+        return encoded.to(device).float()
 
-    def decode(self, payload: memoryview, numel: int) -> torch.Tensor:
-        values = self.dequantize(payload, numel)
+    def check(self, payload: memoryview, numel: int, start: int, values: torch.Tensor) -> None:
+        """Raise ``CodecDataError`` unless ``decode_range``'s ``values`` are usable."""
         require_finite(values, f"{self.name} payload")
-        return values
 
 
 class Fp32Codec(_CastCodec):
@@ -96,60 +131,76 @@ class Bf16Codec(_CastCodec):
 
 
 class Int8Codec(_CodecBase):
-    """Blockwise absmax int8 with a float32 scale per block (the last block may be short)."""
+    """Blockwise absmax int8 with a float32 scale per block (the last block may be short).
+
+    Payload: every block's scale, then every int8 value, so a range's bytes are two spans
+    (``contiguous`` is False)."""
 
     name: Literal["int8"] = "int8"
     block: int = Field(default=64, ge=8, le=4096)
+    contiguous: ClassVar[bool] = False
+
+    @property
+    def align(self) -> int:
+        return self.block
 
     def _blocks(self, numel: int) -> int:
         return math.ceil(numel / self.block)
 
-    def _spans(self, numel: int) -> Iterator[tuple[slice, slice]]:
-        """(element span, scale span) of the full blocks, then of the short tail block."""
-        full = numel - numel % self.block
-        if full:
-            yield slice(0, full), slice(0, full // self.block)
-        if full < numel:
-            yield slice(full, numel), slice(full // self.block, full // self.block + 1)
-
     def payload_nbytes(self, numel: int) -> int:
         return 4 * self._blocks(numel) + numel
 
-    def encode_into(self, flat: torch.Tensor, out: memoryview) -> None:
-        numel, blocks = flat.numel(), self._blocks(flat.numel())
-        scales = _view(out, torch.float32, blocks)
-        quantized = _view(out, torch.int8, numel, offset=4 * blocks)
-        for elements, scale_span in self._spans(numel):
-            rows = scale_span.stop - scale_span.start
-            block_values = flat[elements].view(rows, -1)
-            absmax = torch.linalg.vector_norm(block_values, ord=math.inf, dim=1)
-            scales[scale_span] = absmax / 127
-            require_finite(
-                scales[scale_span] * 127, "int8 block range (beyond float32?)", ValueError
-            )
-            inverse = torch.where(absmax > 0, 127 / absmax, torch.zeros_like(absmax))
-            levels = (block_values * inverse[:, None]).round_().clamp_(-127, 127)
-            quantized[elements].view(rows, -1).copy_(levels)
+    def _views(
+        self, payload: memoryview, numel: int, start: int, stop: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host views of the scales and the int8 values of elements ``[start, stop)``."""
+        first, last = start // self.block, self._blocks(stop)
+        scales = host_view(payload, torch.float32, last - first, 4 * first)
+        quantized = host_view(payload, torch.int8, stop - start, 4 * self._blocks(numel) + start)
+        return scales, quantized
 
-    def dequantize(self, payload: memoryview, numel: int) -> torch.Tensor:
-        scales = _view(payload, torch.float32, self._blocks(numel))
-        quantized = _view(payload, torch.int8, numel, offset=4 * len(scales))
-        values = torch.empty(numel, dtype=torch.float32)
-        for elements, scale_span in self._spans(numel):
-            rows = scale_span.stop - scale_span.start
-            block_values = values[elements].view(rows, -1)
-            block_values.copy_(quantized[elements].view(rows, -1))
-            block_values.mul_(scales[scale_span][:, None])
+    def _rows(self, values: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Whole blocks as rows, and the short tail block (or None)."""
+        full = count - count % self.block
+        tail = values[full:] if full < count else None
+        return values[:full].view(-1, self.block), tail
+
+    def encode_range(
+        self, values: torch.Tensor, payload: memoryview, numel: int, start: int
+    ) -> None:
+        stop = start + values.numel()
+        scales_out, quantized_out = self._views(payload, numel, start, stop)
+        rows, tail = self._rows(values, values.numel())
+        blocks = [rows] + ([tail.view(1, -1)] if tail is not None else [])
+        scales, levels = [], []
+        for block_values in blocks:
+            absmax = torch.linalg.vector_norm(block_values, ord=math.inf, dim=1)
+            scale = absmax / 127
+            require_finite(scale * 127, "int8 block range (beyond float32?)", ValueError)
+            inverse = torch.where(absmax > 0, 127 / absmax, torch.zeros_like(absmax))
+            levels.append((block_values * inverse[:, None]).round_().clamp_(-127, 127).reshape(-1))
+            scales.append(scale)
+        _to_host(torch.cat(scales), scales_out)
+        _to_host(torch.cat(levels).to(torch.int8), quantized_out)
+
+    def decode_range(
+        self, payload: memoryview, numel: int, start: int, stop: int, device: torch.device = CPU
+    ) -> torch.Tensor:
+        scales, quantized = self._views(payload, numel, start, stop)
+        scales, quantized = scales.to(device), quantized.to(device)
+        values = quantized.float()
+        rows, tail = self._rows(values, stop - start)
+        rows.mul_(scales[: rows.shape[0], None])
+        if tail is not None:
+            tail.mul_(scales[-1])
         return values
 
-    def decode(self, payload: memoryview, numel: int) -> torch.Tensor:
-        scales = _view(payload, torch.float32, self._blocks(numel))
+    def check(self, payload: memoryview, numel: int, start: int, values: torch.Tensor) -> None:
+        scales, _ = self._views(payload, numel, start, start + values.numel())
         require_finite(scales, "int8 scales")
         if bool((scales < 0).any()):
             raise CodecDataError("int8 scales must be >= 0 (they are absmax / 127)")
-        values = self.dequantize(payload, numel)
         require_finite(values, "int8 payload (scale x 127 overflows)")
-        return values
 
 
 Codec = Annotated[Fp32Codec | Bf16Codec | Int8Codec, Field(discriminator="name")]

@@ -90,7 +90,7 @@ def _replay(
         counters = manager.state_dict()
         round_ = counters["sync"]
         try:
-            result = collective.observe(round_)
+            observed = collective.observe(round_)
         except RoundDataMissingError as exc:
             raise HealError(
                 f"round {round_} cannot be replayed: its data is gone from the bucket ({exc}); "
@@ -101,8 +101,9 @@ def _replay(
             skipped += 1
             manager.load_state_dict({**counters, "sync": round_ + 1})
             continue
-        if result is None:
+        if observed is None:
             return replayed, skipped
+        result, mean = observed
         contributors = len(result.seal.contributors)
         if contributors >= min_replicas:
             step = counters["step"]
@@ -115,7 +116,7 @@ def _replay(
                     f"the same code on the same kind of device"
                 )
             try:
-                state.replay(step % fragments, result.mean)
+                state.replay(step % fragments, mean)
             except (ValueError, TypeError, RuntimeError) as exc:  # a mean unlike the model
                 raise HealError(f"round {round_} does not apply to this model: {exc}") from None
             committed = counters["batches_committed"] + contributors

@@ -8,11 +8,13 @@ torchft's DiLoCo (``torchft/local_sgd.py``, 0.2.0) drives a sync like this: ``st
 True and otherwise makes DiLoCo restore the global weights. With ``fragment_sync_delay`` > 0
 the inner steps in between run while the sync is in flight.
 
-One sync is one bucket round, however many tensors it holds: the tensors are coalesced into one
-flat contribution. The batch is sent when it is complete, which the call sequence tells
-deterministically: the first ``wait()`` on a work, ``should_commit()``, or the next inner
-step's ``disallow_state_dict_read()`` (DiLoCo's optimizer pre-hook). Results are written back
-into the given tensors in place, as torchft's average is.
+One sync is one bucket round, however many tensors it holds: the tensors are one contribution,
+read part by part straight from them. The batch is sent when it is complete, which the call
+sequence tells deterministically: the first ``wait()`` on a work, ``should_commit()``, or the
+next inner step's ``disallow_state_dict_read()`` (DiLoCo's optimizer pre-hook). The mean is
+written into the given tensors in place, as torchft's average is, part by part as the round
+delivers it; no copy of the batch is made, which relies on DiLoCo leaving its pseudo-gradient
+tensors alone from ``allreduce`` until the works are waited for (``BucketCollective.allreduce``).
 
 As in torchft, a failed sync does not raise from ``allreduce`` or ``wait``: the error is kept,
 ``errored()`` returns it and ``should_commit()`` returns False.
@@ -163,19 +165,6 @@ class BucketManager:
         return sync.fingerprint
 
     @staticmethod
-    def write_back(sync: _Sync, mean: torch.Tensor) -> None:
-        """The flat mean into the batch's tensors, in place, in batch order."""
-        total = sum(tensor.numel() for tensor, _ in sync.batch)
-        if mean.numel() != total:
-            raise RuntimeError(f"round result has {mean.numel()} values; this sync sent {total}")
-        offset = 0
-        for tensor, _ in sync.batch:
-            values = mean[offset : offset + tensor.numel()].view(tensor.shape)
-            with torch.no_grad():
-                tensor.copy_(values)
-            offset += tensor.numel()
-
-    @staticmethod
     def complete_futures(sync: _Sync) -> None:
         """Complete the batch's futures (running DiLoCo's ``then`` callbacks), error or not,
         as torchft does, and only then signal ``written_back``."""
@@ -185,11 +174,10 @@ class BucketManager:
 
     @classmethod
     def _complete(cls, sync: _Sync, work: Work) -> None:
-        """On the round's thread: write the mean back, keeping an error as the sync's."""
+        """On the round's thread: the mean is in the batch's tensors; keep the result, or the
+        error as the sync's."""
         try:
-            result = work.result()
-            cls.write_back(sync, result.mean)
-            sync.result = result
+            sync.result = work.result()
         except Exception as exc:
             log.warning("sync failed: %s", exc)
             sync.error = exc

@@ -78,9 +78,13 @@ class ReplicaGroup:
         return box[0]
 
     def broadcast_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The leader's CPU ``tensor`` into ``tensor`` on every rank."""
+        """The leader's ``tensor`` into ``tensor`` on every rank (through a CPU copy where it
+        lives elsewhere: the sync group is gloo's)."""
         if self.world_size > 1:
-            dist.broadcast(tensor, src=0, group=self.sync_group)
+            host = tensor.detach().cpu()
+            dist.broadcast(host, src=0, group=self.sync_group)
+            if host.data_ptr() != tensor.data_ptr():
+                tensor.detach().copy_(host)
         return tensor
 
     def share_state(self, tree: dict[str, Any]) -> dict[str, Any]:
@@ -125,7 +129,7 @@ class SyncOutcome:
     error: str | None = None
     seal: Seal | None = None
     fingerprint: str = ""
-    numel: int = 0  # of the mean that follows (committed syncs with a round result)
+    shared: bool = False  # the mean follows, tensor by tensor (committed syncs with a result)
 
     def exception(self) -> Exception | None:
         if self.error is None:
@@ -144,6 +148,7 @@ class LeaderManager(BucketManager):
         group.broadcast(collective.me)
 
     def should_commit(self, timeout: timedelta | None = None) -> bool:
+        sync = self._current
         commit = super().should_commit(timeout)
         # what ``conclude`` decided on; a round thread finishing late cannot change these
         result, error = self.last_result, self.last_sync_error
@@ -155,11 +160,12 @@ class LeaderManager(BucketManager):
                 error=None if error is None else f"{type(error).__name__}: {error}",
                 seal=result.seal if result else None,
                 fingerprint=result.fingerprint if result else "",
-                numel=result.mean.numel() if shared else 0,  # type: ignore[union-attr]
+                shared=shared,
             )
         )
         if shared:
-            self._group.broadcast_tensor(result.mean)  # type: ignore[union-attr]
+            for tensor, _ in sync.batch:
+                self._group.broadcast_tensor(tensor)
         return commit
 
 
@@ -190,10 +196,10 @@ class FollowerManager(BucketManager):
     def should_commit(self, timeout: timedelta | None = None) -> bool:
         sync = self._current
         outcome: SyncOutcome = self._group.broadcast(None)
-        if outcome.numel:
-            mean = self._group.broadcast_tensor(torch.empty(outcome.numel))
-            self.write_back(sync, mean)
-            sync.result = RoundResult(mean, outcome.seal, outcome.fingerprint)  # type: ignore[arg-type]
+        if outcome.shared:
+            for tensor, _ in sync.batch:
+                self._group.broadcast_tensor(tensor)
+            sync.result = RoundResult(outcome.seal, outcome.fingerprint)  # type: ignore[arg-type]
         sync.error = outcome.exception()
         self.complete_futures(sync)
         return self.conclude(sync, outcome.committed)

@@ -19,7 +19,9 @@ malformed input yields ``WireFormatError`` naming the object's key and the probl
 
 The checksum covers every bit after the prefix; the prefix's own fields are each checked
 (magic, version, reserved zeros, header length bound), so any flipped bit is caught.
-Encoding writes header and payload into one buffer, with no intermediate copies.
+Encoding writes header and payload into one buffer, with no intermediate copies; encoding and
+reading run chunk by chunk (``chunk_elements``), with the copy, the finiteness check and the
+checksum of each chunk fused while it is in cache.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import math
 import struct
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Literal, get_args
 
@@ -34,7 +37,7 @@ import crc32c
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from diloco_anywhere.codec import Codec, CodecDataError, require_finite
+from diloco_anywhere.codec import CPU, Codec, CodecDataError, require_finite
 from diloco_anywhere.layout import NAME
 
 if sys.byteorder != "little":  # every platform we target is little-endian; say so if not
@@ -45,6 +48,7 @@ KINDS = {MAGIC: "diloco-anywhere wire object", b"DLAR": "diloco-anywhere record"
 VERSION = 1
 PREFIX = struct.Struct("<4sB3sII")
 MAX_HEADER_BYTES = 64 * 1024
+CHUNK_BYTES = 1 << 20  # float32 bytes per fused step on the CPU (``chunk_elements``)
 MAX_DIMS = 8
 MAX_NUMEL = 2**63 - 1
 DtypeName = Literal["float32", "bfloat16", "float16", "float64"]
@@ -102,7 +106,7 @@ class Decoded:
     tensor: torch.Tensor
 
 
-def stored_checksum(data: bytes | bytearray) -> int:
+def stored_checksum(data: bytes | bytearray | memoryview) -> int:
     """The CRC32C in an object's prefix (unchecked: ``decode`` verifies it)."""
     if len(data) < PREFIX.size:
         return 0
@@ -116,34 +120,78 @@ def _dtype_name(tensor: torch.Tensor) -> str:
     raise ValueError(f"cannot encode dtype {tensor.dtype}; allowed: {', '.join(DTYPES)}")
 
 
-def encode(tensor: torch.Tensor, codec: Codec, meta: ObjectMeta) -> bytearray:
-    """The wire object for ``tensor``: prefix, header and payload in one buffer."""
+def chunk_elements(codec: Codec, device: torch.device, numel: int) -> int:
+    """Elements per fused step. On the CPU, ``CHUNK_BYTES`` of float32 at a time, so that the
+    copy, the finiteness check and the checksum of a chunk read it from cache, not memory: one
+    pass over memory instead of three. On a GPU, the whole object in one step (a kernel per
+    step; only the encoded bytes cross to the host)."""
+    if device.type != "cpu":
+        return max(numel, 1)
+    step = CHUNK_BYTES // 4
+    return max(codec.align, step - step % codec.align)
+
+
+def encode(
+    tensor: torch.Tensor, codec: Codec, meta: ObjectMeta, *, into: memoryview | None = None
+) -> bytearray | memoryview:
+    """The wire object for ``tensor``: prefix, header and payload in one buffer (``into``, when
+    given: the object is its first bytes, returned as a view)."""
     if tensor.dim() > MAX_DIMS:
         raise ValueError(f"cannot encode a {tensor.dim()}-d tensor; at most {MAX_DIMS} dims")
-    header = Header(
-        **meta.model_dump(), dtype=_dtype_name(tensor), shape=tuple(tensor.shape), codec=codec
+    flat = tensor.detach().reshape(-1)
+    return encode_values(
+        lambda start, stop: flat[start:stop].float(),
+        flat.numel(),
+        codec,
+        meta,
+        dtype=_dtype_name(tensor),
+        shape=tuple(tensor.shape),
+        device=tensor.device,
+        into=into,
     )
-    flat = tensor.detach().reshape(-1).float()
-    require_finite(flat, f"tensor to encode for {meta} (as float32)", ValueError)
+
+
+def encode_values(
+    read: Callable[[int, int], torch.Tensor],
+    numel: int,
+    codec: Codec,
+    meta: ObjectMeta,
+    *,
+    dtype: str = "float32",
+    shape: tuple[int, ...] | None = None,
+    device: torch.device = CPU,
+    into: memoryview | None = None,
+) -> bytearray | memoryview:
+    """The wire object of ``numel`` float32 values that ``read(start, stop)`` yields (on
+    ``device``), built chunk by chunk: each chunk is checked finite, encoded into the payload
+    and, for a contiguous codec, added to the checksum while it is in cache."""
+    header = Header(
+        **meta.model_dump(), dtype=dtype, shape=(numel,) if shape is None else shape, codec=codec
+    )
     header_bytes = header.model_dump_json().encode()
     if len(header_bytes) > MAX_HEADER_BYTES:
         raise ValueError(f"header is {len(header_bytes)} bytes; at most {MAX_HEADER_BYTES}")
     payload_start = PREFIX.size + len(header_bytes)
-    buffer = bytearray(payload_start + codec.payload_nbytes(flat.numel()))
+    total = payload_start + codec.payload_nbytes(numel)
+    buffer: bytearray | memoryview = bytearray(total) if into is None else into[:total]
+    if len(buffer) < total:
+        raise ValueError(f"the object needs {total} bytes; the buffer has {len(buffer)}")
     view = memoryview(buffer)
     view[PREFIX.size : payload_start] = header_bytes
-    codec.encode_into(flat, view[payload_start:])
-    checksum = crc32c.crc32c(view[PREFIX.size :])
-    PREFIX.pack_into(buffer, 0, MAGIC, VERSION, bytes(3), len(header_bytes), checksum)
+    payload = view[payload_start:]
+    checksum = crc32c.crc32c(header_bytes)
+    step = chunk_elements(codec, device, numel)
+    for start in range(0, numel, step):
+        stop = min(numel, start + step)
+        values = read(start, stop)
+        require_finite(values, f"tensor to encode for {meta} (as float32)", ValueError)
+        codec.encode_range(values, payload, numel, start)
+        if codec.contiguous:
+            checksum = crc32c.crc32c(payload[slice(*codec.byte_span(start, stop))], checksum)
+    if not codec.contiguous:
+        checksum = crc32c.crc32c(payload, checksum)
+    PREFIX.pack_into(view, 0, MAGIC, VERSION, bytes(3), len(header_bytes), checksum)
     return buffer
-
-
-def sent_values(encoded: bytearray, codec: Codec, numel: int) -> torch.Tensor:
-    """The flat float32 values a receiver decodes from ``encoded``, an object this process has
-    just made with ``encode``: the codec's dequantization alone. The checks of ``decode`` guard
-    bytes from a bucket; a sender knows its own bytes (and skips a CRC pass over them)."""
-    payload = memoryview(encoded)[len(encoded) - codec.payload_nbytes(numel) :]
-    return codec.dequantize(payload, numel)
 
 
 def _field_error(error: dict, what: str) -> str:
@@ -157,8 +205,8 @@ def field_errors(exc: ValidationError, what: str = "header") -> str:
     return "; ".join(_field_error(e, what) for e in exc.errors(include_url=False))
 
 
-def check_prefix(view: memoryview, key: str, magic: bytes = MAGIC) -> int:
-    """Validate the fixed prefix and the checksum; return the header length."""
+def _prefix_fields(view: memoryview, key: str, magic: bytes) -> tuple[int, int]:
+    """Validate the fixed prefix's fields; return (header length, stored checksum)."""
     if len(view) < PREFIX.size:
         raise WireFormatError(key, f"{len(view)} bytes, shorter than the {PREFIX.size}-byte prefix")
     found, version, reserved, header_length, checksum = PREFIX.unpack_from(view)
@@ -174,42 +222,118 @@ def check_prefix(view: memoryview, key: str, magic: bytes = MAGIC) -> int:
             f"header length {header_length} exceeds the object ({len(view)} bytes) "
             f"or the {MAX_HEADER_BYTES}-byte cap",
         )
+    return header_length, checksum
+
+
+def _checksum_error(key: str, stored: int, actual: int) -> WireFormatError:
+    return WireFormatError(
+        key, f"checksum mismatch (stored {stored:#010x}, computed {actual:#010x}): corrupt"
+    )
+
+
+def check_prefix(view: memoryview, key: str, magic: bytes = MAGIC) -> int:
+    """Validate the fixed prefix and the checksum; return the header length."""
+    header_length, stored = _prefix_fields(view, key, magic)
     actual = crc32c.crc32c(view[PREFIX.size :])
-    if actual != checksum:
-        raise WireFormatError(
-            key, f"checksum mismatch (stored {checksum:#010x}, computed {actual:#010x}): corrupt"
-        )
+    if actual != stored:
+        raise _checksum_error(key, stored, actual)
     return header_length
+
+
+def _byte_view(data: bytes | bytearray | memoryview) -> memoryview:
+    view = memoryview(data)
+    if not view.c_contiguous:
+        view = memoryview(view.tobytes())
+    return view.cast("B")
+
+
+class WireReader:
+    """A wire object opened for reading in chunks, in one pass over its bytes.
+
+    Opening checks the prefix, the header and the payload length; ``chunks`` then yields the
+    values chunk by chunk, each checked (finite, codec rules), and verifies the checksum as it
+    goes: for a contiguous codec the last chunk's step raises if the object is corrupt, so a
+    consumer must treat what it did with the chunks as provisional until the iteration ends
+    without error (a reduction discards its accumulator; a write in place fails the round).
+    A problem found before the checksum is reported as a checksum mismatch when the checksum
+    does not match: corruption is the likelier cause, and the fix (write it again) the same.
+    """
+
+    def __init__(self, data: bytes | bytearray | memoryview, key: str = "<bytes>") -> None:
+        self.key = key
+        self._view = _byte_view(data)
+        header_length, self._stored = _prefix_fields(self._view, key, MAGIC)
+        payload_start = PREFIX.size + header_length
+        try:
+            self.header = Header.model_validate_json(bytes(self._view[PREFIX.size : payload_start]))
+        except ValidationError as exc:
+            raise self._error(field_errors(exc)) from None
+        self._header_bytes = self._view[PREFIX.size : payload_start]
+        self.payload = self._view[payload_start:]
+        expected = self.header.codec.payload_nbytes(self.header.numel)
+        if len(self.payload) != expected:
+            raise self._error(
+                f"payload is {len(self.payload)} bytes; codec {self.header.codec.name} with "
+                f"shape {list(self.header.shape)} needs {expected}"
+            )
+
+    def _error(self, problem: str) -> WireFormatError:
+        actual = crc32c.crc32c(self._view[PREFIX.size :])
+        if actual != self._stored:
+            return _checksum_error(self.key, self._stored, actual)
+        return WireFormatError(self.key, problem)
+
+    def verify_checksum(self) -> None:
+        actual = crc32c.crc32c(self._view[PREFIX.size :])
+        if actual != self._stored:
+            raise _checksum_error(self.key, self._stored, actual)
+
+    def chunks(
+        self,
+        device: torch.device = CPU,
+        *,
+        check_values: bool = True,
+        check_checksum: bool = True,
+        step: int | None = None,
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """``(start, float32 values on device)`` for consecutive element ranges. Bytes this
+        process made (``encode``) or has verified already skip the checks they passed."""
+        codec, numel = self.header.codec, self.header.numel
+        step = step or chunk_elements(codec, device, numel)
+        stream_checksum = check_checksum and codec.contiguous
+        if check_checksum and not codec.contiguous:
+            self.verify_checksum()  # two spans per range: check the (small) payload first
+        checksum = crc32c.crc32c(self._header_bytes)
+        for start in range(0, numel, step):
+            stop = min(numel, start + step)
+            if stream_checksum:
+                span = self.payload[slice(*codec.byte_span(start, stop))]
+                checksum = crc32c.crc32c(span, checksum)
+            values = codec.decode_range(self.payload, numel, start, stop, device)
+            if check_values:
+                try:
+                    codec.check(self.payload, numel, start, values)
+                except CodecDataError as exc:
+                    raise self._error(str(exc)) from None
+            yield start, values
+        if stream_checksum and checksum != self._stored:
+            raise _checksum_error(self.key, self._stored, checksum)
 
 
 def decode(data: bytes | bytearray | memoryview, *, key: str = "<bytes>") -> Decoded:
     """Check and decode a wire object into its header and a float32 tensor of its shape.
 
     With a writable buffer (``bytearray``) the fp32 tensor is a view of it: no copy. Read-only
-    ``bytes`` are copied once, so the returned tensor never aliases immutable memory.
+    ``bytes`` are copied once, so the returned tensor never aliases immutable memory. The
+    checksum is verified before the header is parsed.
     """
-    view = memoryview(data)
-    if not view.c_contiguous:
-        view = memoryview(view.tobytes())
-    view = view.cast("B")
-    header_length = check_prefix(view, key)
+    view = _byte_view(data)
+    check_prefix(view, key)
     if view.readonly:  # checked first, so junk is never copied
         view = memoryview(bytearray(view))
-    payload_start = PREFIX.size + header_length
-    try:
-        header = Header.model_validate_json(bytes(view[PREFIX.size : payload_start]))
-    except ValidationError as exc:
-        raise WireFormatError(key, field_errors(exc)) from None
-    payload = view[payload_start:]
-    expected = header.codec.payload_nbytes(header.numel)
-    if len(payload) != expected:
-        raise WireFormatError(
-            key,
-            f"payload is {len(payload)} bytes; codec {header.codec.name} with shape "
-            f"{list(header.shape)} needs {expected}",
-        )
-    try:
-        flat = header.codec.decode(payload, header.numel)
-    except CodecDataError as exc:
-        raise WireFormatError(key, str(exc)) from None
-    return Decoded(header, flat.view(header.shape))
+    reader = WireReader(view, key)
+    numel = reader.header.numel
+    chunks = reader.chunks(check_checksum=False, step=max(numel, 1))
+    values = [chunk for _, chunk in chunks]
+    flat = values[0] if values else torch.empty(0)
+    return Decoded(reader.header, flat.view(reader.header.shape))

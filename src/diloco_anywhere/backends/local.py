@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from diloco_anywhere.backends.base import (
@@ -26,6 +27,10 @@ from diloco_anywhere.backends.base import (
     launch_each,
 )
 from diloco_anywhere.config import RunConfig
+
+# Seconds a stopped replica gets to write its last lines and leave (then SIGKILL); platforms
+# give 30 s or more, a local run is stopped by a person waiting at the terminal.
+STOP_GRACE = 15.0
 
 
 class LocalBackend:
@@ -99,10 +104,20 @@ class LocalBackend:
             return ""
 
     def stop(self, handle: ReplicaHandle) -> None:
+        """SIGTERM the replica's process group and return once it has ended (SIGKILL after
+        ``STOP_GRACE`` seconds), as a platform's stop does: a status asked right after a stop
+        must not find the replica still running."""
         pid = handle.job["pid"]
-        if self.state(handle) == "running" and _is_replica(pid):
+        if self.state(handle) != "running" or not _is_replica(pid):
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE
+        while self.state(handle) == "running" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.state(handle) == "running":
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGTERM)
+                os.killpg(pid, signal.SIGKILL)
 
 
 def threads_per_replica(processes: int) -> int:

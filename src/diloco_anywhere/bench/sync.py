@@ -7,6 +7,17 @@ included; they are bytes) and is compared with the bound of the mode for the enc
 ``P``: gather up ``P``, down ``(n - 1) P``; sharded up ``P (1 + 1/n)``, down ``2 P (n - 1) / n``.
 The raw copy, in the same run, moves the same per-replica bytes with plain files and threads:
 every replica writes what it uploaded, then reads what it downloaded.
+
+Host memory: each replica samples its own resident set every 5 ms (``memory.py``); a round's
+figure is its peak minus the resident set before the first round (the pseudo-gradient itself
+and the collective already there), so buffers a sync keeps between rounds count too. The codec
+time is one encode and one decode of the whole payload in this process, alone, so a round can
+be compared with "raw copy of the encoded bytes + codec".
+
+With a WAN shape (``wan.py``) each replica reaches the store through its own shaped link, and
+a round is compared with what its link allows: ``(bytes up + bytes down) / link``. With a
+straggler, the last replica contributes ``straggler`` seconds after the others every round, and
+the requests of the replicas that wait are reported, priced at S3's list prices.
 """
 
 from __future__ import annotations
@@ -16,44 +27,87 @@ import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from diloco_anywhere.bench.store import sample_tensor
+import torch
+
+from diloco_anywhere import wire
+from diloco_anywhere.bench.memory import PeakMemory, resident_bytes
+from diloco_anywhere.bench.store import BENCH_META, sample_tensor
+from diloco_anywhere.bench.wan import WanShape
 from diloco_anywhere.codec import make_codec
 from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig
 from diloco_anywhere.collective.round import RoundPolicy
-from diloco_anywhere.store import Store, redact_url
+from diloco_anywhere.store import Store, StoreStats, redact_url
 
 MODES = ("gather", "sharded", "auto")
+# S3 Standard request prices, us-east-1 (aws.amazon.com/s3/pricing, 2026): USD per 1,000.
+S3_PUT_LIST_PER_1000 = 0.005  # PUT, COPY, POST, LIST
+S3_GET_PER_1000 = 0.0004  # GET and all other requests (DELETE is free; counted here as GET)
 
 
-def _replica(url, options, index, replicas, numel, rounds, codec, mode, barrier, results) -> None:
+@dataclass(frozen=True)
+class SyncBench:
+    """One ``diloco bench sync`` configuration."""
+
+    replicas: int
+    size: int  # bytes of float32 pseudo-gradient per replica
+    rounds: int = 3
+    codec: str = "fp32"
+    mode: str = "auto"
+    window: int = RoundPolicy.window
+    part_bytes: int = 4 * RoundPolicy.part_elements
+    straggler: float = 0.0  # seconds the last replica is late every round
+    wan: WanShape | None = None
+
+    def policy(self) -> RoundPolicy:
+        return RoundPolicy(
+            min_replicas=self.replicas,
+            grace=3600.0,
+            timeout=3600.0,
+            mode=self.mode,  # type: ignore[arg-type]
+            expected_replicas=self.replicas,
+            window=self.window,
+            part_elements=max(1, self.part_bytes // 4),
+        )
+
+
+@dataclass(frozen=True)
+class RoundMeasure:
+    seconds: float
+    traffic: StoreStats
+    mode: str
+    memory_added: int | None
+
+
+def _replica(url, options, index, bench: SyncBench, barrier, results) -> None:
     store = Store(url, storage_options=options)
-    config = CollectiveConfig(
-        codec=make_codec(codec),
-        round=RoundPolicy(
-            min_replicas=replicas, grace=600.0, timeout=600.0, mode=mode,
-            expected_replicas=replicas,
-        ),
-    )  # fmt: skip
+    config = CollectiveConfig(codec=make_codec(bench.codec), round=bench.policy())
+    late = bench.straggler if index == bench.replicas - 1 else 0.0
     try:
-        with BucketCollective(store, f"bench-{replicas}", f"r{index}", config) as collective:
+        with BucketCollective(store, f"bench-{bench.replicas}", f"r{index}", config) as collective:
             measured = []
-            for round_ in range(rounds):
-                tensor = sample_tensor("gaussian", numel, seed=1000 * round_ + index)
+            tensor = torch.empty(bench.size // 4)  # one pseudo-gradient, refilled every round
+            baseline = None
+            for round_ in range(bench.rounds):
+                seed = 1000 * round_ + index
+                tensor.copy_(sample_tensor("gaussian", tensor.numel(), seed=seed))
+                baseline = baseline or resident_bytes()
                 barrier.wait()
+                time.sleep(late)
                 before, started = store.stats(), time.perf_counter()
-                work = collective.allreduce(tensor, round_=round_)
-                work.wait()
-                seconds, traffic = time.perf_counter() - started, store.stats() - before
+                with PeakMemory() as peak:
+                    work = collective.allreduce(tensor, round_=round_)
+                    work.wait()
+                added = None if baseline is None or peak.bytes is None else peak.bytes - baseline
                 measured.append(
-                    (
-                        seconds,
-                        traffic.bytes_up,
-                        traffic.bytes_down,
-                        traffic.puts + traffic.gets + traffic.lists,
+                    RoundMeasure(
+                        time.perf_counter() - started + late,
+                        store.stats() - before,
                         work.result().seal.mode,
+                        added,
                     )
                 )
         results.put((index, measured))
@@ -61,28 +115,26 @@ def _replica(url, options, index, replicas, numel, rounds, codec, mode, barrier,
         results.put((index, f"{type(exc).__name__}: {exc}"))
 
 
-def _run_replicas(url, options, replicas, numel, rounds, codec, mode, progress) -> list:
+def _run_replicas(url, options: list[dict[str, Any]], bench: SyncBench, progress) -> list:
+    """Per replica (in index order), its ``RoundMeasure`` of every round."""
     context = multiprocessing.get_context("spawn")
-    barrier, results = context.Barrier(replicas), context.Queue()
+    barrier, results = context.Barrier(bench.replicas), context.Queue()
     processes = [
-        context.Process(
-            target=_replica,
-            args=(url, options, i, replicas, numel, rounds, codec, mode, barrier, results),
-        )
-        for i in range(replicas)
+        context.Process(target=_replica, args=(url, options[i], i, bench, barrier, results))
+        for i in range(bench.replicas)
     ]
     for process in processes:
         process.start()
-    outcomes = []
-    for done in range(replicas):
-        progress(f"{replicas} replicas x {rounds} rounds: {done}/{replicas} finished")
-        index, measured = results.get(timeout=3600)
+    outcomes: dict[int, list[RoundMeasure]] = {}
+    for done in range(bench.replicas):
+        progress(f"{bench.replicas} replicas x {bench.rounds} rounds: {done} finished")
+        index, measured = results.get(timeout=3 * 3600)
         if isinstance(measured, str):
             raise RuntimeError(f"replica r{index} failed: {measured}")
-        outcomes.append(measured)
+        outcomes[index] = measured
     for process in processes:
         process.join(timeout=60)
-    return outcomes
+    return [outcomes[i] for i in range(bench.replicas)]
 
 
 def _raw_copy_seconds(replicas: int, up: int, down: int) -> float:
@@ -102,6 +154,15 @@ def _raw_copy_seconds(replicas: int, up: int, down: int) -> float:
         return time.perf_counter() - started
 
 
+def _codec_seconds(numel: int, codec_name: str) -> float:
+    """One encode and one decode of the whole payload, alone, in this process."""
+    codec, tensor = make_codec(codec_name), sample_tensor("gaussian", numel, seed=0)
+    started = time.perf_counter()
+    encoded = wire.encode(tensor, codec, BENCH_META)
+    wire.decode(encoded)
+    return time.perf_counter() - started
+
+
 def traffic_bound(mode: str, replicas: int, payload: int) -> tuple[float, float]:
     """(up, down) bytes per replica per round that the mode cannot go below."""
     n = replicas
@@ -110,45 +171,76 @@ def traffic_bound(mode: str, replicas: int, payload: int) -> tuple[float, float]
     return payload, payload * (n - 1)
 
 
-def bench_sync(
-    url: str,
-    options: dict[str, Any],
-    replicas: int,
-    size: int,
-    rounds: int,
-    codec: str,
-    mode: str,
-    progress,
-) -> dict[str, Any]:
-    """Medians over rounds (and replicas) of traffic and wall time per round."""
-    outcomes = _run_replicas(url, options, replicas, size // 4, rounds, codec, mode, progress)
-    rows = [row for measured in outcomes for row in measured]
-    up = int(statistics.median(row[1] for row in rows))
-    down = int(statistics.median(row[2] for row in rows))
-    round_seconds = statistics.median(max(m[r][0] for m in outcomes) for r in range(rounds))
-    progress("raw parallel copy of the same bytes")
-    raw = statistics.median(_raw_copy_seconds(replicas, up, down) for _ in range(rounds))
-    sealed_mode = statistics.mode(row[4] for row in rows)
-    payload = make_codec(codec).payload_nbytes(size // 4)
-    bound_up, bound_down = traffic_bound(sealed_mode, replicas, payload)
+def _requests(traffic: StoreStats) -> dict[str, int]:
+    return {"puts": traffic.puts, "gets": traffic.gets, "lists": traffic.lists}
+
+
+def request_cost(requests: dict[str, int], rounds: int = 1000) -> float:
+    """USD that ``rounds`` rounds of ``requests`` (per round) cost at S3's list prices."""
+    put_list = (requests["puts"] + requests["lists"]) * S3_PUT_LIST_PER_1000 / 1000
+    return rounds * (put_list + requests["gets"] * S3_GET_PER_1000 / 1000)
+
+
+def _median_requests(rows: list[RoundMeasure]) -> dict[str, int]:
     return {
+        kind: int(statistics.median(_requests(row.traffic)[kind] for row in rows))
+        for kind in ("puts", "gets", "lists")
+    }
+
+
+def bench_sync(url: str, options: list[dict[str, Any]], bench: SyncBench, progress) -> dict:
+    """Medians over rounds (and replicas) of traffic and wall time per round; ``options``
+    are each replica's storage options (its own shaped link, with a WAN)."""
+    outcomes = _run_replicas(url, options, bench, progress)
+    waiting = outcomes[:-1] if bench.straggler and bench.replicas > 1 else outcomes
+    rows = [row for measured in waiting for row in measured]
+    up = int(statistics.median(row.traffic.bytes_up for row in rows))
+    down = int(statistics.median(row.traffic.bytes_down for row in rows))
+    rounds = range(bench.rounds)
+    round_seconds = statistics.median(max(m[r].seconds for m in outcomes) for r in rounds)
+    progress("raw parallel copy of the same bytes")
+    raw = statistics.median(_raw_copy_seconds(bench.replicas, up, down) for _ in rounds)
+    codec_seconds = _codec_seconds(bench.size // 4, bench.codec)
+    sealed_mode = statistics.mode(row.mode for row in rows)
+    added = [row.memory_added for m in outcomes for row in m if row.memory_added is not None]
+    payload = make_codec(bench.codec).payload_nbytes(bench.size // 4)
+    bound_up, bound_down = traffic_bound(sealed_mode, bench.replicas, payload)
+    requests = _median_requests(rows)
+    result = {
         "url": redact_url(url),
         "mode": sealed_mode,
-        "codec": codec,
-        "replicas": replicas,
-        "size_bytes": size,
+        "codec": bench.codec,
+        "replicas": bench.replicas,
+        "size_bytes": bench.size,
         "payload_bytes": payload,
-        "rounds": rounds,
+        "rounds": bench.rounds,
+        "window": bench.window,
+        "part_bytes": bench.part_bytes,
         "bytes_up_per_replica": up,
         "bytes_down_per_replica": down,
         "bound_up_per_replica": int(bound_up),
         "bound_down_per_replica": int(bound_down),
         "up_vs_bound": up / bound_up,
         "down_vs_bound": down / bound_down if bound_down else float("nan"),
-        "requests_per_replica": int(statistics.median(row[3] for row in rows)),
+        "requests_per_replica": sum(requests.values()),
+        "requests_by_kind_per_replica": requests,
+        "s3_request_usd_per_1000_rounds_per_replica": request_cost(requests),
         "round_seconds": round_seconds,
         "raw_copy_seconds": raw,
         "round_vs_raw": round_seconds / raw if raw else float("inf"),
-        "up_vs_payload": up / size,
-        "down_vs_payload": down / size,
+        "codec_seconds": codec_seconds,
+        "round_vs_raw_plus_codec": round_seconds / (raw + codec_seconds),
+        # the peak a sync added to a replica process's resident memory: worst over replicas
+        # and rounds, and over the fp32 pseudo-gradient (``size``)
+        "host_memory_added_bytes": max(added) if added else None,
+        "host_memory_added_vs_fp32": max(added) / bench.size if added else None,
+        "up_vs_payload": up / bench.size,
+        "down_vs_payload": down / bench.size,
+        "straggler_seconds": bench.straggler,
     }
+    if bench.wan is not None:
+        link_seconds = (up + down) / bench.wan.link
+        result["wan"] = asdict(bench.wan)
+        result["link_bound_seconds"] = link_seconds
+        result["round_vs_link_bound"] = round_seconds / link_seconds
+    return result

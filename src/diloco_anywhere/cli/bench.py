@@ -119,6 +119,56 @@ def bench_store_command(
     stdout.print(_codec_table(result["codecs"], size // 4))
 
 
+def _wan_options(
+    stack: ExitStack, options: dict[str, Any], shape: Any, replicas: int
+) -> list[dict[str, Any]]:
+    """Per replica, the stand-in's storage options through a shaped link of its own."""
+    from urllib.parse import urlsplit
+
+    from diloco_anywhere.bench.wan import shaped_links
+
+    endpoint = urlsplit(options.get("endpoint_url", ""))
+    if not endpoint.port:
+        raise typer.BadParameter("--bandwidth shapes a stand-in's link: give --standin s3")
+    links = stack.enter_context(shaped_links((endpoint.hostname, endpoint.port), shape, replicas))
+    return [{**options, "endpoint_url": f"http://127.0.0.1:{link.port}"} for link in links]
+
+
+def _sync_table(result: dict[str, Any]) -> Table:
+    table = Table(
+        title=f"Sync: {result['replicas']} replicas, {result['size_bytes'] / 2**20:.0f} MiB "
+        f"each, {result['codec']}, {result['mode']} (median of {result['rounds']} rounds)"
+    )
+    columns = ("bytes up / replica", "bytes down / replica", "requests", "round s", "raw s")
+    for column in (*columns, "memory added"):
+        table.add_column(column, justify="right")
+    memory = result["host_memory_added_bytes"]
+    table.add_row(
+        f"{result['bytes_up_per_replica']:,} ({result['up_vs_bound']:.3f}x)",
+        f"{result['bytes_down_per_replica']:,} ({result['down_vs_bound']:.3f}x)",
+        str(result["requests_per_replica"]),
+        f"{result['round_seconds']:.3f}",
+        f"{result['raw_copy_seconds']:.3f} ({result['round_vs_raw']:.2f}x)",
+        "n/a"
+        if memory is None
+        else f"{memory / 2**20:,.0f} MiB ({result['host_memory_added_vs_fp32']:.2f}x)",
+    )
+    wan = ""
+    if "wan" in result:
+        wan = (
+            f"; link bound {result['link_bound_seconds']:.2f} s "
+            f"({result['round_vs_link_bound']:.2f}x)"
+        )
+    table.caption = (
+        f"store {result['url']}; (x) = multiple of the {result['mode']} bound for a "
+        f"{result['payload_bytes']:,}-byte payload; raw = parallel file copy of the same bytes; "
+        f"memory added = peak a sync added to a replica process (x the fp32 payload); codec "
+        f"alone {result['codec_seconds']:.3f} s; S3 requests for 1,000 rounds: "
+        f"${result['s3_request_usd_per_1000_rounds_per_replica']:.2f} per replica{wan}"
+    )
+    return table
+
+
 @bench_app.command("sync")
 def bench_sync_command(
     replicas: Annotated[int, typer.Option(min=1, max=64, help="Replica processes.")] = 4,
@@ -135,6 +185,39 @@ def bench_sync_command(
     ] = "auto",
     codec: Annotated[str, typer.Option(help="fp32, bf16 or int8.")] = "fp32",
     rounds: Annotated[int, typer.Option(min=1, help="Rounds to take medians over.")] = 3,
+    window: Annotated[
+        int, typer.Option(min=1, help="Parts in flight per round (memory and concurrency).")
+    ] = 8,
+    part_size: Annotated[
+        int, typer.Option(parser=parse_size, help="Bytes of float32 per part.")
+    ] = "16MiB",  # type: ignore[assignment]
+    straggler: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="Seconds the last replica is late every round: the others' requests "
+            "while they wait are reported.",
+        ),
+    ] = 0.0,
+    bandwidth: Annotated[
+        int | None,
+        typer.Option(
+            parser=parse_size,
+            help="WAN: bytes/s per connection (e.g. 25MB), through a shaped "
+            "link per replica in front of --standin s3.",
+        ),
+    ] = None,
+    latency: Annotated[
+        float, typer.Option(min=0, help="WAN: seconds of round trip added to every request.")
+    ] = 0.04,
+    link: Annotated[
+        int | None,
+        typer.Option(
+            parser=parse_size,
+            help="WAN: bytes/s of each replica's link, both directions "
+            "together (default: 8 connections' worth).",
+        ),
+    ] = None,
     store_url: Annotated[str | None, STORE_OPTION] = None,
     standin_name: Annotated[str | None, STANDIN_OPTION] = None,
     json_output: Annotated[
@@ -143,39 +226,35 @@ def bench_sync_command(
 ) -> None:
     """Measure N replica processes all-reducing through one store for R rounds.
 
-    Reports per-replica bytes up and down against the mode's bound, requests, wall time per
-    round, and a raw parallel copy of the same bytes.
+    Reports per-replica bytes up and down against the mode's bound, requests (and their price
+    at S3's), wall time per round, a raw parallel copy of the same bytes, the codec's time
+    alone, and the host memory one sync added to a replica process (sampled inside it every
+    5 ms). With --bandwidth, each replica reaches the stand-in through its own shaped link
+    and the round is compared with what that link allows.
     """
-    from diloco_anywhere.bench.sync import MODES, bench_sync
+    from diloco_anywhere.bench.sync import MODES, SyncBench, bench_sync
+    from diloco_anywhere.bench.wan import WanShape
 
     if mode not in MODES:
         raise typer.BadParameter(f"--mode {mode!r}: this build has {', '.join(MODES)}")
     if codec not in CODEC_NAMES:
         raise typer.BadParameter(f"--codec {codec!r}: choose one of {', '.join(CODEC_NAMES)}")
+    shape = None
+    if bandwidth is not None:
+        shape = WanShape(bandwidth=bandwidth, latency=latency, link=link or 8 * bandwidth)
+    bench = SyncBench(
+        replicas, size, rounds, codec, mode, window, part_size, straggler, shape
+    )  # fmt: skip
     with user_errors(), ExitStack() as stack, progress_display() as status:
         url, options = _bench_target(stack, store_url, standin_name, status)
-        result = bench_sync(url, options, replicas, size, rounds, codec, mode, status)
+        per_replica = [options] * replicas
+        if shape is not None:
+            per_replica = _wan_options(stack, options, shape, replicas)
+        result = bench_sync(url, per_replica, bench, status)
     if json_output:
         print(json.dumps(result, indent=2))
         return
-    table = Table(
-        title=f"Sync: {replicas} replicas, {size / 2**20:.0f} MiB each, {codec}, "
-        f"{result['mode']} (median of {rounds} rounds)"
-    )
-    for column in ("bytes up / replica", "bytes down / replica", "requests", "round s", "raw s"):
-        table.add_column(column, justify="right")
-    table.add_row(
-        f"{result['bytes_up_per_replica']:,} ({result['up_vs_bound']:.3f}x)",
-        f"{result['bytes_down_per_replica']:,} ({result['down_vs_bound']:.3f}x)",
-        str(result["requests_per_replica"]),
-        f"{result['round_seconds']:.3f}",
-        f"{result['raw_copy_seconds']:.3f} ({result['round_vs_raw']:.2f}x)",
-    )
-    table.caption = (
-        f"store {result['url']}; (x) = multiple of the {result['mode']} bound for a "
-        f"{result['payload_bytes']:,}-byte payload; raw = parallel file copy of the same bytes"
-    )
-    stdout.print(table)
+    stdout.print(_sync_table(result))
 
 
 Replicas = Annotated[int, typer.Option(min=1, max=16, help="Replica processes.")]

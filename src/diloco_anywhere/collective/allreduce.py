@@ -23,6 +23,7 @@ import torch
 
 from diloco_anywhere.codec import Codec, make_codec
 from diloco_anywhere.collective.collect import RoundCollector
+from diloco_anywhere.collective.flat import FlatTensors
 from diloco_anywhere.collective.gather import gather_mean
 from diloco_anywhere.collective.membership import (
     Heartbeat,
@@ -31,6 +32,7 @@ from diloco_anywhere.collective.membership import (
     live_members,
     member_progress,
 )
+from diloco_anywhere.collective.parts import Transfers, one_intra_op_thread
 from diloco_anywhere.collective.records import Seal
 from diloco_anywhere.collective.round import Round, RoundPolicy
 from diloco_anywhere.collective.sharded import sharded_mean
@@ -42,23 +44,31 @@ EXCHANGES = {"gather": gather_mean, "sharded": sharded_mean}
 
 @dataclass(frozen=True)
 class RoundResult:
-    mean: torch.Tensor  # flat float32
+    """How a round ended; its mean is in the tensors it was written into."""
+
     seal: Seal
     fingerprint: str  # of the sealed contributors' global state
     excluded: dict[str, str] = field(default_factory=dict)  # contributor -> why
 
 
-def _exchange(round_: Round, seal: Seal) -> RoundResult:
-    mean = EXCHANGES[seal.mode](round_, seal)
+def _exchange(round_: Round, seal: Seal, destination: FlatTensors) -> RoundResult:
+    EXCHANGES[seal.mode](round_, seal, destination)
     fingerprint = round_.sealed_manifests(seal)[0].fingerprint
-    return RoundResult(mean, seal, fingerprint, dict(round_.excluded))
+    return RoundResult(seal, fingerprint, dict(round_.excluded))
 
 
-def finish_round(round_: Round) -> RoundResult:
-    """Wait for the round's SEAL, then exchange in the mode the SEAL names."""
-    seal = round_.wait_for_seal()
-    round_.check_own_contribution(seal)
-    return _exchange(round_, seal)
+def finish_round(round_: Round, destination: FlatTensors | None = None) -> RoundResult:
+    """Wait for the round's SEAL, then exchange in the mode the SEAL names, writing the mean
+    into ``destination`` (by default the tensors this replica contributed)."""
+    try:
+        seal = round_.wait_for_seal()
+        round_.check_own_contribution(seal)
+        target = destination or round_.source
+        if target is None:
+            raise ValueError("finish_round needs a destination when this replica contributed none")
+        return _exchange(round_, seal, target)
+    finally:
+        round_.release()
 
 
 @dataclass(frozen=True)
@@ -72,11 +82,14 @@ class CollectiveConfig:
 
 class Work:
     """A round in flight. ``wait`` raises the round's error; ``get_future`` gives a
-    ``torch.futures.Future`` completed with the mean (the shape of the input tensor)."""
+    ``torch.futures.Future`` completed with the tensor (or list) given to ``allreduce``, which
+    then holds the mean."""
 
-    def __init__(self, future: Future[RoundResult], shape: torch.Size) -> None:
+    def __init__(
+        self, future: Future[RoundResult], tensor: torch.Tensor | list[torch.Tensor]
+    ) -> None:
         self._future = future
-        self._shape = shape
+        self.tensor = tensor
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the round is done (``TimeoutError`` after ``timeout`` seconds)."""
@@ -93,9 +106,6 @@ class Work:
         """``callback(self)`` once the round is done (at once if it is), on the round's thread."""
         self._future.add_done_callback(lambda _: callback(self))
 
-    def mean(self) -> torch.Tensor:
-        return self.result().mean.view(self._shape)
-
     def get_future(self) -> torch.futures.Future:
         torch_future: torch.futures.Future = torch.futures.Future()
 
@@ -103,19 +113,10 @@ class Work:
             if (error := future.exception()) is not None:
                 torch_future.set_exception(error)
             else:
-                torch_future.set_result(future.result().mean.view(self._shape))
+                torch_future.set_result(self.tensor)
 
         self._future.add_done_callback(complete)
         return torch_future
-
-
-def _one_intra_op_thread() -> None:
-    """Round threads do memory-bound work (copies, CRC32C, sums). Left at the default, each
-    thread that runs torch ops gets its own OpenMP team, whose spinning threads take the cores
-    from training: one more team per round thread, a slower inner step each time (measured in
-    docs/benchmarks.md, "Inner-loop throughput"). The setting is per thread; training's own
-    threads keep theirs."""
-    torch.set_num_threads(1)
 
 
 class BucketCollective:
@@ -144,7 +145,10 @@ class BucketCollective:
         self._executor = ThreadPoolExecutor(
             self.config.max_rounds_in_flight,
             thread_name_prefix="allreduce",
-            initializer=_one_intra_op_thread,
+            initializer=one_intra_op_thread,
+        )
+        self._transfers = Transfers.create(
+            self.config.round.window, self.config.max_rounds_in_flight
         )
         self._latest: dict[int, Future[RoundResult]] = {}  # per fragment
 
@@ -158,29 +162,35 @@ class BucketCollective:
         codec: Codec | None = None,
         fingerprint: str | Callable[[], str] = "",
     ) -> Work:
-        """Start round ``round_`` of ``fragment`` with this replica's ``tensor``; returns at once.
+        """Start round ``round_`` of ``fragment`` with this replica's ``tensor``; returns at
+        once. When the round is done, ``tensor`` holds the mean, written in place.
 
-        The tensor is copied (to CPU float32) before this returns, so the caller may change it.
-        A list of tensors is one contribution, their values in order (flat result), gathered
-        in that same single copy (a sync's many parameters).
+        Nothing is copied: the round's threads read ``tensor`` part by part as they upload it,
+        and write the mean into it part by part as reduced parts arrive, so a sync adds a
+        window of parts to host memory, not copies of the payload (docs/collective.md,
+        "Memory"). The caller must therefore neither write nor rely on ``tensor`` until the
+        work is done; after a failed round its values are undefined (part mean, part its
+        own). torchft's DiLoCo keeps to this: ``prepare_sync`` makes fresh pseudo-gradient
+        tensors and sends them, and touches them again only in ``perform_sync``, after every
+        work's ``wait`` (torchft/local_sgd.py, ``_save_grads`` and ``_set_grads``); the
+        manager relies on that. A list of tensors (contiguous, floating point, one device) is
+        one contribution, their values in order.
         ``fingerprint`` names this replica's global state: only contributions with the same
         fingerprint are averaged together (docs/collective.md, "Integrity"). A callable is
         called on the round's thread, off the training thread; what it reads must not change
         until the round is done (DiLoCo changes its global state only after the round).
         """
-        tensors = tensor if isinstance(tensor, list) else [tensor]
-        # torch.cat always allocates: exactly one copy, whatever the device and dtype.
-        flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
+        source = FlatTensors(tensor if isinstance(tensor, list) else [tensor])
         future = self._executor.submit(
-            self._run_round, flat, round_, fragment, weight, codec or self.config.codec,
+            self._run_round, source, round_, fragment, weight, codec or self.config.codec,
             fingerprint, self._latest.get(fragment),
         )  # fmt: skip
         self._latest[fragment] = future
-        return Work(future, flat.shape if isinstance(tensor, list) else tensor.shape)
+        return Work(future, tensor)
 
     def _run_round(
         self,
-        flat: torch.Tensor,
+        source: FlatTensors,
         round_: int,
         fragment: int,
         weight: float,
@@ -194,20 +204,30 @@ class BucketCollective:
             fingerprint = fingerprint()
         round_state = Round(
             self.store, self.layout, round_, fragment, self.me, self._members(),
-            self.config.round, self._members, self.config.lease.period,
+            self.config.round, self._members, self.config.lease.period, self._transfers,
         )  # fmt: skip
-        round_state.contribute(flat, weight, codec, fingerprint)
+        round_state.contribute(source, weight, codec, fingerprint)
         result = finish_round(round_state)
         self._finished[fragment] = round_
         self._collect_garbage(round_, fragment, result)
         return result
 
-    def observe(self, round_: int, fragment: int = 0) -> RoundResult | None:
-        """The result of a round sealed without us (None while it has no SEAL), read as any
-        replica reads it: a replica catching up replays it (``healing.py``)."""
-        observer = Round(self.store, self.layout, round_, fragment, self.me, [], self.config.round)
-        seal = observer.read_seal()
-        return None if seal is None else _exchange(observer, seal)
+    def observe(self, round_: int, fragment: int = 0) -> tuple[RoundResult, torch.Tensor] | None:
+        """The result and the flat mean of a round sealed without us (None while it has no
+        SEAL), read as any replica reads it: a replica catching up replays it
+        (``healing.py``)."""
+        observer = Round(
+            self.store, self.layout, round_, fragment, self.me, [], self.config.round,
+            transfers=self._transfers,
+        )  # fmt: skip
+        try:
+            seal = observer.read_seal()
+            if seal is None:
+                return None
+            mean = torch.empty(observer.sealed_manifests(seal)[0].numel)
+            return _exchange(observer, seal, FlatTensors([mean])), mean
+        finally:
+            observer.release()
 
     def _members(self) -> list[Participant]:
         members = live_members(self.store, self.layout, self.config.lease, time.time())
@@ -228,6 +248,7 @@ class BucketCollective:
     def close(self, wait: bool = True) -> None:
         """Stop the heartbeat; with ``wait``, first let rounds in flight finish."""
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
+        self._transfers.executor.shutdown(wait=wait, cancel_futures=not wait)
         self._heartbeat.stop()
 
     def __enter__(self) -> BucketCollective:

@@ -4,29 +4,43 @@ Per replica it downloads ``(n - 1) P``: cheapest for few replicas or small paylo
 needs nothing from the others after the SEAL. A sealer in gather mode has checked every
 contribution in full before sealing; a part that still reads back corrupt fails the round with
 its key named, on every replica that reads it, and is never averaged.
+
+The reduction streams part by part: a window of parts in flight (kept from the prefetch, our
+own encoded again, the rest downloaded), one accumulator, and each reduced part written into
+the destination as soon as it is done.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from diloco_anywhere.collective.mean import weighted_mean
+from diloco_anywhere import wire
+from diloco_anywhere.collective.flat import FlatTensors
+from diloco_anywhere.collective.mean import WeightedMean
 from diloco_anywhere.collective.records import Seal
 from diloco_anywhere.collective.round import Round
 
 
-def gather_mean(round_: Round, seal: Seal) -> torch.Tensor:
+def gather_mean(round_: Round, seal: Seal, destination: FlatTensors) -> None:
     manifests = round_.sealed_manifests(seal)
-    shards = range(len(manifests[0].parts))
-    parts = round_.read_parts((name, shard) for name in seal.contributors for shard in shards)
-    for (name, _), part in parts.items():
-        if isinstance(part, Exception):
-            raise round_.unreadable(name, part)
-    mean = torch.empty(manifests[0].numel)
-    for shard, part in enumerate(manifests[0].parts):  # part by part: no copy of contributions
-        contributions = [
-            (parts[name, shard], manifest.weight)
-            for name, manifest in zip(seal.contributors, manifests, strict=True)
-        ]
-        weighted_mean(contributions, out=mean[part.start : part.stop])  # type: ignore[arg-type]
-    return mean
+    layout, total = manifests[0].parts, sum(manifest.weight for manifest in manifests)
+    wanted = ((name, shard) for shard in range(len(layout)) for name in seal.contributors)
+    accumulator = torch.empty(max(entry.stop - entry.start for entry in layout))
+    with contextlib.closing(round_.parts_in_order(wanted)) as parts:
+        for entry in layout:
+            mean = WeightedMean(accumulator[: entry.stop - entry.start], total)
+            for name, manifest in zip(seal.contributors, manifests, strict=True):
+                part = next(parts)
+                try:
+                    if isinstance(part, wire.WireFormatError):
+                        raise part
+                    for start, values in part.chunks():
+                        mean.add(start, values, manifest.weight)
+                except wire.WireFormatError as exc:
+                    raise round_.unreadable(name, exc) from None
+                finally:
+                    if not isinstance(part, wire.WireFormatError):
+                        part.release()
+            destination.write(entry.start, mean.result())

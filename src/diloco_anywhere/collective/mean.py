@@ -5,23 +5,47 @@ from __future__ import annotations
 import torch
 
 
+class WeightedMean:
+    """sum(w_i * g_i) * (1 / sum(w_i)) accumulated into ``out`` one contribution at a time, in
+    the order given, each step one IEEE float32 operation (a multiply, then an add; no fused
+    multiply-add), so any machine gets the same bits.
+
+    The order is the SEAL's (sorted contributor names). Contributions arrive in chunks
+    (``add``), so a reducer holds one accumulator, not N decoded contributions. Element-wise,
+    gather and sharded mode run the same operations in the same order, so with an exact codec
+    they agree bit for bit, whatever the chunking.
+    """
+
+    def __init__(self, out: torch.Tensor, total_weight: float) -> None:
+        self.out = out.zero_()
+        self._flat = out.view(-1)
+        self._total = total_weight
+        self._scaled = torch.empty(0)
+
+    def add(self, start: int, values: torch.Tensor, weight: float) -> None:
+        """Add ``weight * values`` to elements ``[start, start + len(values))``."""
+        count = values.numel()
+        if self._scaled.numel() < count:
+            self._scaled = torch.empty(count)
+        scaled = self._scaled[:count]
+        torch.mul(values, weight, out=scaled)
+        self._flat[start : start + count].add_(scaled)
+
+    def result(self) -> torch.Tensor:
+        # Times the reciprocal, not a division: torch may divide by a scalar as a multiplication
+        # in its vectorized loop but truly in the scalar tail, and where tails fall follows the
+        # thread count, so a division would differ by an ulp between replicas on some elements.
+        return self.out.mul_(1.0 / self._total)
+
+
 def weighted_mean(
     contributions: list[tuple[torch.Tensor, float]], out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """sum(w_i * g_i) * (1 / sum(w_i)) in the given order, each step one IEEE float32 operation
-    (a multiply, then an add; no fused multiply-add), so any machine gets the same bits.
-
-    The order is the SEAL's (sorted contributor names). Element-wise, gather and sharded mode
-    run the same operations in the same order, so with an exact codec they agree bit for bit.
-    ``out`` (e.g. a slice of the whole result) receives the mean instead of a new tensor.
-    """
-    total = sum(weight for _, weight in contributions)
-    accumulator = torch.zeros_like(contributions[0][0]) if out is None else out.zero_()
-    scaled = torch.empty_like(accumulator)
+    """The ``WeightedMean`` of whole tensors (``out`` receives it when given)."""
+    first = contributions[0][0]
+    mean = WeightedMean(
+        torch.empty_like(first) if out is None else out, sum(w for _, w in contributions)
+    )
     for tensor, weight in contributions:
-        torch.mul(tensor, weight, out=scaled)
-        accumulator.add_(scaled)
-    # Times the reciprocal, not a division: torch may divide by a scalar as a multiplication in
-    # its vectorized loop but truly in the scalar tail, and where tails fall follows the thread
-    # count, so a division would differ by an ulp between replicas on some elements.
-    return accumulator.mul_(1.0 / total)
+        mean.add(0, tensor.reshape(-1), weight)
+    return mean.result()

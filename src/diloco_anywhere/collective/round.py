@@ -15,6 +15,7 @@ import contextlib
 import logging
 import math
 import random
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -24,8 +25,11 @@ from typing import Literal
 import torch
 
 from diloco_anywhere import wire
-from diloco_anywhere.codec import Codec, Int8Codec
+from diloco_anywhere.codec import Codec
+from diloco_anywhere.collective.flat import FlatTensors
+from diloco_anywhere.collective.parts import MissingPartError, Part, PartIO, Transfers
 from diloco_anywhere.collective.records import ExchangeMode, Manifest, PartEntry, Seal
+from diloco_anywhere.collective.transfers import windowed
 from diloco_anywhere.layout import Participant, RunLayout, parse_contributor
 from diloco_anywhere.record import decode_record, encode_record
 from diloco_anywhere.store import Store
@@ -52,28 +56,49 @@ class RoundPolicy:
     # reduced by whoever notices (its owner died or stalls).
     orphan_grace: float = 30.0
     part_elements: int = 4 << 20  # at most 16 MiB of float32 per part: parallel, retry-sized
+    # Parts in flight per round (encoding, uploading, downloading, waiting to be reduced): the
+    # bound on a round's host memory (window x part size) and its concurrent requests.
+    window: int = 8
+    # gather: checked parts kept in memory between the wait for the SEAL and the exchange, at
+    # most this many bytes; ``auto`` shards when the others' contributions would not fit.
+    gather_memory: int = 256 << 20
+    # Between polls: from poll_min, doubling to poll_max while a wait is young; once it has
+    # lasted a while, up to poll_share of its age, at most poll_cap (``poll_delays``).
     poll_min: float = 0.05
     poll_max: float = 0.2
+    poll_share: float = 0.05
+    poll_cap: float = 5.0
 
-    def poll_delays(self) -> Iterator[float]:
-        """Seconds between polls: jittered exponential backoff. The upper bound doubles from
-        ``poll_min`` to ``poll_max``; each delay is uniform between ``poll_min`` and it, so
-        replicas polling the same keys spread out. Restart it when a poll finds something."""
-        upper = self.poll_min
+    def poll_delays(self, clock: Callable[[], float] = time.monotonic) -> Iterator[float]:
+        """Seconds between polls: jittered exponential backoff whose ceiling follows the wait.
+
+        The upper bound doubles from ``poll_min`` to ``poll_max``, so a round whose
+        contributions arrive together is noticed within ~0.2 s. A wait that goes on (a
+        straggler, a slow owner) raises the ceiling to ``poll_share`` of its age, up to
+        ``poll_cap``: noticing the end of a 10-minute wait up to 5 s late costs under 1% of
+        it, and the waiting replica sends ~10x fewer requests than at a 200 ms ceiling (stores
+        rate-limit requests, and bill them; docs/benchmarks.md, "What waiting costs"). Each
+        delay is uniform between ``poll_min`` and the bound, so replicas polling the same
+        keys spread out. Restart it when a poll finds something."""
+        started, upper = clock(), self.poll_min
         while True:
             yield random.uniform(self.poll_min, upper)
-            upper = min(self.poll_max, 2 * upper)
+            ceiling = max(self.poll_max, self.poll_share * (clock() - started))
+            upper = min(self.poll_cap, ceiling, 2 * upper)
 
     def exchange_mode(self, contributors: int, payload_bytes: int) -> ExchangeMode:
         """``gather`` downloads ``(n - 1) P`` per replica, ``sharded`` ``2 P (n - 1) / n`` but
         adds a put and a get in sequence (the reduced shards). Shard when the bytes saved,
         ``P (n - 1)(n - 2) / n``, are worth two more store round trips: at ~50 ms each and
-        ~1 GB/s per replica, that is ~100 MB; the default threshold is 64 MiB."""
+        ~1 GB/s per replica, that is ~100 MB; the default threshold is 64 MiB. Shard too when
+        the others' contributions, ``(n - 1) P``, would not fit ``gather_memory``: a gather
+        keeps what it checked before the SEAL, and reads the rest twice."""
         if self.mode != "auto":
             return self.mode
         n = contributors
         saving = payload_bytes * (n - 1) * (n - 2) / n if n else 0
-        return "sharded" if saving >= self.sharded_min_saving else "gather"
+        too_big = payload_bytes * (n - 1) > self.gather_memory
+        return "sharded" if saving >= self.sharded_min_saving or too_big else "gather"
 
 
 class RoundTimeoutError(TimeoutError):
@@ -88,12 +113,27 @@ class RoundDataMissingError(SealedContributionError):
     """A sealed contribution's manifest or part is gone: garbage collection took the round."""
 
 
-class MissingPartError(wire.WireFormatError):
-    """A part a manifest names does not exist (any more)."""
-
-
 class DivergedError(SealedContributionError):
     """This replica's global state differs from the sealed contributors': it must heal."""
+
+
+def release(part: Part | Exception) -> None:
+    """Give a fetched part's buffer back (an error holds none)."""
+    if isinstance(part, Part):
+        part.release()
+
+
+_DEFAULT_TRANSFERS: dict[int, Transfers] = {}
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_transfers(window: int) -> Transfers:
+    """Threads and buffers shared by the rounds of this process that bring none of their own
+    (a ``BucketCollective`` brings its own)."""
+    with _DEFAULT_LOCK:
+        if window not in _DEFAULT_TRANSFERS:
+            _DEFAULT_TRANSFERS[window] = Transfers.create(window, rounds=4)
+        return _DEFAULT_TRANSFERS[window]
 
 
 def part_ranges(numel: int, codec: Codec, part_elements: int, multiple: int = 1) -> list[range]:
@@ -101,7 +141,7 @@ def part_ranges(numel: int, codec: Codec, part_elements: int, multiple: int = 1)
     ``part_elements`` each (fewer when there are fewer codec blocks than that), whole codec
     blocks each, sizes within one block of each other. Every replica computes the same ranges
     from the same numel, codec and policy, which sharded mode relies on."""
-    align = codec.block if isinstance(codec, Int8Codec) else 1
+    align = codec.align
     blocks = math.ceil(numel / align)
     wanted = math.ceil(math.ceil(numel / max(part_elements, 1)) / multiple) * multiple
     parts = max(1, min(wanted, blocks))
@@ -128,9 +168,11 @@ class Round:
         policy: RoundPolicy,
         refresh_members: Callable[[], list[Participant]] | None = None,
         refresh_every: float = 10.0,
+        transfers: Transfers | None = None,
     ) -> None:
         """``refresh_members`` (called every ``refresh_every`` seconds while the round waits
-        for its SEAL) lets a replica that starts mid-round count in it."""
+        for its SEAL) lets a replica that starts mid-round count in it. ``transfers``: the
+        collective's threads and buffers (by default, ones shared by this process's rounds)."""
         self.store, self.layout, self.policy = store, layout, policy
         self.round, self.fragment, self.me = round_, fragment, me
         self.members = {member.name: member for member in members}
@@ -139,27 +181,37 @@ class Round:
         self.manifests: dict[str, Manifest] = {}  # checked manifests
         self._foreign: dict[str, str] = {}  # contributor -> a fingerprint unlike ours
         self.excluded: dict[str, str] = {}  # contributor -> why
-        self._parts: dict[str, list[torch.Tensor]] = {}  # decoded, checked contributions
+        self.parts = PartIO(store, transfers or default_transfers(policy.window))
+        self.source: FlatTensors | None = None  # our contribution: the caller's tensors
+        self._verified: set[str] = set()  # contributions checked in full (gather)
+        self.cache: dict[PartId, Part] = {}  # verified parts kept for a gather exchange
+        self._cached_bytes = 0
 
     # -- contributing ------------------------------------------------------------------------
 
     def contribute(
-        self, flat: torch.Tensor, weight: float, codec: Codec, fingerprint: str = ""
+        self,
+        source: FlatTensors | torch.Tensor,
+        weight: float,
+        codec: Codec,
+        fingerprint: str = "",
     ) -> Manifest:
-        """Put the parts concurrently, then the manifest; keep our own decoded copy."""
+        """Encode and put the parts, ``window`` at a time, straight from ``source`` (which must
+        not change until the round is done), then the manifest."""
+        if isinstance(source, torch.Tensor):
+            source = FlatTensors([source.reshape(-1)])
+        self.source = source
         ranges = part_ranges(
-            flat.numel(), codec, self.policy.part_elements, self.policy.expected_replicas
+            source.numel, codec, self.policy.part_elements, self.policy.expected_replicas
         )
         me = self.me
-        keys = [
-            self.layout.part(self.round, self.fragment, me.replica, me.incarnation, shard)
-            for shard in range(len(ranges))
-        ]
-        encoded = [
-            wire.encode(flat[elements.start : elements.stop], codec, self._meta(shard))
-            for shard, elements in enumerate(ranges)
-        ]
-        self.store.put_many(dict(zip(keys, encoded, strict=True)))
+
+        def upload(shard: int) -> PartEntry:
+            key = self.layout.part(self.round, self.fragment, me.replica, me.incarnation, shard)
+            return self.parts.upload(source, ranges[shard], codec, self.part_meta(shard), key)
+
+        transfers = self.parts.transfers
+        entries = windowed(transfers.executor, upload, range(len(ranges)), transfers.window)
         manifest = Manifest(
             run=self.layout.run,
             round=self.round,
@@ -169,28 +221,17 @@ class Round:
             weight=float(weight),
             fingerprint=fingerprint,
             codec=codec,
-            numel=flat.numel(),
-            parts=tuple(
-                PartEntry(
-                    key=key,
-                    size=len(data),
-                    crc32c=wire.stored_checksum(data),
-                    start=elements.start,
-                    stop=elements.stop,
-                )
-                for key, data, elements in zip(keys, encoded, ranges, strict=True)
-            ),
+            numel=source.numel,
+            parts=tuple(entries),
         )
         key = self.layout.manifest(self.round, self.fragment, me.replica, me.incarnation)
         self.store.put(key, encode_record(manifest))
         self.manifests[me.name] = manifest
-        self._parts[me.name] = [
-            wire.sent_values(data, codec, len(elements))
-            for data, elements in zip(encoded, ranges, strict=True)
-        ]
+        self._verified.add(me.name)
         return manifest
 
-    def _meta(self, shard: int) -> wire.ObjectMeta:
+    def part_meta(self, shard: int) -> wire.ObjectMeta:
+        """The header fields of our own part ``shard``."""
         return wire.ObjectMeta(
             run=self.layout.run,
             round=self.round,
@@ -244,51 +285,23 @@ class Round:
             )
         return manifest
 
-    def _check_part(self, manifest: Manifest, shard: int, data: bytes | None) -> torch.Tensor:
-        """The part present, of the manifest's size and checksum and header; else an error."""
-        part = manifest.parts[shard]
-        if data is None:
-            raise MissingPartError(part.key, "part named in the manifest is missing")
-        checksum = wire.stored_checksum(data)
-        if len(data) != part.size or checksum != part.crc32c:
-            raise wire.WireFormatError(
-                part.key,
-                f"{len(data)} bytes with checksum {checksum:#010x}; the manifest says "
-                f"{part.size} bytes, {part.crc32c:#010x}",
-            )
-        decoded = wire.decode(data, key=part.key)
-        header = decoded.header
-        if (header.run, header.replica, header.incarnation, header.round, header.shard) != (
-            manifest.run,
-            manifest.replica,
-            manifest.incarnation,
-            manifest.round,
-            shard,
-        ) or decoded.tensor.numel() != part.stop - part.start:
-            raise wire.WireFormatError(part.key, "part header does not match the manifest")
-        return decoded.tensor.reshape(-1)
+    def parts_in_order(self, wanted: Iterable[PartId]) -> Iterator[Part | wire.WireFormatError]:
+        """Each of ``wanted`` in a pooled buffer, ``window`` in flight, in order: kept from a
+        gather prefetch, encoded again from our tensors if it is ours, else downloaded; or
+        the error naming its key. The consumer releases each part."""
+        manifests = dict(self.manifests)  # as now: exclusions meanwhile change nothing here
 
-    def read_parts(
-        self, wanted: Iterable[PartId]
-    ) -> dict[PartId, torch.Tensor | wire.WireFormatError]:
-        """Checked parts of checked manifests, each a tensor or the ``WireFormatError`` that
-        names its key. Parts already held (our own, or prefetched) are not downloaded again;
-        the rest come with one ``get_many``."""
-        wanted = list(wanted)
-        missing = [(n, s) for n, s in wanted if n not in self._parts]
-        objects = self.store.get_many(self.manifests[n].parts[s].key for n, s in missing)
-        found: dict[PartId, torch.Tensor | wire.WireFormatError] = {}
-        for name, shard in wanted:
-            if name in self._parts:
-                found[name, shard] = self._parts[name][shard]
-                continue
-            manifest = self.manifests[name]
-            try:
-                data = objects[manifest.parts[shard].key]
-                found[name, shard] = self._check_part(manifest, shard, data)
-            except wire.WireFormatError as exc:
-                found[name, shard] = exc
-        return found
+        def fetch(part: PartId) -> Part | wire.WireFormatError:
+            name, shard = part
+            if (cached := self.cache.pop(part, None)) is not None:
+                return cached
+            own = None
+            if name == self.me.name and self.source is not None:
+                own = (self.source, self.part_meta(shard))
+            return self.parts.fetch(name, manifests[name], shard, own)
+
+        transfers = self.parts.transfers
+        return windowed(transfers.executor, fetch, wanted, transfers.window, release=release)
 
     def _exclude(self, name: str, problem: Exception) -> None:
         self.excluded[name] = str(problem)
@@ -298,13 +311,35 @@ class Round:
         )
 
     def _fetch_contribution(self, name: str) -> None:
-        """Download and check every part of ``name``'s contribution, or exclude it."""
-        manifest = self.manifests[name]
-        parts = self.read_parts((name, shard) for shard in range(len(manifest.parts)))
-        if bad := next((p for p in parts.values() if isinstance(p, wire.WireFormatError)), None):
-            self._exclude(name, bad)
-        else:
-            self._parts[name] = list(parts.values())  # type: ignore[arg-type]
+        """Download and check every part of ``name``'s contribution, or exclude it. Checked
+        parts are kept for the exchange while they fit ``policy.gather_memory``; the others
+        are read again after the SEAL."""
+        shards = range(len(self.manifests[name].parts))
+        for part in self.parts_in_order((name, shard) for shard in shards):
+            if name in self.excluded:
+                release(part)
+                continue
+            try:
+                if isinstance(part, wire.WireFormatError):
+                    raise part
+                part.verify()
+            except wire.WireFormatError as exc:
+                release(part)
+                self._exclude(name, exc)
+                continue
+            if self._cached_bytes + len(part.held.view) <= self.policy.gather_memory:
+                self.cache[name, part.shard] = part
+                self._cached_bytes += len(part.held.view)
+            else:
+                part.release()
+        if name not in self.excluded:
+            self._verified.add(name)
+
+    def release(self) -> None:
+        """Give back the buffers of parts still kept (the round is over)."""
+        for part in self.cache.values():
+            part.release()
+        self.cache.clear()
 
     def _take(self, name: str, data: bytes, prefetch: bool) -> None:
         try:
@@ -341,10 +376,10 @@ class Round:
     def _verify_for_gather(self) -> bool:
         """A gather SEAL lists only contributions checked in full: fetch any not yet checked.
         True when all were intact (otherwise readiness must be judged again)."""
-        unchecked = [name for name in self._sealable() if name not in self._parts]
+        unchecked = [name for name in self._sealable() if name not in self._verified]
         for name in unchecked:
             self._fetch_contribution(name)
-        return all(name in self._parts for name in unchecked)
+        return all(name in self._verified for name in unchecked)
 
     def _in_minority(self) -> bool:
         """More members hold weights unlike ours than like ours: let one of them seal (a

@@ -6,11 +6,17 @@ reads shard ``s`` of every other sealed contribution, reduces it in SEAL order, 
 hold (LambdaML's ScatterReduce, SIGMOD'21, section 4.2, with the bucket as the only medium).
 Per replica: up ``P (1 + 1/n)``, down ``2 P (n - 1) / n``, whatever ``n``.
 
+It streams: an owner accumulates each shard as its parts arrive (one accumulator, a window of
+parts in flight), puts the reduced shard in the background while it reduces the next, and
+writes every reduced shard into the destination as soon as it is stored or read: no whole
+contribution or result is ever held.
+
 A reduced shard is deterministic (the same parts, order and codec) and names no writer, so an
 owner and a stand-in write identical bytes and the idempotent put accepts both. Every replica
 uses the decoded reduced shards, its own included, so all get the same bytes with a lossy codec
-too. A shard still missing ``orphan_grace`` seconds after this replica saw the SEAL (its owner
-died or stalls) is reduced by this replica itself.
+too. An owner that has published nothing new for ``orphan_grace`` seconds (it died or stalls)
+has its missing shards reduced by whoever notices; progress, not the round's age, is the
+measure, so a large round whose owners are still working is not duplicated.
 
 A sealed part that cannot be read intact is never averaged: the reducer puts a
 ``ShardFailure`` at the shard's key instead, and every replica fails the round naming the part.
@@ -18,19 +24,20 @@ A sealed part that cannot be read intact is never averaged: the reducer puts a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections import deque
+from concurrent.futures import Future
 
 import torch
 
 from diloco_anywhere import wire
-from diloco_anywhere.collective.mean import weighted_mean
+from diloco_anywhere.collective.flat import FlatTensors
+from diloco_anywhere.collective.mean import WeightedMean
 from diloco_anywhere.collective.records import Seal, ShardFailure
-from diloco_anywhere.collective.round import (
-    PartId,
-    Round,
-    SealedContributionError,
-)
+from diloco_anywhere.collective.round import Round, SealedContributionError, release
+from diloco_anywhere.collective.transfers import Held, windowed
 from diloco_anywhere.record import RECORD_MAGIC, decode_record, encode_record
 
 log = logging.getLogger(__name__)
@@ -42,17 +49,18 @@ def shard_owners(seal: Seal, shards: int) -> list[str]:
     return [seal.contributors[shard % len(seal.contributors)] for shard in range(shards)]
 
 
-def sharded_mean(round_: Round, seal: Seal) -> torch.Tensor:
-    return _ShardedExchange(round_, seal).run()
+def sharded_mean(round_: Round, seal: Seal, destination: FlatTensors) -> None:
+    _ShardedExchange(round_, seal, destination).run()
 
 
 class _ShardedExchange:
-    def __init__(self, round_: Round, seal: Seal) -> None:
-        self.round, self.seal = round_, seal
+    def __init__(self, round_: Round, seal: Seal, destination: FlatTensors) -> None:
+        self.round, self.seal, self.destination = round_, seal, destination
         manifests = round_.sealed_manifests(seal)
         self.reference = manifests[0]
         self.weights = [manifest.weight for manifest in manifests]
         self.owners = shard_owners(seal, len(self.reference.parts))
+        self.transfers = round_.parts.transfers
 
     def _key(self, shard: int) -> str:
         return self.round.layout.reduced(self.round.round, self.round.fragment, shard)
@@ -62,23 +70,57 @@ class _ShardedExchange:
 
     # -- reducing ----------------------------------------------------------------------------
 
+    def _reduce(self, shards: list[int]) -> None:
+        """Reduce ``shards`` in order from the sealed parts; publish each (``_publish``)."""
+        contributors = self.seal.contributors
+        wanted = ((name, shard) for shard in shards for name in contributors)
+        entries = self.reference.parts
+        accumulator = torch.empty(max(entries[s].stop - entries[s].start for s in shards))
+        publishing: deque[Future[None]] = deque()
+        with contextlib.closing(self.round.parts_in_order(wanted)) as parts:
+            for shard in shards:
+                entry = entries[shard]
+                mean = WeightedMean(accumulator[: entry.stop - entry.start], sum(self.weights))
+                failure: wire.WireFormatError | None = None
+                for weight in self.weights:
+                    part = next(parts)
+                    try:
+                        if isinstance(part, wire.WireFormatError):
+                            raise part
+                        if failure is None:
+                            for start, values in part.chunks():
+                                mean.add(start, values, weight)
+                    except wire.WireFormatError as exc:
+                        failure = failure or exc
+                    finally:
+                        release(part)
+                held = Held(self.transfers.pool)
+                data = self._reduced_object(shard, mean, failure, held)
+                if len(publishing) >= self.transfers.window:
+                    publishing.popleft().result()
+                publishing.append(self.transfers.executor.submit(self._publish, shard, data, held))
+        for future in publishing:
+            future.result()
+
     def _reduced_object(
-        self, shard: int, parts: dict[PartId, torch.Tensor | wire.WireFormatError]
-    ) -> bytes | bytearray:
+        self,
+        shard: int,
+        mean: WeightedMean,
+        failure: wire.WireFormatError | None,
+        held: Held,
+    ) -> bytes | memoryview:
         """The reduced shard as a wire object, or a ``ShardFailure`` record if a part is bad."""
-        tensors = [parts[name, shard] for name in self.seal.contributors]
-        bad = next((t for t in tensors if isinstance(t, wire.WireFormatError)), None)
-        if bad is not None:
-            failure = ShardFailure(
-                run=self.round.layout.run,
-                round=self.round.round,
-                fragment=self.round.fragment,
-                shard=shard,
-                key=bad.key,
-                problem=bad.problem,
+        if failure is not None:
+            return encode_record(
+                ShardFailure(
+                    run=self.round.layout.run,
+                    round=self.round.round,
+                    fragment=self.round.fragment,
+                    shard=shard,
+                    key=failure.key,
+                    problem=failure.problem,
+                )
             )
-            return encode_record(failure)
-        mean = weighted_mean(list(zip(tensors, self.weights, strict=True)))  # type: ignore[arg-type]
         meta = wire.ObjectMeta(
             run=self.round.layout.run,
             round=self.round.round,
@@ -86,73 +128,113 @@ class _ShardedExchange:
             incarnation=0,
             shard=shard,
         )
-        return wire.encode(mean, self.reference.codec, meta)
+        result = mean.result()
+        codec = self.reference.codec
+        nbytes = wire.PREFIX.size + wire.MAX_HEADER_BYTES + codec.payload_nbytes(result.numel())
+        return wire.encode(result, codec, meta, into=held.allocate(nbytes))
 
-    def reduce(self, shards: list[int]) -> dict[int, torch.Tensor]:
-        """Reduce ``shards`` from the sealed parts, put them, and return them decoded."""
-        wanted = [(name, shard) for shard in shards for name in self.seal.contributors]
-        parts = self.round.read_parts(wanted)
-        objects = {shard: self._reduced_object(shard, parts) for shard in shards}
+    def _publish(self, shard: int, data: bytes | memoryview, held: Held) -> None:
+        """Put the reduced shard, then write what the bucket holds for it into the
+        destination: ours, or the bytes of a reducer that stored other bytes first."""
         try:
-            self.round.store.put_many({self._key(s): data for s, data in objects.items()})
-        except FileExistsError:  # a reducer stored other bytes first: its outcome stands
-            stored = self.round.store.get_many(self._key(s) for s in shards)
-            return {shard: self._decode(shard, stored[self._key(shard)]) for shard in shards}
-        return {shard: self._decode_own(shard, data) for shard, data in objects.items()}
-
-    def _decode_own(self, shard: int, data: bytes | bytearray) -> torch.Tensor:
-        if data[: len(RECORD_MAGIC)] == RECORD_MAGIC:  # a ShardFailure: fail the round
-            return self._decode(shard, data)
-        part = self.reference.parts[shard]
-        return wire.sent_values(data, self.reference.codec, part.stop - part.start)
+            try:
+                self.round.store.put(self._key(shard), data)
+            except FileExistsError:
+                held.release()
+                if not self._fetch(shard):
+                    raise
+                return
+            self._apply(shard, data, trusted=True)
+        finally:
+            held.release()
 
     # -- collecting --------------------------------------------------------------------------
 
-    def _decode(self, shard: int, data: bytes) -> torch.Tensor:
-        """A reduced shard checked against the sealed layout; a ``ShardFailure`` or a bad
-        object fails the round (a create-only key cannot be written again)."""
-        key = self._key(shard)
+    def _apply(self, shard: int, data: bytes | memoryview, trusted: bool = False) -> None:
+        """Write a reduced shard, checked against the sealed layout, into the destination; a
+        ``ShardFailure`` or a bad object fails the round (a create-only key cannot be written
+        again)."""
+        key, entry = self._key(shard), self.reference.parts[shard]
         try:
-            if data[: len(RECORD_MAGIC)] == RECORD_MAGIC:
+            if bytes(data[: len(RECORD_MAGIC)]) == RECORD_MAGIC:
                 failure = decode_record(data, ShardFailure, key=key)
                 raise SealedContributionError(
                     f"{self._where(shard)}: sealed part {failure.key} is unreadable: "
                     f"{failure.problem}"
                 )
-            decoded = wire.decode(data, key=key)
-            header, part = decoded.header, self.reference.parts[shard]
+            reader = wire.WireReader(data, key)
+            header = reader.header
             if (header.run, header.round, header.replica, header.shard) != (
                 self.round.layout.run,
                 self.round.round,
                 REDUCER,
                 shard,
-            ) or decoded.tensor.numel() != part.stop - part.start:
+            ) or header.numel != entry.stop - entry.start:
                 raise wire.WireFormatError(key, "reduced shard header does not match the SEAL")
+            checks = not trusted
+            for start, values in reader.chunks(
+                self.destination.device, check_values=checks, check_checksum=checks
+            ):
+                self.destination.write(entry.start + start, values)
         except wire.WireFormatError as exc:
             raise SealedContributionError(f"{self._where(shard)}: {exc}") from None
-        return decoded.tensor.reshape(-1)
 
-    def run(self) -> torch.Tensor:
-        """Reduce our shards, then collect the others', standing in for late owners."""
-        shards = range(len(self.owners))
-        held = self.reduce([s for s in shards if self.owners[s] == self.round.me.name])
-        policy, seal_seen = self.round.policy, time.monotonic()
+    def _fetch(self, shard: int) -> bool:
+        """Read reduced shard ``shard`` into the destination; False while it does not exist."""
+        held = Held(self.transfers.pool)
+        try:
+            data = self.round.store.get_into(self._key(shard), held.allocate)
+        except FileNotFoundError:
+            return False
+        else:
+            self._apply(shard, data)
+            return True
+        finally:
+            held.release()
+
+    def _poll_batch(self, pending: list[int]) -> list[int]:
+        """The next shards to poll: the first few pending of each owner, ``window`` in all,
+        so every owner's progress is seen even while another owner is late."""
+        owners = sorted({self.owners[shard] for shard in pending})
+        each = max(1, self.transfers.window // len(owners))
+        batch: list[int] = []
+        for owner in owners:
+            batch += [shard for shard in pending if self.owners[shard] == owner][:each]
+        return sorted(batch)
+
+    def _collect(self, pending: list[int]) -> None:
+        """Read the others' reduced shards as they appear, standing in for late owners."""
+        policy = self.round.policy
+        started = time.monotonic()
+        progress = {owner: started for owner in self.owners}  # an owner's last shard seen
         delays = policy.poll_delays()
-        while missing := [s for s in shards if s not in held]:
-            objects = self.round.store.get_many(map(self._key, missing))
-            for shard in missing:
-                if (data := objects[self._key(shard)]) is not None:
-                    held[shard] = self._decode(shard, data)
-                    delays = policy.poll_delays()
-            missing = [s for s in missing if s not in held]
-            waited = time.monotonic() - seal_seen
-            if missing and waited >= policy.orphan_grace:
+        while pending:
+            batch = self._poll_batch(pending)
+            found = windowed(self.transfers.executor, self._fetch, batch, self.transfers.window)
+            arrived = {shard for shard, ok in zip(batch, list(found), strict=True) if ok}
+            now = time.monotonic()
+            for shard in arrived:
+                progress[self.owners[shard]] = now
+            pending = [shard for shard in pending if shard not in arrived]
+            late = [s for s in pending if now - progress[self.owners[s]] >= policy.orphan_grace]
+            if arrived:
+                delays = policy.poll_delays()
+            elif late:
                 log.warning(
                     "round %d fragment %d: reducing shards %s myself; owners %s are late",
-                    self.round.round, self.round.fragment, missing,
-                    sorted({self.owners[s] for s in missing}),
+                    self.round.round, self.round.fragment, late,
+                    sorted({self.owners[s] for s in late}),
                 )  # fmt: skip
-                held.update(self.reduce(missing))
-            elif missing:
+                self._reduce(late)
+                pending = [shard for shard in pending if shard not in late]
+            elif pending:
                 time.sleep(next(delays))
-        return torch.cat([held[shard] for shard in shards])
+
+    def run(self) -> None:
+        """Reduce our shards, then collect the others', standing in for late owners."""
+        me = self.round.me.name
+        shards = range(len(self.owners))
+        mine = [shard for shard in shards if self.owners[shard] == me]
+        if mine:
+            self._reduce(mine)
+        self._collect([shard for shard in shards if self.owners[shard] != me])

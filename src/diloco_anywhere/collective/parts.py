@@ -1,0 +1,206 @@
+"""A round's parts: uploading a contribution from the caller's tensors, reading parts back.
+
+Every part passes through a pooled buffer (``transfers.py``), at most a window of them at a
+time. A part read from the bucket is checked against the manifest that names it (size and
+checksum, then header), and its values are checked as they stream (``wire.WireReader``).
+
+A replica's own parts are never kept after upload: where a reduction needs one, it is encoded
+again from the caller's tensors, which the caller leaves untouched until the round ends
+(``BucketCollective.allreduce``). Encoding is deterministic, so the bytes equal the uploaded
+ones; their checksum is compared with the manifest's all the same, and on a mismatch (the
+tensors changed during the round) the part is read from the bucket, so what is averaged is
+always what was sealed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from diloco_anywhere import wire
+from diloco_anywhere.codec import Codec
+from diloco_anywhere.collective.flat import FlatTensors
+from diloco_anywhere.collective.records import Manifest, PartEntry
+from diloco_anywhere.collective.transfers import BufferPool, Held
+from diloco_anywhere.store import Store
+
+log = logging.getLogger(__name__)
+
+
+class MissingPartError(wire.WireFormatError):
+    """A part a manifest names does not exist (any more)."""
+
+
+def one_intra_op_thread() -> None:
+    """Round and transfer threads do memory-bound work (copies, CRC32C, sums). Left at the
+    default, each thread that runs torch ops gets its own OpenMP team, whose spinning threads
+    take the cores from training (docs/benchmarks.md, "Inner-loop throughput"). The setting
+    is per thread."""
+    torch.set_num_threads(1)
+
+
+@dataclass(frozen=True)
+class Transfers:
+    """What a round moves parts with: threads, reused buffers, and how many parts may be in
+    flight at once (``window``: the bound on memory and on concurrent requests)."""
+
+    executor: Executor
+    pool: BufferPool
+    window: int
+
+    @classmethod
+    def create(cls, window: int, rounds: int = 1) -> Transfers:
+        """For ``rounds`` rounds in flight at a time, each with ``window`` parts."""
+        threads = window * rounds
+        executor = ThreadPoolExecutor(
+            threads, thread_name_prefix="transfer", initializer=one_intra_op_thread
+        )
+        return cls(executor, BufferPool(keep=threads + 2 * rounds), window)
+
+
+@dataclass
+class Part:
+    """Part ``shard`` of ``name``'s contribution in a pooled buffer. ``trusted``: bytes this
+    process encoded, or checked in full already; others are checked as they are read."""
+
+    name: str
+    shard: int
+    manifest: Manifest
+    held: Held
+    trusted: bool = False
+
+    @property
+    def entry(self) -> PartEntry:
+        return self.manifest.parts[self.shard]
+
+    def chunks(self, device: torch.device = wire.CPU) -> Iterator[tuple[int, torch.Tensor]]:
+        """The part's float32 values in chunks; ``WireFormatError`` naming the part's key if
+        it is not the one its manifest describes (provisional until the iteration ends)."""
+        data, entry = self.held.view, self.entry
+        if not self.trusted:
+            checksum = wire.stored_checksum(data)
+            if len(data) != entry.size or checksum != entry.crc32c:
+                raise wire.WireFormatError(
+                    entry.key,
+                    f"{len(data)} bytes with checksum {checksum:#010x}; the manifest says "
+                    f"{entry.size} bytes, {entry.crc32c:#010x}",
+                )
+        reader = wire.WireReader(data, entry.key)
+        header, manifest = reader.header, self.manifest
+        if (header.run, header.replica, header.incarnation, header.round, header.shard) != (
+            manifest.run,
+            manifest.replica,
+            manifest.incarnation,
+            manifest.round,
+            self.shard,
+        ) or header.numel != entry.stop - entry.start:
+            raise wire.WireFormatError(entry.key, "part header does not match the manifest")
+        checks = not self.trusted
+        yield from reader.chunks(device, check_values=checks, check_checksum=checks)
+
+    def verify(self) -> None:
+        """Read the part through once, checking everything; then it is ``trusted``."""
+        for _ in self.chunks():
+            pass
+        self.trusted = True
+
+    def release(self) -> None:
+        self.held.release()
+
+
+class PartIO:
+    """Uploads and reads of parts through ``store`` with ``transfers``."""
+
+    def __init__(self, store: Store, transfers: Transfers) -> None:
+        self.store, self.transfers = store, transfers
+
+    def encode(
+        self,
+        source: FlatTensors,
+        elements: range,
+        codec: Codec,
+        meta: wire.ObjectMeta,
+        held: Held,
+    ) -> memoryview:
+        """Elements ``elements`` of ``source`` as a wire object in ``held``'s buffer."""
+        nbytes = wire.PREFIX.size + wire.MAX_HEADER_BYTES + codec.payload_nbytes(len(elements))
+        return wire.encode_values(
+            lambda start, stop: source.read(elements.start + start, elements.start + stop),
+            len(elements),
+            codec,
+            meta,
+            device=source.device,
+            into=held.allocate(nbytes),
+        )
+
+    def upload(
+        self, source: FlatTensors, elements: range, codec: Codec, meta: wire.ObjectMeta, key: str
+    ) -> PartEntry:
+        """Encode and put one part; the buffer is free again when this returns."""
+        held = Held(self.transfers.pool)
+        try:
+            data = self.encode(source, elements, codec, meta, held)
+            self.store.put(key, data)
+            return PartEntry(
+                key=key,
+                size=len(data),
+                crc32c=wire.stored_checksum(data),
+                start=elements.start,
+                stop=elements.stop,
+            )
+        finally:
+            held.release()
+
+    def download(self, name: str, manifest: Manifest, shard: int) -> Part:
+        """Part ``shard`` of ``manifest`` from the bucket (``MissingPartError`` if absent)."""
+        held = Held(self.transfers.pool)
+        key = manifest.parts[shard].key
+        try:
+            held.keep(self.store.get_into(key, held.allocate))
+        except FileNotFoundError:
+            held.release()
+            raise MissingPartError(key, "part named in the manifest is missing") from None
+        except BaseException:
+            held.release()
+            raise
+        return Part(name, shard, manifest, held)
+
+    def own(
+        self, source: FlatTensors, name: str, manifest: Manifest, shard: int, meta: wire.ObjectMeta
+    ) -> Part:
+        """Our own part ``shard``, encoded again from ``source`` (see the module docstring)."""
+        entry = manifest.parts[shard]
+        held = Held(self.transfers.pool)
+        try:
+            data = self.encode(source, range(entry.start, entry.stop), manifest.codec, meta, held)
+        except BaseException:
+            held.release()
+            raise
+        if len(data) == entry.size and wire.stored_checksum(data) == entry.crc32c:
+            return Part(name, shard, manifest, held.keep(data), trusted=True)
+        held.release()
+        log.warning(
+            "%s: this replica's tensors changed while its round was in flight; reading its own "
+            "part from the bucket (the caller must not touch allreduce's tensors until it is done)",
+            entry.key,
+        )
+        return self.download(name, manifest, shard)
+
+    def fetch(
+        self,
+        name: str,
+        manifest: Manifest,
+        shard: int,
+        own: tuple[FlatTensors, wire.ObjectMeta] | None = None,
+    ) -> Part | wire.WireFormatError:
+        """A part from wherever it is (``own``: re-encode it), or the error naming its key."""
+        try:
+            if own is not None:
+                return self.own(own[0], name, manifest, shard, own[1])
+            return self.download(name, manifest, shard)
+        except wire.WireFormatError as exc:
+            return exc

@@ -1,0 +1,115 @@
+"""Transfers of one round: a bounded window of parts in flight, in reused host buffers.
+
+Host memory is what bounds a sync at real model sizes (a 7B model's fp32 pseudo-gradient is
+28 GiB), so a round never holds a whole contribution or a whole result: at most ``window``
+parts are being encoded, uploaded, downloaded or waiting to be reduced at a time, each in a
+buffer from the collective's ``BufferPool``. That bound (``window`` x the part size, per round
+in flight) is also the number of concurrent requests, which is what a round's bandwidth over
+a WAN comes from: each connection to an object store runs at tens of MB/s, so throughput
+comes from requests in parallel (``diloco bench sync --standin``; docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor, Future
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class BufferPool:
+    """Host buffers reused across parts and rounds.
+
+    A fresh 16 MiB buffer per part costs more in page faults than the copy into it (measured
+    in docs/benchmarks.md, "Sync"); a reused one is touched once. Buffers grow to the largest
+    object they held. Pinned (page-locked) when CUDA is present, so copies between a GPU and
+    the encoded bytes run by DMA without a staging copy. At most ``keep`` idle buffers are kept.
+    """
+
+    def __init__(self, keep: int, pinned: bool | None = None) -> None:
+        self._keep = keep
+        self._pinned = torch.cuda.is_available() if pinned is None else pinned
+        self._idle: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def _new(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pinned)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least ``nbytes`` bytes (a uint8 host tensor), to ``give`` back."""
+        with self._lock:
+            buffer = self._idle.pop() if self._idle else None
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = self._new(nbytes)
+        return buffer
+
+    def give(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            if len(self._idle) < self._keep:
+                self._idle.append(buffer)
+
+    @contextlib.contextmanager
+    def view(self, nbytes: int) -> Iterator[memoryview]:
+        """A writable view of ``nbytes`` bytes of a pooled buffer, for the ``with`` block."""
+        buffer = self.take(nbytes)
+        try:
+            yield memoryview(buffer.numpy())[:nbytes]
+        finally:
+            self.give(buffer)
+
+
+class Held:
+    """A pooled buffer lent out, with a view of its first bytes; ``release`` gives it back."""
+
+    def __init__(self, pool: BufferPool) -> None:
+        self._pool = pool
+        self._buffer: torch.Tensor | None = None
+        self.view = memoryview(b"")
+
+    def allocate(self, nbytes: int) -> memoryview:
+        """For ``Store.get_into``: a view of at least ``nbytes`` bytes of a pooled buffer."""
+        self.release()
+        self._buffer = self._pool.take(nbytes)
+        self.view = memoryview(self._buffer.numpy())
+        return self.view
+
+    def keep(self, view: memoryview) -> Held:
+        self.view = view
+        return self
+
+    def release(self) -> None:
+        if self._buffer is not None:
+            self._pool.give(self._buffer)
+            self._buffer, self.view = None, memoryview(b"")
+
+
+def windowed(
+    executor: Executor,
+    work: Callable[[T], R],
+    items: Iterable[T],
+    window: int,
+    release: Callable[[R], None] = lambda _: None,
+) -> Iterator[R]:
+    """``work(item)`` for every item on ``executor``, at most ``window`` submitted and not yet
+    consumed at a time; results in the order of ``items``. If the consumer stops early (an
+    error, or ``close``), the work in flight is waited for and its results ``release``d, so no
+    buffer is left out of its pool."""
+    pending: deque[Future[R]] = deque()
+    try:
+        for item in items:
+            if len(pending) >= window:
+                yield pending.popleft().result()
+            pending.append(executor.submit(work, item))
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for future in pending:
+            with contextlib.suppress(Exception):
+                release(future.result())

@@ -1,0 +1,153 @@
+"""The sync path streams: bounded windows of parts, no whole copies, results written in place."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from diloco_anywhere import wire
+from diloco_anywhere.bench.store import sample_tensor
+from diloco_anywhere.codec import make_codec
+from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig
+from diloco_anywhere.collective.flat import FlatTensors
+from diloco_anywhere.collective.mean import weighted_mean
+from diloco_anywhere.collective.parts import PartIO, Transfers
+from diloco_anywhere.collective.records import Manifest
+from diloco_anywhere.collective.round import RoundPolicy
+from diloco_anywhere.collective.transfers import windowed
+from diloco_anywhere.store import Store
+
+META = wire.ObjectMeta(run="run", round=0, replica="a", incarnation=0, shard=0)
+
+
+def test_a_window_bounds_the_work_in_flight_and_keeps_order():
+    running, peak, lock = 0, 0, threading.Lock()
+
+    def work(item: int) -> int:
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+        time.sleep(0.01 * (item % 3))  # finishing out of order
+        with lock:
+            running -= 1
+        return item
+
+    with ThreadPoolExecutor(16) as executor:
+        assert list(windowed(executor, work, range(40), window=3)) == list(range(40))
+    assert peak <= 3
+
+
+def test_a_consumer_that_stops_early_gets_every_result_released():
+    released = []
+    with ThreadPoolExecutor(4) as executor:
+        results = windowed(executor, lambda item: item, range(10), 4, release=released.append)
+        assert next(results) == 0
+        results.close()  # e.g. the round failed on the first part
+    assert sorted(released) == [1, 2, 3]  # submitted, never consumed: given back
+
+
+def test_flat_tensors_read_and_write_across_tensors_and_dtypes():
+    tensors = [
+        torch.arange(3.0),
+        torch.arange(3.0, 8.0).to(torch.bfloat16),
+        torch.arange(8.0, 10.0),
+    ]
+    flat = FlatTensors(tensors)
+    assert flat.numel == 10
+    assert flat.read(0, 3).data_ptr() == tensors[0].data_ptr()  # one float32 tensor: a view
+    assert flat.read(2, 9).tolist() == [2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+    flat.write(2, torch.full((7,), -1.0))
+    assert [t.tolist() for t in tensors] == [[0.0, 1.0, -1.0], [-1.0] * 5, [-1.0, 9.0]]
+
+
+@pytest.mark.parametrize(
+    ("tensors", "message"),
+    [
+        ([torch.ones(2, 3).t()], "needs contiguous tensors"),
+        ([torch.ones(2, dtype=torch.int64)], "floating-point tensors"),
+        ([], "at least one tensor"),
+    ],
+)
+def test_flat_tensors_refuse_what_cannot_receive_a_mean_in_place(tensors, message):
+    with pytest.raises(ValueError, match=message):
+        FlatTensors(tensors)
+
+
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8"])
+def test_a_corrupt_chunk_late_in_an_object_fails_the_read(codec):
+    """Values stream out before the checksum is complete; the read still fails at the end."""
+    data = bytearray(
+        wire.encode(sample_tensor("gaussian", 1 << 20, seed=1), make_codec(codec), META)
+    )
+    data[-3] ^= 0x10  # in the last chunk
+    reader = wire.WireReader(data, key="k")
+    with pytest.raises(wire.WireFormatError, match="k: checksum mismatch"):
+        for _ in reader.chunks():
+            pass
+
+
+def test_an_own_part_is_read_from_the_bucket_when_the_tensors_changed(caplog):
+    """Own parts are encoded again from the caller's tensors; if those changed meanwhile, the
+    sealed bytes are read back instead, so what is averaged is what was sealed."""
+    store = Store("memory://streaming-own")
+    parts = PartIO(store, Transfers.create(window=2))
+    tensor = sample_tensor("gaussian", 1000, seed=3)
+    sent = tensor.clone()
+    source = FlatTensors([tensor])
+    entry = parts.upload(source, range(0, 1000), make_codec("fp32"), META, "run/part")
+    manifest = Manifest(
+        run="run", round=0, fragment=0, replica="a", incarnation=0, weight=1.0,
+        fingerprint="", codec=make_codec("fp32"), numel=1000, parts=(entry,),
+    )  # fmt: skip
+    mine = parts.own(source, "a-0", manifest, 0, META)
+    assert mine.trusted
+    assert torch.equal(torch.cat([v for _, v in mine.chunks()]), sent)
+    mine.release()
+    tensor.add_(1.0)  # the caller broke its promise
+    read_back = parts.own(source, "a-0", manifest, 0, META)
+    assert not read_back.trusted
+    assert torch.equal(torch.cat([v for _, v in read_back.chunks()]), sent)
+    assert "tensors changed while its round was in flight" in caplog.text
+
+
+@pytest.mark.parametrize("mode", ["gather", "sharded"])
+def test_a_sync_of_many_tensors_of_mixed_dtypes_gets_the_mean_in_place(mode):
+    """Parts span tensor boundaries (small parts here); every tensor receives its slice of the
+    mean, cast to its own dtype, and no other memory holds the result."""
+    store = Store(f"memory://streaming-many-{mode}")
+    shapes = [(7, 5), (11,), (3, 4, 2)]
+    policy = RoundPolicy(grace=30, timeout=60, mode=mode, part_elements=16, window=3,
+                         expected_replicas=2)  # fmt: skip
+    config = CollectiveConfig(round=policy)
+    inputs = {
+        name: [
+            sample_tensor("gaussian", torch.Size(shape).numel(), seed=10 * i + k).view(shape)
+            for k, shape in enumerate(shapes)
+        ]
+        for i, name in enumerate(("a", "b"))
+    }
+    for tensors in inputs.values():
+        tensors[1] = tensors[1].to(torch.bfloat16)
+    flat = {name: torch.cat([t.float().reshape(-1) for t in ts]) for name, ts in inputs.items()}
+    expected = weighted_mean([(flat["a"], 1.0), (flat["b"], 1.0)])
+    with (
+        BucketCollective(store, "run", "a", config) as a,
+        BucketCollective(store, "run", "b", config) as b,
+    ):
+        works = [c.allreduce(inputs[n], round_=0) for c, n in ((a, "a"), (b, "b"))]
+        for work in works:
+            work.wait(timeout=60)
+    offset = 0
+    for k, shape in enumerate(shapes):
+        count = torch.Size(shape).numel()
+        want = expected[offset : offset + count].view(shape)
+        for name in ("a", "b"):
+            got = inputs[name][k]
+            assert torch.equal(got, want.to(got.dtype)), (name, k)
+        offset += count
+    assert works[0].result().seal.mode == mode
