@@ -100,6 +100,41 @@ def test_bench_sync_json_reports_traffic_near_the_mode_bound(tmp_path, mode, rep
     assert report["raw_copy_seconds"] > 0
 
 
+def test_bench_sync_reports_memory_requests_and_what_waiting_costs(tmp_path):
+    result = run("bench", "sync", "--replicas", "2", "--size", "256KiB", "--rounds", "1",
+                 "--straggler", "1", "--store", str(tmp_path), "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["straggler_seconds"] == 1
+    assert report["round_seconds"] >= 1  # the round waited for the straggler
+    assert 0 < report["host_memory_added_bytes"] < 256 * 1024 * 64  # sampled, bounded
+    requests = report["requests_by_kind_per_replica"]
+    assert requests["gets"] > 1  # the waiting replica polled
+    assert report["requests_per_replica"] == sum(requests.values())
+    assert report["s3_request_usd_per_1000_rounds_per_replica"] > 0
+
+
+def test_bench_sync_through_a_shaped_wan_link_cannot_beat_the_link():
+    """Each replica reaches moto through its own shaped link; a round moves at least its
+    bytes over its link, so it takes at least (up + down) / link."""
+    result = run("bench", "sync", "--replicas", "2", "--size", "1MiB", "--rounds", "1",
+                 "--standin", "s3", "--bandwidth", "4MB", "--latency", "0.02", "--link", "8MB",
+                 "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["wan"] == {"bandwidth": 4_000_000, "latency": 0.02, "link": 8_000_000}
+    assert report["link_bound_seconds"] == pytest.approx(
+        (report["bytes_up_per_replica"] + report["bytes_down_per_replica"]) / 8e6
+    )
+    assert report["round_vs_link_bound"] >= 1
+
+
+def test_bench_sync_wan_needs_a_standin(tmp_path):
+    result = run("bench", "sync", "--store", str(tmp_path), "--bandwidth", "25MB")
+    assert result.exit_code == 2
+    assert "--bandwidth shapes a stand-in's link: give --standin s3" in result.output
+
+
 @pytest.mark.parametrize(
     ("option", "message"), [("--mode=ring", "this build has gather, sharded, auto"),
                             ("--codec=fp4", "fp4")]

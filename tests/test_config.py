@@ -56,6 +56,7 @@ outer_momentum = 1.5
             "fragment_sync_delay (5) must be less than sync_every / fragments (5)",
         ),
         ('[task]\nentrypoint = "no_colon"', "task.entrypoint = 'no_colon': String should match"),
+        ("[sync]\nwindow = 0", "sync.window = 0: Input should be greater than or equal to 1"),
         ("[run\nname = 1", "run.toml: not valid TOML"),
     ],
 )

@@ -89,6 +89,9 @@ class SyncSection(_Section):
     timeout: Seconds = 600.0
     lease_period: Seconds = 10.0
     keep_rounds: PositiveInt = 2
+    # Parts (16 MiB of float32 each) in flight per round: a sync's host memory and its
+    # concurrent requests (docs/collective.md, "Memory").
+    window: Annotated[int, Field(ge=1, le=256)] = 8
 
 
 class CheckpointSection(_Section):

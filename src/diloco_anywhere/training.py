@@ -55,6 +55,7 @@ def collective_config(config: RunConfig) -> CollectiveConfig:
             timeout=config.sync.timeout,
             mode=config.sync.mode,
             expected_replicas=config.run.replicas,
+            window=config.sync.window,
         ),
         lease=LeasePolicy(period=config.sync.lease_period),
         keep_rounds=config.sync.keep_rounds,

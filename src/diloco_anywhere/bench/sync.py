@@ -6,13 +6,15 @@ Traffic comes from each replica's store counters (lease heartbeats, manifests, S
 included; they are bytes) and is compared with the bound of the mode for the encoded payload
 ``P``: gather up ``P``, down ``(n - 1) P``; sharded up ``P (1 + 1/n)``, down ``2 P (n - 1) / n``.
 The raw copy, in the same run, moves the same per-replica bytes with plain files and threads:
-every replica writes what it uploaded, then reads what it downloaded.
+every replica writes what it uploaded, then reads what it downloaded, in part-sized files,
+``window`` at a time, from and into reused buffers (``_raw_copy_seconds``).
 
 Host memory: each replica samples its own resident set every 5 ms (``memory.py``); a round's
 figure is its peak minus the resident set before the first round (the pseudo-gradient itself
 and the collective already there), so buffers a sync keeps between rounds count too. The codec
-time is one encode and one decode of the whole payload in this process, alone, so a round can
-be compared with "raw copy of the encoded bytes + codec".
+work is what a round needs (``codec_passes``: encodes and decodes of the whole payload per
+replica), each pass timed alone on one thread here, summed over the replicas and spread over
+this machine's cores: a round is compared with "raw copy of the encoded bytes + that floor".
 
 With a WAN shape (``wan.py``) each replica reaches the store through its own shaped link, and
 a round is compared with what its link allows: ``(bytes up + bytes down) / link``. With a
@@ -23,19 +25,22 @@ the requests of the replicas that wait are reported, priced at S3's list prices.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import statistics
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from diloco_anywhere import wire
 from diloco_anywhere.bench.memory import PeakMemory, resident_bytes
-from diloco_anywhere.bench.store import BENCH_META, sample_tensor
+from diloco_anywhere.bench.store import BENCH_META
 from diloco_anywhere.bench.wan import WanShape
 from diloco_anywhere.codec import make_codec
 from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig
@@ -92,8 +97,9 @@ def _replica(url, options, index, bench: SyncBench, barrier, results) -> None:
             tensor = torch.empty(bench.size // 4)  # one pseudo-gradient, refilled every round
             baseline = None
             for round_ in range(bench.rounds):
-                seed = 1000 * round_ + index
-                tensor.copy_(sample_tensor("gaussian", tensor.numel(), seed=seed))
+                # drawn straight into the tensor: no float64 temporaries 3x its size
+                generator = np.random.default_rng(1000 * round_ + index)
+                generator.standard_normal(dtype=np.float32, out=tensor.numpy())
                 baseline = baseline or resident_bytes()
                 barrier.wait()
                 time.sleep(late)
@@ -137,30 +143,70 @@ def _run_replicas(url, options: list[dict[str, Any]], bench: SyncBench, progress
     return [outcomes[i] for i in range(bench.replicas)]
 
 
-def _raw_copy_seconds(replicas: int, up: int, down: int) -> float:
-    """Every replica writes ``up`` bytes, then reads ``down`` bytes of the others' files."""
-    payload = bytes(up)
-    with tempfile.TemporaryDirectory() as folder, ThreadPoolExecutor(replicas) as pool:
-        paths = [Path(folder) / str(i) for i in range(replicas)]
+def _raw_copy_seconds(replicas: int, up: int, down: int, part: int, window: int) -> float:
+    """The least that moving the same bytes through this machine's file system costs: every
+    replica writes ``up`` bytes as files of ``part`` bytes, then reads ``down`` bytes of the
+    others' files, ``window`` at a time per replica, from and into buffers touched beforehand
+    (as the sync's are), with ``readinto`` (no allocation per file)."""
+    threads = replicas * window
+    buffers = [bytearray(b"\x01") * part for _ in range(threads)]
+    local = threading.local()
+
+    def buffer() -> memoryview:
+        if not hasattr(local, "buffer"):
+            local.buffer = memoryview(buffers.pop())
+        return local.buffer
+
+    def sizes(total: int) -> list[int]:
+        return [min(part, total - start) for start in range(0, total, part)]
+
+    with tempfile.TemporaryDirectory() as folder, ThreadPoolExecutor(threads) as pool:
+        paths = {
+            (i, k): Path(folder) / f"{i}-{k}"
+            for i in range(replicas)
+            for k in range(len(sizes(up)))
+        }
+
+        def write(item: tuple[tuple[int, int], int]) -> None:
+            (key, size) = item
+            with open(paths[key], "wb") as file:
+                file.write(buffer()[:size])
+
+        def read(item: tuple[int, int]) -> None:
+            with open(paths[item], "rb") as file:
+                file.readinto(buffer())
+
         started = time.perf_counter()
-        list(pool.map(lambda path: path.write_bytes(payload), paths))
-        reads = max(1, round(down / up)) if up else 0
-
-        def read_others(i: int) -> None:
-            for k in range(reads):
-                paths[(i + 1 + k) % replicas].read_bytes()
-
-        list(pool.map(read_others, range(replicas)))
+        writes = [((i, k), size) for i in range(replicas) for k, size in enumerate(sizes(up))]
+        list(pool.map(write, writes))
+        count = len(sizes(down))
+        reads = [((i + 1 + k // len(sizes(up))) % replicas, k % len(sizes(up)))
+                 for i in range(replicas) for k in range(count)]  # fmt: skip
+        list(pool.map(read, reads))
         return time.perf_counter() - started
 
 
-def _codec_seconds(numel: int, codec_name: str) -> float:
-    """One encode and one decode of the whole payload, alone, in this process."""
-    codec, tensor = make_codec(codec_name), sample_tensor("gaussian", numel, seed=0)
+def _codec_seconds(numel: int, codec_name: str) -> tuple[float, float]:
+    """(encode, decode) seconds of the whole payload, each alone, on one thread here."""
+    codec = make_codec(codec_name)
+    tensor = torch.from_numpy(np.random.default_rng(0).standard_normal(numel, dtype=np.float32))
+    torch.set_num_threads(1)  # as a round's threads run
     started = time.perf_counter()
     encoded = wire.encode(tensor, codec, BENCH_META)
+    encoded_at = time.perf_counter()
     wire.decode(encoded)
-    return time.perf_counter() - started
+    return encoded_at - started, time.perf_counter() - encoded_at
+
+
+def codec_passes(mode: str, replicas: int) -> tuple[float, float]:
+    """(encodes, decodes) of the whole payload that one replica's round needs. Sharded: its
+    contribution, its own parts again for the shards it reduces (``parts.py``), its reduced
+    shards; it decodes the parts it reduces (all contributors' 1/n) and every reduced shard.
+    Gather: its contribution and its own parts again; every contribution decoded."""
+    n = replicas
+    if mode == "sharded":
+        return 1 + 2 / n, 2.0
+    return 2.0, float(n)
 
 
 def traffic_bound(mode: str, replicas: int, payload: int) -> tuple[float, float]:
@@ -199,9 +245,14 @@ def bench_sync(url: str, options: list[dict[str, Any]], bench: SyncBench, progre
     rounds = range(bench.rounds)
     round_seconds = statistics.median(max(m[r].seconds for m in outcomes) for r in rounds)
     progress("raw parallel copy of the same bytes")
-    raw = statistics.median(_raw_copy_seconds(bench.replicas, up, down) for _ in rounds)
-    codec_seconds = _codec_seconds(bench.size // 4, bench.codec)
+    raw = statistics.median(
+        _raw_copy_seconds(bench.replicas, up, down, bench.part_bytes, bench.window) for _ in rounds
+    )
     sealed_mode = statistics.mode(row.mode for row in rows)
+    encode, decode = _codec_seconds(bench.size // 4, bench.codec)
+    encodes, decodes = codec_passes(sealed_mode, bench.replicas)
+    # the codec work of one round, every replica's, spread over this machine's cores
+    codec_floor = bench.replicas * (encodes * encode + decodes * decode) / (os.cpu_count() or 1)
     added = [row.memory_added for m in outcomes for row in m if row.memory_added is not None]
     payload = make_codec(bench.codec).payload_nbytes(bench.size // 4)
     bound_up, bound_down = traffic_bound(sealed_mode, bench.replicas, payload)
@@ -226,10 +277,14 @@ def bench_sync(url: str, options: list[dict[str, Any]], bench: SyncBench, progre
         "requests_by_kind_per_replica": requests,
         "s3_request_usd_per_1000_rounds_per_replica": request_cost(requests),
         "round_seconds": round_seconds,
+        "round_seconds_each": [max(m[r].seconds for m in outcomes) for r in rounds],
         "raw_copy_seconds": raw,
         "round_vs_raw": round_seconds / raw if raw else float("inf"),
-        "codec_seconds": codec_seconds,
-        "round_vs_raw_plus_codec": round_seconds / (raw + codec_seconds),
+        "encode_seconds": encode,
+        "decode_seconds": decode,
+        "codec_passes_per_replica": {"encodes": encodes, "decodes": decodes},
+        "codec_floor_seconds": codec_floor,
+        "round_vs_raw_plus_codec": round_seconds / (raw + codec_floor),
         # the peak a sync added to a replica process's resident memory: worst over replicas
         # and rounds, and over the fp32 pseudo-gradient (``size``)
         "host_memory_added_bytes": max(added) if added else None,

@@ -101,6 +101,16 @@ class ShapedLink:
         return server
 
 
+async def _shut_down(servers: list[asyncio.Server]) -> None:
+    """Stop listening, and end every connection's pumps before the loop stops."""
+    for server in servers:
+        server.close()
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 @contextlib.contextmanager
 def shaped_links(
     target: tuple[str, int], shape: WanShape, count: int
@@ -114,7 +124,7 @@ def shaped_links(
     try:
         yield links
     finally:
-        for server in servers:
-            loop.call_soon_threadsafe(server.close)
+        asyncio.run_coroutine_threadsafe(_shut_down(servers), loop).result(timeout=30)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
+        loop.close()
