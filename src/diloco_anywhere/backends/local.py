@@ -106,18 +106,29 @@ class LocalBackend:
     def stop(self, handle: ReplicaHandle) -> None:
         """SIGTERM the replica's process group and return once it has ended (SIGKILL after
         ``STOP_GRACE`` seconds), as a platform's stop does: a status asked right after a stop
-        must not find the replica still running."""
+        must not find the replica still running. A process this backend started is its own
+        (its ``Popen`` holds the pid), even before it has exec'd the replica; any other pid
+        is checked to still run the replica (not a recycled pid)."""
         pid = handle.job["pid"]
-        if self.state(handle) != "running" or not _is_replica(pid):
+        own = pid in self._processes
+        if self.state(handle) != "running" or not (own or _is_replica(pid)):
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGTERM)
+        _signal(pid, signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE
         while self.state(handle) == "running" and time.monotonic() < deadline:
             time.sleep(0.05)
         if self.state(handle) == "running":
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+            _signal(pid, signal.SIGKILL)
+
+
+def _signal(pid: int, signum: int) -> None:
+    """``signum`` to the replica's process group, or to the process itself while it has not
+    made its group yet (``start_new_session`` runs ``setsid`` in the child before exec)."""
+    try:
+        os.killpg(pid, signum)
+    except ProcessLookupError:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
 
 
 def threads_per_replica(processes: int) -> int:

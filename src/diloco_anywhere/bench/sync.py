@@ -89,7 +89,8 @@ class RoundMeasure:
 
 def _replica(url, options, index, bench: SyncBench, barrier, results) -> None:
     store = Store(url, storage_options=options)
-    config = CollectiveConfig(codec=make_codec(bench.codec), round=bench.policy())
+    # keep_rounds=1: a large benchmark's rounds must fit the store (tmpfs is memory)
+    config = CollectiveConfig(codec=make_codec(bench.codec), round=bench.policy(), keep_rounds=1)
     late = bench.straggler if index == bench.replicas - 1 else 0.0
     try:
         with BucketCollective(store, f"bench-{bench.replicas}", f"r{index}", config) as collective:
@@ -143,11 +144,14 @@ def _run_replicas(url, options: list[dict[str, Any]], bench: SyncBench, progress
     return [outcomes[i] for i in range(bench.replicas)]
 
 
-def _raw_copy_seconds(replicas: int, up: int, down: int, part: int, window: int) -> float:
+def _raw_copy_seconds(
+    replicas: int, up: int, down: int, part: int, window: int, near: str | None = None
+) -> float:
     """The least that moving the same bytes through this machine's file system costs: every
     replica writes ``up`` bytes as files of ``part`` bytes, then reads ``down`` bytes of the
     others' files, ``window`` at a time per replica, from and into buffers touched beforehand
-    (as the sync's are), with ``readinto`` (no allocation per file)."""
+    (as the sync's are), with ``readinto`` (no allocation per file). ``near``: a local store's
+    folder, so the copy runs on the same file system (a disk's writeback, or tmpfs)."""
     threads = replicas * window
     buffers = [bytearray(b"\x01") * part for _ in range(threads)]
     local = threading.local()
@@ -160,7 +164,10 @@ def _raw_copy_seconds(replicas: int, up: int, down: int, part: int, window: int)
     def sizes(total: int) -> list[int]:
         return [min(part, total - start) for start in range(0, total, part)]
 
-    with tempfile.TemporaryDirectory() as folder, ThreadPoolExecutor(threads) as pool:
+    with (
+        tempfile.TemporaryDirectory(dir=near) as folder,
+        ThreadPoolExecutor(threads) as pool,
+    ):
         paths = {
             (i, k): Path(folder) / f"{i}-{k}"
             for i in range(replicas)
@@ -186,13 +193,25 @@ def _raw_copy_seconds(replicas: int, up: int, down: int, part: int, window: int)
         return time.perf_counter() - started
 
 
+def _local_folder(url: str) -> str | None:
+    """The folder that holds a local store's folder (None for a bucket)."""
+    path = Path(url.removeprefix("file://"))
+    return (
+        str(path.parent)
+        if "://" not in url.removeprefix("file://") and path.parent.is_dir()
+        else None
+    )
+
+
 def _codec_seconds(numel: int, codec_name: str) -> tuple[float, float]:
     """(encode, decode) seconds of the whole payload, each alone, on one thread here."""
     codec = make_codec(codec_name)
     tensor = torch.from_numpy(np.random.default_rng(0).standard_normal(numel, dtype=np.float32))
     torch.set_num_threads(1)  # as a round's threads run
+    # into a buffer touched before, as the sync's pooled buffers are
+    buffer = memoryview(bytearray(b"\x01") * (wire.MAX_HEADER_BYTES + 4 * numel))
     started = time.perf_counter()
-    encoded = wire.encode(tensor, codec, BENCH_META)
+    encoded = wire.encode(tensor, codec, BENCH_META, into=buffer)
     encoded_at = time.perf_counter()
     wire.decode(encoded)
     return encoded_at - started, time.perf_counter() - encoded_at
@@ -245,8 +264,10 @@ def bench_sync(url: str, options: list[dict[str, Any]], bench: SyncBench, progre
     rounds = range(bench.rounds)
     round_seconds = statistics.median(max(m[r].seconds for m in outcomes) for r in rounds)
     progress("raw parallel copy of the same bytes")
+    near = _local_folder(url)
     raw = statistics.median(
-        _raw_copy_seconds(bench.replicas, up, down, bench.part_bytes, bench.window) for _ in rounds
+        _raw_copy_seconds(bench.replicas, up, down, bench.part_bytes, bench.window, near)
+        for _ in rounds
     )
     sealed_mode = statistics.mode(row.mode for row in rows)
     encode, decode = _codec_seconds(bench.size // 4, bench.codec)

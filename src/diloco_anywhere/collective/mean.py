@@ -8,7 +8,7 @@ import torch
 class WeightedMean:
     """sum(w_i * g_i) * (1 / sum(w_i)) accumulated into ``out`` one contribution at a time, in
     the order given, each step one IEEE float32 operation (a multiply, then an add; no fused
-    multiply-add), so any machine gets the same bits.
+    multiply-add), so any machine gets the same bits. The sum starts from ``w_0 * g_0``.
 
     The order is the SEAL's (sorted contributor names). Contributions arrive in chunks
     (``add``), so a reducer holds one accumulator, not N decoded contributions. Element-wise,
@@ -17,19 +17,27 @@ class WeightedMean:
     """
 
     def __init__(self, out: torch.Tensor, total_weight: float) -> None:
-        self.out = out.zero_()
+        self.out = out
         self._flat = out.view(-1)
         self._total = total_weight
         self._scaled = torch.empty(0)
+        self._filled = 0  # elements the first contribution has set so far
 
     def add(self, start: int, values: torch.Tensor, weight: float) -> None:
-        """Add ``weight * values`` to elements ``[start, start + len(values))``."""
+        """Add ``weight * values`` to elements ``[start, start + len(values))``. The first
+        contribution's chunks come in order and set the sum (no zeroing pass, no add); every
+        later one adds to it."""
         count = values.numel()
+        target = self._flat[start : start + count]
+        if start >= self._filled:
+            torch.mul(values, weight, out=target)
+            self._filled = start + count
+            return
         if self._scaled.numel() < count:
             self._scaled = torch.empty(count)
         scaled = self._scaled[:count]
         torch.mul(values, weight, out=scaled)
-        self._flat[start : start + count].add_(scaled)
+        target.add_(scaled)
 
     def result(self) -> torch.Tensor:
         # Times the reciprocal, not a division: torch may divide by a scalar as a multiplication

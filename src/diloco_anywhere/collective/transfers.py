@@ -20,6 +20,8 @@ from typing import TypeVar
 
 import torch
 
+SIZE_CLASS = 1 << 20
+HEADROOM = 64 * 1024  # wire.MAX_HEADER_BYTES: an encode reserves room for the largest header
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -40,15 +42,18 @@ class BufferPool:
         self._lock = threading.Lock()
 
     def _new(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pinned)
+        """Sized up to the next MiB past ``nbytes`` plus a header's room, so that a buffer
+        that held a downloaded part (its exact size) also fits an encode of one (which asks
+        for the largest header), and one size class serves a round."""
+        capacity = -(-(nbytes + HEADROOM) // SIZE_CLASS) * SIZE_CLASS
+        return torch.empty(capacity, dtype=torch.uint8, pin_memory=self._pinned)
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A buffer of at least ``nbytes`` bytes (a uint8 host tensor), to ``give`` back."""
         with self._lock:
-            buffer = self._idle.pop() if self._idle else None
-        if buffer is None or buffer.numel() < nbytes:
-            buffer = self._new(nbytes)
-        return buffer
+            fits = [i for i, buffer in enumerate(self._idle) if buffer.numel() >= nbytes]
+            buffer = self._idle.pop(fits[-1]) if fits else None
+        return self._new(nbytes) if buffer is None else buffer
 
     def give(self, buffer: torch.Tensor) -> None:
         with self._lock:
