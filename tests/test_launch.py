@@ -12,9 +12,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from diloco_anywhere.checkpoint import committed_rounds
 from diloco_anywhere.cli import app
 from diloco_anywhere.config import load_config
 from diloco_anywhere.launch import mark_stopped, plan_launch, run_metrics, start
+from diloco_anywhere.layout import RunLayout
+from diloco_anywhere.store import Store
 from diloco_anywhere.supervisor import Supervisor
 
 RUN_TOML = """
@@ -133,13 +136,22 @@ def _kill_all(config: str) -> None:
         os.waitpid(handle["job"]["pid"], 0)  # our children (a detached launch from this process)
 
 
+def _checkpoint_committed(config: Path) -> bool:
+    loaded = load_config(config)
+    return bool(committed_rounds(Store(loaded.store_url()), RunLayout(loaded.run.name)))
+
+
 def test_a_run_killed_whole_resumes_where_it_was_and_loses_no_round(run_toml):
     """Every replica SIGKILLed mid-run; the same launch again resumes from the bucket."""
     outer_steps = 8
     config = run_toml(replicas=2, outer_steps=outer_steps)
     assert diloco("launch", "--config", config, "--detach").exit_code == 0
     deadline = time.monotonic() + 120
-    while min((row["outer_step"] for row in statuses(config).values()), default=0) < 3:
+    # killed once every replica is 3 steps in and the first checkpoint is committed (it is
+    # written in the background after the first commit: its time is not a step count's)
+    while min(
+        (row["outer_step"] for row in statuses(config).values()), default=0
+    ) < 3 or not _checkpoint_committed(config):
         assert time.monotonic() < deadline, statuses(config)
         time.sleep(0.2)
     _kill_all(config)

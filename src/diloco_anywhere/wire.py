@@ -131,6 +131,12 @@ def chunk_elements(codec: Codec, device: torch.device, numel: int) -> int:
     return max(codec.align, step - step % codec.align)
 
 
+def max_object_nbytes(codec: Codec, numel: int) -> int:
+    """The most bytes the wire object of ``numel`` values can take (with the largest header):
+    what a buffer to encode into must hold."""
+    return PREFIX.size + MAX_HEADER_BYTES + codec.payload_nbytes(numel)
+
+
 def encode(
     tensor: torch.Tensor, codec: Codec, meta: ObjectMeta, *, into: memoryview | None = None
 ) -> bytearray | memoryview:

@@ -209,7 +209,7 @@ def _codec_seconds(numel: int, codec_name: str) -> tuple[float, float]:
     tensor = torch.from_numpy(np.random.default_rng(0).standard_normal(numel, dtype=np.float32))
     torch.set_num_threads(1)  # as a round's threads run
     # into a buffer touched before, as the sync's pooled buffers are
-    buffer = memoryview(bytearray(b"\x01") * (wire.MAX_HEADER_BYTES + 4 * numel))
+    buffer = memoryview(bytearray(b"\x01") * wire.max_object_nbytes(codec, numel))
     started = time.perf_counter()
     encoded = wire.encode(tensor, codec, BENCH_META, into=buffer)
     encoded_at = time.perf_counter()

@@ -20,7 +20,7 @@ from diloco_anywhere import wire
 from diloco_anywhere.collective.flat import FlatTensors
 from diloco_anywhere.collective.mean import WeightedMean
 from diloco_anywhere.collective.records import Seal
-from diloco_anywhere.collective.round import Round
+from diloco_anywhere.collective.round import Round, release
 
 
 def gather_mean(round_: Round, seal: Seal, destination: FlatTensors) -> None:
@@ -41,6 +41,5 @@ def gather_mean(round_: Round, seal: Seal, destination: FlatTensors) -> None:
                 except wire.WireFormatError as exc:
                     raise round_.unreadable(name, exc) from None
                 finally:
-                    if not isinstance(part, wire.WireFormatError):
-                        part.release()
+                    release(part)
             destination.write(entry.start, mean.result())

@@ -127,7 +127,7 @@ class PartIO:
         held: Held,
     ) -> memoryview:
         """Elements ``elements`` of ``source`` as a wire object in ``held``'s buffer."""
-        nbytes = wire.PREFIX.size + wire.MAX_HEADER_BYTES + codec.payload_nbytes(len(elements))
+        nbytes = wire.max_object_nbytes(codec, len(elements))
         return wire.encode_values(
             lambda start, stop: source.read(elements.start + start, elements.start + stop),
             len(elements),

@@ -130,7 +130,7 @@ class _ShardedExchange:
         )
         result = mean.result()
         codec = self.reference.codec
-        nbytes = wire.PREFIX.size + wire.MAX_HEADER_BYTES + codec.payload_nbytes(result.numel())
+        nbytes = wire.max_object_nbytes(codec, result.numel())
         return wire.encode(result, codec, meta, into=held.allocate(nbytes))
 
     def _publish(self, shard: int, data: bytes | memoryview, held: Held) -> None:

@@ -20,8 +20,10 @@ from typing import TypeVar
 
 import torch
 
+from diloco_anywhere.wire import MAX_HEADER_BYTES, PREFIX
+
 SIZE_CLASS = 1 << 20
-HEADROOM = 64 * 1024  # wire.MAX_HEADER_BYTES: an encode reserves room for the largest header
+HEADROOM = PREFIX.size + MAX_HEADER_BYTES  # an encode reserves room for the largest header
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -59,15 +61,6 @@ class BufferPool:
         with self._lock:
             if len(self._idle) < self._keep:
                 self._idle.append(buffer)
-
-    @contextlib.contextmanager
-    def view(self, nbytes: int) -> Iterator[memoryview]:
-        """A writable view of ``nbytes`` bytes of a pooled buffer, for the ``with`` block."""
-        buffer = self.take(nbytes)
-        try:
-            yield memoryview(buffer.numpy())[:nbytes]
-        finally:
-            self.give(buffer)
 
 
 class Held:
