@@ -145,13 +145,16 @@ def _run_replicas(url, options: list[dict[str, Any]], bench: SyncBench, progress
 
 
 def _raw_copy_seconds(
-    replicas: int, up: int, down: int, part: int, window: int, near: str | None = None
-) -> float:
-    """The least that moving the same bytes through this machine's file system costs: every
-    replica writes ``up`` bytes as files of ``part`` bytes, then reads ``down`` bytes of the
-    others' files, ``window`` at a time per replica, from and into buffers touched beforehand
-    (as the sync's are), with ``readinto`` (no allocation per file). ``near``: a local store's
-    folder, so the copy runs on the same file system (a disk's writeback, or tmpfs)."""
+    replicas: int, up: int, down: int, part: int, window: int, near: str | None, copies: int
+) -> list[float]:
+    """The least that moving the same bytes through this machine's file system costs, once
+    per round: every replica writes ``up`` bytes as files of ``part`` bytes, then reads
+    ``down`` bytes of the others' files, ``window`` at a time per replica, from and into
+    buffers touched beforehand (as the sync's are), with ``readinto`` (no allocation per file).
+    ``near``: a local store's folder, so the copy runs on the same file system (a disk's
+    writeback, or tmpfs). A copy's files stay until the next copy is done, as a round's stay
+    in the store (``keep_rounds=1``): on tmpfs every copy then writes into memory pages the
+    machine must hand out afresh, as every round does."""
     threads = replicas * window
     buffers = [bytearray(b"\x01") * part for _ in range(threads)]
     local = threading.local()
@@ -164,23 +167,14 @@ def _raw_copy_seconds(
     def sizes(total: int) -> list[int]:
         return [min(part, total - start) for start in range(0, total, part)]
 
-    with (
-        tempfile.TemporaryDirectory(dir=near) as folder,
-        ThreadPoolExecutor(threads) as pool,
-    ):
-        paths = {
-            (i, k): Path(folder) / f"{i}-{k}"
-            for i in range(replicas)
-            for k in range(len(sizes(up)))
-        }
-
+    def copy(folder: Path, pool: ThreadPoolExecutor) -> float:
         def write(item: tuple[tuple[int, int], int]) -> None:
-            (key, size) = item
-            with open(paths[key], "wb") as file:
+            ((i, k), size) = item
+            with open(folder / f"{i}-{k}", "wb") as file:
                 file.write(buffer()[:size])
 
         def read(item: tuple[int, int]) -> None:
-            with open(paths[item], "rb") as file:
+            with open(folder / f"{item[0]}-{item[1]}", "rb") as file:
                 file.readinto(buffer())
 
         started = time.perf_counter()
@@ -191,6 +185,18 @@ def _raw_copy_seconds(
                  for i in range(replicas) for k in range(count)]  # fmt: skip
         list(pool.map(read, reads))
         return time.perf_counter() - started
+
+    seconds = []
+    with ThreadPoolExecutor(threads) as pool:
+        kept: list[tempfile.TemporaryDirectory[str]] = []
+        for _ in range(copies):
+            kept.append(tempfile.TemporaryDirectory(dir=near))
+            seconds.append(copy(Path(kept[-1].name), pool))
+            if len(kept) > 1:
+                kept.pop(0).cleanup()
+        for folder in kept:
+            folder.cleanup()
+    return seconds
 
 
 def _local_folder(url: str) -> str | None:
@@ -265,10 +271,10 @@ def bench_sync(url: str, options: list[dict[str, Any]], bench: SyncBench, progre
     round_seconds = statistics.median(max(m[r].seconds for m in outcomes) for r in rounds)
     progress("raw parallel copy of the same bytes")
     near = _local_folder(url)
-    raw = statistics.median(
-        _raw_copy_seconds(bench.replicas, up, down, bench.part_bytes, bench.window, near)
-        for _ in rounds
+    raw_each = _raw_copy_seconds(
+        bench.replicas, up, down, bench.part_bytes, bench.window, near, bench.rounds
     )
+    raw = statistics.median(raw_each)
     sealed_mode = statistics.mode(row.mode for row in rows)
     encode, decode = _codec_seconds(bench.size // 4, bench.codec)
     encodes, decodes = codec_passes(sealed_mode, bench.replicas)
@@ -300,6 +306,7 @@ def bench_sync(url: str, options: list[dict[str, Any]], bench: SyncBench, progre
         "round_seconds": round_seconds,
         "round_seconds_each": [max(m[r].seconds for m in outcomes) for r in rounds],
         "raw_copy_seconds": raw,
+        "raw_copy_seconds_each": raw_each,
         "round_vs_raw": round_seconds / raw if raw else float("inf"),
         "encode_seconds": encode,
         "decode_seconds": decode,

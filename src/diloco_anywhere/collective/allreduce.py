@@ -7,6 +7,8 @@ background thread, so inner steps go on meanwhile (the overlap of Streaming DiLo
 Rounds of one fragment run in order, each after the previous one has finished, while rounds of
 different fragments overlap; each replica reports its newest finished round per fragment in its
 lease, and a round's data is deleted once every live member has finished it (``collect.py``).
+Deleting runs on its own thread after the round has returned its result: removing a round of
+a multi-GiB pseudo-gradient takes a while, and no replica waits for it.
 
 Membership is taken at the start of each round: this process claims a fresh incarnation when
 the collective opens and keeps its lease alive with a heartbeat until it closes.
@@ -14,6 +16,7 @@ the collective opens and keeps its lease alive with a heartbeat until it closes.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -40,6 +43,7 @@ from diloco_anywhere.layout import Participant, RunLayout
 from diloco_anywhere.store import Store
 
 EXCHANGES = {"gather": gather_mean, "sharded": sharded_mean}
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,7 @@ class BucketCollective:
             self.config.round.window, self.config.max_rounds_in_flight
         )
         self._latest: dict[int, Future[RoundResult]] = {}  # per fragment
+        self._collecting = ThreadPoolExecutor(1, thread_name_prefix="collect")
 
     def allreduce(
         self,
@@ -209,7 +214,8 @@ class BucketCollective:
         round_state.contribute(source, weight, codec, fingerprint)
         result = finish_round(round_state)
         self._finished[fragment] = round_
-        self._collect_garbage(round_, fragment, result)
+        if result.seal.contributors[0] == self.me.name:
+            self._collecting.submit(self._collect_garbage, round_, fragment)
         return result
 
     def observe(self, round_: int, fragment: int = 0) -> tuple[RoundResult, torch.Tensor] | None:
@@ -235,19 +241,24 @@ class BucketCollective:
             members = sorted([*members, self.me], key=lambda member: member.name)
         return members
 
-    def _collect_garbage(self, round_: int, fragment: int, result: RoundResult) -> None:
+    def _collect_garbage(self, round_: int, fragment: int) -> None:
         """The first sealed contributor collects what no live member needs (``collect.py``);
-        our own progress is current, the others' comes from their leases."""
-        if result.seal.contributors[0] != self.me.name:
-            return
-        members = self._members()
-        progress = member_progress(self.store, self.layout, members, self.config.lease, time.time())
-        progress[self.me.name] = dict(self._finished)
-        self._collector.collect(fragment, round_, progress.values())
+        our own progress is current, the others' comes from their leases. Best effort: a
+        failure is logged, and the next round's collection retries."""
+        try:
+            members = self._members()
+            progress = member_progress(
+                self.store, self.layout, members, self.config.lease, time.time()
+            )
+            progress[self.me.name] = dict(self._finished)
+            self._collector.collect(fragment, round_, progress.values())
+        except Exception as exc:  # off the round's path: nobody else would see it
+            log.warning("garbage collection after round %d fragment %d: %s", round_, fragment, exc)
 
     def close(self, wait: bool = True) -> None:
         """Stop the heartbeat; with ``wait``, first let rounds in flight finish."""
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
+        self._collecting.shutdown(wait=wait, cancel_futures=not wait)
         self._transfers.executor.shutdown(wait=wait, cancel_futures=not wait)
         self._heartbeat.stop()
 
