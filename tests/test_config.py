@@ -8,6 +8,7 @@ import pytest
 
 from diloco_anywhere.config import ConfigError, load_config, parse_config
 from diloco_anywhere.replica import replica_index, with_overrides
+from diloco_anywhere.training import collective_config
 
 
 def test_the_embedded_default_is_a_complete_local_run(monkeypatch, tmp_path):
@@ -57,6 +58,8 @@ outer_momentum = 1.5
         ),
         ('[task]\nentrypoint = "no_colon"', "task.entrypoint = 'no_colon': String should match"),
         ("[sync]\nwindow = 0", "sync.window = 0: Input should be greater than or equal to 1"),
+        ('[sync]\npart_size = "1KiB"', "sync.part_size = '1KiB': Input should be greater"),
+        ('[sync]\npart_size = "lots"', "sync.part_size = 'lots': could not parse value and unit"),
         ("[run\nname = 1", "run.toml: not valid TOML"),
     ],
 )
@@ -95,3 +98,9 @@ def test_replica_index_comes_from_the_id_or_is_given(replica, given, index):
 def test_bad_replica_index_says_the_fix(replica, given, message):
     with pytest.raises(ValueError, match=message):
         replica_index(replica, given, replicas=4)
+
+
+def test_sync_window_and_part_size_reach_the_collective():
+    config = parse_config('[sync]\nwindow = 3\npart_size = "2MiB"\n', "run.toml")
+    policy = collective_config(config).round
+    assert (policy.window, policy.part_elements) == (3, (2 << 20) // 4)

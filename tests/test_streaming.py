@@ -151,3 +151,22 @@ def test_a_sync_of_many_tensors_of_mixed_dtypes_gets_the_mean_in_place(mode):
             assert torch.equal(got, want.to(got.dtype)), (name, k)
         offset += count
     assert works[0].result().seal.mode == mode
+
+
+def test_a_reduction_that_fails_stops_collecting_and_fails_the_round():
+    """Each replica collects the others' shards while it reduces its own; when its own
+    reduction fails (here: finite contributions whose sum overflows float32), collecting
+    stops at once. orphan_grace is an hour: a collector left running would wait that long
+    for shards nobody publishes."""
+    store = Store("memory://streaming-overflow")
+    policy = RoundPolicy(grace=30, timeout=3600, mode="sharded", part_elements=8,
+                         expected_replicas=2, orphan_grace=3600)  # fmt: skip
+    config = CollectiveConfig(round=policy)
+    with (
+        BucketCollective(store, "run", "a", config) as a,
+        BucketCollective(store, "run", "b", config) as b,
+    ):
+        works = [c.allreduce(torch.full((64,), 3e38), round_=0) for c in (a, b)]
+        for work in works:
+            with pytest.raises(ValueError, match="non-finite"):
+                work.wait()

@@ -15,7 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
 
 from diloco_anywhere.codec import CODEC_NAMES
 from diloco_anywhere.layout import NAME
@@ -89,9 +89,10 @@ class SyncSection(_Section):
     timeout: Seconds = 600.0
     lease_period: Seconds = 10.0
     keep_rounds: PositiveInt = 2
-    # Parts (16 MiB of float32 each) in flight per round: a sync's host memory and its
-    # concurrent requests (docs/collective.md, "Memory").
+    # Parts in flight per round, and the float32 bytes of each: a sync's host memory
+    # (window x part_size) and its concurrent requests (docs/collective.md, "Memory").
     window: Annotated[int, Field(ge=1, le=256)] = 8
+    part_size: Annotated[ByteSize, Field(ge=64 << 10, le=1 << 30)] = ByteSize(4 << 20)
 
 
 class CheckpointSection(_Section):

@@ -56,6 +56,7 @@ def collective_config(config: RunConfig) -> CollectiveConfig:
             mode=config.sync.mode,
             expected_replicas=config.run.replicas,
             window=config.sync.window,
+            part_elements=config.sync.part_size // 4,
         ),
         lease=LeasePolicy(period=config.sync.lease_period),
         keep_rounds=config.sync.keep_rounds,

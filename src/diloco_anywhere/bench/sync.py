@@ -7,7 +7,8 @@ included; they are bytes) and is compared with the bound of the mode for the enc
 ``P``: gather up ``P``, down ``(n - 1) P``; sharded up ``P (1 + 1/n)``, down ``2 P (n - 1) / n``.
 The raw copy, in the same run, moves the same per-replica bytes with plain files and threads:
 every replica writes what it uploaded, then reads what it downloaded, in part-sized files,
-``window`` at a time, from and into reused buffers (``_raw_copy_seconds``).
+``window`` at a time, from and into reused buffers (``_raw_copy_seconds``); with a WAN, it
+puts and gets them through the same links with the store client (``_raw_store_copy_seconds``).
 
 Host memory: each replica samples its own resident set every 5 ms (``memory.py``); a round's
 figure is its peak minus the resident set before the first round (the pseudo-gradient itself
@@ -199,6 +200,34 @@ def _raw_copy_seconds(
     return seconds
 
 
+def _raw_store_copy_seconds(
+    url: str, options: list[dict[str, Any]], up: int, down: int, part: int, window: int
+) -> float:
+    """With a WAN: the same bytes moved through the same links with the store client alone
+    (plain puts, then gets; no protocol, no codec), every replica through its own link,
+    ``window`` requests at a time: what the stand-in, the shaper and the client allow."""
+    stores = [Store(url, storage_options=option) for option in options]
+    payload = b"\x01" * part
+
+    def parts(total: int) -> range:
+        return range(-(-total // part))
+
+    def replica(index: int) -> None:
+        store, prefix = stores[index], f"raw-copy/{index}"
+        with ThreadPoolExecutor(window) as pool:
+            list(pool.map(lambda k: store.put(f"{prefix}/{k}", payload), parts(up)))
+            others = [f"raw-copy/{(index + 1) % len(stores)}/{k % len(parts(up))}"
+                      for k in parts(down)]  # fmt: skip
+            list(pool.map(store.get, others))
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(len(stores)) as replicas:
+        list(replicas.map(replica, range(len(stores))))
+    seconds = time.perf_counter() - started
+    stores[0].delete_prefix("raw-copy")
+    return seconds
+
+
 def _local_folder(url: str) -> str | None:
     """The folder that holds a local store's folder (None for a bucket)."""
     path = Path(url.removeprefix("file://"))
@@ -270,10 +299,16 @@ def bench_sync(url: str, options: list[dict[str, Any]], bench: SyncBench, progre
     rounds = range(bench.rounds)
     round_seconds = statistics.median(max(m[r].seconds for m in outcomes) for r in rounds)
     progress("raw parallel copy of the same bytes")
-    near = _local_folder(url)
-    raw_each = _raw_copy_seconds(
-        bench.replicas, up, down, bench.part_bytes, bench.window, near, bench.rounds
-    )
+    if bench.wan is not None:
+        raw_each = [
+            _raw_store_copy_seconds(url, options, up, down, bench.part_bytes, bench.window)
+            for _ in rounds
+        ]
+    else:
+        near = _local_folder(url)
+        raw_each = _raw_copy_seconds(
+            bench.replicas, up, down, bench.part_bytes, bench.window, near, bench.rounds
+        )
     raw = statistics.median(raw_each)
     sealed_mode = statistics.mode(row.mode for row in rows)
     encode, decode = _codec_seconds(bench.size // 4, bench.codec)

@@ -191,7 +191,7 @@ def bench_sync_command(
     ] = 8,
     part_size: Annotated[
         int, typer.Option(parser=parse_size, help="Bytes of float32 per part.")
-    ] = "16MiB",  # type: ignore[assignment]
+    ] = "4MiB",  # type: ignore[assignment]
     straggler: Annotated[
         float,
         typer.Option(

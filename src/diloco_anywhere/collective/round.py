@@ -55,7 +55,10 @@ class RoundPolicy:
     # sharded: a shard whose reduction is still missing this long after the SEAL was seen is
     # reduced by whoever notices (its owner died or stalls).
     orphan_grace: float = 30.0
-    part_elements: int = 4 << 20  # at most 16 MiB of float32 per part: parallel, retry-sized
+    # At most 4 MiB of float32 per part: many parts per phase keep a window of connections
+    # busy to its end, and a sync's memory is window x part (docs/benchmarks.md, "Sync over
+    # a WAN", where the size was chosen).
+    part_elements: int = 1 << 20
     # Parts in flight per round (encoding, uploading, downloading, waiting to be reduced): the
     # bound on a round's host memory (window x part size) and its concurrent requests.
     window: int = 8
@@ -285,10 +288,13 @@ class Round:
             )
         return manifest
 
-    def parts_in_order(self, wanted: Iterable[PartId]) -> Iterator[Part | wire.WireFormatError]:
-        """Each of ``wanted`` in a pooled buffer, ``window`` in flight, in order: kept from a
-        gather prefetch, encoded again from our tensors if it is ours, else downloaded; or
-        the error naming its key. The consumer releases each part."""
+    def parts_in_order(
+        self, wanted: Iterable[PartId], window: int | None = None
+    ) -> Iterator[Part | wire.WireFormatError]:
+        """Each of ``wanted`` in a pooled buffer, ``window`` (the transfers' by default) in
+        flight, in order: kept from a gather prefetch, encoded again from our tensors if it
+        is ours, else downloaded; or the error naming its key. The consumer releases each
+        part."""
         manifests = dict(self.manifests)  # as now: exclusions meanwhile change nothing here
 
         def fetch(part: PartId) -> Part | wire.WireFormatError:
@@ -301,7 +307,9 @@ class Round:
             return self.parts.fetch(name, manifests[name], shard, own)
 
         transfers = self.parts.transfers
-        return windowed(transfers.executor, fetch, wanted, transfers.window, release=release)
+        return windowed(
+            transfers.executor, fetch, wanted, window or transfers.window, release=release
+        )
 
     def _exclude(self, name: str, problem: Exception) -> None:
         self.excluded[name] = str(problem)

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -61,6 +62,8 @@ class _ShardedExchange:
         self.weights = [manifest.weight for manifest in manifests]
         self.owners = shard_owners(seal, len(self.reference.parts))
         self.transfers = round_.parts.transfers
+        self._mine_done_at: float | None = None  # monotonic time our own shards were reduced
+        self._abandon = threading.Event()  # our reduction failed: stop collecting
 
     def _key(self, shard: int) -> str:
         return self.round.layout.reduced(self.round.round, self.round.fragment, shard)
@@ -77,7 +80,7 @@ class _ShardedExchange:
         entries = self.reference.parts
         accumulator = torch.empty(max(entries[s].stop - entries[s].start for s in shards))
         publishing: deque[Future[None]] = deque()
-        with contextlib.closing(self.round.parts_in_order(wanted)) as parts:
+        with contextlib.closing(self.round.parts_in_order(wanted, self._downloads())) as parts:
             for shard in shards:
                 entry = entries[shard]
                 mean = WeightedMean(accumulator[: entry.stop - entry.start], sum(self.weights))
@@ -101,6 +104,14 @@ class _ShardedExchange:
                 publishing.append(self.transfers.executor.submit(self._publish, shard, data, held))
         for future in publishing:
             future.result()
+
+    def _downloads(self) -> int:
+        """Parts to have in flight so that ``window`` of them are downloads: our own parts
+        in the sequence are encoded again here, and move no bytes."""
+        n, window = len(self.seal.contributors), self.transfers.window
+        if self.round.me.name not in self.seal.contributors or n == 1:
+            return window
+        return -(-window * n // (n - 1))
 
     def _reduced_object(
         self,
@@ -192,31 +203,36 @@ class _ShardedExchange:
         finally:
             held.release()
 
-    def _poll_batch(self, pending: list[int]) -> list[int]:
-        """The next shards to poll: the first few pending of each owner, ``window`` in all,
-        so every owner's progress is seen even while another owner is late."""
+    def _poll_batch(self, pending: list[int], active: set[str]) -> list[int]:
+        """The next shards to poll: an owner whose shards are arriving (``active``) gets its
+        share of ``window``; any other owner is probed at its first pending shard only, so
+        waiting costs a GET per owner per poll, and every owner's progress is seen even while
+        another owner is late."""
         owners = sorted({self.owners[shard] for shard in pending})
         each = max(1, self.transfers.window // len(owners))
         batch: list[int] = []
         for owner in owners:
-            batch += [shard for shard in pending if self.owners[shard] == owner][:each]
+            theirs = [shard for shard in pending if self.owners[shard] == owner]
+            batch += theirs[: each if owner in active else 1]
         return sorted(batch)
 
     def _collect(self, pending: list[int]) -> None:
-        """Read the others' reduced shards as they appear, standing in for late owners."""
+        """Read the others' reduced shards as they appear, standing in for late owners once
+        our own shards are reduced (``_mine_done_at``); stops early when ``_abandon`` is set."""
         policy = self.round.policy
-        started = time.monotonic()
-        progress = {owner: started for owner in self.owners}  # an owner's last shard seen
+        progress = {owner: time.monotonic() for owner in self.owners}  # last shard seen
+        active: set[str] = set()
         delays = policy.poll_delays()
-        while pending:
-            batch = self._poll_batch(pending)
+        while pending and not self._abandon.is_set():
+            batch = self._poll_batch(pending, active)
             found = windowed(self.transfers.executor, self._fetch, batch, self.transfers.window)
             arrived = {shard for shard, ok in zip(batch, list(found), strict=True) if ok}
             now = time.monotonic()
-            for shard in arrived:
-                progress[self.owners[shard]] = now
+            active = {self.owners[shard] for shard in arrived}
+            for owner in active:
+                progress[owner] = now
             pending = [shard for shard in pending if shard not in arrived]
-            late = [s for s in pending if now - progress[self.owners[s]] >= policy.orphan_grace]
+            late = self._late(pending, progress, now)
             if arrived:
                 delays = policy.poll_delays()
             elif late:
@@ -228,13 +244,37 @@ class _ShardedExchange:
                 self._reduce(late)
                 pending = [shard for shard in pending if shard not in late]
             elif pending:
-                time.sleep(next(delays))
+                self._abandon.wait(next(delays))
+
+    def _late(self, pending: list[int], progress: dict[str, float], now: float) -> list[int]:
+        """Pending shards whose owner has shown no progress for ``orphan_grace`` seconds,
+        counted from when our own reduction ended at the earliest (before that we are busy,
+        not waiting, and the owners started when we did)."""
+        if self._mine_done_at is None:
+            return []
+        return [
+            shard
+            for shard in pending
+            if now - max(progress[self.owners[shard]], self._mine_done_at)
+            >= self.round.policy.orphan_grace
+        ]
 
     def run(self) -> None:
-        """Reduce our shards, then collect the others', standing in for late owners."""
+        """Reduce our shards while collecting the others' on a thread of its own: their
+        owners publish while we reduce, and reading them meanwhile keeps the link busy
+        through the end of our reduction (docs/collective.md, "Reduce")."""
         me = self.round.me.name
         shards = range(len(self.owners))
         mine = [shard for shard in shards if self.owners[shard] == me]
-        if mine:
-            self._reduce(mine)
-        self._collect([shard for shard in shards if self.owners[shard] != me])
+        others = [shard for shard in shards if self.owners[shard] != me]
+        with ThreadPoolExecutor(1, thread_name_prefix="collect") as collecting:
+            collected = collecting.submit(self._collect, others)
+            try:
+                if mine:
+                    self._reduce(mine)
+            except BaseException:
+                self._abandon.set()
+                raise
+            finally:
+                self._mine_done_at = time.monotonic()
+            collected.result()
