@@ -28,8 +28,8 @@ import contextlib
 import logging
 import threading
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import Counter, deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -38,7 +38,7 @@ from diloco_anywhere.collective.flat import FlatTensors
 from diloco_anywhere.collective.mean import WeightedMean
 from diloco_anywhere.collective.records import Seal, ShardFailure
 from diloco_anywhere.collective.round import Round, SealedContributionError, release
-from diloco_anywhere.collective.transfers import Held, windowed
+from diloco_anywhere.collective.transfers import Held
 from diloco_anywhere.record import RECORD_MAGIC, decode_record, encode_record
 
 log = logging.getLogger(__name__)
@@ -203,48 +203,81 @@ class _ShardedExchange:
         finally:
             held.release()
 
-    def _poll_batch(self, pending: list[int], active: set[str]) -> list[int]:
-        """The next shards to poll: an owner whose shards are arriving (``active``) gets its
-        share of ``window``; any other owner is probed at its first pending shard only, so
-        waiting costs a GET per owner per poll, and every owner's progress is seen even while
-        another owner is late."""
-        owners = sorted({self.owners[shard] for shard in pending})
-        each = max(1, self.transfers.window // len(owners))
-        batch: list[int] = []
-        for owner in owners:
-            theirs = [shard for shard in pending if self.owners[shard] == owner]
-            batch += theirs[: each if owner in active else 1]
-        return sorted(batch)
+    def _next_fetches(
+        self,
+        pending: list[int],
+        in_flight: dict[Future[bool], int],
+        streaming: set[str],
+        due: dict[str, float],
+    ) -> list[int]:
+        """Shards to start fetching now, ``window`` in flight in all. Owners whose shards are
+        arriving (``streaming``) share the window; any other owner is probed at one shard at a
+        time, once its next poll is ``due``: a GET per poll while it is late, and its first
+        shard is seen while another owner's stream fills the window."""
+        now = time.monotonic()
+        share = -(-self.transfers.window // max(1, len(streaming)))
+        fetching = set(in_flight.values())
+        busy = Counter(self.owners[shard] for shard in fetching)
+        chosen: list[int] = []
+        for shard in pending:
+            owner = self.owners[shard]
+            if owner in streaming:
+                allowed = share if len(in_flight) + len(chosen) < self.transfers.window else 0
+            else:
+                allowed = 1 if due[owner] <= now else 0
+            if shard not in fetching and busy[owner] < allowed:
+                chosen.append(shard)
+                busy[owner] += 1
+        return chosen
 
     def _collect(self, pending: list[int]) -> None:
-        """Read the others' reduced shards as they appear, standing in for late owners once
-        our own shards are reduced (``_mine_done_at``); stops early when ``_abandon`` is set."""
+        """Read the others' reduced shards as they appear, a window of reads kept in flight,
+        standing in for late owners once our own shards are reduced (``_mine_done_at``);
+        stops early when ``_abandon`` is set."""
         policy = self.round.policy
-        progress = {owner: time.monotonic() for owner in self.owners}  # last shard seen
-        active: set[str] = set()
-        delays = policy.poll_delays()
-        while pending and not self._abandon.is_set():
-            batch = self._poll_batch(pending, active)
-            found = windowed(self.transfers.executor, self._fetch, batch, self.transfers.window)
-            arrived = {shard for shard, ok in zip(batch, list(found), strict=True) if ok}
-            now = time.monotonic()
-            active = {self.owners[shard] for shard in arrived}
-            for owner in active:
-                progress[owner] = now
-            pending = [shard for shard in pending if shard not in arrived]
-            late = self._late(pending, progress, now)
-            if arrived:
-                delays = policy.poll_delays()
-            elif late:
-                log.warning(
-                    "round %d fragment %d: reducing shards %s myself; owners %s are late",
-                    self.round.round, self.round.fragment, late,
-                    sorted({self.owners[s] for s in late}),
-                )  # fmt: skip
-                self._reduce(late)
-                pending = [shard for shard in pending if shard not in late]
-            elif pending:
-                self._abandon.wait(next(delays))
+        started = time.monotonic()
+        progress = dict.fromkeys(self.owners, started)  # an owner's last shard seen
+        due = dict.fromkeys(self.owners, started)  # an owner's next probe
+        delays = {owner: policy.poll_delays() for owner in self.owners}
+        in_flight: dict[Future[bool], int] = {}
+        streaming: set[str] = set()  # owners whose last read shard was there
+        try:
+            while pending and not self._abandon.is_set():
+                for shard in self._next_fetches(pending, in_flight, streaming, due):
+                    in_flight[self.transfers.executor.submit(self._fetch, shard)] = shard
+                idle = [shard for shard in pending if shard not in in_flight.values()]
+                if late := self._late(idle, progress, time.monotonic()):
+                    self._take_over(late)
+                    pending = [shard for shard in pending if shard not in late]
+                    continue
+                fetching = {self.owners[shard] for shard in in_flight.values()}
+                waiting = {self.owners[shard] for shard in idle} - streaming - fetching
+                probe_at = min((due[owner] for owner in waiting), default=None)
+                timeout = None if probe_at is None else max(0.0, probe_at - time.monotonic())
+                if not in_flight:
+                    self._abandon.wait(timeout)
+                    continue
+                done, _ = wait(in_flight, timeout, return_when=FIRST_COMPLETED)
+                for future in done:
+                    shard = in_flight.pop(future)
+                    owner = self.owners[shard]
+                    if future.result():
+                        pending.remove(shard)
+                        progress[owner] = time.monotonic()
+                        streaming.add(owner)
+                        delays[owner] = policy.poll_delays()
+                    else:
+                        streaming.discard(owner)
+                        due[owner] = time.monotonic() + next(delays[owner])
+        finally:
+            wait(in_flight)  # nothing writes into the destination after the round returns
+
+    def _take_over(self, late: list[int]) -> None:
+        log.warning(
+            "round %d fragment %d: reducing shards %s myself; owners %s are late",
+            self.round.round, self.round.fragment, late, sorted({self.owners[s] for s in late}),
+        )  # fmt: skip
+        self._reduce(late)
 
     def _late(self, pending: list[int], progress: dict[str, float], now: float) -> list[int]:
         """Pending shards whose owner has shown no progress for ``orphan_grace`` seconds,
