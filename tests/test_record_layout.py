@@ -10,8 +10,15 @@ from hypothesis import strategies as st
 
 from diloco_anywhere import wire
 from diloco_anywhere.codec import make_codec
+from diloco_anywhere.collective.records import Manifest, PartEntry
 from diloco_anywhere.layout import RunLayout, contributor, parse_contributor
-from diloco_anywhere.record import RECORD_MAGIC, Record, decode_record, encode_record
+from diloco_anywhere.record import (
+    MAX_RECORD_BYTES,
+    RECORD_MAGIC,
+    Record,
+    decode_record,
+    encode_record,
+)
 from diloco_anywhere.store import check_key
 
 
@@ -124,3 +131,32 @@ def test_a_seal_lists_sorted_distinct_contributor_names(contributors):
     fields = {"run": "run", "round": 0, "fragment": 0, "mode": "gather", "sealed_by": "a-0"}
     with pytest.raises(ValueError, match="contributor"):
         Seal(contributors=contributors, **fields)
+
+
+def test_a_manifest_of_a_7b_model_in_4_mib_parts_fits_a_record():
+    """28 GiB of float32 in 4 MiB parts is 7,168 parts, each named in the manifest."""
+    layout, part = RunLayout("run"), 1 << 20
+    parts = tuple(
+        PartEntry(
+            key=layout.part(12345, 0, "replica-7", 3, shard),
+            size=4 * part + 200,
+            crc32c=2**32 - 1,
+            start=shard * part,
+            stop=(shard + 1) * part,
+        )
+        for shard in range(7 * 1024)
+    )
+    manifest = Manifest(
+        run="run", round=12345, fragment=0, replica="replica-7", incarnation=3, weight=1.0,
+        fingerprint="f" * 64, codec=make_codec("fp32"), numel=7 * 1024 * part, parts=parts,
+    )  # fmt: skip
+    assert decode_record(encode_record(manifest), Manifest, key="k") == manifest
+
+
+def test_a_record_over_the_cap_is_refused_both_ways():
+    huge = Sealed(contributors=("x" * 1024,) * (MAX_RECORD_BYTES // 1024), weight=1.0)
+    with pytest.raises(ValueError, match=f"Sealed is .* bytes; at most {MAX_RECORD_BYTES}"):
+        encode_record(huge)
+    body = huge.model_dump_json().encode()
+    with pytest.raises(wire.WireFormatError, match=f"the {MAX_RECORD_BYTES}-byte cap"):
+        decode_record(craft_record(body), Sealed, key="k")

@@ -18,6 +18,7 @@ from diloco_anywhere.collective.mean import weighted_mean
 from diloco_anywhere.collective.parts import PartIO, Transfers
 from diloco_anywhere.collective.records import Manifest
 from diloco_anywhere.collective.round import RoundPolicy
+from diloco_anywhere.collective.sharded import _ShardedExchange
 from diloco_anywhere.collective.transfers import windowed
 from diloco_anywhere.store import Store
 
@@ -170,3 +171,30 @@ def test_a_reduction_that_fails_stops_collecting_and_fails_the_round():
         for work in works:
             with pytest.raises(ValueError, match="non-finite"):
                 work.wait()
+
+
+def _collector(owners: list[str], window: int) -> _ShardedExchange:
+    """Only what choosing the next reads needs: who owns each shard, and the window."""
+    exchange = _ShardedExchange.__new__(_ShardedExchange)
+    exchange.owners = owners
+    exchange.transfers = Transfers(executor=None, pool=None, window=window)  # type: ignore[arg-type]
+    return exchange
+
+
+def test_collecting_fills_the_window_from_streaming_owners_and_probes_the_others_once():
+    exchange = _collector(["a", "b", "c"] * 6, window=4)
+    pending = [s for s in range(18) if s % 3 != 0]  # a's shards are ours
+    now = time.monotonic()
+    # b's shards are arriving, c's probe came back empty and is due again in an hour
+    chosen = exchange._next_fetches(pending, {}, {"b"}, {"b": now, "c": now + 3600})
+    assert chosen == [1, 4, 7, 10]
+    # once c's poll is due it is probed at one shard, beside b's stream
+    chosen = exchange._next_fetches(pending, {}, {"b"}, {"b": now, "c": now - 1})
+    assert chosen == [1, 2, 4, 7]
+    # a due probe goes out even when b's reads fill the window
+    in_flight = dict.fromkeys(range(4), 0)
+    chosen = exchange._next_fetches(pending[1:], in_flight, {"b"}, {"b": now, "c": now - 1})
+    assert chosen == [2]
+    # nobody streams yet: one probe per owner, nothing more
+    chosen = exchange._next_fetches(pending, {}, set(), {"b": now - 1, "c": now - 1})
+    assert chosen == [1, 2]

@@ -6,13 +6,17 @@ A record is the wire format's prefix with magic ``DLAR`` and a JSON body, and no
     0       4     magic b"DLAR"
     4       1     format version (1)
     5       3     reserved, zero
-    8       4     body length B, at most 64 KiB
+    8       4     body length B, at most MAX_RECORD_BYTES (8 MiB)
     12      4     CRC32C of the body
     16      B     body: UTF-8 JSON, validated against the record's pydantic model
 
 JSON alone is not enough for a bucket: a flipped digit in a weight still parses. The checksum
 catches it, and the strict model (no extra fields, no coercion) catches anything written by
 something other than this code. Errors are ``WireFormatError`` naming the key.
+
+A manifest names every part of a contribution (about 120 bytes each): a 28 GiB pseudo-gradient
+(a 7B model in fp32) in 4 MiB parts is 7,168 parts, some 900 KB. The 8 MiB cap holds about
+68,000 parts (272 GiB in 4 MiB parts) while still refusing a runaway object.
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ import crc32c
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from diloco_anywhere.wire import (
-    MAX_HEADER_BYTES,
     PREFIX,
     VERSION,
     WireFormatError,
@@ -32,6 +35,7 @@ from diloco_anywhere.wire import (
 )
 
 RECORD_MAGIC = b"DLAR"
+MAX_RECORD_BYTES = 8 << 20
 R = TypeVar("R", bound="Record")
 
 
@@ -43,9 +47,9 @@ class Record(BaseModel):
 
 def encode_record(record: Record) -> bytes:
     body = record.model_dump_json().encode()
-    if len(body) > MAX_HEADER_BYTES:
+    if len(body) > MAX_RECORD_BYTES:
         raise ValueError(
-            f"{type(record).__name__} is {len(body)} bytes; at most {MAX_HEADER_BYTES}"
+            f"{type(record).__name__} is {len(body)} bytes; at most {MAX_RECORD_BYTES}"
         )
     prefix = PREFIX.pack(RECORD_MAGIC, VERSION, bytes(3), len(body), crc32c.crc32c(body))
     return prefix + body
@@ -54,7 +58,7 @@ def encode_record(record: Record) -> bytes:
 def decode_record(data: bytes | bytearray, model: type[R], *, key: str) -> R:
     """Check and parse a record of type ``model``; ``WireFormatError`` naming ``key`` if bad."""
     view = memoryview(data).cast("B")
-    body_length = check_prefix(view, key, magic=RECORD_MAGIC)
+    body_length = check_prefix(view, key, magic=RECORD_MAGIC, max_length=MAX_RECORD_BYTES)
     if len(view) != PREFIX.size + body_length:
         raise WireFormatError(
             key, f"record is {len(view)} bytes; its prefix says {PREFIX.size + body_length}"

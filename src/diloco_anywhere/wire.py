@@ -211,7 +211,9 @@ def field_errors(exc: ValidationError, what: str = "header") -> str:
     return "; ".join(_field_error(e, what) for e in exc.errors(include_url=False))
 
 
-def _prefix_fields(view: memoryview, key: str, magic: bytes) -> tuple[int, int]:
+def _prefix_fields(
+    view: memoryview, key: str, magic: bytes, max_length: int = MAX_HEADER_BYTES
+) -> tuple[int, int]:
     """Validate the fixed prefix's fields; return (header length, stored checksum)."""
     if len(view) < PREFIX.size:
         raise WireFormatError(key, f"{len(view)} bytes, shorter than the {PREFIX.size}-byte prefix")
@@ -222,11 +224,11 @@ def _prefix_fields(view: memoryview, key: str, magic: bytes) -> tuple[int, int]:
         raise WireFormatError(key, f"format version {version}; this build reads {VERSION}")
     if reserved != bytes(3):
         raise WireFormatError(key, f"reserved prefix bytes {reserved!r} must be zero")
-    if header_length > min(MAX_HEADER_BYTES, len(view) - PREFIX.size):
+    if header_length > min(max_length, len(view) - PREFIX.size):
         raise WireFormatError(
             key,
             f"header length {header_length} exceeds the object ({len(view)} bytes) "
-            f"or the {MAX_HEADER_BYTES}-byte cap",
+            f"or the {max_length}-byte cap",
         )
     return header_length, checksum
 
@@ -237,9 +239,11 @@ def _checksum_error(key: str, stored: int, actual: int) -> WireFormatError:
     )
 
 
-def check_prefix(view: memoryview, key: str, magic: bytes = MAGIC) -> int:
+def check_prefix(
+    view: memoryview, key: str, magic: bytes = MAGIC, max_length: int = MAX_HEADER_BYTES
+) -> int:
     """Validate the fixed prefix and the checksum; return the header length."""
-    header_length, stored = _prefix_fields(view, key, magic)
+    header_length, stored = _prefix_fields(view, key, magic, max_length)
     actual = crc32c.crc32c(view[PREFIX.size :])
     if actual != stored:
         raise _checksum_error(key, stored, actual)

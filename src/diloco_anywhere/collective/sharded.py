@@ -210,10 +210,10 @@ class _ShardedExchange:
         streaming: set[str],
         due: dict[str, float],
     ) -> list[int]:
-        """Shards to start fetching now, ``window`` in flight in all. Owners whose shards are
-        arriving (``streaming``) share the window; any other owner is probed at one shard at a
-        time, once its next poll is ``due``: a GET per poll while it is late, and its first
-        shard is seen while another owner's stream fills the window."""
+        """Shards to start fetching now. Owners whose shards are arriving (``streaming``)
+        share ``window`` reads in flight; any other owner is probed at one shard at a time,
+        once its next poll is ``due``, window or not: a GET per poll while it is late, and its
+        first shard is seen while another owner's stream fills the window."""
         now = time.monotonic()
         share = -(-self.transfers.window // max(1, len(streaming)))
         fetching = set(in_flight.values())
