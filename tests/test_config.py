@@ -104,3 +104,23 @@ def test_sync_window_and_part_size_reach_the_collective():
     config = parse_config('[sync]\nwindow = 3\npart_size = "2MiB"\n', "run.toml")
     policy = collective_config(config).round
     assert (policy.window, policy.part_elements) == (3, (2 << 20) // 4)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "a = " + "[" * 5000 + "]" * 5000,  # arrays: the TOML parser's recursion
+        "a = " + "{b = " * 3000 + "1" + "}" * 3000,  # inline tables
+        "[run]\nname = " + "[" * 480 + "]" * 480,  # parses, then fails validation
+    ],
+)
+def test_a_run_toml_nested_too_deeply_is_one_line(text):
+    with pytest.raises(ConfigError, match=r"^run.toml: "):
+        parse_config(text, "run.toml")
+
+
+def test_a_run_toml_that_is_not_utf8_is_one_line(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_bytes(b'[run]\nname = "\xff"\n')
+    with pytest.raises(ConfigError, match=r"run.toml: not UTF-8 text \(byte 14\)"):
+        load_config(path)

@@ -163,11 +163,19 @@ def validate_config(data: dict[str, Any], where: str, source: Path | None = None
 
 
 def parse_config(text: str, where: str, source: Path | None = None) -> RunConfig:
+    """Every way ``text`` can fail to be a run config is one ``ConfigError`` line: the CLI
+    prints it and exits 2, never a traceback (a TOML nested thousands of levels deep exhausts
+    the parser's recursion)."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{where}: not valid TOML: {exc}") from None
-    return validate_config(data, where, source)
+    except RecursionError:
+        raise ConfigError(f"{where}: not valid TOML: nested too deeply") from None
+    try:
+        return validate_config(data, where, source)
+    except RecursionError:
+        raise ConfigError(f"{where}: a value is nested too deeply") from None
 
 
 def load_config(path: str | Path | None = None) -> RunConfig:
@@ -177,7 +185,9 @@ def load_config(path: str | Path | None = None) -> RunConfig:
         return parse_config(text, f"(embedded {DEFAULT_CONFIG})")
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode("utf-8")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read it ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); TOML is UTF-8") from None
     return parse_config(text, str(path), source=path.resolve())
