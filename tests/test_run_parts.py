@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import sys
 
 import pytest
 import torch
 from torch import nn
 
+from diloco_anywhere.cli.common import print_json
 from diloco_anywhere.cli.run import parse_backends
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.layout import RunLayout
@@ -170,3 +173,30 @@ def test_a_restarted_replica_sums_its_incarnations_and_reports_its_newest_state(
     assert summary.sync_exposed_seconds == 1.0
     [row] = replica_statuses(metrics, [], lambda handle: "unknown")
     assert (row.state, row.restarts, row.heals, row.divergences) == ("done", 1, 1, 0)
+
+
+def test_non_finite_metrics_stay_readable_end_to_end():
+    """A loss that went NaN and an eval loss that overflowed are what a user most needs to see:
+    they round-trip through the bucket, and every later line with them."""
+    store, layout = Store("memory://metrics-non-finite"), RunLayout("run")
+    writer = MetricsWriter(store, layout, "local-0", 0, "local")
+    writer.event("started")
+    writer.add(StepLine(step=5, loss=float("nan"), tokens=100, time=1.0))
+    writer.add(_sync(1, float("inf")))
+    writer.add(_sync(2, 2.5))
+    writer.flush()
+    metrics = MetricsReader(store, layout).read()["local-0"]
+    assert math.isnan(metrics.steps[0].loss)
+    assert [s.eval_loss for s in metrics.syncs] == [float("inf"), 2.5]
+
+
+def test_json_for_scripts_is_standard_json_whatever_the_floats(capsys):
+    print_json({"loss": float("nan"), "rows": [{"ratio": float("-inf")}, (1.5, float("inf"))]})
+    text = capsys.readouterr().out
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    assert json.loads(text, parse_constant=refuse) == {
+        "loss": None, "rows": [{"ratio": None}, [1.5, None]],
+    }  # fmt: skip

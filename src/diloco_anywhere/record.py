@@ -40,9 +40,14 @@ R = TypeVar("R", bound="Record")
 
 
 class Record(BaseModel):
-    """Base of every record model: immutable, strict, no unknown fields."""
+    """Base of every record model: immutable, strict, no unknown fields. Non-finite floats are
+    written as JSON's ``NaN``/``Infinity`` extensions and read back as such (a training loss
+    that went NaN is what a user most needs to see; pydantic's default writes ``null``, which
+    a float field then refuses). Fields that must be finite say so in their own validators."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", strict=True, ser_json_inf_nan="constants"
+    )
 
 
 def encode_record(record: Record) -> bytes:

@@ -11,7 +11,13 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from diloco_anywhere.cli.common import parse_size, progress_display, stdout, user_errors
+from diloco_anywhere.cli.common import (
+    parse_size,
+    print_json,
+    progress_display,
+    stdout,
+    user_errors,
+)
 from diloco_anywhere.codec import CODEC_NAMES
 from diloco_anywhere.standins import STANDINS, standin
 from diloco_anywhere.store import Store
@@ -113,7 +119,7 @@ def bench_store_command(
             "codecs": bench_codecs(size // 4, repeats, status),
         }
     if json_output:
-        print(json.dumps(result, indent=2))
+        print_json(result)
         return
     stdout.print(_store_table(result["store"]))
     stdout.print(_codec_table(result["codecs"], size // 4))
@@ -253,7 +259,7 @@ def bench_sync_command(
             per_replica = _wan_options(stack, options, shape, replicas)
         result = bench_sync(url, per_replica, bench, status)
     if json_output:
-        print(json.dumps(result, indent=2))
+        print_json(result)
         return
     stdout.print(_sync_table(result))
 
@@ -266,7 +272,7 @@ JsonOutput = Annotated[bool, typer.Option("--json", help="Print one JSON object.
 
 def _print_result(result: dict[str, Any], title: str, json_output: bool) -> None:
     if json_output:
-        print(json.dumps(result, indent=2))
+        print_json(result)
         return
     table = Table(title=title, show_header=False)
     for key, value in result.items():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,6 +33,23 @@ USER_ERRORS = (
     StoreError, StandInUnavailableError, ConfigError, ValueError, FileNotFoundError,
     BackendUnavailableError, LaunchError, InfraError,
 )  # fmt: skip
+
+
+def _finite_or_null(value: object) -> object:
+    """``value`` with every NaN or infinity (anywhere inside) as ``None``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_or_null(item) for item in value]
+    return value
+
+
+def print_json(value: object) -> None:
+    """Print ``value`` as standard JSON for scripts: a NaN loss or an infinite ratio is
+    ``null`` (``json.dumps`` would print ``NaN``/``-Infinity``, which JSON parsers reject)."""
+    print(json.dumps(_finite_or_null(value), indent=2, allow_nan=False))
 
 
 def parse_size(text: str) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -21,7 +20,7 @@ from diloco_anywhere.backends.base import (
     one_line,
     stop_all,
 )
-from diloco_anywhere.cli.common import stderr, stdout, user_errors
+from diloco_anywhere.cli.common import print_json, stderr, stdout, user_errors
 from diloco_anywhere.config import RunConfig, load_config, validate_config
 from diloco_anywhere.launch import (
     LaunchPlan,
@@ -226,10 +225,10 @@ def launch(
         plan = plan_launch(config, counts)
         if dry_run:
             shown = {"replicas": [_shown(spec) for spec in plan.specs], "submit": describe(plan)}
-            print(json.dumps(shown, indent=2))
+            print_json(shown)
             return
         if server_dry_run:
-            print(json.dumps(dry_run_on_servers(plan), indent=2))
+            print_json(dry_run_on_servers(plan))
             return
         if store_has_run(config):
             if fresh:
@@ -261,7 +260,7 @@ def status(config_path: ConfigPath = None, json_output: JsonFlag = False) -> Non
             reader.read(), handles, lambda handle: job_state(backends[handle.platform], handle)
         )
     if json_output:
-        print(json.dumps([row.as_dict() for row in rows], indent=2))
+        print_json([row.as_dict() for row in rows])
     elif not rows:
         stdout.print(f"run {config.run.name}: no replicas launched or reporting yet")
     else:
@@ -368,6 +367,6 @@ def report(
         if json_output:
             metrics = run_metrics(config).read()
             plot_losses(metrics, path, f"run {config.run.name}")
-            print(json.dumps({**summarize(metrics).as_dict(), "plot": str(path)}, indent=2))
+            print_json({**summarize(metrics).as_dict(), "plot": str(path)})
         else:
             _print_report(config, path)
