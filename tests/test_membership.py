@@ -14,12 +14,15 @@ from diloco_anywhere.collective.allreduce import finish_round
 from diloco_anywhere.collective.mean import weighted_mean
 from diloco_anywhere.collective.membership import (
     Heartbeat,
+    Lease,
     LeasePolicy,
     claim_incarnation,
     live_members,
+    member_progress,
 )
 from diloco_anywhere.collective.round import Round, RoundPolicy
 from diloco_anywhere.layout import Participant, RunLayout
+from diloco_anywhere.record import encode_record
 from diloco_anywhere.store import Store
 
 RUN = RunLayout("run")
@@ -138,3 +141,20 @@ def test_zombie_contribution_is_ignored():
 )
 def test_foreign_keys_under_members_are_ignored(key):
     assert RUN.parse_member_key(key) is None
+
+
+@pytest.mark.parametrize("fragment", ["x", "\u00b2", "1" * 30])
+def test_a_lease_with_a_bad_fragment_is_unreadable_not_fatal(fragment, caplog):
+    """The fragment keys of a lease's ``finished`` are JSON strings: they are checked as digits
+    when the lease is read, so one bad lease costs its member's progress (which keeps every
+    round), not the round of whoever collects garbage."""
+    store, layout, policy = Store(f"memory://bad-lease-{fragment}"), RunLayout("run"), LeasePolicy()
+    now = time.time()
+    member = Participant("r", 0)
+    lease = Lease.model_construct(
+        replica="r", incarnation=0, period=policy.current(now), finished={fragment: 3}
+    )
+    store.put(layout.lease("r", 0, policy.current(now)), encode_record(lease))
+    with caplog.at_level("WARNING"):
+        assert member_progress(store, layout, [member], policy, now) == {member.name: {}}
+    assert "unreadable lease" in caplog.text

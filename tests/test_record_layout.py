@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from diloco_anywhere import wire
 from diloco_anywhere.codec import make_codec
 from diloco_anywhere.collective.records import Manifest, PartEntry
-from diloco_anywhere.layout import RunLayout, contributor, parse_contributor
+from diloco_anywhere.layout import RunLayout, contributor, parse_contributor, parse_count
 from diloco_anywhere.record import (
     MAX_RECORD_BYTES,
     RECORD_MAGIC,
@@ -160,3 +160,25 @@ def test_a_record_over_the_cap_is_refused_both_ways():
     body = huge.model_dump_json().encode()
     with pytest.raises(wire.WireFormatError, match=f"the {MAX_RECORD_BYTES}-byte cap"):
         decode_record(craft_record(body), Sealed, key="k")
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("0", 0), ("007", 7), (str(2**63 - 1), 2**63 - 1), (str(2**63), None), ("1" * 20, None),
+     ("\u00b2", None), ("\u0661\u0662", None), ("-1", None), ("+1", None), (" 1", None),
+     ("1_0", None), ("", None)],
+)  # fmt: skip
+def test_numbers_in_keys_are_ascii_digits_within_bounds(text, value):
+    assert parse_count(text) == value
+
+
+@pytest.mark.parametrize("bad", ["\u00b2", "\u0661", str(2**63), "x"])  # ², Arabic-Indic 1
+def test_keys_with_numbers_no_writer_makes_are_not_ours(bad):
+    """Unicode digits pass ``str.isdigit`` and fail ``int``; every key reader says 'not
+    ours' (None) or raises its own ValueError, never another exception."""
+    layout = RunLayout("run")
+    assert layout.parse_member_key(f"run/members/r/{bad}/claim") is None
+    assert layout.parse_member_key(f"run/members/r/0/lease-{bad}") is None
+    assert layout.parse_checkpoint_commit(f"run/checkpoints/{bad}/COMMIT") is None
+    with pytest.raises(ValueError, match="is not '<replica>-<incarnation>'"):
+        parse_contributor(f"r-{bad}")

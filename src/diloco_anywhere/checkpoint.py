@@ -38,7 +38,7 @@ from safetensors.torch import save as save_safetensors
 from torch.utils._pytree import tree_map
 
 from diloco_anywhere.global_state import fingerprint, tree_checksum
-from diloco_anywhere.layout import RunLayout
+from diloco_anywhere.layout import RunLayout, parse_count
 from diloco_anywhere.record import Record, decode_record, encode_record
 from diloco_anywhere.store import Store, check_key
 from diloco_anywhere.wire import Count, Name, WireFormatError
@@ -296,9 +296,9 @@ def prune_checkpoints(store: Store, layout: RunLayout, keep: int) -> None:
         key.removeprefix(f"{layout.checkpoints()}/").split("/")[0]
         for key in store.list_prefix(layout.checkpoints())
     }
-    for folder in sorted(folders):
-        if folder.isdigit() and int(folder) < oldest_kept:
-            store.delete_prefix(layout.checkpoint(int(folder)))
+    rounds = (parse_count(folder) for folder in folders)  # None: not a checkpoint's folder
+    for round_ in sorted(r for r in rounds if r is not None and r < oldest_kept):
+        store.delete_prefix(layout.checkpoint(round_))
 
 
 # -- reading -------------------------------------------------------------------------------

@@ -25,7 +25,22 @@ def check_name(name: str, what: str) -> str:
     return name
 
 
-def _check_count(value: int, what: str, maximum: int = 2**63 - 1) -> int:
+MAX_COUNT = 2**63 - 1
+DIGITS = re.compile(r"[0-9]{1,19}")
+
+
+def parse_count(text: str, maximum: int = MAX_COUNT) -> int | None:
+    """A whole number written in ASCII digits (as this code writes rounds, incarnations,
+    periods and shards into keys) from 0 to ``maximum``; None for anything else. Every number
+    read from a key goes through here: ``str.isdigit`` also accepts digits such as '²' that
+    ``int`` refuses, and an unbounded number overflows what a record may hold."""
+    if not DIGITS.fullmatch(text):
+        return None
+    value = int(text)
+    return value if value <= maximum else None
+
+
+def _check_count(value: int, what: str, maximum: int = MAX_COUNT) -> int:
     if not (isinstance(value, int) and 0 <= value <= maximum):
         raise ValueError(f"{what} {value!r} is not allowed: an integer from 0 to {maximum}")
     return value
@@ -38,9 +53,10 @@ def contributor(replica: str, incarnation: int) -> str:
 def parse_contributor(name: str) -> tuple[str, int]:
     """``'modal-0-3'`` -> ``('modal-0', 3)``."""
     replica, _, incarnation = name.rpartition("-")
-    if not (replica and incarnation.isdigit() and NAME.fullmatch(replica)):
+    number = parse_count(incarnation)
+    if not (replica and number is not None and NAME.fullmatch(replica)):
         raise ValueError(f"contributor {name!r} is not '<replica>-<incarnation>'")
-    return replica, int(incarnation)
+    return replica, number
 
 
 @dataclass(frozen=True)
@@ -86,12 +102,17 @@ class RunLayout:
         ``.../lease-{period}`` -> (replica, incarnation, period); anything else -> None."""
         prefix = f"{self.members()}/"
         parts = key.removeprefix(prefix).split("/") if key.startswith(prefix) else []
-        if len(parts) != 3 or not NAME.fullmatch(parts[0]) or not parts[1].isdigit():
+        if len(parts) != 3 or not NAME.fullmatch(parts[0]):
+            return None
+        incarnation = parse_count(parts[1])
+        if incarnation is None:
             return None
         if parts[2] == "claim":
-            return parts[0], int(parts[1]), None
-        period = parts[2].removeprefix("lease-")
-        return (parts[0], int(parts[1]), int(period)) if period.isdigit() else None
+            return parts[0], incarnation, None
+        if not parts[2].startswith("lease-"):
+            return None
+        period = parse_count(parts[2].removeprefix("lease-"))
+        return None if period is None else (parts[0], incarnation, period)
 
     # -- rounds --------------------------------------------------------------------------------
 
@@ -139,7 +160,7 @@ class RunLayout:
         """``checkpoints/{round}/COMMIT`` -> round; anything else -> None."""
         parts = key.removeprefix(f"{self.checkpoints()}/").split("/")
         if key.startswith(f"{self.checkpoints()}/") and len(parts) == 2 and parts[1] == "COMMIT":
-            return int(parts[0]) if parts[0].isdigit() else None
+            return parse_count(parts[0])
         return None
 
     # -- metrics -------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from datetime import timedelta
 from diloco_anywhere.checkpoint import retained_after
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.config import ConfigError, RunConfig, load_config, validate_config
-from diloco_anywhere.layout import RunLayout, check_name
+from diloco_anywhere.layout import RunLayout, check_name, parse_count
 from diloco_anywhere.metrics import MetricsWriter
 from diloco_anywhere.published_config import ENV_CONFIG_KEY, read_config
 from diloco_anywhere.replica_group import ReplicaGroup
@@ -96,9 +96,10 @@ def identity(arguments: argparse.Namespace, environ: dict[str, str]) -> tuple[st
 
 
 def _whole_number(value: str, name: str) -> int:
-    if not value.isdigit():
+    number = parse_count(value)
+    if number is None:
         raise ValueError(f"${name} = {value!r}: expected a whole number >= 0")
-    return int(value)
+    return number
 
 
 def configuration(path: str | None, environ: dict[str, str]) -> RunConfig:

@@ -40,6 +40,7 @@ from diloco_anywhere.backends.base import (
     settings_error,
 )
 from diloco_anywhere.config import RunConfig
+from diloco_anywhere.layout import parse_count
 from diloco_anywhere.replica import EXIT_BAD_CONFIG
 
 if TYPE_CHECKING:
@@ -106,9 +107,10 @@ def parse_gpu(value: str) -> tuple[str, int]:
             f"followed by ':count' (e.g. 'H100:8')"
         )
     limit = GPUS_PER_CONTAINER.get(name, MAX_GPUS)
-    if colon and not (count.isdigit() and 1 <= int(count) <= limit):
+    number = parse_count(count, limit) if colon else 1
+    if not number:
         raise ValueError(f"the count after {name}: must be a whole number from 1 to {limit}")
-    return name, int(count or 1)
+    return name, number
 
 
 def _check_object_name(name: str, what: str) -> None:

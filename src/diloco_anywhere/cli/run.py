@@ -37,6 +37,7 @@ from diloco_anywhere.launch import (
     start,
     store_has_run,
 )
+from diloco_anywhere.layout import parse_count
 from diloco_anywhere.replica import ENV_STORE
 from diloco_anywhere.report import RunSummary, plot_losses, summarize
 from diloco_anywhere.status import ReplicaStatus, replica_statuses
@@ -73,11 +74,10 @@ def parse_backends(values: list[str], config: RunConfig, replicas: int | None) -
             raise ValueError(f"--backend {value!r}: choose from {', '.join(BACKENDS)}")
         if not count and len(values) > 1:
             raise ValueError(f"--backend {value!r}: with several backends give each a count")
-        if count and not (count.isdigit() and int(count) > 0):
+        number = parse_count(count) if count else None
+        if count and not number:
             raise ValueError(f"--backend {value!r}: the count must be a whole number >= 1")
-        counts[name] = (
-            int(count) if count else (replicas or configured.get(name, config.run.replicas))
-        )
+        counts[name] = number or replicas or configured.get(name, config.run.replicas)
     return counts
 
 

@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Annotated
 
 from pydantic import Field
 
@@ -45,8 +46,11 @@ class Lease(Record):
     replica: Name
     incarnation: Count
     period: Count
-    # fragment -> the newest round this incarnation has finished (for garbage collection)
-    finished: dict[str, Count] = Field(default_factory=dict)
+    # fragment -> the newest round this incarnation has finished (for garbage collection);
+    # JSON keys are strings, so the fragment is checked as digits here, in the reader
+    finished: dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], Count] = Field(
+        default_factory=dict
+    )
 
 
 @dataclass(frozen=True)
