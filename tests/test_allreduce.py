@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import signal
@@ -11,11 +12,13 @@ import pytest
 import torch
 
 from diloco_anywhere.bench.store import sample_tensor
+from diloco_anywhere.checkpoint import prune_checkpoints
 from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig
 from diloco_anywhere.collective.mean import weighted_mean
 from diloco_anywhere.collective.membership import Heartbeat, LeasePolicy, claim_incarnation
 from diloco_anywhere.collective.round import RoundPolicy, RoundTimeoutError
 from diloco_anywhere.layout import Participant, RunLayout
+from diloco_anywhere.metrics import MetricsReader, MetricsWriter
 from diloco_anywhere.store import Store
 
 CONFIG = CollectiveConfig(
@@ -182,3 +185,32 @@ def test_a_round_a_straggler_still_needs_is_kept():
             fast.allreduce(torch.ones(4), round_=round_).wait()
     with_data = {key.split("/")[2] for key in store.list_prefix("run/rounds") if "SEAL" not in key}
     assert with_data == {f"{r:010d}" for r in range(1, 6)}
+
+
+STRAYS = [".DS_Store", "rounds/.DS_Store", "rounds/0000000000/.DS_Store",
+          "rounds/0000000001/0/.DS_Store", "rounds/0000000001/0/parts/~lock", "metrics/.DS_Store",
+          "metrics/local-0/.DS_Store", "members/.DS_Store", "members/solo/0/#claim#",
+          "checkpoints/.DS_Store", "checkpoints/0000000001/.DS_Store"]  # fmt: skip
+
+
+def test_files_that_are_not_keys_in_a_runs_folders_are_skipped_and_named_once(tmp_path, caplog):
+    """A Finder's .DS_Store, an editor's lock file: what this tool never writes is skipped by
+    every listing (named in the log once), so rounds, garbage collection, metrics and
+    checkpoint pruning go on."""
+    for stray in STRAYS:
+        (tmp_path / "run" / stray).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "run" / stray).write_bytes(b"junk")
+    store, layout = Store(f"file://{tmp_path}"), RunLayout("run")
+    config = CollectiveConfig(round=RoundPolicy(grace=3600.0, timeout=60.0), keep_rounds=1)
+    caplog.set_level(logging.WARNING)
+    with BucketCollective(store, "run", "solo", config) as collective:
+        for round_ in range(4):
+            collective.allreduce(torch.ones(4), round_=round_).wait()
+    MetricsWriter(store, layout, "local-0", 0, "local").event("started")
+    assert list(MetricsReader(store, layout).read()) == ["local-0"]
+    prune_checkpoints(store, layout, keep=2)
+    data = {key for key in store.list_prefix("run/rounds") if not key.endswith("SEAL")}
+    assert {key.split("/")[2] for key in data} == {f"{3:010d}"}  # collected up to round 2
+    assert "garbage collection" not in caplog.text
+    for stray in STRAYS[1:]:  # the run folder's own is listed by nobody
+        assert caplog.text.count(f"skipping 'run/{stray}'") == 1, stray

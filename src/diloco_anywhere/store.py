@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import re
 import threading
@@ -63,6 +64,7 @@ COMMON_REMOTE_DEFAULTS = {"use_listings_cache": False, "skip_instance_cache": Tr
 
 TEMP_PREFIX = ".tmp-"
 _MEMORY_LOCK = threading.Lock()
+log = logging.getLogger(__name__)
 _KEY_SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.=-]{0,254}")
 MAX_KEY_LENGTH = 1024  # S3's limit, the strictest of the supported stores
 
@@ -236,6 +238,7 @@ class Store:
                 setattr(self._fs, attribute, value)
         self._is_local = bool(protocols & LOCAL_PROTOCOLS)
         self._create = self._exclusive_writer(protocols)
+        self._strangers: set[str] = set()  # listed objects that are not keys, logged once
 
     def _exclusive_writer(self, protocols: frozenset[str]) -> Callable[[str, Buffer], None]:
         if self._is_local:
@@ -390,7 +393,21 @@ class Store:
         except FileNotFoundError:
             return []
         start = len(self._root) + 1
-        return sorted(p[start:] for p in paths if not os.path.basename(p).startswith(TEMP_PREFIX))
+        names = (p[start:] for p in paths if not os.path.basename(p).startswith(TEMP_PREFIX))
+        return sorted(name for name in names if self._is_key(name))
+
+    def _is_key(self, name: str) -> bool:
+        """Whether a listed object is one this store can address; anything else (a
+        ``.DS_Store``, an editor's backup) is skipped and named in the log once, so a stray
+        file in a run's folders never fails a reader or the garbage collector."""
+        try:
+            check_key(name)
+        except ValueError:
+            if name not in self._strangers:
+                self._strangers.add(name)
+                log.warning("%s: skipping %r, which is not a key this tool writes", self.url, name)
+            return False
+        return True
 
     def delete(self, key: str) -> None:
         """Delete one key; nothing happens if it does not exist (S3 and GCS deletes are
