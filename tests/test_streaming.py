@@ -8,6 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from diloco_anywhere import wire
 from diloco_anywhere.bench.store import sample_tensor
@@ -16,11 +18,12 @@ from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveCon
 from diloco_anywhere.collective.flat import FlatTensors
 from diloco_anywhere.collective.mean import weighted_mean
 from diloco_anywhere.collective.parts import PartIO, Transfers
-from diloco_anywhere.collective.records import Manifest
+from diloco_anywhere.collective.records import MAX_WEIGHT, Manifest, check_weight
 from diloco_anywhere.collective.round import RoundPolicy
 from diloco_anywhere.collective.sharded import _ShardedExchange
 from diloco_anywhere.collective.transfers import windowed
-from diloco_anywhere.store import Store
+from diloco_anywhere.layout import RunLayout
+from diloco_anywhere.store import Store, StoreError
 
 META = wire.ObjectMeta(run="run", round=0, replica="a", incarnation=0, shard=0)
 
@@ -154,12 +157,15 @@ def test_a_sync_of_many_tensors_of_mixed_dtypes_gets_the_mean_in_place(mode):
     assert works[0].result().seal.mode == mode
 
 
-def test_a_reduction_that_fails_stops_collecting_and_fails_the_round():
+def test_a_reduction_that_fails_stops_collecting_and_fails_the_round(tmp_path):
     """Each replica collects the others' shards while it reduces its own; when its own
-    reduction fails (here: finite contributions whose sum overflows float32), collecting
-    stops at once. orphan_grace is an hour: a collector left running would wait that long
-    for shards nobody publishes."""
-    store = Store("memory://streaming-overflow")
+    reduction fails (here: a file where the reduced shards' folder must go, so no reduced
+    shard can be put, and reading one finds nothing), collecting stops at once. orphan_grace
+    is an hour: a collector left running would wait that long for shards nobody publishes."""
+    blocker = tmp_path / RunLayout("run").reduced(0, 0, 0).rsplit("/", 1)[0]
+    blocker.parent.mkdir(parents=True)
+    blocker.write_bytes(b"")
+    store = Store(f"file://{tmp_path}")
     policy = RoundPolicy(grace=30, timeout=3600, mode="sharded", part_elements=8,
                          expected_replicas=2, orphan_grace=3600)  # fmt: skip
     config = CollectiveConfig(round=policy)
@@ -167,9 +173,9 @@ def test_a_reduction_that_fails_stops_collecting_and_fails_the_round():
         BucketCollective(store, "run", "a", config) as a,
         BucketCollective(store, "run", "b", config) as b,
     ):
-        works = [c.allreduce(torch.full((64,), 3e38), round_=0) for c in (a, b)]
+        works = [c.allreduce(torch.ones(64), round_=0) for c in (a, b)]
         for work in works:
-            with pytest.raises(ValueError, match="non-finite"):
+            with pytest.raises(StoreError, match="a folder on its path is already a key"):
                 work.wait()
 
 
@@ -198,3 +204,31 @@ def test_collecting_fills_the_window_from_streaming_owners_and_probes_the_others
     # nobody streams yet: one probe per owner, nothing more
     chosen = exchange._next_fetches(pending, {}, set(), {"b": now - 1, "c": now - 1})
     assert chosen == [1, 2]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    weights=st.lists(st.floats(min_value=2.0**-30, max_value=MAX_WEIGHT), min_size=1, max_size=6),
+    data=st.data(),
+)
+def test_any_accepted_weights_give_a_finite_mean(weights, data):
+    """Each contribution is scaled by its share of the total weight, so no weight and no
+    finite float32 values can overflow the mean (a weight of 1e19 times 3e38 would)."""
+    finite32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
+    contributions = [
+        (torch.tensor(data.draw(st.lists(finite32, min_size=3, max_size=3))), weight)
+        for weight in weights
+    ]
+    assert bool(torch.isfinite(weighted_mean(contributions)).all())
+
+
+@pytest.mark.parametrize("weight", [0.0, -1.0, 1e39, float("inf"), float("nan")])
+def test_a_weight_out_of_range_is_refused_where_it_is_set_and_where_it_is_read(weight):
+    with pytest.raises(ValueError, match="a number > 0 and at most 2\\^64"):
+        check_weight(weight)
+    store = Store(f"memory://bad-weight-{weight}")
+    with (
+        BucketCollective(store, "run", "a") as collective,
+        pytest.raises(ValueError, match="a number > 0 and at most 2\\^64"),
+    ):
+        collective.allreduce(torch.ones(4), round_=0, weight=weight).wait()

@@ -41,6 +41,7 @@ from torch.distributed import ReduceOp
 
 from diloco_anywhere.codec import Codec, make_codec
 from diloco_anywhere.collective.allreduce import BucketCollective, RoundResult, Work
+from diloco_anywhere.collective.records import check_weight
 from diloco_anywhere.global_state import fingerprint, state_tree, tree_checksum
 
 log = logging.getLogger(__name__)
@@ -222,8 +223,8 @@ class BucketManager:
         return commit
 
     def set_weight(self, weight: float) -> None:
-        """This replica's weight in the next syncs (e.g. tokens per sync)."""
-        self._weight = float(weight)
+        """This replica's weight in the next syncs (e.g. tokens per sync): > 0, at most 2^64."""
+        self._weight = check_weight(weight)
 
     # -- state ---------------------------------------------------------------------------------
 

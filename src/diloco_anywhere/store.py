@@ -265,7 +265,9 @@ class Store:
         """Retry transient errors; name the key and the store in every error that surfaces."""
         try:
             return call_with_retry(call, self._retry, on_retry=lambda _: self._add(retries=1))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
+            # a local key below a key (a file where its folder would be) cannot exist, as S3
+            # answers a GET of "a/b/c" with 404 when "a/b" is an object
             raise FileNotFoundError(f"{self._where(key)} does not exist") from None
         except FileExistsError:
             raise

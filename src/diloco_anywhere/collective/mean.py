@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import torch
 
+from diloco_anywhere.codec import require_finite
+
 
 class WeightedMean:
-    """sum(w_i * g_i) * (1 / sum(w_i)) accumulated into ``out`` one contribution at a time, in
-    the order given, each step one IEEE float32 operation (a multiply, then an add; no fused
-    multiply-add), so any machine gets the same bits. The sum starts from ``w_0 * g_0``.
+    """sum((w_i / sum(w)) * g_i) accumulated into ``out`` one contribution at a time, in the
+    order given, each step one IEEE float32 operation (a multiply, then an add; no fused
+    multiply-add), so any machine gets the same bits. The sum starts from the first term.
+
+    Each contribution is scaled by its share of the total weight (computed in float64, then
+    used as a float32 scalar), not by its weight: every share is at most 1, so every partial
+    sum is a convex combination of finite values and cannot overflow, whatever the weights
+    (a weight of 1e39 is finite in a manifest's float64 and infinite in float32). ``result``
+    refuses a non-finite mean all the same: a mean that is not finite is never applied.
 
     The order is the SEAL's (sorted contributor names). Contributions arrive in chunks
     (``add``), so a reducer holds one accumulator, not N decoded contributions. Element-wise,
@@ -24,26 +32,25 @@ class WeightedMean:
         self._filled = 0  # elements the first contribution has set so far
 
     def add(self, start: int, values: torch.Tensor, weight: float) -> None:
-        """Add ``weight * values`` to elements ``[start, start + len(values))``. The first
-        contribution's chunks come in order and set the sum (no zeroing pass, no add); every
-        later one adds to it."""
-        count = values.numel()
+        """Add ``(weight / total) * values`` to elements ``[start, start + len(values))``. The
+        first contribution's chunks come in order and set the sum (no zeroing pass, no add);
+        every later one adds to it."""
+        count, share = values.numel(), weight / self._total
         target = self._flat[start : start + count]
         if start >= self._filled:
-            torch.mul(values, weight, out=target)
+            torch.mul(values, share, out=target)
             self._filled = start + count
             return
         if self._scaled.numel() < count:
             self._scaled = torch.empty(count)
         scaled = self._scaled[:count]
-        torch.mul(values, weight, out=scaled)
+        torch.mul(values, share, out=scaled)
         target.add_(scaled)
 
     def result(self) -> torch.Tensor:
-        # Times the reciprocal, not a division: torch may divide by a scalar as a multiplication
-        # in its vectorized loop but truly in the scalar tail, and where tails fall follows the
-        # thread count, so a division would differ by an ulp between replicas on some elements.
-        return self.out.mul_(1.0 / self._total)
+        """The mean; ``ValueError`` if any element is not finite."""
+        require_finite(self.out, "the weighted mean", ValueError)
+        return self.out
 
 
 def weighted_mean(

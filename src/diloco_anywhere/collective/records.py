@@ -12,6 +12,17 @@ from diloco_anywhere.layout import parse_contributor
 from diloco_anywhere.record import Record
 from diloco_anywhere.wire import Count, Name
 
+# Weights are tokens or samples per sync: 2^64 is beyond any run, and a sum of any number of
+# them stays far inside float64 (the mean scales each contribution by its share, mean.py).
+MAX_WEIGHT = 2.0**64
+
+
+def check_weight(weight: float) -> float:
+    """``weight`` if it is a number in (0, 2^64]; ``ValueError`` saying so otherwise."""
+    if not (isinstance(weight, float | int) and math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
+        raise ValueError(f"weight {weight!r} is not allowed: a number > 0 and at most 2^64")
+    return float(weight)
+
 
 class PartEntry(Record):
     """One part of a contribution: its key, exact size and checksum, and its element range."""
@@ -39,10 +50,8 @@ class Manifest(Record):
 
     @field_validator("weight")
     @classmethod
-    def _positive_finite(cls, weight: float) -> float:
-        if not (math.isfinite(weight) and weight > 0):
-            raise ValueError("weight must be a finite number > 0")
-        return weight
+    def _weight_in_range(cls, weight: float) -> float:
+        return check_weight(weight)
 
     @model_validator(mode="after")
     def _parts_tile_the_tensor(self) -> Manifest:
