@@ -124,3 +124,9 @@ def test_a_run_toml_that_is_not_utf8_is_one_line(tmp_path):
     path.write_bytes(b'[run]\nname = "\xff"\n')
     with pytest.raises(ConfigError, match=r"run.toml: not UTF-8 text \(byte 14\)"):
         load_config(path)
+
+
+@pytest.mark.parametrize("url", ["ftp://host/runs", "hf://owner/repo", "http://example.com/x"])
+def test_a_store_url_of_a_scheme_the_store_cannot_open_is_refused_on_load(url):
+    with pytest.raises(ConfigError, match=rf"run.store = '{url}': scheme '\w+' has no create-only"):
+        parse_config(f'[run]\nstore = "{url}"\n', "run.toml")

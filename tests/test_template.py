@@ -22,7 +22,7 @@ from huggingface_hub import JobHardware
 
 from diloco_anywhere.backends import modal as modal_backend
 from diloco_anywhere.backends import sagemaker as sagemaker_backend
-from diloco_anywhere.config import parse_config
+from diloco_anywhere.config import ConfigError, parse_config
 from diloco_anywhere.launch import plan_launch
 
 if sys.version_info >= (3, 11):
@@ -108,7 +108,12 @@ def test_the_defaults_render_a_local_run(tmp_path) -> None:
 def test_answer_sets_render_only_what_they_chose(tmp_path, storage, backends) -> None:
     project = render(tmp_path, storage=storage, backends=backends, **ACCOUNT)
     assert_clean(project)
-    config = parse_config((project / "run.toml").read_text(), "run.toml")
+    run_toml = (project / "run.toml").read_text()
+    if storage == "hf":  # the choice says so: no hf:// store yet, and loading says why
+        with pytest.raises(ConfigError, match="scheme 'hf' has no create-only write"):
+            parse_config(run_toml, "run.toml")
+        run_toml = run_toml.replace("hf://my-org/my-diloco-run-diloco", "s3://stand-in/runs")
+    config = parse_config(run_toml, "run.toml")
     assert config.run.store == f"{CLOUD[storage]}://my-diloco-run-diloco/runs" or storage == "hf"
     assert sorted(config.backends) == sorted(backends)
     assert config.run.replicas == 2 * len(backends)  # each backend's default: 2 replicas

@@ -15,10 +15,19 @@ from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 from diloco_anywhere.codec import CODEC_NAMES
 from diloco_anywhere.layout import NAME
+from diloco_anywhere.store import check_store_url
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -41,7 +50,7 @@ class _Section(BaseModel):
 class RunSection(_Section):
     name: Annotated[str, Field(pattern=rf"^{NAME.pattern}$")] = "demo"
     # A path, file://, s3://, gs://, az://; a relative path is relative to run.toml's folder.
-    store: str = ".diloco/demo/store"
+    store: Annotated[str, AfterValidator(check_store_url)] = ".diloco/demo/store"
     replicas: PositiveInt = 4
     min_replicas: PositiveInt = 1
     seed: int = 0

@@ -146,6 +146,16 @@ def scrub_secrets(text: str) -> str:
     return _SECRET_PARAMETER.sub(lambda m: f"{m.group(1)}=***", text)
 
 
+def check_store_url(url: str) -> str:
+    """``url`` if its scheme is one a ``Store`` can open (no filesystem is built: run.toml
+    is checked on load, where no credentials or network may be at hand); ``ValueError`` naming
+    the schemes otherwise."""
+    scheme = get_protocol(url) if "://" in url else "file"
+    if scheme not in LOCAL_PROTOCOLS | MEMORY_PROTOCOLS | CONDITIONAL_PUT_PROTOCOLS:
+        raise ValueError(f"scheme {scheme!r} has no create-only write; use {SUPPORTED_SCHEMES}")
+    return url
+
+
 def _protocols(url: str) -> frozenset[str]:
     cls = fsspec.get_filesystem_class(get_protocol(url))
     protocol = cls.protocol
