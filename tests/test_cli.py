@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from diloco_anywhere.cli import app, parse_size
@@ -172,3 +174,26 @@ def test_bench_overlap_and_throughput_report_fractions_and_ratios(tmp_path, monk
                      "--repeats", "1", "--json")  # fmt: skip
     assert throughput.exit_code == 0, throughput.output
     assert json.loads(throughput.stdout)["ratio"] > 0
+
+
+def _command_paths(command: object, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every command's argument path, groups walked (``typer.core.TyperGroup`` has
+    ``commands``)."""
+    commands = getattr(command, "commands", None)
+    if commands is None:
+        return [path]
+    return [found for name, sub in commands.items() for found in _command_paths(sub, (*path, name))]
+
+
+@pytest.mark.parametrize("path", _command_paths(typer.main.get_command(app)), ids=" ".join)
+def test_every_help_is_readable_at_80_columns(path):
+    """Option descriptions get the width of the terminal, not a squeezed column."""
+    result = runner.invoke(app, [*path, "--help"], terminal_width=80)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert max(map(len, lines)) <= 80
+    options = lines[lines.index("Options:") + 1 :]
+    described = [line for line in options if re.match(r"  -\S.*?\s{2,}\S", line)]
+    assert described, "no option with its description beside it"
+    for line in described:
+        assert re.match(r"  -\S.*?\s{2,}", line).end() <= 34, line

@@ -11,6 +11,7 @@ from diloco_anywhere.cli.common import parse_size
 from diloco_anywhere.cli.infra import infra_app
 
 app = typer.Typer(
+    rich_markup_mode=None,  # plain click help: readable at 80 columns (rich squeezes it)
     help="DiLoCo training across platforms that share nothing but an object store.",
     no_args_is_help=True,
     add_completion=False,

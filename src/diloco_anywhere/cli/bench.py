@@ -82,6 +82,7 @@ STANDIN_OPTION = typer.Option(
 
 
 bench_app = typer.Typer(
+    rich_markup_mode=None,  # plain click help: readable at 80 columns (rich squeezes it)
     help="Benchmarks: measured numbers (docs/benchmarks.md), never timed tests.",
     no_args_is_help=True,
 )

@@ -19,6 +19,7 @@ from diloco_anywhere.infra import (
 )
 
 infra_app = typer.Typer(
+    rich_markup_mode=None,  # plain click help: readable at 80 columns (rich squeezes it)
     help="Provision the run's cloud resources with terraform (infra/aws or infra/gcp) and "
     "put their outputs into run.toml.",
     no_args_is_help=True,
