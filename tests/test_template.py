@@ -7,18 +7,24 @@ validator's message; the hardware choices are the platforms' own.
 
 from __future__ import annotations
 
+import ast
 import json
+import keyword
 import os
 import subprocess
 import sys
 import warnings
+from importlib import metadata
 from pathlib import Path
 
 import copier
 import hcl2
+import markupsafe
 import pytest
+import tomllib
 import yaml
 from huggingface_hub import JobHardware
+from packaging.requirements import Requirement
 
 from diloco_anywhere.backends import modal as modal_backend
 from diloco_anywhere.backends import sagemaker as sagemaker_backend
@@ -148,7 +154,12 @@ def test_k8s_gpus_become_processes_per_replica(tmp_path) -> None:
     [
         ({"project_name": "My Run"}, "project_name My Run is not allowed: 2-54 lowercase"),
         ({"package_name": "2fast"}, "package_name 2fast is not allowed: a lowercase Python"),
-        ({"package_name": "diloco_anywhere"}, "other than diloco_anywhere"),
+        ({"package_name": "diloco_anywhere"}, "which a package of that name would shadow"),
+        ({"package_name": "lambda"}, "package_name lambda is not allowed: it is a Python keyword"),
+        ({"package_name": "json"}, "the name of a module the runtime imports"),
+        ({"package_name": "torch"}, "the name of a module the runtime imports"),
+        ({"description": "two\nlines"}, "one line of at most 200 characters, without line"),
+        ({"description": "a\ttab"}, "one line of at most 200 characters, without line"),
         ({"storage": "s3", "bucket": "My_Bucket"}, "S3 bucket names here are 3-63 lowercase"),
         ({"storage": "s3", "bucket": "runs.example"}, "no '.': TLS to a dotted bucket"),
         ({"storage": "gcs", "bucket": "runs.example"}, "no '.': dotted names need domain"),
@@ -270,3 +281,42 @@ def test_copier_update_keeps_the_users_edit_and_brings_the_template_change(tmp_p
     for path in rendered_files(project):
         if ".git" not in path.relative_to(project).parts:
             assert "<<<<<<<" not in path.read_text(errors="replace"), path
+
+
+@pytest.mark.parametrize(
+    "description",
+    ['He said "go" \\ then left', 'a """docstring""" and a \'quote\'', "<b>bold</b> & [link](x)",
+     "\u00dcn\u00efc\u00f6d\u00e9 \u2013 dashes"],
+)  # fmt: skip
+def test_a_description_is_escaped_for_every_file_it_reaches(tmp_path, description) -> None:
+    project = render(tmp_path, description=description)
+    assert_clean(project)
+    pyproject = tomllib.loads((project / "pyproject.toml").read_text())
+    assert pyproject["project"]["description"] == description
+    package = project / "src" / "my_diloco_run" / "__init__.py"
+    assert ast.get_docstring(ast.parse(package.read_text())) == description
+    assert str(markupsafe.escape(description)) in (project / "README.md").read_text()
+
+
+def _reserved_names() -> set[str]:
+    """Keywords, the standard library, and the top-level modules of the runtime's direct
+    dependencies as installed here: what a run project's package would shadow."""
+    names = set(keyword.kwlist) | set(sys.stdlib_module_names) | {"diloco_anywhere"}
+    for line in metadata.distribution("diloco-anywhere").requires or []:
+        requirement = Requirement(line)
+        if requirement.marker and not requirement.marker.evaluate({"extra": ""}):
+            continue  # an extra, or another Python's
+        for file in metadata.distribution(requirement.name).files or []:
+            first = file.parts[0]
+            if len(file.parts) == 1:
+                first = first.removesuffix(".py") if first.endswith(".py") else ""
+            if not first.endswith((".dist-info", ".egg-info", ".data")):
+                names.add(first)
+    return {n for n in names if n.isidentifier() and n == n.lower() and not n.startswith("_")}
+
+
+def test_the_reserved_package_names_cover_what_the_runtime_imports() -> None:
+    listed = set(
+        yaml.safe_load((ROOT / "copier.yml").read_text())["reserved_package_names"]["default"]
+    )
+    assert _reserved_names() - listed == set()
