@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
+import os
 import threading
 
 import pytest
@@ -214,3 +216,33 @@ def test_racing_threads_on_memory_have_exactly_one_winner():
         thread.join()
     assert len(outcomes) == 1
     assert Store("memory://race-threads").get("seal") == f"racer-{outcomes[0]}".encode()
+
+
+def test_a_local_store_follows_no_link_and_reads_only_regular_files(tmp_path, caplog):
+    """Planted in a run's folders: a folder that links outside the store, a key that links to
+    a file outside it, a FIFO where a manifest goes. Nothing outside is written, read or
+    deleted; the FIFO is refused at once instead of blocking the reader."""
+    root, outside = tmp_path / "store", tmp_path / "outside"
+    (root / "run" / "rounds").mkdir(parents=True)
+    outside.mkdir()
+    (outside / "precious").write_bytes(b"keep me")
+    (root / "run" / "rounds" / "0000000001").symlink_to(outside, target_is_directory=True)
+    (root / "run" / "rounds" / "secret").symlink_to(outside / "precious")
+    os.mkfifo(root / "run" / "rounds" / "fifo")
+    store = Store(f"file://{root}")
+    store.put("run/rounds/0000000000/SEAL", b"sealed")
+    caplog.set_level(logging.WARNING)
+    with pytest.raises(StoreError, match="a symbolic link is on its path"):
+        store.put("run/rounds/0000000001/planted", b"x")
+    for key in ("run/rounds/0000000001/precious", "run/rounds/secret"):
+        with pytest.raises(StoreError, match="a symbolic link is on its path"):
+            store.get(key)
+    with pytest.raises(StoreError, match="not a regular file"):
+        store.get("run/rounds/fifo")
+    with pytest.raises(StoreError, match="not a regular file"):
+        store.get_into("run/rounds/fifo", lambda size: memoryview(bytearray(size)))
+    assert store.list_prefix("run") == ["run/rounds/0000000000/SEAL"]
+    store.delete_prefix("run/rounds")
+    assert (outside / "precious").read_bytes() == b"keep me"
+    assert sorted(os.listdir(outside)) == ["precious"]
+    assert "skipping 'run/rounds/fifo': not a regular file" in caplog.text

@@ -25,6 +25,7 @@ import errno
 import logging
 import os
 import re
+import stat
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -182,6 +183,17 @@ def _merged(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def _open_regular(path: str) -> int:
+    """A descriptor of the regular file at ``path``, opened without following a link and
+    without blocking: a FIFO or a device planted in a local store would otherwise block a
+    read (past the round's timeout) or stream forever."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise StoreError(f"{path} is not a regular file; a local store reads only files")
+    return descriptor
+
+
 def _create_local(path: str, data: Buffer) -> None:
     """Not fsynced: a process crash loses nothing (the page cache survives it); an OS crash
     takes the local store's replicas down with it anyway."""
@@ -242,11 +254,12 @@ class Store:
         self._counters = _Counters()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="store")
         self._fs, root = fsspec.url_to_fs(url, **_storage_options(protocols, storage_options or {}))
-        self._root = root.rstrip("/")
+        self._is_local = bool(protocols & LOCAL_PROTOCOLS)
+        # a local root is resolved once (the user chose it); below it no link is followed
+        self._root = os.path.realpath(root) if self._is_local else root.rstrip("/")
         for protocol in protocols:
             for attribute, value in SDK_ATTRIBUTES.get(protocol, {}).items():
                 setattr(self._fs, attribute, value)
-        self._is_local = bool(protocols & LOCAL_PROTOCOLS)
         self._create = self._exclusive_writer(protocols)
         self._strangers: set[str] = set()  # listed objects that are not keys, logged once
 
@@ -266,7 +279,18 @@ class Store:
     # -- helpers -----------------------------------------------------------------------------
 
     def _path(self, key: str) -> str:
-        return f"{self._root}/{check_key(key)}" if key else self._root
+        path = f"{self._root}/{check_key(key)}" if key else self._root
+        if self._is_local and self._through_link(path):
+            raise StoreError(
+                f"{self._where(key)}: a symbolic link is on its path; a local store follows "
+                f"none (it could lead outside the store)"
+            )
+        return path
+
+    @staticmethod
+    def _through_link(path: str) -> bool:
+        """Whether a component of ``path`` (below a resolved root) is a symbolic link."""
+        return os.path.realpath(path) != path
 
     def _where(self, key: str) -> str:
         return f"{key!r} in store {self.url}"
@@ -340,6 +364,10 @@ class Store:
 
         def attempt() -> bytes:
             self._add(gets=1)
+            if self._is_local:
+                with open(_open_regular(path), "rb") as file:
+                    file.seek(start or 0)
+                    return file.read() if end is None else file.read(end - (start or 0))
             return self._fs.cat_file(path, start=start, end=end)
 
         data = self._run("get", key, attempt)
@@ -354,7 +382,7 @@ class Store:
         path = self._path(key)
 
         def read_local() -> memoryview:
-            with open(path, "rb") as file:
+            with open(_open_regular(path), "rb") as file:
                 size = os.fstat(file.fileno()).st_size
                 view = allocate(size)[:size]
                 done = 0
@@ -409,17 +437,25 @@ class Store:
         return sorted(name for name in names if self._is_key(name))
 
     def _is_key(self, name: str) -> bool:
-        """Whether a listed object is one this store can address; anything else (a
-        ``.DS_Store``, an editor's backup) is skipped and named in the log once, so a stray
-        file in a run's folders never fails a reader or the garbage collector."""
+        """Whether a listed object is one this store can address: a valid key, and on a local
+        store a regular file reached through no link. Anything else (a ``.DS_Store``, an
+        editor's backup, a link planted in a run's folders) is skipped and named in the log
+        once, so it never fails a reader or the garbage collector, and nothing outside the
+        store is ever read or deleted through it."""
+        problem = None
         try:
             check_key(name)
         except ValueError:
-            if name not in self._strangers:
-                self._strangers.add(name)
-                log.warning("%s: skipping %r, which is not a key this tool writes", self.url, name)
-            return False
-        return True
+            problem = "not a key this tool writes"
+        path = f"{self._root}/{name}"
+        if problem is None and self._is_local and self._through_link(path):
+            problem = "a symbolic link is on its path; a local store follows none"
+        elif problem is None and self._is_local and not os.path.isfile(path):
+            problem = "not a regular file"
+        if problem is not None and name not in self._strangers:
+            self._strangers.add(name)
+            log.warning("%s: skipping %r: %s", self.url, name, problem)
+        return problem is None
 
     def delete(self, key: str) -> None:
         """Delete one key; nothing happens if it does not exist (S3 and GCS deletes are
