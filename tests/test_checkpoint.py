@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import struct
 import threading
 
 import pytest
 import torch
+from crc32c import crc32c
 from safetensors.torch import load as load_safetensors
 
 from diloco_anywhere.checkpoint import (
@@ -217,3 +220,42 @@ def test_a_commit_naming_keys_outside_its_checkpoint_is_not_loaded(store, bad_ke
     with pytest.raises(CheckpointError, match=f"{key}: "):
         load_checkpoint(store, RUN, 3)
     assert list(newest_checkpoints(store, RUN)) == []
+
+
+def _crafted_safetensors(dtype: str, nbytes: int) -> bytes:
+    header = json.dumps({"t": {"dtype": dtype, "shape": [1], "data_offsets": [0, nbytes]}})
+    return struct.pack("<Q", len(header)) + header.encode() + b"\x01" * nbytes
+
+
+@pytest.mark.parametrize(
+    "defect",
+    ["a dtype torch lacks", "a shard size no file has", "a counter out of range"],
+)
+def test_any_defect_of_a_checkpoint_falls_back_to_the_previous_one(store, caplog, defect) -> None:
+    """A COMMIT that checks out (its CRCs match what it names) can still name bytes that are
+    no checkpoint: healing falls back, naming the key and why, never an exception."""
+    caplog.set_level(logging.WARNING)
+    older, newer = diloco_like_state(0), diloco_like_state(1)
+    write_checkpoint(store, 3, older)
+    write_checkpoint(store, 6, newer)
+    commit_key = RUN.checkpoint_commit(6)
+    commit = load_checkpoint(store, RUN, 6).commit
+    entry = commit.shards[1]
+    if defect == "a dtype torch lacks":  # safetensors knows F8_E8M0, this torch does not
+        data = _crafted_safetensors("F8_E8M0", 1)
+        store.delete(entry.key)
+        store.put(entry.key, data)
+        entry = entry.model_copy(update={"size": len(data), "crc32c": crc32c(data)})
+        commit = commit.model_copy(update={"shards": (commit.shards[0], entry, *commit.shards[2:])})
+    elif defect == "a shard size no file has":
+        entry = entry.model_copy(update={"size": 2**62})
+        commit = commit.model_copy(update={"shards": (commit.shards[0], entry, *commit.shards[2:])})
+    else:
+        commit = commit.model_construct(**{**dict(commit), "round": 2**64})
+    store.delete(commit_key)
+    store.put(commit_key, encode_record(commit))
+    with pytest.raises(CheckpointError, match=commit_key if "counter" in defect else entry.key):
+        load_checkpoint(store, RUN, 6)
+    [used] = list(newest_checkpoints(store, RUN))[:1]
+    assert used.commit.round == 3
+    assert "checkpoint of round 6 not used" in caplog.text

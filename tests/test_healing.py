@@ -219,3 +219,22 @@ def test_a_replica_whose_state_diverged_says_so_and_heals(run) -> None:
     events = MetricsReader(store, LAYOUT).read()["local-0"].events
     assert [event.event for event in events][-2:] == ["diverged", "healed"]
     assert "round 9: this replica's state differs" in events[-2].detail
+
+
+def test_a_replayed_round_with_a_malformed_record_fails_healing_with_its_key(run, caplog) -> None:
+    """A sealed round's manifest damaged after the others applied the round: the replay skips
+    it as unreadable, the next round's fingerprint then disagrees, and healing falls back
+    through the older checkpoints saying which round was skipped and why, never raising."""
+    caplog.set_level(logging.WARNING)
+    drop_checkpoint(run, OUTER_STEPS - 1)
+    store = Store(str(run / "store"))
+    key = LAYOUT.manifest(3, 0, "local-1", 0)
+    store.delete(key)
+    store.put(key, b"DLAR not a record")
+    with pytest.raises(HealError, match="no committed checkpoint in the bucket heals"):
+        newcomer(run)
+    assert "healing from checkpoint 0 failed: round 4 was sealed by replicas holding" in caplog.text
+    assert "or round 3 was skipped as unreadable (round 3 fragment 0: sealed contribution" in (
+        caplog.text
+    )
+    assert key in caplog.text

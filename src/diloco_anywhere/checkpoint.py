@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_map
 from diloco_anywhere.global_state import fingerprint, tree_checksum
 from diloco_anywhere.layout import RunLayout, parse_count
 from diloco_anywhere.record import Record, decode_record, encode_record
-from diloco_anywhere.store import Store, check_key
+from diloco_anywhere.store import Store, StoreError, check_key
 from diloco_anywhere.wire import Count, Name, WireFormatError
 
 log = logging.getLogger(__name__)
@@ -357,8 +357,20 @@ def _read_objects(
 
 
 def load_checkpoint(store: Store, layout: RunLayout, round_: int) -> Checkpoint:
-    """The committed checkpoint of ``round_``, every object checked; else ``CheckpointError``."""
+    """The committed checkpoint of ``round_``, every object checked; else ``CheckpointError``
+    naming the key and why, whatever is wrong with the bucket's bytes (a dtype torch does not
+    have, a size no file has), so healing falls back to the previous checkpoint. A store that
+    cannot be reached (``StoreError``) is not a bad checkpoint: it propagates."""
     key = layout.checkpoint_commit(round_)
+    try:
+        return _load_checkpoint(store, layout, round_, key)
+    except (CheckpointError, StoreError):
+        raise
+    except Exception as exc:  # bucket data: whatever fails in it, this is no checkpoint to load
+        raise CheckpointError(f"{key}: {type(exc).__name__}: {exc}") from None
+
+
+def _load_checkpoint(store: Store, layout: RunLayout, round_: int, key: str) -> Checkpoint:
     try:
         commit = decode_record(store.get(key), CheckpointCommit, key=key)
     except (FileNotFoundError, WireFormatError) as exc:
@@ -374,6 +386,10 @@ def load_checkpoint(store: Store, layout: RunLayout, round_: int) -> Checkpoint:
             tensors.update(load_safetensors(data))
         except SafetensorError as exc:
             raise CheckpointError(f"{entry.key}: not a safetensors file: {exc}") from None
+        except Exception as exc:  # valid safetensors torch cannot hold (e.g. a dtype it lacks)
+            raise CheckpointError(
+                f"{entry.key}: safetensors this torch cannot load: {type(exc).__name__}: {exc}"
+            ) from None
     return Checkpoint(commit, unflatten(structure, tensors, commit.state.key))
 
 

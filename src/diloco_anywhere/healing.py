@@ -27,6 +27,7 @@ from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.round import RoundDataMissingError, SealedContributionError
 from diloco_anywhere.global_state import GlobalState, fingerprint
 from diloco_anywhere.manager import BucketManager
+from diloco_anywhere.wire import WireFormatError
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ def _replay(
 ) -> tuple[int, int]:
     """Apply every sealed round from the manager's next one on; (replayed, skipped)."""
     replayed = skipped = 0
+    unreadable: list[str] = []  # rounds skipped because a sealed record did not read back
     fragments = len(state.fragments)
     while True:
         counters = manager.state_dict()
@@ -98,9 +100,12 @@ def _replay(
             ) from None
         except SealedContributionError as exc:  # every replica failed this round alike
             log.warning("round %d is not replayed: %s", round_, exc)
+            unreadable.append(f"round {round_} was skipped as unreadable ({exc})")
             skipped += 1
             manager.load_state_dict({**counters, "sync": round_ + 1})
             continue
+        except WireFormatError as exc:  # a SEAL or manifest of the round that does not parse
+            raise HealError(f"round {round_} cannot be replayed: {exc}") from None
         if observed is None:
             return replayed, skipped
         result, mean = observed
@@ -114,6 +119,11 @@ def _replay(
                     f"replayed to there, this replica holds {mine}. Replicas must build the "
                     f"same initial model (seed every random init with the task's seed) and run "
                     f"the same code on the same kind of device"
+                    + "".join(
+                        f"; or {skip}, which the other replicas applied: its data was damaged "
+                        f"after it was sealed"
+                        for skip in unreadable
+                    )
                 )
             try:
                 state.replay(step % fragments, mean)

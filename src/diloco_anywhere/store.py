@@ -366,8 +366,9 @@ class Store:
             self._add(gets=1)
             if self._is_local:
                 with open(_open_regular(path), "rb") as file:
-                    file.seek(start or 0)
-                    return file.read() if end is None else file.read(end - (start or 0))
+                    size = os.fstat(file.fileno()).st_size
+                    file.seek(min(start or 0, size))
+                    return file.read(min(size if end is None else end, size) - file.tell())
             return self._fs.cat_file(path, start=start, end=end)
 
         data = self._run("get", key, attempt)
