@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -189,21 +190,28 @@ def _collector(owners: list[str], window: int) -> _ShardedExchange:
 
 def test_collecting_fills_the_window_from_streaming_owners_and_probes_the_others_once():
     exchange = _collector(["a", "b", "c"] * 6, window=4)
-    pending = [s for s in range(18) if s % 3 != 0]  # a's shards are ours
+
+    def queues() -> dict[str, list[int]]:  # a's shards are ours
+        return {"b": [1, 4, 7, 10, 13, 16], "c": [2, 5, 8, 11, 14, 17]}
+
     now = time.monotonic()
     # b's shards are arriving, c's probe came back empty and is due again in an hour
-    chosen = exchange._next_fetches(pending, {}, {"b"}, {"b": now, "c": now + 3600})
+    queued = queues()
+    chosen = exchange._next_fetches(queued, Counter(), {"b"}, {"b": now, "c": now + 3600})
     assert chosen == [1, 4, 7, 10]
+    assert queued == {"b": [13, 16], "c": [2, 5, 8, 11, 14, 17]}  # taken off the queues
     # once c's poll is due it is probed at one shard, beside b's stream
-    chosen = exchange._next_fetches(pending, {}, {"b"}, {"b": now, "c": now - 1})
-    assert chosen == [1, 2, 4, 7]
+    chosen = exchange._next_fetches(queues(), Counter(), {"b"}, {"b": now, "c": now - 1})
+    assert chosen == [1, 4, 7, 10, 2]
     # a due probe goes out even when b's reads fill the window
-    in_flight = dict.fromkeys(range(4), 0)
-    chosen = exchange._next_fetches(pending[1:], in_flight, {"b"}, {"b": now, "c": now - 1})
+    chosen = exchange._next_fetches(queues(), Counter(b=4), {"b"}, {"b": now, "c": now - 1})
     assert chosen == [2]
     # nobody streams yet: one probe per owner, nothing more
-    chosen = exchange._next_fetches(pending, {}, set(), {"b": now - 1, "c": now - 1})
+    chosen = exchange._next_fetches(queues(), Counter(), set(), {"b": now - 1, "c": now - 1})
     assert chosen == [1, 2]
+    # an owner with a probe in flight is not probed again
+    chosen = exchange._next_fetches(queues(), Counter(c=1), set(), {"b": now - 1, "c": now - 1})
+    assert chosen == [1]
 
 
 @settings(max_examples=200, deadline=None)

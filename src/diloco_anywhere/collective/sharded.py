@@ -24,6 +24,7 @@ A sealed part that cannot be read intact is never averaged: the reducer puts a
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import threading
@@ -205,53 +206,54 @@ class _ShardedExchange:
 
     def _next_fetches(
         self,
-        pending: list[int],
-        in_flight: dict[Future[bool], int],
+        queued: dict[str, list[int]],
+        busy: Counter[str],
         streaming: set[str],
         due: dict[str, float],
     ) -> list[int]:
-        """Shards to start fetching now. Owners whose shards are arriving (``streaming``)
-        share ``window`` reads in flight; any other owner is probed at one shard at a time,
-        once its next poll is ``due``, window or not: a GET per poll while it is late, and its
-        first shard is seen while another owner's stream fills the window."""
-        now = time.monotonic()
-        share = -(-self.transfers.window // max(1, len(streaming)))
-        fetching = set(in_flight.values())
-        busy = Counter(self.owners[shard] for shard in fetching)
+        """Shards to start reading now, taken off their owners' queues. Owners whose shards
+        are arriving (``streaming``) share ``window`` reads in flight; any other owner is
+        probed at one shard at a time, once its next poll is ``due``, window or not: a GET per
+        poll while it is late, and its first shard is seen while another owner's stream fills
+        the window."""
+        now, window = time.monotonic(), self.transfers.window
+        share = -(-window // max(1, len(streaming)))
+        room = window - sum(busy.values())
         chosen: list[int] = []
-        for shard in pending:
-            owner = self.owners[shard]
+        for owner, queue in queued.items():
             if owner in streaming:
-                allowed = share if len(in_flight) + len(chosen) < self.transfers.window else 0
+                take = max(0, min(share - busy[owner], room, len(queue)))
+                room -= take
             else:
-                allowed = 1 if due[owner] <= now else 0
-            if shard not in fetching and busy[owner] < allowed:
-                chosen.append(shard)
-                busy[owner] += 1
+                take = 1 if queue and due[owner] <= now and not busy[owner] else 0
+            chosen += queue[:take]
+            del queue[:take]
         return chosen
 
-    def _collect(self, pending: list[int]) -> None:
+    def _collect(self, shards: list[int]) -> None:
         """Read the others' reduced shards as they appear, a window of reads kept in flight,
         standing in for late owners once our own shards are reduced (``_mine_done_at``);
-        stops early when ``_abandon`` is set."""
-        policy = self.round.policy
-        started = time.monotonic()
-        progress = dict.fromkeys(self.owners, started)  # an owner's last shard seen
-        due = dict.fromkeys(self.owners, started)  # an owner's next probe
-        delays = {owner: policy.poll_delays() for owner in self.owners}
+        stops early when ``_abandon`` is set. Each owner's shards wait in a queue of their
+        own, so choosing the next reads costs per owner, not per shard."""
+        policy, started = self.round.policy, time.monotonic()
+        queued: dict[str, list[int]] = {}
+        for shard in shards:
+            queued.setdefault(self.owners[shard], []).append(shard)
+        progress = dict.fromkeys(queued, started)  # an owner's last shard seen
+        due = dict.fromkeys(queued, started)  # an owner's next probe
+        delays = {owner: policy.poll_delays() for owner in queued}
         in_flight: dict[Future[bool], int] = {}
+        busy: Counter[str] = Counter()  # reads in flight per owner
         streaming: set[str] = set()  # owners whose last read shard was there
         try:
-            while pending and not self._abandon.is_set():
-                for shard in self._next_fetches(pending, in_flight, streaming, due):
+            while (in_flight or any(queued.values())) and not self._abandon.is_set():
+                for shard in self._next_fetches(queued, busy, streaming, due):
+                    busy[self.owners[shard]] += 1
                     in_flight[self.transfers.executor.submit(self._fetch, shard)] = shard
-                idle = [shard for shard in pending if shard not in in_flight.values()]
-                if late := self._late(idle, progress, time.monotonic()):
+                if late := self._late(queued, busy, progress):
                     self._take_over(late)
-                    pending = [shard for shard in pending if shard not in late]
                     continue
-                fetching = {self.owners[shard] for shard in in_flight.values()}
-                waiting = {self.owners[shard] for shard in idle} - streaming - fetching
+                waiting = [o for o, q in queued.items() if q and o not in streaming and not busy[o]]
                 probe_at = min((due[owner] for owner in waiting), default=None)
                 timeout = None if probe_at is None else max(0.0, probe_at - time.monotonic())
                 if not in_flight:
@@ -261,12 +263,13 @@ class _ShardedExchange:
                 for future in done:
                     shard = in_flight.pop(future)
                     owner = self.owners[shard]
+                    busy[owner] -= 1
                     if future.result():
-                        pending.remove(shard)
                         progress[owner] = time.monotonic()
                         streaming.add(owner)
                         delays[owner] = policy.poll_delays()
                     else:
+                        bisect.insort(queued[owner], shard)
                         streaming.discard(owner)
                         due[owner] = time.monotonic() + next(delays[owner])
         finally:
@@ -279,18 +282,22 @@ class _ShardedExchange:
         )  # fmt: skip
         self._reduce(late)
 
-    def _late(self, pending: list[int], progress: dict[str, float], now: float) -> list[int]:
-        """Pending shards whose owner has shown no progress for ``orphan_grace`` seconds,
-        counted from when our own reduction ended at the earliest (before that we are busy,
-        not waiting, and the owners started when we did)."""
+    def _late(
+        self, queued: dict[str, list[int]], busy: Counter[str], progress: dict[str, float]
+    ) -> list[int]:
+        """The queued shards of owners with no read in flight that have shown no progress for
+        ``orphan_grace`` seconds, taken off their queues. Counted from when our own reduction
+        ended at the earliest: before that we are busy, not waiting, and the owners started
+        when we did."""
         if self._mine_done_at is None:
             return []
-        return [
-            shard
-            for shard in pending
-            if now - max(progress[self.owners[shard]], self._mine_done_at)
-            >= self.round.policy.orphan_grace
-        ]
+        now, late = time.monotonic(), []
+        for owner, queue in queued.items():
+            quiet = now - max(progress[owner], self._mine_done_at)
+            if queue and not busy[owner] and quiet >= self.round.policy.orphan_grace:
+                late += queue
+                queue.clear()
+        return sorted(late)
 
     def run(self) -> None:
         """Reduce our shards while collecting the others' on a thread of its own: their
