@@ -62,7 +62,7 @@ def policy(mode: str, replicas: int, **changes) -> RoundPolicy:
 def _replica(url, options, index, members, policy_fields, codec, delay, late, die, results):
     time.sleep(delay)
     store = Store(url, storage_options=options)
-    while late and store.get_many([RUN.seal(0, 0)])[RUN.seal(0, 0)] is None:
+    while late and store.get_many([RUN.seal(0, 0)], limit=1 << 20)[RUN.seal(0, 0)] is None:
         time.sleep(0.05)  # a late replica: it contributes only once the round is sealed
     me = Participant(f"r{index}", 0)
     round_ = Round(

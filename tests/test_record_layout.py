@@ -158,8 +158,11 @@ def test_a_record_over_the_cap_is_refused_both_ways():
     with pytest.raises(ValueError, match=f"Sealed is .* bytes; at most {MAX_RECORD_BYTES}"):
         encode_record(huge)
     body = huge.model_dump_json().encode()
-    with pytest.raises(wire.WireFormatError, match=f"the {MAX_RECORD_BYTES}-byte cap"):
+    with pytest.raises(wire.WireFormatError, match="larger than a record may be"):
         decode_record(craft_record(body), Sealed, key="k")
+    prefix_only = craft_record(body)[: wire.PREFIX.size]  # the length alone is over the cap
+    with pytest.raises(wire.WireFormatError, match=f"the {MAX_RECORD_BYTES}-byte cap"):
+        decode_record(prefix_only, Sealed, key="k")
 
 
 @pytest.mark.parametrize(

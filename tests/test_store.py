@@ -21,6 +21,24 @@ def test_put_then_get_whole_and_range(backend):
     assert store.get("rounds/0/a", 0, 0) == b""
 
 
+def test_bounded_reads_fetch_at_most_their_limit_and_empty_objects_read_empty(backend):
+    """A reader bounds what it fetches of an object anyone could have written; a range
+    starting at or past an object's end (S3 and Azure answer 416) holds no bytes."""
+    store = backend.store()
+    store.put("big", bytes(range(256)) * 4096)  # 1 MiB
+    store.put("empty", b"")
+    before = store.stats().bytes_down
+    assert store.get_many(["big", "empty", "absent"], limit=100) == {
+        "big": bytes(range(100)), "empty": b"", "absent": None
+    }  # fmt: skip
+    view = store.get_into("big", lambda size: memoryview(bytearray(size)), limit=300)
+    assert bytes(view) == (bytes(range(256)) * 2)[:300]
+    assert bytes(store.get_into("empty", lambda size: memoryview(bytearray(size)), limit=9)) == b""
+    assert store.get("empty", 0, 10) == b""
+    assert store.get("big", 1 << 20, (1 << 20) + 5) == b""
+    assert store.stats().bytes_down - before == 400
+
+
 def test_put_is_idempotent_for_identical_bytes(backend):
     store = backend.store()
     store.put("reduced/0", b"same deterministic bytes")
@@ -55,7 +73,7 @@ def test_get_many_returns_bytes_or_none_per_key(backend):
     for i in range(5):
         store.put(f"peers/{i}", f"data{i}".encode())
     keys = [f"peers/{i}" for i in range(8)]
-    result = store.get_many(keys)
+    result = store.get_many(keys, limit=100)
     assert list(result) == keys
     assert result == {k: (f"data{k[-1]}".encode() if int(k[-1]) < 5 else None) for k in keys}
 
@@ -92,7 +110,7 @@ def test_counters_track_requests_and_bytes(backend):
     store.put("a", b"12345")
     store.get("a")
     store.get("a", 0, 2)
-    store.get_many(["a", "b"])
+    store.get_many(["a", "b"], limit=100)
     stats = store.stats()
     assert (stats.puts, stats.gets, stats.bytes_up, stats.bytes_down) == (1, 4, 5, 12)
     assert (store.stats() - stats).gets == 0
@@ -240,7 +258,7 @@ def test_a_local_store_follows_no_link_and_reads_only_regular_files(tmp_path, ca
     with pytest.raises(StoreError, match="not a regular file"):
         store.get("run/rounds/fifo")
     with pytest.raises(StoreError, match="not a regular file"):
-        store.get_into("run/rounds/fifo", lambda size: memoryview(bytearray(size)))
+        store.get_into("run/rounds/fifo", lambda size: memoryview(bytearray(size)), limit=10)
     assert store.list_prefix("run") == ["run/rounds/0000000000/SEAL"]
     store.delete_prefix("run/rounds")
     assert (outside / "precious").read_bytes() == b"keep me"

@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_map
 
 from diloco_anywhere.global_state import fingerprint, tree_checksum
 from diloco_anywhere.layout import RunLayout, parse_count
-from diloco_anywhere.record import Record, decode_record, encode_record
+from diloco_anywhere.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
 from diloco_anywhere.store import Store, StoreError, check_key
 from diloco_anywhere.wire import Count, Name, WireFormatError
 
@@ -253,7 +253,10 @@ class CheckpointWriter:
         round_ = commit["round"]
         missing = self._wait_for(list(shards), self.layout.checkpoint(round_))
         theirs = [k for k, owner in zip(shards, owners, strict=True) if owner != self.me]
-        stored = self.store.get_many(key for key in theirs if key not in missing)
+        present = [key for key in theirs if key not in missing]
+        # one byte past our largest shard: a larger object differs without being downloaded
+        limit = max((len(shards[key]) for key in present), default=0) + 1
+        stored = self.store.get_many(present, limit=limit)
         for key, data in stored.items():
             if data != shards[key]:
                 raise CheckpointError(f"{key}: its writer stored other bytes than this "
@@ -372,7 +375,7 @@ def load_checkpoint(store: Store, layout: RunLayout, round_: int) -> Checkpoint:
 
 def _load_checkpoint(store: Store, layout: RunLayout, round_: int, key: str) -> Checkpoint:
     try:
-        commit = decode_record(store.get(key), CheckpointCommit, key=key)
+        commit = decode_record(store.get(key, 0, RECORD_READ_LIMIT), CheckpointCommit, key=key)
     except (FileNotFoundError, WireFormatError) as exc:
         raise CheckpointError(f"{key}: {exc}") from None
     if (commit.run, commit.round) != (layout.run, round_):

@@ -20,7 +20,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from diloco_anywhere.layout import RunLayout
-from diloco_anywhere.record import Record, decode_record, encode_record
+from diloco_anywhere.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
 from diloco_anywhere.store import Store
 from diloco_anywhere.wire import Count, Name, WireFormatError
 
@@ -171,7 +171,7 @@ class MetricsReader:
         self._chunks: dict[str, MetricsChunk | None] = {}  # None: failed its checks
 
     def _fetch(self, keys: list[str]) -> None:
-        for key, data in self.store.get_many(keys).items():
+        for key, data in self.store.get_many(keys, limit=RECORD_READ_LIMIT).items():
             if data is None:
                 continue  # deleted between the listing and the read
             try:

@@ -21,6 +21,8 @@ from diloco_anywhere.store import Store
 
 ENV_CONFIG_KEY = "DILOCO_CONFIG_KEY"
 _KEY = re.compile(r"(?P<run>[^/]+)/configs/(?P<crc>[0-9a-f]{8})\.toml")
+# A run.toml is a few KiB; a published one over 1 MiB is refused after 1 MiB is read.
+MAX_CONFIG_BYTES = 1 << 20
 
 
 def config_text(config: RunConfig) -> bytes:
@@ -36,8 +38,13 @@ def config_key(config: RunConfig) -> str:
 
 def publish_config(store: Store, config: RunConfig) -> str:
     """Write the configuration (once; the same bytes again are a no-op) and return its key."""
-    key = config_key(config)
-    store.put(key, config_text(config))
+    key, text = config_key(config), config_text(config)
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{config.source or 'run.toml'}: {len(text)} bytes as published; at most "
+            f"{MAX_CONFIG_BYTES} (replicas refuse a larger one)"
+        )
+    store.put(key, text)
     return key
 
 
@@ -51,12 +58,14 @@ def read_config(store: Store, key: str) -> RunConfig:
         )
     where = f"{store.url}/{key}"
     try:
-        data = store.get(key)
+        data = store.get(key, 0, MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(
             f"{where}: not found; the launcher publishes it before starting replicas, so the "
             f"run's objects were deleted (diloco launch --fresh?) after this replica was started"
         ) from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{where}: over {MAX_CONFIG_BYTES} bytes, the most a run.toml may be")
     if f"{crc32c.crc32c(data):08x}" != match["crc"]:
         raise ConfigError(f"{where}: CRC32C {crc32c.crc32c(data):08x} does not match the key")
     try:

@@ -36,6 +36,9 @@ from diloco_anywhere.wire import (
 
 RECORD_MAGIC = b"DLAR"
 MAX_RECORD_BYTES = 8 << 20
+# What a reader fetches of an object where a record should be: one byte past the largest
+# valid record, so that a larger object is refused after that many bytes (Store.get's ``end``).
+RECORD_READ_LIMIT = PREFIX.size + MAX_RECORD_BYTES + 1
 R = TypeVar("R", bound="Record")
 
 
@@ -63,6 +66,10 @@ def encode_record(record: Record) -> bytes:
 def decode_record(data: bytes | bytearray, model: type[R], *, key: str) -> R:
     """Check and parse a record of type ``model``; ``WireFormatError`` naming ``key`` if bad."""
     view = memoryview(data).cast("B")
+    if len(view) >= RECORD_READ_LIMIT:  # what a reader fetches of anything larger
+        raise WireFormatError(
+            key, f"object is larger than a record may be ({RECORD_READ_LIMIT - 1} bytes at most)"
+        )
     body_length = check_prefix(view, key, magic=RECORD_MAGIC, max_length=MAX_RECORD_BYTES)
     if len(view) != PREFIX.size + body_length:
         raise WireFormatError(

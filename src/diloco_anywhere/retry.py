@@ -98,6 +98,15 @@ def _http_status_and_code(exc: BaseException) -> tuple[int | None, str | None]:
     return None, None
 
 
+def http_status(exc: BaseException) -> int | None:
+    """The first HTTP status in ``exc``'s chain (an SDK error under fsspec's ``OSError``)."""
+    for cause in _causes(exc):
+        status, _ = _http_status_and_code(cause)
+        if status is not None:
+            return status
+    return None
+
+
 def is_transient(exc: BaseException) -> bool:
     """True when retrying the same request may succeed."""
     for cause in _causes(exc):

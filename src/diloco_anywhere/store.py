@@ -37,7 +37,7 @@ from urllib.parse import urlsplit, urlunsplit
 import fsspec
 from fsspec.utils import get_protocol
 
-from diloco_anywhere.retry import RetryPolicy, call_with_retry
+from diloco_anywhere.retry import RetryPolicy, call_with_retry, http_status
 
 T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview
@@ -63,6 +63,7 @@ SDK_ATTRIBUTES: dict[str, dict[str, Any]] = {"s3": {"retries": 1}}
 # Listings must be fresh: peers create keys all the time.
 COMMON_REMOTE_DEFAULTS = {"use_listings_cache": False, "skip_instance_cache": True}
 
+RANGE_NOT_SATISFIABLE = 416
 TEMP_PREFIX = ".tmp-"
 _MEMORY_LOCK = threading.Lock()
 log = logging.getLogger(__name__)
@@ -343,7 +344,7 @@ class Store:
         try:
             self._run("put", key, attempt)
         except FileExistsError:
-            if self.get(key) != data:
+            if self.get(key, 0, len(data) + 1) != data:
                 raise FileExistsError(
                     f"{self._where(key)} already exists; keys are create-only"
                 ) from None
@@ -355,7 +356,10 @@ class Store:
         list(self._pool.map(lambda item: self.put(*item), objects.items()))
 
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
-        """The object's bytes, or bytes ``[start, end)``; one GET, no HEAD before it."""
+        """The object's bytes, or bytes ``[start, end)`` (fewer where the object ends first, none
+        past its end); one GET, no HEAD before it. A reader of an object anyone could have
+        written passes the most bytes it accepts plus one as ``end``: a larger object is then
+        seen to be too large after that many bytes, not after downloading all of it."""
         if (start is None) != (end is None) or (start is not None and not 0 <= start <= end):
             raise ValueError(f"byte range [{start}, {end}) of {key!r}: give 0 <= start <= end")
         path = self._path(key)
@@ -369,22 +373,37 @@ class Store:
                     size = os.fstat(file.fileno()).st_size
                     file.seek(min(start or 0, size))
                     return file.read(min(size if end is None else end, size) - file.tell())
-            return self._fs.cat_file(path, start=start, end=end)
+            return self._cat(path, start, end)
 
         data = self._run("get", key, attempt)
         self._add(bytes_down=len(data))
         return data
 
-    def get_into(self, key: str, allocate: Callable[[int], memoryview]) -> memoryview:
-        """The object's bytes in a buffer of the caller's: ``allocate(size)`` returns a
-        writable view of at least ``size`` bytes (a reused buffer, whose pages are touched
-        once; a fresh allocation per object costs more in page faults than the copy). A local
-        store reads the file straight into it; the others download, then copy once."""
+    def _cat(self, path: str, start: int | None, end: int | None) -> bytes:
+        """A remote GET of ``path`` (bytes ``[start, end)`` when given). S3 and Azure answer a
+        range that starts at or past the object's end with 416 (HTTP 416; S3 "InvalidRange"),
+        even ``[0, n)`` of an empty object: no bytes are there, which is the answer."""
+        try:
+            return self._fs.cat_file(path, start=start, end=end)
+        except Exception as exc:
+            if start is not None and http_status(exc) == RANGE_NOT_SATISFIABLE:
+                return b""
+            raise
+
+    def get_into(
+        self, key: str, allocate: Callable[[int], memoryview], *, limit: int
+    ) -> memoryview:
+        """The object's first ``limit`` bytes (all of it, when smaller) in a buffer of the
+        caller's: ``allocate(size)`` returns a writable view of at least ``size`` bytes (a
+        reused buffer, whose pages are touched once; a fresh allocation per object costs more
+        in page faults than the copy). ``limit`` bounds the memory whatever the bucket holds
+        (see ``get``). A local store reads the file straight into it; the others download,
+        then copy once."""
         path = self._path(key)
 
         def read_local() -> memoryview:
             with open(_open_regular(path), "rb") as file:
-                size = os.fstat(file.fileno()).st_size
+                size = min(os.fstat(file.fileno()).st_size, limit)
                 view = allocate(size)[:size]
                 done = 0
                 while done < size and (count := file.readinto(view[done:])):
@@ -397,7 +416,7 @@ class Store:
             self._add(gets=1)
             if self._is_local:
                 return read_local()
-            data = self._fs.cat_file(path)
+            data = self._cat(path, 0, limit)
             view = allocate(len(data))[: len(data)]
             view[:] = data
             return view
@@ -406,15 +425,16 @@ class Store:
         self._add(bytes_down=len(view))
         return view
 
-    def get_many(self, keys: Iterable[str]) -> dict[str, bytes | None]:
-        """Every key's bytes, or None where the key does not exist, fetched concurrently.
+    def get_many(self, keys: Iterable[str], *, limit: int) -> dict[str, bytes | None]:
+        """Every key's first ``limit`` bytes (see ``get``), or None where the key does not
+        exist, fetched concurrently.
 
         Used to poll all peers at once: one call, one GET per key, no listing.
         """
 
         def get_or_none(key: str) -> bytes | None:
             try:
-                return self.get(key)
+                return self.get(key, 0, limit)
             except FileNotFoundError:
                 return None
 

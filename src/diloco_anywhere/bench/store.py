@@ -72,7 +72,7 @@ def _store_round(store: Store, prefix: str, chunks: Sequence[bytes], pool) -> tu
     keys = [f"{prefix}/{i}" for i in range(len(chunks))]
     put_seconds = _timed(lambda: list(pool.map(store.put, keys, chunks)))
     got: dict[str, bytes | None] = {}
-    get_seconds = _timed(lambda: got.update(store.get_many(keys)))
+    get_seconds = _timed(lambda: got.update(store.get_many(keys, limit=max(map(len, chunks)) + 1)))
     if [got[k] for k in keys] != list(chunks):
         raise RuntimeError(f"store {store.url} returned different bytes than were written")
     store.delete_prefix(prefix)

@@ -27,7 +27,7 @@ from typing import Annotated
 from pydantic import Field
 
 from diloco_anywhere.layout import Participant, RunLayout
-from diloco_anywhere.record import Record, decode_record, encode_record
+from diloco_anywhere.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
 from diloco_anywhere.store import Store
 from diloco_anywhere.wire import Count, Name, WireFormatError
 
@@ -119,7 +119,9 @@ def member_progress(
         ]
         for member in members
     }
-    objects = store.get_many(key for member_keys in keys.values() for key in member_keys)
+    objects = store.get_many(
+        (key for member_keys in keys.values() for key in member_keys), limit=RECORD_READ_LIMIT
+    )
     progress: dict[str, dict[int, int]] = {}
     for name, member_keys in keys.items():
         data = next((objects[key] for key in member_keys if objects[key] is not None), None)

@@ -160,7 +160,8 @@ class PartIO:
         held = Held(self.transfers.pool)
         key = manifest.parts[shard].key
         try:
-            held.keep(self.store.get_into(key, held.allocate))
+            # one byte past the manifest's size: a larger object is refused, not downloaded
+            held.keep(self.store.get_into(key, held.allocate, limit=manifest.parts[shard].size + 1))
         except FileNotFoundError:
             held.release()
             raise MissingPartError(key, "part named in the manifest is missing") from None

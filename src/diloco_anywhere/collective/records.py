@@ -10,7 +10,7 @@ from pydantic import Field, field_validator, model_validator
 from diloco_anywhere.codec import Codec
 from diloco_anywhere.layout import parse_contributor
 from diloco_anywhere.record import Record
-from diloco_anywhere.wire import Count, Name
+from diloco_anywhere.wire import Count, Name, max_object_nbytes
 
 # Weights are tokens or samples per sync: 2^64 is beyond any run, and a sum of any number of
 # them stays far inside float64 (the mean scales each contribution by its share, mean.py).
@@ -58,8 +58,20 @@ class Manifest(Record):
         edges = (
             [0] + [edge for part in self.parts for edge in (part.start, part.stop)] + [self.numel]
         )
-        if not self.parts or any(edges[i] != edges[i + 1] for i in range(0, len(edges), 2)):
+        backwards = any(part.start > part.stop for part in self.parts)
+        if (
+            backwards
+            or not self.parts
+            or any(edges[i] != edges[i + 1] for i in range(0, len(edges), 2))
+        ):
             raise ValueError(f"parts must cover elements [0, {self.numel}) in order, without gaps")
+        for part in self.parts:
+            most = max_object_nbytes(self.codec, part.stop - part.start)
+            if part.size > most:
+                raise ValueError(
+                    f"part {part.key} claims {part.size} bytes; its {part.stop - part.start} "
+                    f"values in {self.codec.name} take at most {most}"
+                )
         return self
 
 

@@ -31,7 +31,7 @@ from diloco_anywhere.collective.parts import MissingPartError, Part, PartIO, Tra
 from diloco_anywhere.collective.records import ExchangeMode, Manifest, PartEntry, Seal
 from diloco_anywhere.collective.transfers import windowed
 from diloco_anywhere.layout import Participant, RunLayout, parse_contributor
-from diloco_anywhere.record import decode_record, encode_record
+from diloco_anywhere.record import RECORD_READ_LIMIT, decode_record, encode_record
 from diloco_anywhere.store import Store
 
 log = logging.getLogger(__name__)
@@ -429,7 +429,9 @@ class Round:
                 refreshed = time.monotonic()
             seen = self.manifests.keys() | self.excluded.keys()
             pending = [name for name in self.members if name not in seen]
-            objects = self.store.get_many([self.seal_key, *map(self.manifest_key, pending)])
+            objects = self.store.get_many(
+                [self.seal_key, *map(self.manifest_key, pending)], limit=RECORD_READ_LIMIT
+            )
             if objects[self.seal_key] is not None:
                 return self._load_seal(objects[self.seal_key])
             for name in pending:
@@ -453,7 +455,7 @@ class Round:
     def read_seal(self) -> Seal | None:
         """The round's SEAL if it exists (``_load_seal``), without contributing or sealing."""
         try:
-            data = self.store.get(self.seal_key)
+            data = self.store.get(self.seal_key, 0, RECORD_READ_LIMIT)
         except FileNotFoundError:
             return None
         return self._load_seal(data)
@@ -472,7 +474,7 @@ class Round:
             if name in self.manifests:
                 continue
             try:
-                data = self.store.get(self.manifest_key(name))
+                data = self.store.get(self.manifest_key(name), 0, RECORD_READ_LIMIT)
                 self.manifests[name] = self._check_manifest(name, data, reference=None)
             except (wire.WireFormatError, FileNotFoundError) as exc:
                 raise self.unreadable(name, exc) from None

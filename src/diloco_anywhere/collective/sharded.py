@@ -40,7 +40,12 @@ from diloco_anywhere.collective.mean import WeightedMean
 from diloco_anywhere.collective.records import Seal, ShardFailure
 from diloco_anywhere.collective.round import Round, SealedContributionError, release
 from diloco_anywhere.collective.transfers import Held
-from diloco_anywhere.record import RECORD_MAGIC, decode_record, encode_record
+from diloco_anywhere.record import (
+    RECORD_MAGIC,
+    RECORD_READ_LIMIT,
+    decode_record,
+    encode_record,
+)
 
 log = logging.getLogger(__name__)
 # The wire header's replica field of a reduced shard: the round's reduction, by whoever.
@@ -191,11 +196,20 @@ class _ShardedExchange:
         except wire.WireFormatError as exc:
             raise SealedContributionError(f"{self._where(shard)}: {exc}") from None
 
+    def _largest(self, shard: int) -> int:
+        """The most bytes a reduced shard's object can hold: its wire object in the round's
+        codec, or a ``ShardFailure`` record; a read stops one byte past it."""
+        entry = self.reference.parts[shard]
+        numel = entry.stop - entry.start
+        return max(wire.max_object_nbytes(self.reference.codec, numel), RECORD_READ_LIMIT - 1)
+
     def _fetch(self, shard: int) -> bool:
         """Read reduced shard ``shard`` into the destination; False while it does not exist."""
         held = Held(self.transfers.pool)
         try:
-            data = self.round.store.get_into(self._key(shard), held.allocate)
+            data = self.round.store.get_into(
+                self._key(shard), held.allocate, limit=self._largest(shard) + 1
+            )
         except FileNotFoundError:
             return False
         else:
