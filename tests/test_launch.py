@@ -248,3 +248,12 @@ def test_stop_ends_the_replicas_and_they_say_so(run_toml):
         assert time.monotonic() < deadline, statuses(config)
         time.sleep(0.5)
     assert all(row["outer_step"] < 200 for row in statuses(config).values())
+
+
+def test_a_replica_stopped_before_its_first_metrics_line_shows_stopped(run_toml):
+    """Stopped while still importing torch: the bucket has nothing from it, its process has
+    ended, and `diloco stop` ended it; status says so at once."""
+    config = run_toml(replicas=2, outer_steps=200)
+    assert diloco("launch", "--config", config, "--detach").exit_code == 0
+    assert diloco("stop", "--config", config).exit_code == 0
+    assert {row["state"] for row in statuses(config).values()} == {"stopped"}

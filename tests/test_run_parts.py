@@ -6,11 +6,13 @@ import json
 import logging
 import math
 import sys
+import uuid
 
 import pytest
 import torch
 from torch import nn
 
+from diloco_anywhere.backends.base import ReplicaHandle
 from diloco_anywhere.cli.common import print_json
 from diloco_anywhere.cli.run import parse_backends
 from diloco_anywhere.config import RunConfig
@@ -173,6 +175,40 @@ def test_a_restarted_replica_sums_its_incarnations_and_reports_its_newest_state(
     assert summary.sync_exposed_seconds == 1.0
     [row] = replica_statuses(metrics, [], lambda handle: "unknown")
     assert (row.state, row.restarts, row.heals, row.divergences) == ("done", 1, 1, 0)
+
+
+def _bucket_says(what: str) -> dict:
+    """A replica's metrics as the bucket holds them: nothing yet, its start only, or steps."""
+    if what == "nothing":
+        return {}
+    store, layout = Store(f"memory://status-{uuid.uuid4().hex}"), RunLayout("run")
+    writer = MetricsWriter(store, layout, "local-0", 0, "local")
+    writer.event("started")
+    if what == "steps":
+        writer.add(StepLine(step=1, loss=2.0, tokens=10, time=1.0))
+        writer.flush()
+    return MetricsReader(store, layout).read()
+
+
+@pytest.mark.parametrize("bucket", ["nothing", "started", "steps"])
+@pytest.mark.parametrize("job", ["exited", "failed", "stopped"])
+@pytest.mark.parametrize("stopped_on_purpose", [False, True])
+def test_a_replica_whose_job_ended_is_never_shown_starting_or_running(
+    bucket, job, stopped_on_purpose
+):
+    """A replica killed before its first metrics line (or after its last) wrote nothing saying
+    it ended: its platform's word that the job ended decides, and `diloco stop` shows."""
+    handle = ReplicaHandle("local-0", "local", {"pid": 1})
+    stopped = {"local-0"} if stopped_on_purpose else set()
+    [row] = replica_statuses(_bucket_says(bucket), [handle], lambda _: job, stopped)
+    assert row.state == ("stopped" if stopped_on_purpose else job)
+
+
+@pytest.mark.parametrize(("bucket", "shown"), [("nothing", "starting"), ("steps", "running")])
+def test_a_running_job_is_starting_until_its_first_step(bucket, shown):
+    handle = ReplicaHandle("local-0", "local", {"pid": 1})
+    [row] = replica_statuses(_bucket_says(bucket), [handle], lambda _: "running", {"local-0"})
+    assert row.state == shown
 
 
 def test_non_finite_metrics_stay_readable_end_to_end():

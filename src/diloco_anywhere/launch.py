@@ -122,8 +122,9 @@ def mark_stopped(run_folder: Path, replica_id: str) -> None:
     (run_folder / STOPPED_FOLDER / replica_id).touch()
 
 
-def stopped_on_purpose(run_folder: Path, replica_id: str) -> bool:
-    return (run_folder / STOPPED_FOLDER / replica_id).exists()
+def stopped_replicas(run_folder: Path) -> set[str]:
+    """The replicas of the current launch that were stopped on purpose (see ``mark_stopped``)."""
+    return {marker.name for marker in (run_folder / STOPPED_FOLDER).glob("*")}
 
 
 class LaunchError(RuntimeError):

@@ -7,7 +7,7 @@ throughput, last seen) comes from there; the backend adds whether the job is sti
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
 
 from diloco_anywhere.backends.base import JobState, ReplicaHandle
@@ -35,22 +35,31 @@ class ReplicaStatus:
         return asdict(self)
 
 
-def _state(metrics: ReplicaMetrics | None, job: str) -> str:
+ENDED_JOBS = ("exited", "failed", "stopped")
+
+
+def _state(metrics: ReplicaMetrics | None, job: str, stopped_on_purpose: bool) -> str:
+    """What the replica said last if it said how it ended; else what its platform says of its
+    job. A job that has ended is never ``starting`` or ``running``, whatever the bucket holds
+    (a replica killed before its first metrics line wrote nothing), and one ``diloco stop``
+    ended is ``stopped`` however its process exited."""
     if metrics is not None and metrics.state() in ("done", "failed", "stopped"):
         return metrics.state()
     if job == "running":
         return "running" if metrics and (metrics.steps or metrics.syncs) else "starting"
-    return {"exited": "exited", "failed": "failed"}.get(job, job)
+    return "stopped" if job in ENDED_JOBS and stopped_on_purpose else job
 
 
 def replica_statuses(
     metrics: dict[str, ReplicaMetrics],
     handles: list[ReplicaHandle],
     job_state: Callable[[ReplicaHandle], JobState],
+    stopped: Collection[str] = (),
     now: float | None = None,
 ) -> list[ReplicaStatus]:
     """Rows for every launched replica and every replica that wrote metrics, by replica id.
-    ``job_state`` asks the backend that knows the job (the one that started it, if alive)."""
+    ``job_state`` asks the backend that knows the job (the one that started it, if alive);
+    ``stopped`` are the replicas ``diloco stop`` stopped."""
     now = now or time.time()
     jobs = {handle.replica_id: handle for handle in handles}
     rows = []
@@ -63,7 +72,7 @@ def replica_statuses(
             ReplicaStatus(
                 replica=replica,
                 platform=handle.platform if handle else (seen.platform if seen else ""),
-                state=_state(seen, job),
+                state=_state(seen, job, replica in stopped),
                 outer_step=last_sync.outer_step if last_sync else 0,
                 loss=last_step.loss if last_step else None,
                 eval_loss=seen.latest_eval_loss() if seen else None,

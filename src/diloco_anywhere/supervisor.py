@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import Counter
 
 from diloco_anywhere.backends.base import ACTIVE_STATES, Backend, JobState, ReplicaHandle
-from diloco_anywhere.launch import LaunchPlan, job_state, save_state, stopped_on_purpose
+from diloco_anywhere.launch import LaunchPlan, job_state, save_state, stopped_replicas
 from diloco_anywhere.replica import EXIT_BAD_CONFIG, EXIT_STOPPED
 
 NOT_RESTARTED = {EXIT_BAD_CONFIG: "bad configuration", EXIT_STOPPED: "stopped", -15: "stopped"}
@@ -60,7 +60,7 @@ class Supervisor:
             replica = handle.replica_id
             if code in NOT_RESTARTED or self.restarts[replica] >= self.max_restarts:
                 continue
-            if stopped_on_purpose(self.plan.run_dir, replica):
+            if replica in stopped_replicas(self.plan.run_dir):
                 continue
             spec = next(spec for spec in self.plan.specs if spec.replica_id == replica)
             self.handles[position] = backend.launch([spec], self.plan.run_dir)[0]

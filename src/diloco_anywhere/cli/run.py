@@ -35,6 +35,7 @@ from diloco_anywhere.launch import (
     run_dir,
     run_metrics,
     start,
+    stopped_replicas,
     store_has_run,
 )
 from diloco_anywhere.layout import parse_count
@@ -145,7 +146,8 @@ def _follow(plan: LaunchPlan, supervisor: Supervisor) -> int:
                     live.console.print(note)
                 states = {h.replica_id: supervisor.state(h) for h in supervisor.handles}
                 rows = replica_statuses(reader.read(), supervisor.handles,
-                                        lambda h, known=states: known[h.replica_id])  # fmt: skip
+                                        lambda h, known=states: known[h.replica_id],
+                                        stopped_replicas(plan.run_dir))  # fmt: skip
                 live.update(_status_table(rows, title))
                 if not set(states.values()) & set(ACTIVE_STATES):
                     break
@@ -154,7 +156,8 @@ def _follow(plan: LaunchPlan, supervisor: Supervisor) -> int:
         stderr.print("interrupted: stopping every replica of this launch")
         _stop_every(plan.config, supervisor.handles, supervisor.backends)
         return 130
-    rows = replica_statuses(reader.read(), supervisor.handles, supervisor.state)
+    stopped = stopped_replicas(plan.run_dir)
+    rows = replica_statuses(reader.read(), supervisor.handles, supervisor.state, stopped)
     stdout.print(_status_table(rows, title))
     failed = [row.replica for row in rows if row.state != "done"]
     if failed:
@@ -257,7 +260,10 @@ def status(config_path: ConfigPath = None, json_output: JsonFlag = False) -> Non
         handles = load_handles(config)
         backends = backends_for(handles, config)
         rows = replica_statuses(
-            reader.read(), handles, lambda handle: job_state(backends[handle.platform], handle)
+            reader.read(),
+            handles,
+            lambda handle: job_state(backends[handle.platform], handle),
+            stopped=stopped_replicas(run_dir(config)),
         )
     if json_output:
         print_json([row.as_dict() for row in rows])
