@@ -31,7 +31,7 @@ from diloco_anywhere.backends.base import (
 )
 from diloco_anywhere.backends.sagemaker import LOG_GROUP, MAX_JOB_NAME, SageMakerBackend, job_state
 from diloco_anywhere.config import ConfigError, load_config
-from diloco_anywhere.launch import load_handles, plan_launch, start
+from diloco_anywhere.launch import LaunchError, load_handles, plan_launch, start
 from proxy import Fault, FaultProxy
 
 ECR_IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/diloco:1"
@@ -376,3 +376,50 @@ def test_check_without_boto3_says_how_to_install_it(aws, tmp_path, monkeypatch):
     assert str(error.value) == (
         "backend sagemaker needs the boto3 package: pip install 'diloco-anywhere[sagemaker]'"
     )
+
+
+def _push(repository: str, tag: str, layer: str) -> str:
+    """An image manifest pushed to moto's ECR under ``tag``; its digest."""
+    manifest = json.dumps({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+        "config": {"mediaType": "application/vnd.docker.container.image.v1+json", "size": 1,
+                   "digest": f"sha256:{layer * 64}"},
+        "layers": [],
+    })  # fmt: skip
+    ecr = boto3.client("ecr", region_name="us-east-1")
+    pushed = ecr.put_image(repositoryName=repository, imageManifest=manifest, imageTag=tag)
+    return pushed["image"]["imageId"]["imageDigest"]
+
+
+@pytest.mark.parametrize("latest_tag", [False, True])
+def test_latest_is_pinned_to_one_digest_for_every_replica_of_a_launch(aws, tmp_path, latest_tag):
+    """infra/aws keeps every ECR tag immutable (no `latest` tag there): `:latest` means the
+    newest image pushed. A repository that has a `latest` tag pins that tag's digest."""
+    repository = f"pin-{os.urandom(4).hex()}"
+    mutability = "MUTABLE" if latest_tag else "IMMUTABLE"
+    boto3.client("ecr", region_name="us-east-1").create_repository(
+        repositoryName=repository, imageTagMutability=mutability
+    )
+    digest = _push(repository, "sha-0a1b2c3", "a")
+    if latest_tag:
+        digest = _push(repository, "latest", "b")
+    image = f"123456789012.dkr.ecr.us-east-1.amazonaws.com/{repository}:latest"
+    launch = plan(tmp_path, aws, {**SETTINGS, "image": image})
+    [described, _] = bodies(launch.backends["sagemaker"].describe(launch.specs))
+    assert described["AlgorithmSpecification"]["TrainingImage"] == image  # a dry run asks nothing
+    start(launch)
+    for handle in load_handles(launch.config, tmp_path):
+        job = sagemaker().describe_training_job(TrainingJobName=handle.job["name"])
+        assert job["AlgorithmSpecification"]["TrainingImage"] == image.replace(
+            ":latest", f"@{digest}"
+        )
+
+
+def test_latest_of_an_empty_repository_says_to_build_first(aws, tmp_path):
+    repository = f"pin-{os.urandom(4).hex()}"
+    boto3.client("ecr", region_name="us-east-1").create_repository(repositoryName=repository)
+    image = f"123456789012.dkr.ecr.us-east-1.amazonaws.com/{repository}"  # no tag: latest
+    launch = plan(tmp_path, aws, {**SETTINGS, "image": image})
+    with pytest.raises(LaunchError, match=f"{repository} holds no tagged image yet: run the image"):
+        start(launch)

@@ -299,7 +299,7 @@ def test_aws_lifecycle_aborts_uploads_and_expires_rounds() -> None:
     aborts = [r for r in rules if "abort_incomplete_multipart_upload" in r]
     assert len(aborts) == 1
     assert aborts[0]["abort_incomplete_multipart_upload"][0]["days_after_initiation"] == 1
-    assert aborts[0]["filter"] == [{}], "the abort rule covers the whole bucket"
+    assert aborts[0]["filter"] == [{"prefix": ""}], "the abort rule covers the whole bucket"
     assert aborts[0]["status"] == "Enabled"
 
     (dynamic,) = [d["rule"] for d in lifecycle["dynamic"] if "rule" in d]
@@ -368,10 +368,12 @@ def test_aws_sagemaker_role_is_the_one_run_toml_names() -> None:
     assert role["name"] == "${var.project}-sagemaker"
     template = (ROOT / "template" / "run.toml.jinja").read_text()
     assert ":role/{{ project_name }}-sagemaker" in template
-    # ... and its image is the ECR repository named after the project, tag latest (mutable).
+    # ... and its image is the ECR repository named after the project: `latest`, which the
+    # launch pins to a digest, since every tag there is immutable.
     assert "amazonaws.com/{{ project_name }}:latest" in template
-    assert resource("aws", "aws_ecr_repository", "image")["name"] == "${var.project}"
-    assert config("aws")["variable"]["mutable_image_tags"]["default"] == ["latest"]
+    repository = resource("aws", "aws_ecr_repository", "image")
+    assert repository["name"] == "${var.project}"
+    assert repository["image_tag_mutability"] == "IMMUTABLE"
 
     (trust,) = policy_document("sagemaker_trust")
     assert trust["actions"] == ["sts:AssumeRole"]
@@ -493,7 +495,7 @@ def test_aws_launcher_passes_only_the_sagemaker_role_to_sagemaker() -> None:
 def test_aws_ecr_scans_on_push_and_keeps_tags_immutable() -> None:
     repository = resource("aws", "aws_ecr_repository", "image")
     assert repository["image_scanning_configuration"][0]["scan_on_push"] is True
-    assert repository["image_tag_mutability"] in ("IMMUTABLE", "IMMUTABLE_WITH_EXCLUSION")
+    assert repository["image_tag_mutability"] == "IMMUTABLE"
 
 
 def test_aws_replica_user_is_optional_and_gets_the_policy_through_a_group() -> None:

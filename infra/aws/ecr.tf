@@ -1,18 +1,12 @@
 # The image SageMaker pulls (SageMaker pulls training images from Amazon ECR only).
 
 resource "aws_ecr_repository" "image" {
-  #checkov:skip=CKV_AWS_51:Tags are immutable except the ones in mutable_image_tags (default: latest), which the image workflow moves at every build and run.toml names; IMMUTABLE_WITH_EXCLUSION is not recognised by this check. Pin a digest or a sha- tag for a run you must reproduce.
+  # Every tag is immutable: a tag, once pushed, names those bytes for good. There is no moving
+  # `latest` tag to keep mutable (IMMUTABLE_WITH_EXCLUSION would need provider 6.10):
+  # `diloco launch` pins run.toml's `<repository>:latest` to the newest image's digest, so
+  # every replica of a launch runs the same image (backends/sagemaker.py).
   name                 = var.project
-  image_tag_mutability = "IMMUTABLE_WITH_EXCLUSION"
-
-  dynamic "image_tag_mutability_exclusion_filter" {
-    for_each = toset(var.mutable_image_tags)
-
-    content {
-      filter      = image_tag_mutability_exclusion_filter.value
-      filter_type = "WILDCARD"
-    }
-  }
+  image_tag_mutability = "IMMUTABLE"
 
   image_scanning_configuration {
     scan_on_push = true
@@ -27,8 +21,8 @@ resource "aws_ecr_repository" "image" {
   force_delete = false
 }
 
-# Every build moves :latest (and adds its own immutable tag); an image left with no tag at all
-# goes after 14 days. Tagged images are never expired: a run pins one (docs/infra.md).
+# Every build adds its own immutable sha-<commit> tag; an image left with no tag at all goes
+# after 14 days. Tagged images are never expired: a run pins one (docs/infra.md).
 resource "aws_ecr_lifecycle_policy" "image" {
   repository = aws_ecr_repository.image.name
 

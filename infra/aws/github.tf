@@ -110,10 +110,12 @@ data "aws_iam_policy_document" "launcher" {
 
   statement {
     sid = "PushImage"
+    # DescribeImages: `diloco launch` pins `<repository>:latest` to the newest image's digest.
     actions = [
       "ecr:BatchCheckLayerAvailability",
       "ecr:BatchGetImage",
       "ecr:CompleteLayerUpload",
+      "ecr:DescribeImages",
       "ecr:GetDownloadUrlForLayer",
       "ecr:InitiateLayerUpload",
       "ecr:PutImage",

@@ -69,12 +69,16 @@ resource "aws_s3_bucket_lifecycle_configuration" "store" {
   bucket = aws_s3_bucket.store.id
 
   # Whole bucket: an upload that never completed is removed after a day, and deleted objects
-  # are kept noncurrent_version_days, then removed with their delete markers.
+  # are kept noncurrent_version_days, then removed with their delete markers. An empty prefix
+  # rather than `filter {}` (the same scope): S3 stand-ins answer both as an empty prefix, and
+  # the provider waits for what it reads back to equal what it wrote.
   rule {
     id     = "abort-incomplete-multipart-uploads"
     status = "Enabled"
 
-    filter {}
+    filter {
+      prefix = "" # the whole bucket
+    }
 
     abort_incomplete_multipart_upload {
       days_after_initiation = 1
@@ -85,7 +89,9 @@ resource "aws_s3_bucket_lifecycle_configuration" "store" {
     id     = "expire-noncurrent-versions"
     status = "Enabled"
 
-    filter {}
+    filter {
+      prefix = "" # the whole bucket
+    }
 
     noncurrent_version_expiration {
       noncurrent_days = var.noncurrent_version_days

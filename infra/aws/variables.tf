@@ -155,19 +155,6 @@ variable "create_github_oidc_provider" {
   default     = true
 }
 
-variable "mutable_image_tags" {
-  description = "ECR tags that may move (the image workflow pushes :latest at every build); every other tag is immutable."
-  type        = list(string)
-  default     = ["latest"]
-
-  validation {
-    condition = length(var.mutable_image_tags) >= 1 && length(var.mutable_image_tags) <= 5 && alltrue([
-      for tag in var.mutable_image_tags : can(regex("^[0-9A-Za-z._*-]{1,128}$", tag)) && tag != "*"
-    ])
-    error_message = "mutable_image_tags: 1 to 5 tag filters of letters, digits, '.', '_', '-' and '*' wildcards, but not '*' alone (that would make every tag mutable)."
-  }
-}
-
 variable "tags" {
   description = "Tags added to every resource (besides diloco:project = <project>)."
   type        = map(string)

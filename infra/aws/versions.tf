@@ -5,9 +5,9 @@ terraform {
   required_providers {
     aws = {
       source = "hashicorp/aws"
-      # 6.10: the ECR repository's image_tag_mutability_exclusion_filter (IMMUTABLE_WITH_EXCLUSION)
-      # and an optional thumbprint_list on the GitHub OIDC provider.
-      version = ">= 6.10.0, < 7.0.0"
+      # 5.100: the last 5.x release (an optional thumbprint_list on the GitHub OIDC provider
+      # came in 5.81); nothing here needs 6.x, and tests apply it with 5.100 (docs/infra.md).
+      version = ">= 5.100.0, < 7.0.0"
     }
   }
 

@@ -86,15 +86,20 @@ def _server(name: str, command: list[str], port: int, env: dict[str, str]) -> It
 
 
 @contextmanager
-def moto_s3(bucket: str = "diloco") -> Iterator[StandIn]:
+def moto_server(env: dict[str, str] | None = None) -> Iterator[str]:
+    """moto's server (every AWS service it models) on a free port; its endpoint URL. ``env``
+    configures it, e.g. ``INITIAL_NO_AUTH_ACTION_COUNT`` to enforce IAM after that many
+    requests."""
     port = free_port()
     command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
-    with _server("moto S3 server", command, port, {}):
-        options = {
-            "endpoint_url": f"http://127.0.0.1:{port}",
-            "key": "testing",
-            "secret": "testing",
-        }
+    with _server("moto server", command, port, env or {}):
+        yield f"http://127.0.0.1:{port}"
+
+
+@contextmanager
+def moto_s3(bucket: str = "diloco") -> Iterator[StandIn]:
+    with moto_server() as endpoint:
+        options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
         fsspec.filesystem("s3", skip_instance_cache=True, **options).mkdir(bucket)
         yield StandIn("s3", f"s3://{bucket}", options)
 

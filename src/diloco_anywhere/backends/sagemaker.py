@@ -70,7 +70,10 @@ ENDED: dict[str, JobState] = {
 RUNNING_PHASES = frozenset({"Training", "Uploading"})
 # SecondaryStatus of a job SageMaker stopped at its StoppingCondition: it did not finish.
 OUT_OF_TIME = frozenset({"MaxRuntimeExceeded", "MaxWaitTimeExceeded"})
-_ECR_HOST = re.compile(r"\d{12}\.dkr[.-]ecr(-fips)?\.[a-z0-9-]+\.(amazonaws\.com(\.cn)?|on\.aws)")
+_ECR_HOST = re.compile(
+    r"(?P<registry>\d{12})\.dkr[.-]ecr(-fips)?\.(?P<region>[a-z0-9-]+)\.(amazonaws\.com(\.cn)?|on\.aws)"
+)
+MOVING_TAG = "latest"
 # Settings checked against a shape of the API model: field -> (shape, an example)
 _SHAPED = {
     "role_arn": ("RoleArn", "arn:aws:iam::123456789012:role/SageMakerExecution"),
@@ -224,6 +227,23 @@ def launch_suffix() -> str:
     return f"{time.strftime('%y%m%d-%H%M%S', time.gmtime())}-{token_hex(2)}"
 
 
+def _newest_digest(ecr: Any, where: dict[str, str]) -> str:
+    """The digest ``latest`` names in the repository, else the newest pushed image's."""
+    try:
+        tagged = ecr.describe_images(**where, imageIds=[{"imageTag": MOVING_TAG}])
+        return tagged["imageDetails"][0]["imageDigest"]
+    except ecr.exceptions.ImageNotFoundException:
+        pass
+    pages = ecr.get_paginator("describe_images").paginate(**where, filter={"tagStatus": "TAGGED"})
+    images = [image for page in pages for image in page["imageDetails"]]
+    if not images:
+        raise BackendUnavailableError(
+            f"backend sagemaker: ECR repository {where['repositoryName']} holds no tagged image "
+            f"yet: run the image workflow (or docker push a sha-<commit> tag) first"
+        )
+    return max(images, key=lambda image: image["imagePushedAt"])["imageDigest"]
+
+
 def job_state(job: dict[str, Any]) -> JobState:
     """A DescribeTrainingJob answer as a JobState."""
     status, phase = job["TrainingJobStatus"], job.get("SecondaryStatus")
@@ -370,9 +390,36 @@ class SageMakerBackend:
             request["CheckpointConfig"] = {"S3Uri": settings.checkpoint_s3_uri}
         return request
 
-    def _requests(self, specs: list[ReplicaSpec]) -> list[dict[str, Any]]:
+    def _requests(self, specs: list[ReplicaSpec], pin: bool = False) -> list[dict[str, Any]]:
         shared, suffix = self._job_settings(), launch_suffix()
+        if pin:
+            shared["image"] = self._pinned(shared["image"])
         return [self._request(spec, suffix, **shared) for spec in specs]
+
+    def _pinned(self, image: str) -> str:
+        """``<repository>:latest`` as one digest for the whole launch, so every replica runs the
+        same bytes: DiLoCo's replicas must share their code, and SageMaker pulls the image
+        again whenever it restarts a job (spot), hours later. The digest is that of the
+        ``latest`` tag where the repository has one, else of the newest image pushed
+        (infra/aws keeps every tag immutable, so its image workflow pushes ``sha-<commit>``
+        tags only). Any other tag, or a digest, is used as given."""
+        tagged = ":" in image.rsplit("/", 1)[-1]
+        repository, tag = image.rsplit(":", 1) if tagged else (image, MOVING_TAG)
+        host, _, name = repository.partition("/")
+        found = _ECR_HOST.fullmatch(host)  # ecr_image checked it is in ECR
+        if "@" in image or tag != MOVING_TAG or found is None:
+            return image
+        ecr = self._client("ecr", found["region"])
+        where = {"registryId": found["registry"], "repositoryName": name}
+        try:
+            return f"{repository}@{_newest_digest(ecr, where)}"
+        except ecr.exceptions.ClientError as exc:
+            raise BackendUnavailableError(
+                f"backend sagemaker: cannot find the image {image} in ECR to pin it for this "
+                f"launch ({one_line(exc)}); the launcher needs ecr:DescribeImages on the "
+                f"repository (infra/aws grants it), or name a tag or digest in [backends."
+                f"sagemaker] image"
+            ) from None
 
     def describe(self, specs: list[ReplicaSpec]) -> list[dict[str, Any]]:
         """The CreateTrainingJob bodies (there is no secret to mask); job names get a new
@@ -380,7 +427,9 @@ class SageMakerBackend:
         return [{"CreateTrainingJob": request} for request in self._requests(specs)]
 
     def launch(self, specs: list[ReplicaSpec], run_dir: Path) -> list[ReplicaHandle]:
-        requests = dict(zip((s.replica_id for s in specs), self._requests(specs), strict=True))
+        requests = dict(
+            zip((s.replica_id for s in specs), self._requests(specs, pin=True), strict=True)
+        )
         region = self._region()
         client = self._client("sagemaker", region)
 
