@@ -177,7 +177,11 @@ def launch(
         ),
     ] = None,
     replicas: Annotated[
-        int | None, typer.Option(min=1, help="Replicas (one backend). Default: run.replicas.")
+        int | None,
+        typer.Option(
+            min=1,
+            help="Replicas (one backend). Default: [backends.<name>] replicas, else run.replicas.",
+        ),
     ] = None,
     detach: Annotated[
         bool, typer.Option(help="Return once started; follow with `diloco status`.")
@@ -206,8 +210,9 @@ def launch(
     restart_on_failure: Annotated[
         bool,
         typer.Option(
-            help="Restart a replica that crashes or is killed (not one stopped); it "
-            "heals from the bucket and rejoins."
+            help="Restart a local replica that crashes or is killed (not one stopped); it "
+            "heals from the bucket and rejoins. Remote replicas are retried by their platform "
+            "([backends.*] retry settings)."
         ),
     ] = False,
     max_restarts: Annotated[
