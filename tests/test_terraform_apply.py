@@ -10,6 +10,13 @@ conditions it evaluates ``StringEquals`` only, so the ``s3:prefix`` (``StringLik
 listing is not enforced here. And it does not implement ListServiceSpecificCredentials, which
 the provider calls to destroy a user with ``force_destroy`` (infra/aws sets it so that the
 CLI-made key goes with the user): the override turns it off and the test deletes the key.
+
+Terraform reaches moto through a reverse proxy (one connection to moto per request, every
+response framed by its length). Under load, moto's development server now and then processed a
+request that terraform's Go client sent on a kept-alive connection and the answer never
+arrived (moto logged 200, the client saw none): the SDK retried a create that had happened
+and the apply failed with EntityAlreadyExists, in 1 of 4 loaded applies straight to moto and
+none of the loaded applies through the proxy.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import pytest
 
 from diloco_anywhere.standins import moto_server
 from diloco_anywhere.store import Store, StoreError
+from proxy import FaultProxy
 from test_launch import RUN_TOML, diloco, statuses
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -178,9 +186,12 @@ class Applied:
 
 @pytest.fixture(scope="module")
 def applied(tmp_path_factory) -> Iterator[Applied]:
-    with moto_server({"INITIAL_NO_AUTH_ACTION_COUNT": "3"}) as endpoint:
+    with (
+        moto_server({"INITIAL_NO_AUTH_ACTION_COUNT": "3"}) as endpoint,
+        FaultProxy(endpoint) as proxy,
+    ):
         admin = _admin(endpoint)
-        terraform = Terraform(tmp_path_factory.mktemp("terraform") / "aws", endpoint, admin)
+        terraform = Terraform(tmp_path_factory.mktemp("terraform") / "aws", proxy.url, admin)
         terraform("init")
         terraform("apply", "-auto-approve", "-var-file=run.tfvars.json")
         yield Applied(endpoint, admin, terraform)

@@ -205,9 +205,11 @@ def _raw_store_copy_seconds(
 ) -> float:
     """With a WAN: the same bytes moved through the same links with the store client alone
     (plain puts, then gets; no protocol, no codec), every replica through its own link,
-    ``window`` requests at a time: what the stand-in, the shaper and the client allow."""
+    ``window`` requests at a time: what the stand-in, the shaper and the client allow. Gets
+    start once every replica's puts are done, as a round's reads wait for its SEAL."""
     stores = [Store(url, storage_options=option) for option in options]
     payload = b"\x01" * part
+    uploaded = threading.Barrier(len(stores))  # a replica reads once every upload is in
 
     def parts(total: int) -> range:
         return range(-(-total // part))
@@ -215,7 +217,12 @@ def _raw_store_copy_seconds(
     def replica(index: int) -> None:
         store, prefix = stores[index], f"raw-copy/{index}"
         with ThreadPoolExecutor(window) as pool:
-            list(pool.map(lambda k: store.put(f"{prefix}/{k}", payload), parts(up)))
+            try:
+                list(pool.map(lambda k: store.put(f"{prefix}/{k}", payload), parts(up)))
+            except BaseException:
+                uploaded.abort()  # the others stop waiting; this error surfaces
+                raise
+            uploaded.wait()
             others = [f"raw-copy/{(index + 1) % len(stores)}/{k % len(parts(up))}"
                       for k in parts(down)]  # fmt: skip
             list(pool.map(store.get, others))
