@@ -17,7 +17,7 @@ from diloco_anywhere.store import Store
 os.environ.update(GCS_EMULATOR_ENV)
 
 LOCAL_BACKENDS = ("path", "file", "memory")
-SERVER_BACKENDS = ("s3", "gcs", "azure")
+SERVER_BACKENDS = ("s3", "gcs", "azure", "hf")
 
 
 @dataclass

@@ -138,6 +138,7 @@ def reference(indices) -> bytes:
         ("path", 3, "sharded"),
         ("path", 8, "sharded"),
         ("s3", 4, "sharded"),
+        ("hf", 3, "sharded"),
     ],
 )
 def test_all_replicas_get_identical_bytes_equal_to_the_reference_mean(

@@ -28,7 +28,7 @@ from packaging.requirements import Requirement
 
 from diloco_anywhere.backends import modal as modal_backend
 from diloco_anywhere.backends import sagemaker as sagemaker_backend
-from diloco_anywhere.config import ConfigError, parse_config
+from diloco_anywhere.config import parse_config
 from diloco_anywhere.launch import plan_launch
 
 if sys.version_info >= (3, 11):
@@ -115,12 +115,9 @@ def test_answer_sets_render_only_what_they_chose(tmp_path, storage, backends) ->
     project = render(tmp_path, storage=storage, backends=backends, **ACCOUNT)
     assert_clean(project)
     run_toml = (project / "run.toml").read_text()
-    if storage == "hf":  # the choice says so: no hf:// store yet, and loading says why
-        with pytest.raises(ConfigError, match="scheme 'hf' has no create-only write"):
-            parse_config(run_toml, "run.toml")
-        run_toml = run_toml.replace("hf://my-org/my-diloco-run-diloco", "s3://stand-in/runs")
     config = parse_config(run_toml, "run.toml")
-    assert config.run.store == f"{CLOUD[storage]}://my-diloco-run-diloco/runs" or storage == "hf"
+    bucket = "buckets/my-org/my-diloco-run-diloco" if storage == "hf" else "my-diloco-run-diloco"
+    assert config.run.store == f"{CLOUD[storage]}://{bucket}/runs"
     assert sorted(config.backends) == sorted(backends)
     assert config.run.replicas == 2 * len(backends)  # each backend's default: 2 replicas
     answers = answers_of(project)
@@ -166,7 +163,7 @@ def test_k8s_gpus_become_processes_per_replica(tmp_path) -> None:
         ({"github_repo": "my repo"}, "github_repo my repo: 1-100 letters"),
         ({"storage": "gcs", "bucket": "google-runs"}, "nor containing google"),
         ({"storage": "azure", "bucket": "runs--x"}, "Azure container names are 3-63"),
-        ({"storage": "hf", "bucket": "no-owner"}, "owner/name"),
+        ({"storage": "hf", "bucket": "no-owner"}, "namespace/name"),
         ({"backends": ["modal"]}, "replicas on a platform cannot reach a local folder"),
         ({"storage": "s3", "backends": ["hf_jobs"], "hf_jobs_flavor": "h100"}, "h100"),
         ({"storage": "s3", "backends": ["modal"], "modal_gpu": "V100"}, "V100"),

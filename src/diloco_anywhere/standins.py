@@ -4,6 +4,8 @@
 - Azure Blob: Azurite (npm ``azurite``), which honours ``If-None-Match: *``.
 - GCS: gcp-storage-emulator. It ignores ``ifGenerationMatch``, so a second create-only write
   silently overwrites: I/O can be tested there, exclusive create cannot.
+- Hugging Face Storage Buckets: moto behind a front that behaves as the Hub's S3 gateway
+  documents (``hf_gateway.py``).
 
 Each yields a ``StandIn``: the store URL of a fresh bucket and the ``storage_options`` (endpoint,
 well-known dummy credentials) that reach it. Tests and ``diloco bench store --standin`` use them.
@@ -24,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+
+from diloco_anywhere.hf_gateway import gateway_front
 
 # Azurite's documented development account (public, not a secret).
 AZURITE_ACCOUNT = "devstoreaccount1"
@@ -158,7 +162,16 @@ def gcs_emulator(bucket: str = "diloco") -> Iterator[StandIn]:
         yield StandIn("gcs", f"gs://{bucket}", options, exclusive_create=False)
 
 
-STANDINS = {"s3": moto_s3, "gcs": gcs_emulator, "azure": azurite}
+@contextmanager
+def hf_gateway(namespace: str = "diloco-ns", bucket: str = "diloco") -> Iterator[StandIn]:
+    """The Hugging Face Storage Buckets S3 gateway: moto behind a front that behaves as the
+    gateway documents (``hf_gateway.py``)."""
+    with moto_s3(bucket) as s3, gateway_front(namespace, s3.storage_options["endpoint_url"]) as url:
+        options = {"endpoint_url": url, "key": "HFAKstandin", "secret": "standin"}
+        yield StandIn("hf", f"hf://buckets/{namespace}/{bucket}", options)
+
+
+STANDINS = {"s3": moto_s3, "gcs": gcs_emulator, "azure": azurite, "hf": hf_gateway}
 
 
 @contextmanager

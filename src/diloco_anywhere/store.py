@@ -37,6 +37,7 @@ from urllib.parse import urlsplit, urlunsplit
 import fsspec
 from fsspec.utils import get_protocol
 
+from diloco_anywhere import hf_buckets
 from diloco_anywhere.retry import RetryPolicy, call_with_retry, http_status
 
 T = TypeVar("T")
@@ -46,7 +47,10 @@ Buffer = bytes | bytearray | memoryview
 LOCAL_PROTOCOLS = frozenset({"file", "local"})
 MEMORY_PROTOCOLS = frozenset({"memory"})
 CONDITIONAL_PUT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
-SUPPORTED_SCHEMES = "a local path, file://, memory://, s3://, gs://, az://"
+SUPPORTED_SCHEMES = (
+    "a local path, file://, memory://, s3://, gs://, az://, hf://buckets/<namespace>/<bucket>"
+)
+HF_SCHEME = "hf"
 
 # Defaults per remote protocol; a user's storage options override them.
 REMOTE_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -153,6 +157,9 @@ def check_store_url(url: str) -> str:
     is checked on load, where no credentials or network may be at hand); ``ValueError`` naming
     the schemes otherwise."""
     scheme = get_protocol(url) if "://" in url else "file"
+    if scheme == HF_SCHEME:
+        hf_buckets.parse_bucket_url(url)
+        return url
     if scheme not in LOCAL_PROTOCOLS | MEMORY_PROTOCOLS | CONDITIONAL_PUT_PROTOCOLS:
         raise ValueError(f"scheme {scheme!r} has no create-only write; use {SUPPORTED_SCHEMES}")
     return url
@@ -244,8 +251,13 @@ class Store:
         retry: RetryPolicy | None = None,
         max_workers: int = 32,
     ) -> None:
-        protocols = _protocols(url)
         self.url = redact_url(url)
+        self._hf = "://" in url and get_protocol(url) == HF_SCHEME
+        if self._hf:  # a Hugging Face bucket, through its S3 gateway (hf_buckets.py)
+            bucket = hf_buckets.parse_bucket_url(url)
+            storage_options = hf_buckets.gateway_options(bucket, storage_options or {})
+            url = bucket.s3_url
+        protocols = _protocols(url)
         if not protocols & (LOCAL_PROTOCOLS | MEMORY_PROTOCOLS | CONDITIONAL_PUT_PROTOCOLS):
             raise ValueError(
                 f"store {self.url}: scheme {sorted(protocols)} has no create-only write; "
@@ -281,6 +293,8 @@ class Store:
 
     def _path(self, key: str) -> str:
         path = f"{self._root}/{check_key(key)}" if key else self._root
+        if self._hf:
+            hf_buckets.check_gateway_key(key, self._where(key))
         if self._is_local and self._through_link(path):
             raise StoreError(
                 f"{self._where(key)}: a symbolic link is on its path; a local store follows "

@@ -73,7 +73,7 @@ def _codec_table(codecs: dict[str, dict[str, float]], numel: int) -> Table:
 
 STORE_OPTION = typer.Option(
     "--store",
-    help="Store URL to measure: a path, file://, s3://, gs://, az:// "
+    help="Store URL to measure: a path, file://, s3://, gs://, az://, hf://buckets/... "
     "(credentials from the environment). Default: a temporary local folder.",
 )
 STANDIN_OPTION = typer.Option(

@@ -1,0 +1,98 @@
+"""Hugging Face Storage Buckets as a store: URLs, credentials and key rules checked up front,
+the gateway stand-in refusing what the real gateway refuses, and a 2-replica DiLoCo run through
+it (the Store's own tests run on it too: ``hf`` is one of conftest's server backends)."""
+
+from __future__ import annotations
+
+import http.client
+from urllib.parse import urlsplit
+
+import pytest
+
+from diloco_anywhere.config import ConfigError, parse_config
+from diloco_anywhere.hf_buckets import ENV_ACCESS_KEY, ENV_ENDPOINT, ENV_SECRET_KEY, HfBucketError
+from diloco_anywhere.store import Store, check_store_url
+from test_launch import RUN_TOML, diloco, statuses
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["hf://datasets/acme/corpus", "hf://acme/model", "hf://spaces/acme/demo", "hf://buckets/acme"],
+)
+def test_only_buckets_can_be_a_store(url):
+    with pytest.raises(ValueError, match="hf://buckets/<namespace>/<bucket>"):
+        check_store_url(url)
+    with pytest.raises(ConfigError, match=r"run\.store"):
+        parse_config(f'[run]\nname = "t"\nstore = "{url}"\n', "run.toml")
+
+
+def test_a_bucket_url_needs_the_gateway_credentials_and_never_prints_them(monkeypatch):
+    monkeypatch.delenv(ENV_ACCESS_KEY, raising=False)
+    monkeypatch.setenv(ENV_SECRET_KEY, "s3cr3t-value")
+    with pytest.raises(HfBucketError, match=f"no credentials; set {ENV_ACCESS_KEY}") as info:
+        Store("hf://buckets/acme/runs-bucket/runs")
+    assert "s3cr3t" not in str(info.value)
+    assert check_store_url("hf://buckets/acme/runs-bucket/runs")
+
+
+@pytest.mark.parametrize("key", ["rounds/x..", "a.."])
+def test_keys_the_gateway_refuses_are_refused_before_any_request(make_backend, key):
+    store = make_backend("hf").store()
+    with pytest.raises(HfBucketError, match="refused by the Hugging Face gateway"):
+        store.put(key, b"x")
+    assert store.stats().puts == 0
+
+
+# moto checks no signature, but answers a request without one as an anonymous caller's
+CREDENTIAL = "HFAKstandin/20260101/us-east-1/s3/aws4_request"
+SIGNED = {
+    "Authorization": f"AWS4-HMAC-SHA256 Credential={CREDENTIAL}, SignedHeaders=host, Signature=0"
+}
+
+
+def _raw(endpoint: str, method: str, path: str, headers: dict | None = None) -> int:
+    """The status the gateway (stand-in) answers to one hand-made request."""
+    headers = {**SIGNED, **(headers or {})}
+    parts = urlsplit(endpoint)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    try:
+        connection.request(method, parts.path + path, body=b"" if method == "PUT" else None,
+                           headers=headers)  # fmt: skip
+        return connection.getresponse().status
+    finally:
+        connection.close()
+
+
+def test_the_stand_in_refuses_what_the_gateway_refuses(standins):
+    gateway = standins("hf")
+    endpoint = gateway.storage_options["endpoint_url"]
+    bucket = gateway.url.rsplit("/", 1)[1]
+    assert _raw(endpoint, "GET", f"/{bucket}?list-type=2") == 200
+    assert _raw(endpoint, "GET", f"/{bucket}") == 400  # ListObjects V1
+    assert _raw(endpoint, "PUT", f"/{bucket}/k", {"x-amz-trailer": "x-amz-checksum-crc32"}) == 400
+    assert _raw(endpoint, "PUT", f"/{bucket}/k", {"Host": f"{bucket}.s3.hf.co"}) == 400
+    assert _raw(endpoint, "PUT", f"/{bucket}/a/..") == 400  # a forbidden key form
+    other = endpoint.rsplit("/", 1)[0] + "/someone-else"
+    assert _raw(other, "GET", f"/{bucket}?list-type=2") == 403
+    assert _raw(endpoint, "PUT", f"/{bucket}/k") == 200
+    assert _raw(endpoint, "GET", f"/{bucket}/k", {"User-Agent": "curl/8"}) == 302
+    assert _raw(endpoint, "GET", f"/{bucket}/k", {"User-Agent": "Botocore/1.40"}) == 200
+
+
+def test_a_two_replica_run_through_the_gateway(standins, tmp_path, monkeypatch):
+    """Only the bucket's gateway keys in the environment: no cloud account."""
+    gateway = standins("hf")
+    options = gateway.storage_options
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(ENV_ENDPOINT, options["endpoint_url"].rsplit("/", 1)[0])
+    monkeypatch.setenv(ENV_ACCESS_KEY, options["key"])
+    monkeypatch.setenv(ENV_SECRET_KEY, options["secret"])
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    text = RUN_TOML.format(replicas=2, outer_steps=2)
+    store = f"{gateway.url}/runs-{tmp_path.name}"
+    (tmp_path / "run.toml").write_text(text.replace('store = "store"', f'store = "{store}"'))
+    result = diloco("launch", "--config", "run.toml")
+    assert result.exit_code == 0, result.output
+    rows = statuses("run.toml")
+    assert {(row["state"], row["outer_step"]) for row in rows.values()} == {("done", 2)}
