@@ -2,11 +2,12 @@
 
 It serves the routes ``HfApi.run_job``, ``inspect_job``, ``fetch_job_logs`` and ``cancel_job``
 use (``/api/jobs/{namespace}[/{id}[/cancel|/logs]]``, and ``/api/whoami-v2`` for the default
-namespace), with the request and response shapes of huggingface_hub 2.x, and runs each job's
-command as a local process (``standin_jobs.ContainerProcess``) with the job's environment and
-secrets. Not modelled: images (this Python runs every job), flavors and their hardware, timeouts,
-attempts (a failed job is not restarted), scheduling delay, authentication beyond requiring a
-bearer token.
+namespace), and those of ``create_bucket``, ``bucket_info`` and ``delete_bucket``
+(``/api/buckets/{namespace}/{name}``; a bucket's files are not modelled), with the request and
+response shapes of huggingface_hub 2.x, and runs each job's command as a local process
+(``standin_jobs.ContainerProcess``) with the job's environment and secrets. Not modelled:
+images (this Python runs every job), flavors and their hardware, timeouts, attempts (a failed
+job is not restarted), scheduling delay, authentication beyond requiring a bearer token.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ class _Handler(BaseHTTPRequestHandler):
         parts = self.path.split("?")[0].strip("/").split("/")
         if parts == ["api", "whoami-v2"]:
             return self._reply(200, {"name": USER, "type": "user"})
+        if parts[:2] == ["api", "buckets"] and len(parts) == 4:
+            return self._bucket(method, "/".join(parts[2:]), body)
         if parts[:2] != ["api", "jobs"] or len(parts) < 3:
             return self._reply(404, {"error": f"no route {self.path}"})
         if len(parts) == 3 and method == "POST":
@@ -103,8 +106,27 @@ class _Handler(BaseHTTPRequestHandler):
             return self._reply(200, _events(job.container.output()), "text/event-stream")
         return self._reply(404, {"error": f"no route {self.path}"})
 
+    def _bucket(self, method: str, bucket_id: str, body: Any) -> None:
+        buckets = self.server.buckets
+        if method == "POST":
+            if bucket_id in buckets:
+                return self._reply(409, {"error": "You already created this bucket"})
+            private = body.get("visibility") == "private"
+            buckets[bucket_id] = {"id": bucket_id, "private": private, "createdAt": _timestamp(),
+                                  "size": 0, "totalFiles": 0}  # fmt: skip
+            return self._reply(200, {"url": f"https://huggingface.co/buckets/{bucket_id}"})
+        if bucket_id not in buckets:
+            return self._reply(404, {"error": "Bucket not found"})
+        if method == "DELETE":
+            del buckets[bucket_id]
+            return self._reply(200, {})
+        return self._reply(200, buckets[bucket_id])
+
     def do_GET(self) -> None:
         self._route("GET")
+
+    def do_DELETE(self) -> None:
+        self._route("DELETE")
 
     def do_POST(self) -> None:
         self._route("POST")
@@ -124,6 +146,7 @@ class HfJobsStandIn(RecordingServer):
         super().__init__(_Handler)
         self.folder = folder
         self.jobs: dict[str, _Job] = {}
+        self.buckets: dict[str, dict[str, Any]] = {}
 
     def create(self, namespace: str, spec: dict[str, Any]) -> _Job:
         job = _Job(f"{len(self.jobs) + 1:024x}", namespace, spec, self.folder)

@@ -12,6 +12,7 @@ import pytest
 
 from diloco_anywhere.config import load_config
 from diloco_anywhere.infra import image_in, secrets_to_set
+from hf_jobs_standin import hf_jobs_api
 from test_launch import diloco
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,7 +104,7 @@ def test_a_store_outside_the_clouds_with_terraform_needs_a_folder(tmp_path, monk
     (tmp_path / "run.toml").write_text(RUN_TOML.replace("s3://old-bucket", "az://container"))
     result = diloco("infra", "output", "--config", "run.toml")
     assert result.exit_code == 1
-    assert "is not in a cloud with Terraform here (s3://, gs://): give --dir" in result.output
+    assert "not in a cloud with Terraform here (s3://, gs://) nor a Hugging Face" in result.output
 
 
 @pytest.mark.parametrize(
@@ -134,3 +135,28 @@ def test_outside_aws_without_a_replica_user_says_how_to_get_one():
     assert lines[0] == ("replica key (hf_jobs): set create_replica_user = true, "
                         "`diloco infra up`, then aws iam create-access-key")  # fmt: skip
     assert "STORE_AWS_ACCESS_KEY_ID" in lines[1]
+
+
+def test_a_hugging_face_bucket_is_made_private_and_removed_with_the_hub_api(tmp_path, monkeypatch):
+    """No Terraform for Storage Buckets: `infra up` creates it through huggingface_hub (the
+    Hub stand-in here), `output` says which keys each platform needs, `down` removes it."""
+    monkeypatch.chdir(tmp_path)
+    store = "hf://buckets/alice/demo-diloco/runs"
+    (tmp_path / "run.toml").write_text(RUN_TOML.replace("s3://old-bucket/runs", store)
+                                       .replace("sagemaker", "hf_jobs"))  # fmt: skip
+    with hf_jobs_api() as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_TOKEN", "hf_standin_token")
+        planned = diloco("infra", "plan", "--config", "run.toml")
+        assert "bucket alice/demo-diloco: would be created, private" in planned.output
+        assert diloco("infra", "up", "--config", "run.toml").exit_code == 1  # not confirmed
+        assert hub.buckets == {}
+        assert diloco("infra", "up", "--config", "run.toml", "--yes").exit_code == 0
+        assert hub.buckets["alice/demo-diloco"]["private"] is True
+        shown = diloco("infra", "output", "--config", "run.toml", "--write")
+        assert shown.exit_code == 0, shown.output
+        assert f"store_url = {store}" in shown.output
+        assert "Generate S3 credentials" in shown.output
+        assert "hf_jobs: export HF_BUCKETS_ACCESS_KEY_ID" in shown.output
+        assert diloco("infra", "down", "--config", "run.toml", "--yes").exit_code == 0
+        assert hub.buckets == {}

@@ -17,10 +17,14 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import tomlkit
+
+from diloco_anywhere import hf_buckets
 
 TERRAFORM_INSTALL = "https://developer.hashicorp.com/terraform/install"
 CLOUDS = {"s3": "aws", "gs": "gcp", "gcs": "gcp"}
@@ -42,6 +46,10 @@ class Terraform:
 
     folder: Path
     var_file: Path | None = None
+
+    @property
+    def cloud(self) -> str:
+        return self.folder.name
 
     def _run(self, *args: str, capture: bool = False) -> str:
         program = shutil.which("terraform")
@@ -74,6 +82,79 @@ class Terraform:
     def outputs(self) -> dict[str, dict]:
         """``terraform output -json``: name -> {value, type, sensitive}."""
         return json.loads(self._run("output", "-json", capture=True) or "{}")
+
+
+@dataclass(frozen=True)
+class HubBucket:
+    """A Hugging Face Storage Bucket (``run.store = "hf://buckets/..."``), made and removed
+    with huggingface_hub, since no Terraform provider covers it; the steps of ``Terraform``.
+    It is created private. ``confirm`` asks the user where Terraform would have asked."""
+
+    url: hf_buckets.BucketUrl
+    store: str
+    confirm: Callable[[str], bool]
+    cloud = "hf"
+
+    @property
+    def bucket_id(self) -> str:
+        return f"{self.url.namespace}/{self.url.bucket}"
+
+    @property
+    def folder(self) -> Path:
+        return Path(f"hf://buckets/{self.bucket_id}")
+
+    def _api(self) -> Any:
+        try:
+            import huggingface_hub
+        except ImportError:
+            raise InfraError(
+                "huggingface_hub is not installed: pip install huggingface_hub"
+            ) from None
+        return huggingface_hub.HfApi()  # HF_TOKEN or `hf auth login`; HF_ENDPOINT honoured
+
+    def _files(self) -> int | None:
+        """Files in the bucket, or None when it does not exist."""
+        from huggingface_hub.errors import HfHubHTTPError
+
+        try:
+            return self._api().bucket_info(self.bucket_id).total_files
+        except HfHubHTTPError as exc:
+            if exc.response is not None and exc.response.status_code == 404:
+                return None
+            raise InfraError(f"bucket {self.bucket_id}: {exc}") from None
+
+    def init(self) -> None:
+        self._api()
+
+    def plan(self) -> None:
+        files = self._files()
+        print(f"bucket {self.bucket_id}: " + (
+            f"exists ({files} files); nothing to change" if files is not None
+            else "would be created, private"
+        ))  # fmt: skip
+
+    def apply(self, approve: bool) -> None:
+        if self._files() is not None:
+            print(f"bucket {self.bucket_id} exists; nothing to change")
+            return
+        if not (approve or self.confirm(f"create the private bucket {self.bucket_id}?")):
+            raise InfraError("nothing created")
+        self._api().create_bucket(self.bucket_id, private=True, exist_ok=True)
+
+    def destroy(self, approve: bool) -> None:
+        files = self._files()
+        if files:
+            raise InfraError(
+                f"bucket {self.bucket_id} holds {files} files: delete the runs first "
+                f"(diloco launch --fresh deletes a run's objects), then run down again"
+            )
+        if files is not None and (approve or self.confirm(f"delete the bucket {self.bucket_id}?")):
+            self._api().delete_bucket(self.bucket_id, missing_ok=True)
+
+    def outputs(self) -> dict[str, dict]:
+        if self._files() is None:
+            return {}
+        return {"store_url": {"value": self.store, "sensitive": False}}
 
 
 def _unattended(approve: bool) -> list[str]:
@@ -142,7 +223,18 @@ def secrets_to_set(
     value (Terraform makes no key; docs/infra.md says why)."""
     outside = sorted({"modal", "hf_jobs", "k8s"} & set(platforms))
     lines = _key_lines(cloud, values, outside)
-    if cloud == "aws":
+    if cloud == "hf":
+        keys = f"{hf_buckets.ENV_ACCESS_KEY}=... {hf_buckets.ENV_SECRET_KEY}=..."
+        lines.append(f"bucket keys: {hf_buckets.CREDENTIALS_HELP}")
+        per_platform = {
+            "modal": f"modal secret create {run}-store {keys}",
+            "hf_jobs": f"export {hf_buckets.ENV_ACCESS_KEY} and {hf_buckets.ENV_SECRET_KEY} "
+            "(as [backends.hf_jobs] secrets reads them) before `diloco launch`",
+            "k8s": f"kubectl create secret generic {run}-store "
+            f"--from-literal={hf_buckets.ENV_ACCESS_KEY}=... "
+            f"--from-literal={hf_buckets.ENV_SECRET_KEY}=...",
+        }
+    elif cloud == "aws":
         credentials = "AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=..."
         per_platform = {
             "modal": f"modal secret create {run}-store {credentials}",

@@ -1,4 +1,5 @@
-"""``diloco infra plan | up | output | down``: the run's bucket and identities, by terraform."""
+"""``diloco infra plan | up | output | down``: the run's bucket and identities, by terraform
+(or, for a Hugging Face Storage Bucket, by huggingface_hub)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ from typing import Annotated
 
 import typer
 
+from diloco_anywhere import hf_buckets
 from diloco_anywhere.cli.common import stderr, stdout, user_errors
 from diloco_anywhere.config import RunConfig, load_config
 from diloco_anywhere.infra import (
     CLOUDS,
+    HubBucket,
     InfraError,
     Terraform,
     public_values,
@@ -20,8 +23,8 @@ from diloco_anywhere.infra import (
 
 infra_app = typer.Typer(
     rich_markup_mode=None,  # plain click help: readable at 80 columns (rich squeezes it)
-    help="Provision the run's cloud resources with terraform (infra/aws or infra/gcp) and "
-    "put their outputs into run.toml.",
+    help="Provision the run's cloud resources with terraform (infra/aws or infra/gcp), or its "
+    "Hugging Face bucket with huggingface_hub, and put the outputs into run.toml.",
     no_args_is_help=True,
 )
 ConfigPath = Annotated[
@@ -45,15 +48,21 @@ def _config(path: Path | None) -> RunConfig:
     return load_config(path or Path("run.toml"))
 
 
-def _terraform(config: RunConfig, folder: Path | None, var_file: Path | None) -> Terraform:
-    """terraform in the folder of the run's cloud (from run.store's scheme)."""
+def _terraform(
+    config: RunConfig, folder: Path | None, var_file: Path | None
+) -> Terraform | HubBucket:
+    """terraform in the folder of the run's cloud (from run.store's scheme); for a Hugging
+    Face bucket, huggingface_hub."""
     root = config.source.parent if config.source else Path.cwd()
+    if folder is None and config.run.store.startswith("hf://"):
+        url = hf_buckets.parse_bucket_url(config.run.store)
+        return HubBucket(url, config.run.store, lambda question: typer.confirm(question))
     if folder is None:
         scheme = config.run.store.partition("://")[0]
         if scheme not in CLOUDS:
             raise InfraError(
                 f"run.store {config.run.store!r} is not in a cloud with Terraform here (s3://, "
-                f"gs://): give --dir"
+                f"gs://) nor a Hugging Face bucket (hf://buckets/...): give --dir"
             )
         folder = root / "infra" / CLOUDS[scheme]
     if var_file is None and (folder.parent / f"{folder.name}.tfvars").exists():
@@ -104,7 +113,7 @@ def output(
                          highlight=False, soft_wrap=True)  # fmt: skip
         platforms = sorted(config.backends)
         stderr.print("still to provide:", highlight=False)
-        for line in secrets_to_set(terraform.folder.name, config.run.name, values, platforms):
+        for line in secrets_to_set(terraform.cloud, config.run.name, values, platforms):
             stderr.print(f"  {line}", highlight=False, soft_wrap=True)
 
 
