@@ -11,8 +11,11 @@ import pytest
 
 from diloco_anywhere.config import ConfigError, parse_config
 from diloco_anywhere.hf_buckets import ENV_ACCESS_KEY, ENV_ENDPOINT, ENV_SECRET_KEY, HfBucketError
+from diloco_anywhere.standins import hf_gateway
 from diloco_anywhere.store import Store, check_store_url
+from hf_jobs_standin import hf_jobs_api
 from test_launch import RUN_TOML, diloco, statuses
+from test_template import render
 
 
 @pytest.mark.parametrize(
@@ -96,3 +99,36 @@ def test_a_two_replica_run_through_the_gateway(standins, tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     rows = statuses("run.toml")
     assert {(row["state"], row["outer_step"]) for row in rows.values()} == {("done", 2)}
+
+
+def test_the_hf_storage_and_hf_jobs_answers_run_end_to_end(tmp_path, monkeypatch):
+    """The template rendered with `storage = hf` and HF Jobs replicas: `diloco infra up`
+    makes the bucket and `diloco launch` runs both replicas as jobs, with Hugging Face
+    credentials alone (the Hub and the gateway are their stand-ins)."""
+    project = render(tmp_path, storage="hf", bucket="alice/demo-diloco", backends=["hf_jobs"],
+                     hf_jobs_replicas=2, outer_steps=2, sync_every=5)  # fmt: skip
+    run_toml = project / "run.toml"
+    # the stand-in gateway's address, as the jobs must reach it (s3.hf.co in production)
+    text = run_toml.read_text().replace(
+        '"HF_BUCKETS_SECRET_ACCESS_KEY"]', '"HF_BUCKETS_SECRET_ACCESS_KEY", "HF_BUCKETS_ENDPOINT"]'
+    )
+    run_toml.write_text(text)
+    monkeypatch.chdir(project)
+    monkeypatch.setenv("PYTHONPATH", str(project / "src"))  # the image has the project installed
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    with hf_gateway(namespace="alice", bucket="demo-diloco") as gateway, hf_jobs_api() as hub:
+        options = gateway.storage_options
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_TOKEN", "hf_standin_token")
+        monkeypatch.setenv(ENV_ENDPOINT, options["endpoint_url"].rsplit("/", 1)[0])
+        monkeypatch.setenv(ENV_ACCESS_KEY, options["key"])
+        monkeypatch.setenv(ENV_SECRET_KEY, options["secret"])
+        assert diloco("infra", "up", "--config", "run.toml", "--yes").exit_code == 0
+        assert hub.buckets["alice/demo-diloco"]["private"] is True
+        result = diloco("launch", "--config", "run.toml")
+        assert result.exit_code == 0, result.output
+        rows = statuses("run.toml")
+    assert {(r, row["platform"], row["state"], row["outer_step"]) for r, row in rows.items()} == {
+        ("hf_jobs-0", "hf_jobs", "done", 2), ("hf_jobs-1", "hf_jobs", "done", 2)
+    }  # fmt: skip

@@ -15,6 +15,7 @@ make and store it, per platform.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from typing import Any
 import tomlkit
 
 from diloco_anywhere import hf_buckets
+from diloco_anywhere.backends.base import one_line
 
 TERRAFORM_INSTALL = "https://developer.hashicorp.com/terraform/install"
 CLOUDS = {"s3": "aws", "gs": "gcp", "gcs": "gcp"}
@@ -103,28 +105,35 @@ class HubBucket:
     def folder(self) -> Path:
         return Path(f"hf://buckets/{self.bucket_id}")
 
-    def _api(self) -> Any:
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``HfApi().<method>`` at ``$HF_ENDPOINT`` when set (read now, not at import), with
+        the token of ``HF_TOKEN`` or ``hf auth login``. A bucket the Hub does not know is
+        ``FileNotFoundError``; any other failure is one ``InfraError``."""
         try:
             import huggingface_hub
         except ImportError:
             raise InfraError(
                 "huggingface_hub is not installed: pip install huggingface_hub"
             ) from None
-        return huggingface_hub.HfApi()  # HF_TOKEN or `hf auth login`; HF_ENDPOINT honoured
+        api = huggingface_hub.HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
+        try:
+            return getattr(api, method)(*args, **kwargs)
+        except huggingface_hub.errors.HfHubHTTPError as exc:
+            if exc.response is not None and exc.response.status_code == 404:
+                raise FileNotFoundError(self.bucket_id) from None
+            raise InfraError(f"bucket {self.bucket_id}: {one_line(exc)}") from None
+        except Exception as exc:  # the Hub unreachable, no token, ...
+            raise InfraError(f"bucket {self.bucket_id}: {one_line(exc)}") from None
 
     def _files(self) -> int | None:
         """Files in the bucket, or None when it does not exist."""
-        from huggingface_hub.errors import HfHubHTTPError
-
         try:
-            return self._api().bucket_info(self.bucket_id).total_files
-        except HfHubHTTPError as exc:
-            if exc.response is not None and exc.response.status_code == 404:
-                return None
-            raise InfraError(f"bucket {self.bucket_id}: {exc}") from None
+            return self._call("bucket_info", self.bucket_id).total_files
+        except FileNotFoundError:
+            return None
 
     def init(self) -> None:
-        self._api()
+        """Nothing to set up: huggingface_hub is checked at the first call."""
 
     def plan(self) -> None:
         files = self._files()
@@ -139,7 +148,7 @@ class HubBucket:
             return
         if not (approve or self.confirm(f"create the private bucket {self.bucket_id}?")):
             raise InfraError("nothing created")
-        self._api().create_bucket(self.bucket_id, private=True, exist_ok=True)
+        self._call("create_bucket", self.bucket_id, private=True, exist_ok=True)
 
     def destroy(self, approve: bool) -> None:
         files = self._files()
@@ -149,7 +158,7 @@ class HubBucket:
                 f"(diloco launch --fresh deletes a run's objects), then run down again"
             )
         if files is not None and (approve or self.confirm(f"delete the bucket {self.bucket_id}?")):
-            self._api().delete_bucket(self.bucket_id, missing_ok=True)
+            self._call("delete_bucket", self.bucket_id, missing_ok=True)
 
     def outputs(self) -> dict[str, dict]:
         if self._files() is None:
