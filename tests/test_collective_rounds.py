@@ -138,6 +138,7 @@ def reference(indices) -> bytes:
         ("path", 3, "sharded"),
         ("path", 8, "sharded"),
         ("s3", 4, "sharded"),
+        ("hf", 2, "gather"),
         ("hf", 3, "sharded"),
     ],
 )
