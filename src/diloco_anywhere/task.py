@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,6 +49,9 @@ class Task:
     loss: Callable[[nn.Module, Batch], torch.Tensor]
     tokens_per_batch: int  # weights the replica's contribution and drives tokens/s
     evaluate: Callable[[nn.Module], float] | None = None  # held-out loss, same on every replica
+    # writes the model in the task's own format into a folder (`diloco export`), e.g. a
+    # Hugging Face model's save_pretrained
+    save: Callable[[nn.Module, Path], None] | None = None
 
 
 def load_entrypoint(entrypoint: str) -> Callable[[TaskContext], Task]:

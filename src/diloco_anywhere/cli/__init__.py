@@ -16,7 +16,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
-for command in (run.launch, run.status, run.logs, run.stop, run.report):
+for command in (run.launch, run.status, run.logs, run.stop, run.report, run.export):
     app.command()(command)
 app.add_typer(infra_app, name="infra")
 app.add_typer(bench_app, name="bench")

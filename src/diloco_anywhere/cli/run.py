@@ -364,6 +364,29 @@ def _print_report(config: RunConfig, output: Path) -> RunSummary:
     return summary
 
 
+def export(
+    destination: Annotated[
+        str, typer.Argument(help="A local folder, or a store URL (s3://, gs://, az://, hf://...).")
+    ],
+    config_path: ConfigPath = None,
+    round_: Annotated[
+        int | None,
+        typer.Option("--round", min=0, help="The checkpoint's round. Default: the newest."),
+    ] = None,
+) -> None:
+    """Write the run's trained model: the global weights of a committed checkpoint (checked as
+    healing checks it) as model.safetensors, a model card (README.md), run.toml, and the task's
+    own save format when it has one."""
+    from diloco_anywhere.export import export as export_run
+
+    with user_errors():
+        config = load_config(config_path)
+        checkpoint = export_run(config, destination, round_)
+    stdout.print(f"exported round {checkpoint.commit.round} (outer step "
+                 f"{checkpoint.commit.step}) of run {config.run.name} to {destination}",
+                 highlight=False, soft_wrap=True)  # fmt: skip
+
+
 def report(
     config_path: ConfigPath = None,
     output: Annotated[
