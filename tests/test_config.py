@@ -126,7 +126,16 @@ def test_a_run_toml_that_is_not_utf8_is_one_line(tmp_path):
         load_config(path)
 
 
-@pytest.mark.parametrize("url", ["ftp://host/runs", "hf://owner/repo", "http://example.com/x"])
-def test_a_store_url_of_a_scheme_the_store_cannot_open_is_refused_on_load(url):
-    with pytest.raises(ConfigError, match=rf"run.store = '{url}': scheme '\w+' has no create-only"):
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("ftp://host/runs", "scheme 'ftp' has no create-only"),
+        ("http://example.com/x", "scheme 'http' has no create-only"),
+        ("hf://owner/repo", "only Hugging Face Storage Buckets can be a store"),
+    ],
+)
+def test_a_store_url_no_store_can_open_is_refused_on_load(url, why):
+    with pytest.raises(ConfigError, match=rf"run\.store = '{url}': .*{why}"):
         parse_config(f'[run]\nstore = "{url}"\n', "run.toml")
+    with pytest.raises(ConfigError, match=rf"checkpoint\.mirrors\.0 = '{url}': .*{why}"):
+        parse_config(f'[checkpoint]\nmirrors = ["{url}"]\n', "run.toml")

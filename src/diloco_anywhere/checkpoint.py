@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -197,8 +197,18 @@ class CheckpointWriter:
     (a state that cannot be checkpointed) is raised on the training thread at the next
     ``write`` or at ``close``, so a run never goes on without checkpoints unnoticed."""
 
-    def __init__(self, store: Store, layout: RunLayout, me: str, policy: CheckpointPolicy) -> None:
+    def __init__(
+        self,
+        store: Store,
+        layout: RunLayout,
+        me: str,
+        policy: CheckpointPolicy,
+        mirror: Callable[[int, dict[str, bytes], str, bytes], None] | None = None,
+    ) -> None:
+        """``mirror(round, objects, commit_key, commit)`` hears of every checkpoint this
+        replica commits (``mirrors.MirrorWriter.copy``)."""
         self.store, self.layout, self.me, self.policy = store, layout, me, policy
+        self.mirror = mirror
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self._pending: Future[None] | None = None
 
@@ -268,9 +278,13 @@ class CheckpointWriter:
         self.store.put(state_key, structure)
         entries = tuple(_entry(key, data) for key, data in shards.items())
         done = CheckpointCommit(**commit, state=_entry(state_key, structure), shards=entries)
-        self.store.put(self.layout.checkpoint_commit(round_), encode_record(done))
+        commit_bytes = encode_record(done)
+        self.store.put(self.layout.checkpoint_commit(round_), commit_bytes)
         log.info("checkpoint of round %d committed (%d shards)", round_, len(entries))
         prune_checkpoints(self.store, self.layout, self.policy.keep)
+        if self.mirror is not None:
+            objects = {**shards, state_key: structure}
+            self.mirror(round_, objects, self.layout.checkpoint_commit(round_), commit_bytes)
 
     def _wait_for(self, keys: list[str], folder: str) -> set[str]:
         """Poll until every key exists under ``folder`` or ``orphan_grace`` has passed; the

@@ -112,6 +112,11 @@ class CheckpointSection(_Section):
     # Committed checkpoints kept; older ones are deleted. At least 2: when the newest does not
     # read back intact, healing falls back to the one before.
     keep: Annotated[int, Field(ge=2)] = 2
+    # Other stores every committed checkpoint is copied to (mirrors.py): losing the run's
+    # store then loses no checkpoint.
+    mirrors: Annotated[
+        list[Annotated[str, AfterValidator(check_store_url)]], Field(max_length=4)
+    ] = Field(default_factory=list)
 
 
 class TaskSection(_Section):
@@ -145,7 +150,13 @@ class RunConfig(_Section):
 
     def store_url(self) -> str:
         """The store URL, with a relative local path made absolute against run.toml's folder."""
-        url = self.run.store
+        return self._absolute(self.run.store)
+
+    def mirror_urls(self) -> list[str]:
+        """``[checkpoint] mirrors``, relative local paths made absolute as ``store_url``."""
+        return [self._absolute(url) for url in self.checkpoint.mirrors]
+
+    def _absolute(self, url: str) -> str:
         if "://" in url or Path(url).is_absolute():
             return url
         base = self.source.parent if self.source else Path.cwd()

@@ -13,6 +13,7 @@ in the log, never guessed at.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
@@ -56,7 +57,7 @@ class SyncLine(Record):
 
 class EventLine(Record):
     kind: Literal["event"] = "event"
-    event: Literal["started", "done", "failed", "stopped", "diverged", "healed"]
+    event: Literal["started", "done", "failed", "stopped", "diverged", "healed", "mirror_failed"]
     detail: str = Field(default="", max_length=2000)
     parameters: Count = 0  # "started": the model's size, for comparisons with data parallel
     seconds: float | None = None  # "healed": how long healing took
@@ -76,7 +77,8 @@ class MetricsChunk(Record):
 
 
 class MetricsWriter:
-    """Buffers one replica incarnation's lines and puts them as a chunk on ``flush``."""
+    """Buffers one replica incarnation's lines and puts them as a chunk on ``flush``. Safe to
+    call from several threads (a checkpoint mirror reports from its own)."""
 
     def __init__(
         self, store: Store, layout: RunLayout, replica: str, incarnation: int, platform: str
@@ -85,11 +87,13 @@ class MetricsWriter:
         self.replica, self.incarnation, self.platform = replica, incarnation, platform
         self._seq = 0
         self._lines: list[StepLine | SyncLine | EventLine] = []
+        self._lock = threading.RLock()
 
     def add(self, line: StepLine | SyncLine | EventLine) -> None:
-        self._lines.append(line)
-        if len(self._lines) >= MAX_LINES:
-            self.flush()
+        with self._lock:
+            self._lines.append(line)
+            if len(self._lines) >= MAX_LINES:
+                self.flush()
 
     def event(
         self, event: str, detail: str = "", parameters: int = 0, seconds: float | None = None
@@ -101,10 +105,15 @@ class MetricsWriter:
             seconds=seconds,
             time=time.time(),
         )
-        self.add(line)
-        self.flush()
+        with self._lock:
+            self.add(line)
+            self.flush()
 
     def flush(self) -> None:
+        with self._lock:
+            self._flush()
+
+    def _flush(self) -> None:
         if not self._lines:
             return
         chunk = MetricsChunk(

@@ -29,6 +29,7 @@ def config_text(config: RunConfig) -> bytes:
     """The configuration as replicas will load it (defaults filled in, store made absolute)."""
     data = config.model_dump(exclude={"source"})
     data["run"]["store"] = config.store_url()
+    data["checkpoint"]["mirrors"] = config.mirror_urls()
     return tomli_w.dumps(data).encode()
 
 

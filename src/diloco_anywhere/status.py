@@ -30,6 +30,7 @@ class ReplicaStatus:
     restarts: int = 0  # incarnations after the first
     heals: int = 0  # times it healed from the bucket (joining late, restarted, diverged)
     divergences: int = 0  # times its global state differed from the sealed contributors'
+    mirror_failures: int = 0  # checkpoints it committed that did not reach a mirror
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -84,6 +85,7 @@ def replica_statuses(
                 restarts=max(0, len(seen.incarnations) - 1) if seen else 0,
                 heals=seen.count("healed") if seen else 0,
                 divergences=seen.count("diverged") if seen else 0,
+                mirror_failures=seen.count("mirror_failed") if seen else 0,
             )
         )
     return rows

@@ -32,6 +32,7 @@ from diloco_anywhere.global_state import GlobalState
 from diloco_anywhere.healing import heal
 from diloco_anywhere.manager import BucketManager
 from diloco_anywhere.metrics import MetricsWriter, StepLine, SyncLine
+from diloco_anywhere.mirrors import MirrorWriter
 from diloco_anywhere.replica_group import ReplicaGroup, make_manager
 from diloco_anywhere.store import scrub_secrets
 from diloco_anywhere.task import Batch, Task, TaskContext, build_task
@@ -151,11 +152,24 @@ class _Run:
         policy = CheckpointPolicy(
             keep=self.config.checkpoint.keep, orphan_grace=self.config.sync.grace * 3
         )
-        self.writer = (
-            CheckpointWriter(collective.store, collective.layout, collective.me.name, policy)
-            if collective is not None
+        self.mirrors = (
+            MirrorWriter(self.config.mirror_urls(), collective.layout, policy.keep, self._report)
+            if collective is not None and self.config.checkpoint.mirrors
             else None
         )
+        self.writer = (
+            CheckpointWriter(
+                collective.store, collective.layout, collective.me.name, policy,
+                mirror=self.mirrors.copy if self.mirrors else None,
+            )
+            if collective is not None
+            else None
+        )  # fmt: skip
+
+    def _report(self, detail: str) -> None:
+        """A mirror that failed, into the run's metrics (``diloco status`` shows it)."""
+        if self.metrics is not None:
+            self.metrics.event("mirror_failed", detail[:2000])
 
     def _evaluation_due(self) -> bool:
         """Every ``eval_every`` outer steps (all fragments synced), and at the last one."""
@@ -281,6 +295,8 @@ class _Run:
         """The last checkpoint is committed before the replica reports done."""
         if self.writer is not None:
             self.writer.close()
+        if self.mirrors is not None:
+            self.mirrors.close()
 
 
 def _checkpoint_due(step: int, every: int, last: int) -> bool:

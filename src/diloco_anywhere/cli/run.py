@@ -120,6 +120,8 @@ def _status_table(rows: list[ReplicaStatus], title: str) -> Table:
         state = row.state
         if row.divergences:  # loud: a replica whose weights differed from the others'
             state = f"[bold red]{state}, diverged {row.divergences}x[/bold red]"
+        if row.mirror_failures:  # a checkpoint that did not reach a mirror
+            state = f"{state}, [yellow]mirror failed {row.mirror_failures}x[/yellow]"
         table.add_row(
             row.replica, row.platform, state, str(row.outer_step),
             "-" if row.loss is None else f"{row.loss:.3f}",
