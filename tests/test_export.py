@@ -69,6 +69,15 @@ def test_the_export_holds_the_committed_global_weights(finished_run, tmp_path, m
     assert load_config(tmp_path / "model" / "run.toml").run.name == "t"
     saved = json.loads((tmp_path / "model" / "saved" / "weights.json").read_text())
     assert saved["parameters"] == sum(p.numel() for p in model.parameters())
+    # the same checkpoint gives the same bytes, whatever the run (safetensors metadata did not)
+    for attempt in range(3):
+        again = tmp_path / f"again-{attempt}"
+        assert diloco("export", str(again), "--config", "run.toml").exit_code == 0
+        for path in (tmp_path / "model").rglob("*"):
+            if path.is_file():
+                assert (
+                    again / path.relative_to(tmp_path / "model")
+                ).read_bytes() == path.read_bytes()
 
 
 def test_an_export_to_a_store_is_create_only_and_the_same_export_again_a_no_op(

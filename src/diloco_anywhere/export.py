@@ -123,8 +123,9 @@ def _files(config: RunConfig, checkpoint: Checkpoint, summary: RunSummary) -> di
     task = trained_task(config, checkpoint)
     state = {k: tensor.detach().contiguous() for k, tensor in task.model.state_dict().items()}
     files = {
-        MODEL_FILE: save_safetensors(state, metadata={"run": config.run.name,
-                                                      "round": str(checkpoint.commit.round)}),
+        # no safetensors metadata: it is kept in a hash map whose order, and so the file's
+        # bytes, change from one save to the next; the model card names run and round
+        MODEL_FILE: save_safetensors(state),
         CARD_FILE: model_card(config, checkpoint, summary).encode(),
         CONFIG_FILE: config_text(config),
     }  # fmt: skip
