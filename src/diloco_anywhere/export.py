@@ -14,8 +14,8 @@ and writes:
 - the task's own files when it has a ``save`` hook (``Task.save``: a ``save_pretrained``
   folder for a Hugging Face model), under ``saved/``.
 
-The destination is a local folder (it must not hold these files yet) or a store URL, where the
-files are create-only objects like everything else the tool writes.
+The destination is a local folder or a store URL; either way the files are create-only
+objects, like everything else the tool writes.
 """
 
 from __future__ import annotations
@@ -141,20 +141,13 @@ def _files(config: RunConfig, checkpoint: Checkpoint, summary: RunSummary) -> di
 
 
 def _write(destination: str, files: dict[str, bytes]) -> None:
-    if "://" in destination and not destination.startswith("file://"):
-        with Store(destination) as store:
-            try:
-                store.put_many(files)
-            except FileExistsError as exc:
-                raise ExportError(f"{exc}: export to an empty folder of the store") from None
-        return
-    folder = Path(destination.removeprefix("file://"))
-    taken = sorted(name for name in files if (folder / name).exists())
-    if taken:
-        raise ExportError(f"{folder} already holds {', '.join(taken)}: export to an empty folder")
-    for name, data in files.items():
-        (folder / name).parent.mkdir(parents=True, exist_ok=True)
-        (folder / name).write_bytes(data)
+    """Every file, create-only, through a store: a folder is a local store, so a second
+    export of the same checkpoint is a no-op there too, and of another one an error."""
+    with Store(destination) as store:
+        try:
+            store.put_many(files)
+        except FileExistsError as exc:
+            raise ExportError(f"{exc}: export to an empty folder") from None
 
 
 def export(config: RunConfig, destination: str, round_: int | None = None) -> Checkpoint:

@@ -65,8 +65,7 @@ def parse_bucket_url(url: str) -> BucketUrl:
     ``HfBucketError`` saying why for any other ``hf://`` URL."""
     match = _BUCKET_URL.fullmatch(url.rstrip("/"))
     if match is None:
-        kind = url.removeprefix("hf://").split("/", 1)[0] or "(nothing)"
-        if kind in ("datasets", "spaces", "models") or not url.startswith("hf://buckets/"):
+        if not url.startswith("hf://buckets/"):
             raise HfBucketError(
                 f"store {url}: only Hugging Face Storage Buckets can be a store "
                 f"(hf://buckets/<namespace>/<bucket>[/prefix]); a model, dataset or Space "
@@ -96,14 +95,15 @@ def check_gateway_key(key: str, where: str) -> str:
 
 
 def gateway_options(url: BucketUrl, user: dict[str, Any]) -> dict[str, Any]:
-    """s3fs options for the bucket's gateway. ``user`` options win: a stand-in gives its
-    ``endpoint_url`` (with the namespace segment), ``key`` and ``secret``."""
+    """s3fs options for the bucket's gateway, under the ``user`` options that the store
+    merges over them (a stand-in gives its ``endpoint_url``, with the namespace segment, and
+    its ``key`` and ``secret``); ``HfBucketError`` when neither has credentials."""
     key, secret = os.environ.get(ENV_ACCESS_KEY), os.environ.get(ENV_SECRET_KEY)
     if not (user.get("key") or key) or not (user.get("secret") or secret):
         where = f"hf://buckets/{url.namespace}/{url.bucket}"
         raise HfBucketError(f"store {where}: no credentials; {CREDENTIALS_HELP}")
     endpoint = os.environ.get(ENV_ENDPOINT, GATEWAY).rstrip("/")
-    options: dict[str, Any] = {
+    return {
         "endpoint_url": f"{endpoint}/{url.namespace}",
         "key": key,
         "secret": secret,
@@ -114,4 +114,3 @@ def gateway_options(url: BucketUrl, user: dict[str, Any]) -> dict[str, Any]:
             "response_checksum_validation": "when_required",
         },
     }
-    return {**options, **user}

@@ -15,7 +15,6 @@ make and store it, per platform.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -52,6 +51,10 @@ class Terraform:
     @property
     def cloud(self) -> str:
         return self.folder.name
+
+    @property
+    def where(self) -> str:
+        return str(self.folder)
 
     def _run(self, *args: str, capture: bool = False) -> str:
         program = shutil.which("terraform")
@@ -102,8 +105,8 @@ class HubBucket:
         return f"{self.url.namespace}/{self.url.bucket}"
 
     @property
-    def folder(self) -> Path:
-        return Path(f"hf://buckets/{self.bucket_id}")
+    def where(self) -> str:
+        return f"hf://buckets/{self.bucket_id}"
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """``HfApi().<method>`` at ``$HF_ENDPOINT`` when set (read now, not at import), with
@@ -111,11 +114,13 @@ class HubBucket:
         ``FileNotFoundError``; any other failure is one ``InfraError``."""
         try:
             import huggingface_hub
+
+            from diloco_anywhere.backends.hf_jobs import hub_api
         except ImportError:
             raise InfraError(
                 "huggingface_hub is not installed: pip install huggingface_hub"
             ) from None
-        api = huggingface_hub.HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
+        api = hub_api()
         try:
             return getattr(api, method)(*args, **kwargs)
         except huggingface_hub.errors.HfHubHTTPError as exc:

@@ -156,13 +156,17 @@ def check_store_url(url: str) -> str:
     """``url`` if its scheme is one a ``Store`` can open (no filesystem is built: run.toml
     is checked on load, where no credentials or network may be at hand); ``ValueError`` naming
     the schemes otherwise."""
-    scheme = get_protocol(url) if "://" in url else "file"
+    scheme = _scheme(url)
     if scheme == HF_SCHEME:
         hf_buckets.parse_bucket_url(url)
         return url
     if scheme not in LOCAL_PROTOCOLS | MEMORY_PROTOCOLS | CONDITIONAL_PUT_PROTOCOLS:
         raise ValueError(f"scheme {scheme!r} has no create-only write; use {SUPPORTED_SCHEMES}")
     return url
+
+
+def _scheme(url: str) -> str:
+    return get_protocol(url) if "://" in url else "file"
 
 
 def _protocols(url: str) -> frozenset[str]:
@@ -252,10 +256,10 @@ class Store:
         max_workers: int = 32,
     ) -> None:
         self.url = redact_url(url)
-        self._hf = "://" in url and get_protocol(url) == HF_SCHEME
+        self._hf = _scheme(url) == HF_SCHEME
         if self._hf:  # a Hugging Face bucket, through its S3 gateway (hf_buckets.py)
-            bucket = hf_buckets.parse_bucket_url(url)
-            storage_options = hf_buckets.gateway_options(bucket, storage_options or {})
+            bucket, user = hf_buckets.parse_bucket_url(url), storage_options or {}
+            storage_options = _merged(hf_buckets.gateway_options(bucket, user), user)
             url = bucket.s3_url
         protocols = _protocols(url)
         if not protocols & (LOCAL_PROTOCOLS | MEMORY_PROTOCOLS | CONDITIONAL_PUT_PROTOCOLS):

@@ -98,6 +98,14 @@ def flavors() -> list[str]:
     return [hardware.value for hardware in JobHardware]
 
 
+def hub_api() -> Any:
+    """huggingface_hub's client at ``$HF_ENDPOINT`` when set, read now (a stand-in set after
+    huggingface_hub was imported applies), else huggingface.co."""
+    from huggingface_hub import HfApi
+
+    return HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
+
+
 class HfJobsBackend:
     name = "hf_jobs"
     remote = True
@@ -107,9 +115,7 @@ class HfJobsBackend:
         self.settings = backend_settings(config, self.name, Settings)
 
     def _api(self) -> Any:
-        from huggingface_hub import HfApi
-
-        return HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
+        return hub_api()
 
     def check(self) -> None:
         if import_sdk("huggingface_hub", self.name).get_token() is None:

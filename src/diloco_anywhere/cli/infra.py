@@ -102,7 +102,7 @@ def output(
         terraform = _terraform(config, folder, None)
         values = public_values(terraform.outputs())
         if not values:
-            raise InfraError(f"{terraform.folder}: no outputs yet; run `diloco infra up` first")
+            raise InfraError(f"{terraform.where}: no outputs yet; run `diloco infra up` first")
         for name, value in sorted(values.items()):
             stdout.print(f"{name} = {value}", highlight=False, soft_wrap=True)
         if write:
