@@ -208,7 +208,7 @@ def test_files_that_are_not_keys_in_a_runs_folders_are_skipped_and_named_once(tm
             collective.allreduce(torch.ones(4), round_=round_).wait()
     MetricsWriter(store, layout, "local-0", 0, "local").event("started")
     assert list(MetricsReader(store, layout).read()) == ["local-0"]
-    prune_checkpoints(store, layout, keep=2)
+    prune_checkpoints(store, layout, keep=2, newest=3)
     data = {key for key in store.list_prefix("run/rounds") if not key.endswith("SEAL")}
     assert {key.split("/")[2] for key in data} == {f"{3:010d}"}  # collected up to round 2
     assert "garbage collection" not in caplog.text

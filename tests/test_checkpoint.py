@@ -18,10 +18,12 @@ from diloco_anywhere.checkpoint import (
     CheckpointPolicy,
     CheckpointWriter,
     committed_rounds,
+    copy_checkpoint,
     flatten,
     load_checkpoint,
     newest_checkpoints,
     plan_shards,
+    read_checkpoint,
     retained_after,
     unflatten,
 )
@@ -207,6 +209,48 @@ def test_old_checkpoints_are_pruned_and_the_rounds_healing_needs_are_kept(store)
     assert not store.list_prefix(RUN.checkpoint(2))
     # healing may fall back to round 5's checkpoint and replay the rounds after it
     assert retained_after(store, RUN, keep=2) == 5
+
+
+def test_a_copy_is_the_checkpoint_and_replaces_what_another_run_left_in_its_round(
+    store, tmp_path, caplog
+) -> None:
+    """The same checkpoint copied again is a no-op; a folder holding another run's checkpoint
+    of that round, or a copy cut short, is replaced (a create-only put would refuse it)."""
+    caplog.set_level(logging.WARNING)
+    write_checkpoint(store, 3, diloco_like_state(0))
+    ours = read_checkpoint(store, RUN, 3)
+    mirror = Store(str(tmp_path / "mirror"))
+    copy_checkpoint(mirror, RUN, ours)
+    copy_checkpoint(mirror, RUN, ours)
+    assert read_checkpoint(mirror, RUN, 3) == ours
+    assert "replaced" not in caplog.text
+
+    other = Store(str(tmp_path / "other"))  # an earlier run of the same name
+    write_checkpoint(other, 3, diloco_like_state(1))
+    stale = Store(str(tmp_path / "stale"))
+    copy_checkpoint(stale, RUN, read_checkpoint(other, RUN, 3))
+    copy_checkpoint(stale, RUN, ours)
+    assert read_checkpoint(stale, RUN, 3) == ours
+    assert f"replaced {len(ours.objects) + 1} objects under {RUN.checkpoint(3)}" in caplog.text
+
+    cut_short = Store(str(tmp_path / "cut-short"))
+    cut_short.put(ours.commit.shards[0].key, b"the first bytes of a shard")
+    copy_checkpoint(cut_short, RUN, ours)
+    assert read_checkpoint(cut_short, RUN, 3) == ours
+
+
+def test_pruning_counts_from_the_round_written_not_from_later_rounds_of_another_run(
+    store, tmp_path
+) -> None:
+    """A mirror holding round 9 of an earlier run of the same name keeps this run's newest
+    checkpoints up to the round written, not round 9 and one other."""
+    for round_ in (2, 5, 8, 9):
+        write_checkpoint(store, round_, diloco_like_state(round_))
+    mirror = Store(str(tmp_path / "mirror"))
+    copy_checkpoint(mirror, RUN, read_checkpoint(store, RUN, 9))
+    for round_ in (2, 5, 8):  # the writer prunes after each commit, keeping 2
+        write_checkpoint(mirror, round_, diloco_like_state(round_))
+    assert committed_rounds(mirror, RUN) == [9, 8, 5]
 
 
 @pytest.mark.parametrize("bad_key", ["run/checkpoints/0000000003/..", "run/members/a/0/claim"])

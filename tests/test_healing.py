@@ -15,7 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco_anywhere.checkpoint import committed_rounds, load_checkpoint
+from diloco_anywhere.checkpoint import (
+    StoredCheckpoint,
+    StoredObject,
+    committed_rounds,
+    copy_checkpoint,
+    load_checkpoint,
+    read_checkpoint,
+)
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.round import DivergedError
 from diloco_anywhere.config import load_config
@@ -23,6 +30,7 @@ from diloco_anywhere.global_state import fingerprint
 from diloco_anywhere.healing import HealError, heal
 from diloco_anywhere.layout import RunLayout
 from diloco_anywhere.metrics import MetricsReader, MetricsWriter
+from diloco_anywhere.record import encode_record
 from diloco_anywhere.replica import run_replica
 from diloco_anywhere.replica_group import ReplicaGroup
 from diloco_anywhere.store import Store
@@ -92,7 +100,13 @@ def run(finished_run, tmp_path) -> Path:
     return tmp_path / "run"
 
 
-def newcomer(folder: Path, seed: int = 0, from_initial: bool = True, min_replicas: int = 2):
+def newcomer(
+    folder: Path,
+    seed: int = 0,
+    from_initial: bool = True,
+    min_replicas: int = 2,
+    mirrors: tuple[Store, ...] = (),
+):
     """Build a third replica in this process and heal it; (report, its global state, parts)."""
     torch.set_num_threads(1)  # as the replicas ran: the mean's rounding follows thread counts
     (folder / "run.toml").write_text(RUN_TOML.format(seed=seed))
@@ -103,7 +117,10 @@ def newcomer(folder: Path, seed: int = 0, from_initial: bool = True, min_replica
         parts = build_parts(config, collective, replica_index=0)
         with parts.diloco():
             state = parts.global_state()
-            report = heal(collective, state, parts.manager, min_replicas, from_initial=from_initial)
+            report = heal(
+                collective, state, parts.manager, min_replicas,
+                from_initial=from_initial, mirrors=mirrors,
+            )  # fmt: skip
             return report, state, parts
     finally:
         collective.close()
@@ -238,3 +255,84 @@ def test_a_replayed_round_with_a_malformed_record_fails_healing_with_its_key(run
         caplog.text
     )
     assert key in caplog.text
+
+
+def mirror_of(folder: Path) -> Store:
+    """A mirror of the run's checkpoints, as ``[checkpoint] mirrors`` leaves one."""
+    primary, mirror = Store(str(folder / "store")), Store(str(folder / "mirror"))
+    for round_ in committed_rounds(primary, LAYOUT):
+        copy_checkpoint(mirror, LAYOUT, read_checkpoint(primary, LAYOUT, round_))
+    return mirror
+
+
+def corrupt_checkpoint(folder: Path, round_: int) -> str:
+    store = Store(str(folder / "store"))
+    key = load_checkpoint(store, LAYOUT, round_).commit.shards[0].key
+    damaged = bytearray(store.get(key))
+    damaged[-1] ^= 0xFF
+    store.delete(key)
+    store.put(key, bytes(damaged))
+    return key
+
+
+def test_a_newcomer_heals_from_a_mirror_where_the_stores_checkpoints_are_lost(run, caplog):
+    """The store lost its final checkpoint and holds a damaged first one; the mirror's first
+    is used and the rounds after it replayed. The mirror's final checkpoint is not: no round
+    sealed after it in the store confirms it is this run's state."""
+    caplog.set_level(logging.WARNING)
+    final, mirror = final_checkpoint(run), mirror_of(run)
+    drop_checkpoint(run, OUTER_STEPS - 1)
+    key = corrupt_checkpoint(run, 0)
+    report, state, parts = newcomer(run, from_initial=False, mirrors=(mirror,))
+    assert (report.checkpoint, report.mirror, report.replayed) == (0, mirror.url, OUTER_STEPS - 1)
+    assert f"of mirror {mirror.url}: replayed {OUTER_STEPS - 1} rounds" in report.describe()
+    assert_holds_the_runs_final_state(state, parts, final)
+    assert f"the run's store has not sealed round {OUTER_STEPS}, which would confirm" in caplog.text
+    assert f"checkpoint of round 0 not used: {key}" in caplog.text  # the store's, then the mirror's
+
+
+def test_the_stores_own_checkpoint_comes_before_a_mirrors_and_a_mirror_down_is_skipped(run):
+    mirror = mirror_of(run)
+    report, _, _ = newcomer(run, mirrors=(mirror,))
+    assert (report.checkpoint, report.mirror) == (OUTER_STEPS - 1, None)
+    (run / "down").write_text("a file where the mirror's folder would be")
+    report, _, _ = newcomer(run, mirrors=(Store(str(run / "down" / "mirror")), mirror))
+    assert (report.checkpoint, report.mirror) == (OUTER_STEPS - 1, None)
+
+
+def stale_checkpoint(folder: Path, mirror: Store, as_round: int) -> None:
+    """Put into ``mirror`` the run's final state as the checkpoint of ``as_round``: what an
+    earlier run of the same name (started over) leaves in a mirror, valid but not this run's
+    state at that round."""
+    final = read_checkpoint(Store(str(folder / "store")), LAYOUT, OUTER_STEPS - 1)
+    rename = {key: key.replace(LAYOUT.checkpoint(OUTER_STEPS - 1), LAYOUT.checkpoint(as_round))
+              for key in final.objects}  # fmt: skip
+    entries = {
+        "state": StoredObject(
+            **{**final.commit.state.model_dump(), "key": rename[final.commit.state.key]}
+        ),
+        "shards": tuple(
+            StoredObject(**{**entry.model_dump(), "key": rename[entry.key]})
+            for entry in final.commit.shards
+        ),
+    }
+    commit = final.commit.model_copy(update={"round": as_round, "sync": as_round + 1, **entries})
+    objects = {rename[key]: data for key, data in final.objects.items()}
+    copy_checkpoint(mirror, LAYOUT, StoredCheckpoint(commit, encode_record(commit), objects))
+
+
+def test_a_mirrors_checkpoint_from_an_earlier_run_of_the_same_name_is_not_used(run, caplog):
+    """Round 3's checkpoint in the mirror loads intact, but round 4 was sealed from another
+    state: it is refused before anything is loaded, so a fresh replica still replays from its
+    initial state."""
+    caplog.set_level(logging.WARNING)
+    final, mirror = final_checkpoint(run), Store(str(run / "mirror"))
+    stale_checkpoint(run, mirror, as_round=3)
+    assert load_checkpoint(mirror, LAYOUT, 3).commit.sync == 4  # intact, as a checkpoint
+    drop_checkpoint(run, OUTER_STEPS - 1)
+    drop_checkpoint(run, 0)
+    report, state, parts = newcomer(run, mirrors=(mirror,))
+    assert (report.checkpoint, report.replayed) == (None, OUTER_STEPS)
+    assert_holds_the_runs_final_state(state, parts, final)
+    assert "round 4 was sealed from state step-4-" in caplog.text
+    assert "it is from an earlier run of the same name" in caplog.text

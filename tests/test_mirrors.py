@@ -1,26 +1,38 @@
 """Checkpoint mirrors: every committed checkpoint reaches each mirror intact (its COMMIT last),
-and a mirror that fails is reported in the run's status without holding training back."""
+a mirror that fails is reported in the run's status without holding training back, and a run
+whose store is destroyed resumes from its mirror (``diloco launch --resume-from``)."""
 
 from __future__ import annotations
 
+import shutil
+import time
+
+import pytest
 from rich.console import Console
 
-from diloco_anywhere.checkpoint import committed_rounds, load_checkpoint
+from diloco_anywhere.checkpoint import committed_rounds, load_checkpoint, read_checkpoint
 from diloco_anywhere.cli.run import _status_table
 from diloco_anywhere.config import load_config
+from diloco_anywhere.launch import run_metrics
 from diloco_anywhere.layout import RunLayout
+from diloco_anywhere.mirrors import ResumeError, resume_from
 from diloco_anywhere.status import ReplicaStatus
 from diloco_anywhere.store import Store
-from test_launch import RUN_TOML, diloco, statuses
+from test_checkpoint import diloco_like_state, write_checkpoint
+from test_launch import RUN_TOML, _kill_all, diloco, statuses
 
 RUN = RunLayout("t")
 
 
-def _launch(tmp_path, monkeypatch, mirrors: list[str]) -> None:
+def _write_run_toml(tmp_path, monkeypatch, mirrors: list[str], outer_steps: int, every: int):
     monkeypatch.chdir(tmp_path)
-    text = RUN_TOML.format(replicas=2, outer_steps=3)
-    checkpoint = f"\n[checkpoint]\nevery = 1\nkeep = 2\nmirrors = {mirrors!r}\n".replace("'", '"')
-    (tmp_path / "run.toml").write_text(text + checkpoint)
+    text = RUN_TOML.format(replicas=2, outer_steps=outer_steps)
+    checkpoint = f"\n[checkpoint]\nevery = {every}\nkeep = 2\nmirrors = {mirrors!r}\n"
+    (tmp_path / "run.toml").write_text(text + checkpoint.replace("'", '"'))
+
+
+def _launch(tmp_path, monkeypatch, mirrors: list[str]) -> None:
+    _write_run_toml(tmp_path, monkeypatch, mirrors, outer_steps=3, every=1)
     result = diloco("launch", "--config", "run.toml")
     assert result.exit_code == 0, result.output
 
@@ -50,3 +62,76 @@ def test_a_failing_mirror_is_reported_and_training_goes_on(tmp_path, monkeypatch
     console = Console(width=200, record=True)
     console.print(_status_table([ReplicaStatus(**row) for row in rows.values()], "t"))
     assert "mirror failed" in console.export_text()
+
+
+def _sealed_rounds(store: Store) -> list[int]:
+    keys = store.list_prefix(f"{RUN.run}/rounds")
+    return sorted({int(key.split("/")[2]) for key in keys if key.endswith("/SEAL")})
+
+
+def test_a_run_whose_store_is_destroyed_mid_run_resumes_from_its_mirror(tmp_path, monkeypatch):
+    """The store is destroyed while the replicas train (every write and read fails from then
+    on) and the replicas are stopped; an empty store and ``--resume-from mirror`` finish the
+    run from the mirror's newest checkpoint, the lost rounds trained again. Then the same run
+    uninterrupted (``--fresh``, over the same mirror): the held-out loss is within 2%."""
+    outer_steps = 8
+    _write_run_toml(tmp_path, monkeypatch, ["mirror"], outer_steps=outer_steps, every=2)
+    primary, mirror = tmp_path / "store", Store(str(tmp_path / "mirror"))
+    assert diloco("launch", "--config", "run.toml", "--detach").exit_code == 0
+    deadline = time.monotonic() + 180
+    while not [r for r in committed_rounds(mirror, RUN) if r >= 3]:
+        assert time.monotonic() < deadline, "no checkpoint after round 3 reached the mirror"
+        time.sleep(0.2)
+    primary.rename(tmp_path / "destroyed")  # at once, while the replicas write to it
+    primary.write_text("the store is gone: every read and write fails")
+    _kill_all("run.toml")
+    sealed = _sealed_rounds(Store(str(tmp_path / "destroyed")))  # what the store had
+    shutil.rmtree(tmp_path / "destroyed")
+    primary.unlink()  # a new, empty store in its place (`diloco infra up`)
+
+    resumed = diloco("launch", "--config", "run.toml", "--resume-from", "mirror")
+    assert resumed.exit_code == 0, resumed.output
+    restored = committed_rounds(mirror, RUN)
+    metrics = run_metrics(load_config(tmp_path / "run.toml")).read()
+    first_rounds = {replica.syncs[0].round for replica in metrics.values()}
+    [checkpoint] = {round_ - 1 for round_ in first_rounds}  # healed from it, then its next round
+    assert checkpoint >= 3
+    said = f"resuming from the checkpoint of round {checkpoint} in {mirror.url}"
+    assert "".join(said.split()) in "".join(resumed.output.split())  # rich wraps lines
+    for replica in metrics.values():
+        healed = next(event for event in replica.events if event.event == "healed")
+        assert f"healed from checkpoint {checkpoint}: replayed 0 rounds" in healed.detail
+        last = replica.syncs[-1]
+        assert (last.round, last.outer_step, last.committed) == (outer_steps - 1, outer_steps, True)
+    lost = [round_ for round_ in sealed if round_ > checkpoint]
+    print(f"resumed from the checkpoint of round {checkpoint}; rounds lost, trained again: {lost}")
+    assert max(restored) == outer_steps - 1  # the resumed run goes on mirroring
+
+    uninterrupted = diloco("launch", "--config", "run.toml", "--fresh")
+    assert uninterrupted.exit_code == 0, uninterrupted.output
+    clean = run_metrics(load_config(tmp_path / "run.toml")).read()
+    assert all(row["mirror_failures"] == 0 for row in statuses("run.toml").values())
+    resumed_loss = next(iter(metrics.values())).latest_eval_loss()
+    clean_loss = next(iter(clean.values())).latest_eval_loss()
+    print(f"held-out loss: resumed {resumed_loss:.4f}, uninterrupted {clean_loss:.4f}")
+    assert abs(resumed_loss / clean_loss - 1) < 0.02, (resumed_loss, clean_loss)
+
+
+def test_resuming_takes_the_newest_intact_checkpoint_and_refuses_a_store_that_has_the_run(
+    tmp_path,
+) -> None:
+    layout, mirror = RunLayout("run"), Store(str(tmp_path / "mirror"))
+    store = Store(str(tmp_path / "store"))
+    with pytest.raises(ResumeError, match=r"no checkpoint of run run in .* \(none committed\)"):
+        resume_from(str(tmp_path / "mirror"), store, layout)
+    for round_ in (3, 6):
+        write_checkpoint(mirror, round_, diloco_like_state(round_))
+    shard = read_checkpoint(mirror, layout, 6).commit.shards[0].key
+    mirror.delete(shard)
+    mirror.put(shard, b"damaged")
+    resumed = resume_from(str(tmp_path / "mirror"), store, layout)
+    assert (resumed.round, resumed.damaged) == (3, (6,))
+    assert "newer checkpoints of rounds 6 in the mirror are damaged" in resumed.describe()
+    assert read_checkpoint(store, layout, 3) == read_checkpoint(mirror, layout, 3)
+    with pytest.raises(ResumeError, match=r"run run still has objects in .*add --fresh"):
+        resume_from(str(tmp_path / "mirror"), store, layout)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -69,10 +69,25 @@ class CheckpointCommit(Record):
     shards: tuple[StoredObject, ...] = Field(max_length=4096)
 
 
+# Sees a COMMIT before its objects are read; says why it must not be used, or None.
+Confirm = Callable[[CheckpointCommit], str | None]
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     commit: CheckpointCommit
     tree: Any  # the state as it was saved, tensors on CPU
+    source: str  # the store it was read from (its URL, credentials masked)
+
+
+@dataclass(frozen=True)
+class StoredCheckpoint:
+    """A committed checkpoint as bytes, each object checked against its COMMIT: what a copy
+    to another store writes (``copy_checkpoint``)."""
+
+    commit: CheckpointCommit
+    commit_bytes: bytes
+    objects: dict[str, bytes]  # the state and the shards, by key
 
 
 # -- the state as bytes ---------------------------------------------------------------------
@@ -203,10 +218,10 @@ class CheckpointWriter:
         layout: RunLayout,
         me: str,
         policy: CheckpointPolicy,
-        mirror: Callable[[int, dict[str, bytes], str, bytes], None] | None = None,
+        mirror: Callable[[StoredCheckpoint], None] | None = None,
     ) -> None:
-        """``mirror(round, objects, commit_key, commit)`` hears of every checkpoint this
-        replica commits (``mirrors.MirrorWriter.copy``)."""
+        """``mirror`` hears of every checkpoint this replica commits
+        (``mirrors.MirrorWriter.copy``)."""
         self.store, self.layout, self.me, self.policy = store, layout, me, policy
         self.mirror = mirror
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
@@ -281,10 +296,9 @@ class CheckpointWriter:
         commit_bytes = encode_record(done)
         self.store.put(self.layout.checkpoint_commit(round_), commit_bytes)
         log.info("checkpoint of round %d committed (%d shards)", round_, len(entries))
-        prune_checkpoints(self.store, self.layout, self.policy.keep)
+        prune_checkpoints(self.store, self.layout, self.policy.keep, round_)
         if self.mirror is not None:
-            objects = {**shards, state_key: structure}
-            self.mirror(round_, objects, self.layout.checkpoint_commit(round_), commit_bytes)
+            self.mirror(StoredCheckpoint(done, commit_bytes, {**shards, state_key: structure}))
 
     def _wait_for(self, keys: list[str], folder: str) -> set[str]:
         """Poll until every key exists under ``folder`` or ``orphan_grace`` has passed; the
@@ -303,9 +317,13 @@ class CheckpointWriter:
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
 
 
-def prune_checkpoints(store: Store, layout: RunLayout, keep: int) -> None:
-    """Delete every checkpoint (committed or not) older than the ``keep`` newest committed."""
-    committed = committed_rounds(store, layout)
+def prune_checkpoints(store: Store, layout: RunLayout, keep: int, newest: int) -> None:
+    """Delete every checkpoint (committed or not) older than the ``keep`` newest committed up
+    to round ``newest`` (the one just written). Counting from the round written, not from the
+    store's newest, keeps a mirror useful when it still holds checkpoints of later rounds from
+    an earlier run of the same name (started over, or resumed from an older checkpoint): those
+    are replaced as the run reaches their rounds (``copy_checkpoint``)."""
+    committed = [round_ for round_ in committed_rounds(store, layout) if round_ <= newest]
     if len(committed) < keep:
         return
     oldest_kept = committed[keep - 1]
@@ -316,6 +334,29 @@ def prune_checkpoints(store: Store, layout: RunLayout, keep: int) -> None:
     rounds = (parse_count(folder) for folder in folders)  # None: not a checkpoint's folder
     for round_ in sorted(r for r in rounds if r is not None and r < oldest_kept):
         store.delete_prefix(layout.checkpoint(round_))
+
+
+def copy_checkpoint(store: Store, layout: RunLayout, checkpoint: StoredCheckpoint) -> None:
+    """Put a committed checkpoint into ``store``: its objects, each read back and compared
+    with the bytes committed, then its COMMIT, so that ``store`` never holds a COMMIT whose
+    objects are not intact there. Whatever the round's folder held before, unless it is this
+    very checkpoint, goes first: a copy cut short, or a checkpoint of the same round from an
+    earlier run of the same name (a create-only put would refuse its keys)."""
+    round_ = checkpoint.commit.round
+    folder, commit_key = layout.checkpoint(round_), layout.checkpoint_commit(round_)
+    try:
+        if store.get(commit_key, 0, len(checkpoint.commit_bytes) + 1) == checkpoint.commit_bytes:
+            return  # copied before
+    except FileNotFoundError:
+        pass
+    if removed := store.delete_prefix(folder):
+        log.warning("%s: replaced %d objects under %s: a copy cut short, or another run's "
+                    "checkpoint of round %d", store.url, removed, folder, round_)  # fmt: skip
+    store.put_many(checkpoint.objects)
+    for key, data in checkpoint.objects.items():
+        if store.get(key, 0, len(data) + 1) != data:
+            raise OSError(f"{key} in {store.url} reads back other bytes than were written")
+    store.put(commit_key, checkpoint.commit_bytes)
 
 
 # -- reading -------------------------------------------------------------------------------
@@ -373,48 +414,103 @@ def _read_objects(
         return dict(zip((e.key for e in entries), pool.map(read, entries), strict=True))
 
 
-def load_checkpoint(store: Store, layout: RunLayout, round_: int) -> Checkpoint:
+def load_checkpoint(
+    store: Store, layout: RunLayout, round_: int, confirm: Confirm | None = None
+) -> Checkpoint:
     """The committed checkpoint of ``round_``, every object checked; else ``CheckpointError``
     naming the key and why, whatever is wrong with the bucket's bytes (a dtype torch does not
-    have, a size no file has), so healing falls back to the previous checkpoint. A store that
+    have, a size no file has), so healing falls back to the previous checkpoint. ``confirm``
+    sees the COMMIT before anything else is read and may refuse it (says why). A store that
     cannot be reached (``StoreError``) is not a bad checkpoint: it propagates."""
-    key = layout.checkpoint_commit(round_)
+    stored = _guarded(layout, round_, lambda: _read_checkpoint(store, layout, round_, confirm))
+    tree = _guarded(layout, round_, lambda: _decode_checkpoint(stored))
+    return Checkpoint(stored.commit, tree, store.url)
+
+
+def read_checkpoint(store: Store, layout: RunLayout, round_: int) -> StoredCheckpoint:
+    """The committed checkpoint of ``round_`` as bytes, checked as ``load_checkpoint`` checks
+    it (its tensors and structure decoded once, then dropped)."""
+    stored = _guarded(layout, round_, lambda: _read_checkpoint(store, layout, round_, None))
+    _guarded(layout, round_, lambda: _decode_checkpoint(stored))
+    return stored
+
+
+def _guarded(layout: RunLayout, round_: int, read: Callable[[], Any]) -> Any:
     try:
-        return _load_checkpoint(store, layout, round_, key)
+        return read()
     except (CheckpointError, StoreError):
         raise
     except Exception as exc:  # bucket data: whatever fails in it, this is no checkpoint to load
+        key = layout.checkpoint_commit(round_)
         raise CheckpointError(f"{key}: {type(exc).__name__}: {exc}") from None
 
 
-def _load_checkpoint(store: Store, layout: RunLayout, round_: int, key: str) -> Checkpoint:
+def _read_checkpoint(
+    store: Store, layout: RunLayout, round_: int, confirm: Confirm | None
+) -> StoredCheckpoint:
+    key = layout.checkpoint_commit(round_)
     try:
-        commit = decode_record(store.get(key, 0, RECORD_READ_LIMIT), CheckpointCommit, key=key)
+        commit_bytes = store.get(key, 0, RECORD_READ_LIMIT)
+        commit = decode_record(commit_bytes, CheckpointCommit, key=key)
     except (FileNotFoundError, WireFormatError) as exc:
         raise CheckpointError(f"{key}: {exc}") from None
     if (commit.run, commit.round) != (layout.run, round_):
         raise CheckpointError(f"{key}: the COMMIT is for run {commit.run} round {commit.round}")
+    if confirm is not None and (refusal := confirm(commit)):
+        raise CheckpointError(f"{key} in {store.url}: {refusal}")
     objects = _read_objects(store, key, f"{layout.checkpoint(round_)}/", commit)
-    structure = _checked(commit.state.key, objects[commit.state.key], commit.state)
-    tensors: dict[str, torch.Tensor] = {}
+    checked = {e.key: _checked(e.key, objects[e.key], e) for e in (commit.state, *commit.shards)}
+    return StoredCheckpoint(commit, commit_bytes, checked)
+
+
+def _decode_checkpoint(stored: StoredCheckpoint) -> Any:
+    commit, tensors = stored.commit, {}
     for entry in commit.shards:
-        data = _checked(entry.key, objects[entry.key], entry)
         try:
-            tensors.update(load_safetensors(data))
+            tensors.update(load_safetensors(stored.objects[entry.key]))
         except SafetensorError as exc:
             raise CheckpointError(f"{entry.key}: not a safetensors file: {exc}") from None
         except Exception as exc:  # valid safetensors torch cannot hold (e.g. a dtype it lacks)
             raise CheckpointError(
                 f"{entry.key}: safetensors this torch cannot load: {type(exc).__name__}: {exc}"
             ) from None
-    return Checkpoint(commit, unflatten(structure, tensors, commit.state.key))
+    return unflatten(stored.objects[commit.state.key], tensors, commit.state.key)
 
 
-def newest_checkpoints(store: Store, layout: RunLayout) -> Iterator[Checkpoint]:
-    """Committed checkpoints that load intact, newest first (lazily); the ones that do not are
-    logged with the reason and skipped."""
-    for round_ in committed_rounds(store, layout):
+def newest_checkpoints(
+    store: Store,
+    layout: RunLayout,
+    mirrors: Sequence[Store] = (),
+    confirm_mirrored: Confirm | None = None,
+) -> Iterator[Checkpoint]:
+    """Committed checkpoints that load intact, newest first (lazily), each from ``store`` or,
+    where it has none of that round or its copy there does not load, from the first of
+    ``mirrors`` whose copy does; ``confirm_mirrored`` may refuse a mirror's COMMIT. The ones
+    that do not load, and mirrors that cannot be reached, are logged with the reason and
+    skipped; ``store`` itself not answering propagates."""
+    sources = [(store, committed_rounds(store, layout), None)]
+    for mirror in mirrors:
         try:
-            yield load_checkpoint(store, layout, round_)
+            sources.append((mirror, committed_rounds(mirror, layout), confirm_mirrored))
+        except OSError as exc:
+            log.warning("mirror %s not used: its checkpoints cannot be listed: %s", mirror.url, exc)
+    for round_ in sorted({r for _, rounds, _ in sources for r in rounds}, reverse=True):
+        holders = [(source, confirm) for source, rounds, confirm in sources if round_ in rounds]
+        if (checkpoint := _first_intact(holders, layout, round_, store)) is not None:
+            yield checkpoint
+
+
+def _first_intact(
+    holders: list[tuple[Store, Confirm | None]], layout: RunLayout, round_: int, primary: Store
+) -> Checkpoint | None:
+    for source, confirm in holders:
+        try:
+            return load_checkpoint(source, layout, round_, confirm)
         except CheckpointError as exc:
-            log.warning("checkpoint of round %d not used: %s; trying the previous one", round_, exc)
+            log.warning("checkpoint of round %d not used: %s", round_, exc)
+        except StoreError as exc:
+            if source is primary:
+                raise
+            log.warning("checkpoint of round %d in mirror %s not used: %s",
+                        round_, source.url, exc)  # fmt: skip
+    return None

@@ -150,13 +150,15 @@ class RunConfig(_Section):
 
     def store_url(self) -> str:
         """The store URL, with a relative local path made absolute against run.toml's folder."""
-        return self._absolute(self.run.store)
+        return self.resolve(self.run.store)
 
     def mirror_urls(self) -> list[str]:
         """``[checkpoint] mirrors``, relative local paths made absolute as ``store_url``."""
-        return [self._absolute(url) for url in self.checkpoint.mirrors]
+        return [self.resolve(url) for url in self.checkpoint.mirrors]
 
-    def _absolute(self, url: str) -> str:
+    def resolve(self, url: str) -> str:
+        """``url``, a local path relative to run.toml's folder made absolute (as ``run.store``
+        and ``[checkpoint] mirrors`` are read)."""
         if "://" in url or Path(url).is_absolute():
             return url
         base = self.source.parent if self.source else Path.cwd()

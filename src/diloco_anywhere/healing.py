@@ -11,6 +11,12 @@ before each replayed round the replica's fingerprint must equal the one the roun
 contributors sealed with, so a healed replica holds the others' global state bit for bit or
 fails saying where it differs. Then it joins the first round that has no SEAL yet.
 
+When the store has no intact checkpoint as new as a mirror's (``[checkpoint] mirrors``), the
+mirror's is loaded, but only if the store confirms it belongs to this run: the round after it
+must be sealed there from the state it holds (its fingerprint). A mirror can hold checkpoints
+of an earlier run of the same name (started over with ``--fresh``); one of those would load
+fine and take the replica somewhere the run never was.
+
 Rounds are replayed as every replica decides them: a round sealed with fewer than
 ``min_replicas`` contributors, or one whose sealed data cannot be read intact (every replica
 failed it alike), is skipped; every other sealed round was committed.
@@ -20,13 +26,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from diloco_anywhere.checkpoint import Checkpoint, newest_checkpoints
+from diloco_anywhere.checkpoint import Checkpoint, CheckpointCommit, Confirm, newest_checkpoints
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.round import RoundDataMissingError, SealedContributionError
 from diloco_anywhere.global_state import GlobalState, fingerprint
 from diloco_anywhere.manager import BucketManager
+from diloco_anywhere.store import Store
 from diloco_anywhere.wire import WireFormatError
 
 log = logging.getLogger(__name__)
@@ -39,6 +47,7 @@ class HealError(RuntimeError):
 @dataclass(frozen=True)
 class HealReport:
     checkpoint: int | None  # the round of the checkpoint loaded; None: from the initial state
+    mirror: str | None  # the mirror it came from; None: the run's store
     replayed: int  # rounds applied after it
     skipped: int  # sealed rounds not committed (too few contributors, or failed for all)
     step: int
@@ -46,7 +55,11 @@ class HealReport:
     seconds: float
 
     def describe(self) -> str:
-        source = "the initial state" if self.checkpoint is None else f"checkpoint {self.checkpoint}"
+        source = (
+            "the initial state" if self.checkpoint is None
+            else f"checkpoint {self.checkpoint}"
+            + ("" if self.mirror is None else f" of mirror {self.mirror}")
+        )  # fmt: skip
         return (
             f"healed from {source}: replayed {self.replayed} rounds, skipped {self.skipped}; "
             f"at step {self.step}, joining round {self.sync} ({self.seconds:.1f}s)"
@@ -144,14 +157,18 @@ def heal(
     min_replicas: int,
     *,
     from_initial: bool,
+    mirrors: Sequence[Store] = (),
 ) -> HealReport:
     """Bring ``state`` and ``manager`` to the run's newest sealed round, then set the local
-    weights to the global ones. Checkpoints are tried newest first, and an older one when a
-    newer one does not load or does not replay to the sealed fingerprints. ``from_initial``:
-    the state is still the task's initial one, usable when no checkpoint is committed yet (a
-    fresh process)."""
+    weights to the global ones. Checkpoints are tried newest first, from the store or from
+    ``mirrors``, and an older one when a newer one does not load or does not replay to the
+    sealed fingerprints. ``from_initial``: the state is still the task's initial one, usable
+    when no checkpoint is committed yet (a fresh process)."""
     started, tried = time.perf_counter(), False
-    for checkpoint in newest_checkpoints(collective.store, collective.layout):
+    checkpoints = newest_checkpoints(
+        collective.store, collective.layout, mirrors, _sealed_after(collective)
+    )
+    for checkpoint in checkpoints:
         tried = True
         if not _load(checkpoint, state, manager):
             continue
@@ -161,7 +178,8 @@ def heal(
             log.warning("healing from checkpoint %d failed: %s; trying the previous one",
                         checkpoint.commit.round, exc)  # fmt: skip
             continue
-        return _healed(state, manager, checkpoint.commit.round, replayed, skipped, started)
+        mirror = None if checkpoint.source == collective.store.url else checkpoint.source
+        return _healed(state, manager, checkpoint.commit.round, mirror, replayed, skipped, started)
     if tried or not from_initial:
         raise HealError(
             "no committed checkpoint in the bucket heals this replica (see the warnings above), "
@@ -170,13 +188,38 @@ def heal(
         )
     manager.load_state_dict({"step": 0, "batches_committed": 0, "sync": 0})
     replayed, skipped = _replay(collective, state, manager, min_replicas)
-    return _healed(state, manager, None, replayed, skipped, started)
+    return _healed(state, manager, None, None, replayed, skipped, started)
+
+
+def _sealed_after(collective: BucketCollective) -> Confirm:
+    """Refuses a mirror's checkpoint unless the run's store sealed the round after it from the
+    state it holds."""
+
+    def confirm(commit: CheckpointCommit) -> str | None:
+        try:
+            sealed = collective.sealed_fingerprint(commit.sync)
+        except (SealedContributionError, WireFormatError) as exc:
+            return f"round {commit.sync}, which would confirm it, does not read back: {exc}"
+        if sealed is None:
+            return (
+                f"the run's store has not sealed round {commit.sync}, which would confirm it "
+                f"is this run's state"
+            )
+        if sealed != commit.fingerprint:
+            return (
+                f"round {commit.sync} was sealed from state {sealed}, not from this "
+                f"checkpoint's {commit.fingerprint}: it is from an earlier run of the same name"
+            )
+        return None
+
+    return confirm
 
 
 def _healed(
     state: GlobalState,
     manager: BucketManager,
     checkpoint: int | None,
+    mirror: str | None,
     replayed: int,
     skipped: int,
     started: float,
@@ -185,6 +228,7 @@ def _healed(
     counters = manager.state_dict()
     return HealReport(
         checkpoint=checkpoint,
+        mirror=mirror,
         replayed=replayed,
         skipped=skipped,
         step=counters["step"],

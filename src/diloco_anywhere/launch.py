@@ -28,6 +28,7 @@ from diloco_anywhere.backends.base import (
 from diloco_anywhere.config import ConfigError, RunConfig
 from diloco_anywhere.layout import RunLayout
 from diloco_anywhere.metrics import MetricsReader
+from diloco_anywhere.mirrors import Resumed, resume_from
 from diloco_anywhere.store import Store, redact_url
 
 log = logging.getLogger("diloco_anywhere.launch")
@@ -114,6 +115,14 @@ def store_has_run(config: RunConfig) -> bool:
 def delete_run_objects(config: RunConfig) -> int:
     """Delete every object of this run from its store (rounds, members, metrics)."""
     return Store(config.store_url()).delete_prefix(RunLayout(config.run.name).run)
+
+
+def resume_from_mirror(config: RunConfig, url: str) -> Resumed:
+    """Put the newest intact checkpoint of the run in the mirror at ``url`` into the run's
+    store, which lost the run (``mirrors.resume_from``); the replicas launched next heal from
+    it."""
+    with Store(config.store_url()) as store:
+        return resume_from(config.resolve(url), store, RunLayout(config.run.name))
 
 
 def mark_stopped(run_folder: Path, replica_id: str) -> None:

@@ -1,15 +1,17 @@
 """Checkpoint mirrors: every committed checkpoint copied to other stores, so that losing the
 run's store (a deleted bucket, a region outage, an expired account) does not lose the run.
 
-The replica that commits a checkpoint copies it, after the commit, to each store of
-``[checkpoint] mirrors``, under the same keys: the shards and the state first, each read back
-and compared with the bytes committed, then the COMMIT, so a mirror never holds a COMMIT whose
-objects are not intact there. Old checkpoints are pruned in each mirror as in the store.
+Writing: the replica that commits a checkpoint copies it, after the commit, to each store of
+``[checkpoint] mirrors``, under the same keys (``checkpoint.copy_checkpoint``: the objects
+first, each read back and compared, then the COMMIT). Old checkpoints are pruned in each mirror
+as in the store. A mirror never holds training back: copies run on a thread of their own, one
+checkpoint at a time per mirror (a copy still running when the next checkpoint is committed is
+skipped for that mirror, logged), and a mirror that fails is reported through ``report`` (the
+run's metrics: ``diloco status`` shows it), never raised.
 
-A mirror never holds training back: copies run on a thread of their own, one checkpoint at a
-time per mirror (a copy still running when the next checkpoint is committed is skipped for
-that mirror, logged), and a mirror that fails is reported through ``report`` (the run's
-metrics: ``diloco status`` shows it), never raised.
+Reading: healing takes a mirror's checkpoint when the store has no intact one as new
+(``healing.py``), and ``diloco launch --resume-from URL`` starts a run whose store was lost
+again from a mirror (``resume_from``).
 """
 
 from __future__ import annotations
@@ -17,8 +19,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
-from diloco_anywhere.checkpoint import prune_checkpoints
+from diloco_anywhere.checkpoint import (
+    CheckpointError,
+    StoredCheckpoint,
+    committed_rounds,
+    copy_checkpoint,
+    prune_checkpoints,
+    read_checkpoint,
+)
 from diloco_anywhere.layout import RunLayout
 from diloco_anywhere.store import Store
 
@@ -32,33 +42,25 @@ class MirrorWriter:
         self, urls: list[str], layout: RunLayout, keep: int, report: Callable[[str], None]
     ) -> None:
         self.layout, self.keep, self.report = layout, keep, report
-        self._stores = [Store(url) for url in urls]
+        self.stores = [Store(url) for url in urls]  # healing reads them too
         self._executor = ThreadPoolExecutor(max(1, len(urls)), thread_name_prefix="mirror")
         self._pending: dict[str, Future[None]] = {}
 
-    def copy(self, round_: int, objects: dict[str, bytes], commit_key: str, commit: bytes) -> None:
-        """Start copying the checkpoint of ``round_`` (``objects``: its shards and state, by
-        key; then its COMMIT) to every mirror not still busy with the previous one."""
-        for store in self._stores:
+    def copy(self, checkpoint: StoredCheckpoint) -> None:
+        """Start copying ``checkpoint`` to every mirror not still busy with the previous one."""
+        for store in self.stores:
             pending = self._pending.get(store.url)
             if pending is not None and not pending.done():
                 log.warning("mirror %s: checkpoint of round %d skipped, the previous copy is "
-                            "still running", store.url, round_)  # fmt: skip
+                            "still running", store.url, checkpoint.commit.round)  # fmt: skip
                 continue
-            self._pending[store.url] = self._executor.submit(
-                self._copy, store, round_, objects, commit_key, commit
-            )
+            self._pending[store.url] = self._executor.submit(self._copy, store, checkpoint)
 
-    def _copy(
-        self, store: Store, round_: int, objects: dict[str, bytes], commit_key: str, commit: bytes
-    ) -> None:
+    def _copy(self, store: Store, checkpoint: StoredCheckpoint) -> None:
+        round_ = checkpoint.commit.round
         try:
-            store.put_many(objects)
-            for key, data in objects.items():
-                if store.get(key, 0, len(data) + 1) != data:
-                    raise OSError(f"{key} reads back other bytes than were written")
-            store.put(commit_key, commit)
-            prune_checkpoints(store, self.layout, self.keep)
+            copy_checkpoint(store, self.layout, checkpoint)
+            prune_checkpoints(store, self.layout, self.keep, round_)
             log.info("checkpoint of round %d mirrored to %s", round_, store.url)
         except Exception as exc:  # a mirror never stops training: it is reported instead
             detail = f"checkpoint of round {round_} not mirrored to {store.url}: {exc}"
@@ -68,5 +70,58 @@ class MirrorWriter:
     def close(self) -> None:
         """Wait for the copies under way (a run's last checkpoint should reach its mirrors)."""
         self._executor.shutdown(wait=True)
-        for store in self._stores:
+        for store in self.stores:
             store.close()
+
+
+class ResumeError(ValueError):
+    """A run cannot be resumed from that mirror; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Resumed:
+    mirror: str
+    round: int  # the checkpoint's
+    sync: int  # the round the replicas join
+    damaged: tuple[int, ...]  # newer checkpoints in the mirror that did not read back intact
+
+    def describe(self) -> str:
+        damaged = (
+            f" (newer checkpoints of rounds {', '.join(map(str, self.damaged))} in the mirror "
+            f"are damaged, see the warnings)" if self.damaged else ""
+        )  # fmt: skip
+        return (
+            f"resuming from the checkpoint of round {self.round} in {self.mirror}{damaged}: "
+            f"the replicas heal from it and join round {self.sync}; the rounds the lost store "
+            f"had sealed after round {self.round} are lost and trained again"
+        )
+
+
+def resume_from(url: str, store: Store, layout: RunLayout) -> Resumed:
+    """Copy the newest checkpoint of the run that reads back intact from the mirror at ``url``
+    into ``store`` (the run's store, which lost everything), so that the replicas launched
+    next heal from it. A store that still holds objects of the run is refused: healing already
+    uses them and the mirrors in run.toml."""
+    if store.list_prefix(layout.run):
+        raise ResumeError(
+            f"run {layout.run} still has objects in {store.url}: a plain `diloco launch` heals "
+            f"from them and from the mirrors in run.toml. --resume-from is for a store that "
+            f"lost the run; add --fresh to delete what is left there first"
+        )
+    damaged: list[int] = []
+    with Store(url) as mirror:
+        for round_ in committed_rounds(mirror, layout):
+            try:
+                checkpoint = read_checkpoint(mirror, layout, round_)
+            except CheckpointError as exc:
+                log.warning("checkpoint of round %d in %s not used: %s", round_, mirror.url, exc)
+                damaged.append(round_)
+                continue
+            copy_checkpoint(store, layout, checkpoint)
+            commit = checkpoint.commit
+            return Resumed(mirror.url, commit.round, commit.sync, tuple(damaged))
+        raise ResumeError(
+            f"no checkpoint of run {layout.run} in {mirror.url} reads back intact"
+            + (f" ({len(damaged)} damaged, see the warnings)" if damaged else " (none committed)")
+            + ": check the URL against [checkpoint] mirrors in run.toml"
+        )

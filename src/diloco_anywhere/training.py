@@ -253,6 +253,7 @@ class _Run:
                 self.manager,
                 self.config.run.min_replicas,
                 from_initial=from_initial,
+                mirrors=self.mirrors.stores if self.mirrors else (),
             )
             if self.metrics and (
                 report.checkpoint is not None or report.replayed or report.skipped

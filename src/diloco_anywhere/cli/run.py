@@ -32,6 +32,7 @@ from diloco_anywhere.launch import (
     load_handles,
     mark_stopped,
     plan_launch,
+    resume_from_mirror,
     run_dir,
     run_metrics,
     start,
@@ -205,10 +206,22 @@ def launch(
     fresh: Annotated[
         bool,
         typer.Option(
-            help="Delete this run's objects in its store first and start over. "
-            "Without it, a run that has objects resumes from its last checkpoint."
+            help="Delete this run's objects in its store first and start over (mirrors keep "
+            "their checkpoints until the new run reaches their rounds). Without it, a run that "
+            "has objects resumes from its last checkpoint."
         ),
     ] = False,
+    resume_from: Annotated[
+        str | None,
+        typer.Option(
+            metavar="URL",
+            help="The run's store lost the run (a deleted bucket, an outage): copy the newest "
+            "checkpoint that reads back intact from this mirror ([checkpoint] mirrors) into "
+            "the store and resume from it. Rounds after that checkpoint are trained again. "
+            "The store must hold nothing of the run (--fresh deletes what is left). A "
+            "relative path is read from run.toml's folder, as in [checkpoint] mirrors.",
+        ),
+    ] = None,
     restart_on_failure: Annotated[
         bool,
         typer.Option(
@@ -224,7 +237,8 @@ def launch(
     """Start a run's replicas and follow them until they finish.
 
     A run whose objects are already in its store resumes: every replica heals from the newest
-    committed checkpoint and the rounds after it, and training goes on from there.
+    committed checkpoint (in the store or a mirror) and the rounds after it, and training goes
+    on from there. A run whose store was lost resumes from a mirror with --resume-from.
     Exits 0 when every replica completed its outer steps, non-zero with the reason otherwise.
     Ctrl-C stops the replicas of this launch. Then prints the run summary and the loss plot.
     """
@@ -243,10 +257,12 @@ def launch(
         if store_has_run(config):
             if fresh:
                 delete_run_objects(config)
-            else:
+            elif resume_from is None:
                 stderr.print(f"run {config.run.name} has objects in "
                              f"{redact_url(config.run.store)}: resuming it (--fresh starts "
                              f"over)")  # fmt: skip
+        if resume_from is not None:
+            stderr.print(resume_from_mirror(config, resume_from).describe())
         started = start(plan)
     count = len(plan.specs)
     if detach:

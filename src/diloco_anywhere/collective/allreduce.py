@@ -222,10 +222,7 @@ class BucketCollective:
         """The result and the flat mean of a round sealed without us (None while it has no
         SEAL), read as any replica reads it: a replica catching up replays it
         (``healing.py``)."""
-        observer = Round(
-            self.store, self.layout, round_, fragment, self.me, [], self.config.round,
-            transfers=self._transfers,
-        )  # fmt: skip
+        observer = self._observer(round_, fragment)
         try:
             seal = observer.read_seal()
             if seal is None:
@@ -234,6 +231,22 @@ class BucketCollective:
             return _exchange(observer, seal, FlatTensors([mean])), mean
         finally:
             observer.release()
+
+    def sealed_fingerprint(self, round_: int, fragment: int = 0) -> str | None:
+        """The fingerprint of the global state a round was sealed from (None while it has no
+        SEAL), read from its records only: whether a state is the one the run went on from."""
+        observer = self._observer(round_, fragment)
+        try:
+            seal = observer.read_seal()
+            return None if seal is None else observer.sealed_manifests(seal)[0].fingerprint
+        finally:
+            observer.release()
+
+    def _observer(self, round_: int, fragment: int) -> Round:
+        return Round(
+            self.store, self.layout, round_, fragment, self.me, [], self.config.round,
+            transfers=self._transfers,
+        )  # fmt: skip
 
     def _members(self) -> list[Participant]:
         members = live_members(self.store, self.layout, self.config.lease, time.time())
