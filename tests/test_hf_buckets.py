@@ -82,16 +82,22 @@ def test_the_stand_in_refuses_what_the_gateway_refuses(standins):
     assert _raw(endpoint, "GET", f"/{bucket}/k", {"User-Agent": "Botocore/1.40"}) == 200
 
 
-def test_a_two_replica_run_through_the_gateway(standins, tmp_path, monkeypatch):
-    """Only the bucket's gateway keys in the environment: no cloud account."""
-    gateway = standins("hf")
+def use_gateway(gateway, monkeypatch) -> None:
+    """The gateway's keys and address in the environment, as replicas get them, and no AWS
+    credentials: nothing but the bucket's own keys reaches it."""
     options = gateway.storage_options
-    monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(ENV_ENDPOINT, options["endpoint_url"].rsplit("/", 1)[0])
     monkeypatch.setenv(ENV_ACCESS_KEY, options["key"])
     monkeypatch.setenv(ENV_SECRET_KEY, options["secret"])
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
         monkeypatch.delenv(name, raising=False)
+
+
+def test_a_two_replica_run_through_the_gateway(standins, tmp_path, monkeypatch):
+    """Only the bucket's gateway keys in the environment: no cloud account."""
+    gateway = standins("hf")
+    monkeypatch.chdir(tmp_path)
+    use_gateway(gateway, monkeypatch)
     text = RUN_TOML.format(replicas=2, outer_steps=2)
     store = f"{gateway.url}/runs-{tmp_path.name}"
     (tmp_path / "run.toml").write_text(text.replace('store = "store"', f'store = "{store}"'))
@@ -115,15 +121,10 @@ def test_the_hf_storage_and_hf_jobs_answers_run_end_to_end(tmp_path, monkeypatch
     run_toml.write_text(text)
     monkeypatch.chdir(project)
     monkeypatch.setenv("PYTHONPATH", str(project / "src"))  # the image has the project installed
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
-        monkeypatch.delenv(name, raising=False)
     with hf_gateway(namespace="alice", bucket="demo-diloco") as gateway, hf_jobs_api() as hub:
-        options = gateway.storage_options
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         monkeypatch.setenv("HF_TOKEN", "hf_standin_token")
-        monkeypatch.setenv(ENV_ENDPOINT, options["endpoint_url"].rsplit("/", 1)[0])
-        monkeypatch.setenv(ENV_ACCESS_KEY, options["key"])
-        monkeypatch.setenv(ENV_SECRET_KEY, options["secret"])
+        use_gateway(gateway, monkeypatch)
         assert diloco("infra", "up", "--config", "run.toml", "--yes").exit_code == 0
         assert hub.buckets["alice/demo-diloco"]["private"] is True
         result = diloco("launch", "--config", "run.toml")

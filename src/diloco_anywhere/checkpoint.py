@@ -218,9 +218,9 @@ class CheckpointWriter:
         layout: RunLayout,
         me: str,
         policy: CheckpointPolicy,
-        mirror: Callable[[StoredCheckpoint], None] | None = None,
+        mirror: Callable[[StoredCheckpoint, bool], None] | None = None,
     ) -> None:
-        """``mirror`` hears of every checkpoint this replica commits
+        """``mirror(checkpoint, last)`` hears of every checkpoint this replica commits
         (``mirrors.MirrorWriter.copy``)."""
         self.store, self.layout, self.me, self.policy = store, layout, me, policy
         self.mirror = mirror
@@ -243,10 +243,14 @@ class CheckpointWriter:
                             "written (raise checkpoint.every)", round_)  # fmt: skip
                 return False
             self._pending.result()  # raises what went wrong, other than the store
-        self._pending = self._executor.submit(self._write, round_, contributors, snapshot(tree))
+        self._pending = self._executor.submit(
+            self._write, round_, contributors, snapshot(tree), last
+        )
         return True
 
-    def _write(self, round_: int, contributors: tuple[str, ...], tree: dict[str, Any]) -> None:
+    def _write(
+        self, round_: int, contributors: tuple[str, ...], tree: dict[str, Any], last: bool
+    ) -> None:
         tensors, structure = flatten(tree)
         plan = plan_shards(tensors, len(contributors))
         shards = [encode_shard(names, tensors) for names in plan]
@@ -265,16 +269,23 @@ class CheckpointWriter:
                     "sync": counters["sync"],
                     "fingerprint": fingerprint(counters["step"], tree_checksum(tree["fragments"])),
                 }
-                self._commit(commit, dict(zip(keys, shards, strict=True)), owners, structure)
+                shards_by_key = dict(zip(keys, shards, strict=True))
+                self._commit(commit, shards_by_key, owners, structure, last)
         except (OSError, CheckpointError) as exc:  # the store's errors are OSErrors
             log.warning("checkpoint of round %d not written: %s", round_, exc)
 
     def _commit(
-        self, commit: dict[str, Any], shards: dict[str, bytes], owners: list[str], structure: bytes
+        self,
+        commit: dict[str, Any],
+        shards: dict[str, bytes],
+        owners: list[str],
+        structure: bytes,
+        last: bool,
     ) -> None:
         """Check the other writers' shards are this state's bytes (a writer whose state
         diverged must not leave a checkpoint that fails every reader), write a late writer's
-        shards, then the state, then the COMMIT."""
+        shards, then the state, then the COMMIT; then hand it to the mirrors (``last``: the
+        run's final state, which no mirror may skip)."""
         round_ = commit["round"]
         missing = self._wait_for(list(shards), self.layout.checkpoint(round_))
         theirs = [k for k, owner in zip(shards, owners, strict=True) if owner != self.me]
@@ -298,7 +309,8 @@ class CheckpointWriter:
         log.info("checkpoint of round %d committed (%d shards)", round_, len(entries))
         prune_checkpoints(self.store, self.layout, self.policy.keep, round_)
         if self.mirror is not None:
-            self.mirror(StoredCheckpoint(done, commit_bytes, {**shards, state_key: structure}))
+            stored = StoredCheckpoint(done, commit_bytes, {**shards, state_key: structure})
+            self.mirror(stored, last)
 
     def _wait_for(self, keys: list[str], folder: str) -> set[str]:
         """Poll until every key exists under ``folder`` or ``orphan_grace`` has passed; the

@@ -6,8 +6,9 @@ Writing: the replica that commits a checkpoint copies it, after the commit, to e
 first, each read back and compared, then the COMMIT). Old checkpoints are pruned in each mirror
 as in the store. A mirror never holds training back: copies run on a thread of their own, one
 checkpoint at a time per mirror (a copy still running when the next checkpoint is committed is
-skipped for that mirror, logged), and a mirror that fails is reported through ``report`` (the
-run's metrics: ``diloco status`` shows it), never raised.
+skipped for that mirror, logged; the run's last checkpoint waits for it instead), and a mirror
+that fails is reported through ``report`` (the run's metrics: ``diloco status`` shows it),
+never raised.
 
 Reading: healing takes a mirror's checkpoint when the store has no intact one as new
 (``healing.py``), and ``diloco launch --resume-from URL`` starts a run whose store was lost
@@ -46,11 +47,14 @@ class MirrorWriter:
         self._executor = ThreadPoolExecutor(max(1, len(urls)), thread_name_prefix="mirror")
         self._pending: dict[str, Future[None]] = {}
 
-    def copy(self, checkpoint: StoredCheckpoint) -> None:
-        """Start copying ``checkpoint`` to every mirror not still busy with the previous one."""
+    def copy(self, checkpoint: StoredCheckpoint, last: bool = False) -> None:
+        """Start copying ``checkpoint`` to every mirror not still busy with the previous one;
+        the ``last`` (the run's final state) waits for it instead of being skipped."""
         for store in self.stores:
             pending = self._pending.get(store.url)
-            if pending is not None and not pending.done():
+            if pending is not None and last:
+                pending.result()  # _copy reports its failures, never raises
+            elif pending is not None and not pending.done():
                 log.warning("mirror %s: checkpoint of round %d skipped, the previous copy is "
                             "still running", store.url, checkpoint.commit.round)  # fmt: skip
                 continue
