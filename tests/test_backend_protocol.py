@@ -4,6 +4,8 @@ run.toml's platform sections are checked, and remote replicas get a store they c
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from diloco_anywhere.backends.base import (
@@ -100,12 +102,18 @@ def test_platform_sections_are_checked_before_counting(backends, message):
         ("file:///data/store", False),
     ],
 )
-def test_remote_replicas_need_a_bucket_without_credentials_in_its_url(store, allowed):
-    config = parse_config(f'[run]\nstore = "{store}"\n', "run.toml")
+@pytest.mark.parametrize("field", ["run.store", "checkpoint.mirrors.1"])
+def test_remote_replicas_need_buckets_without_credentials_in_their_urls(store, allowed, field):
+    """The store and every checkpoint mirror: each is written by the replicas."""
+    if field == "run.store":
+        text = f'[run]\nstore = "{store}"\n'
+    else:
+        text = f'[run]\nstore = "s3://b/r"\n[checkpoint]\nmirrors = ["gs://m/r", "{store}"]\n'
+    config = parse_config(text, "run.toml")
     if allowed:
         check_remote_store(config, ["modal"])
     else:
-        with pytest.raises(ConfigError, match=r"run\.store") as error:
+        with pytest.raises(ConfigError, match=re.escape(field)) as error:
             check_remote_store(config, ["modal"])
         assert "secret" not in str(error.value)
         assert "sig=abc" not in str(error.value)

@@ -87,20 +87,24 @@ def plan_launch(config: RunConfig, counts: dict[str, int], root: Path | None = N
 
 
 def check_remote_store(config: RunConfig, platforms: list[str]) -> None:
-    """Replicas elsewhere need a bucket they can reach, and credentials from their platform,
-    never inside the URL (it travels in job specs and logs)."""
-    url = config.store_url()
-    parts = urlsplit(url)
-    if parts.scheme in ("", "file", "local", "memory"):
-        raise ConfigError(
-            f"run.store = {redact_url(url)!r} is on this machine, which replicas on "
-            f"{', '.join(platforms)} cannot reach: use a bucket (s3://, gs://, az://)"
-        )
-    if ":" in parts.netloc.rpartition("@")[0] or parts.query:  # user:secret@, SAS tokens
-        raise ConfigError(
-            f"run.store = {redact_url(url)!r} carries credentials in the URL: remove them and "
-            f"give each platform its own (docs/backends.md)"
-        )
+    """Replicas elsewhere need buckets they can reach (the store and every checkpoint mirror),
+    and credentials from their platform, never inside a URL (it travels in job specs and
+    logs)."""
+    urls = {"run.store": config.store_url()}
+    urls |= {f"checkpoint.mirrors.{i}": url for i, url in enumerate(config.mirror_urls())}
+    for field, url in urls.items():
+        parts = urlsplit(url)
+        if parts.scheme in ("", "file", "local", "memory"):
+            raise ConfigError(
+                f"{field} = {redact_url(url)!r} is on this machine, which replicas on "
+                f"{', '.join(platforms)} cannot reach: use a bucket (s3://, gs://, az://, "
+                f"hf://buckets/)"
+            )
+        if ":" in parts.netloc.rpartition("@")[0] or parts.query:  # user:secret@, SAS tokens
+            raise ConfigError(
+                f"{field} = {redact_url(url)!r} carries credentials in the URL: remove them "
+                f"and give each platform its own (docs/backends.md)"
+            )
 
 
 def run_metrics(config: RunConfig) -> MetricsReader:
