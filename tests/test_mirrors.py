@@ -4,6 +4,7 @@ whose store is destroyed resumes from its mirror (``diloco launch --resume-from`
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 
@@ -101,6 +102,13 @@ def test_a_run_whose_store_is_destroyed_mid_run_resumes_from_its_mirror(tmp_path
     sealed = _sealed_rounds(Store(str(tmp_path / "destroyed")))  # what the store had
     shutil.rmtree(tmp_path / "destroyed")
     primary.unlink()  # a new, empty store in its place (`diloco infra up`)
+
+    planned = diloco("launch", "--config", "run.toml", "--resume-from", "mirror", "--dry-run")
+    assert planned.exit_code == 0, planned.output
+    plan = json.loads(planned.stdout)["resume_from"]
+    assert plan == {"mirror": mirror.url, "committed_checkpoints": committed_rounds(mirror, RUN),
+                    "store_is_empty": True}  # fmt: skip
+    assert not primary.exists()  # a dry run writes nothing
 
     resumed = diloco("launch", "--config", "run.toml", "--resume-from", "mirror")
     assert resumed.exit_code == 0, resumed.output

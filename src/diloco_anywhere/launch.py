@@ -25,6 +25,7 @@ from diloco_anywhere.backends.base import (
     one_line,
     stop_all,
 )
+from diloco_anywhere.checkpoint import committed_rounds
 from diloco_anywhere.config import ConfigError, RunConfig
 from diloco_anywhere.layout import RunLayout
 from diloco_anywhere.metrics import MetricsReader
@@ -119,6 +120,19 @@ def store_has_run(config: RunConfig) -> bool:
 def delete_run_objects(config: RunConfig) -> int:
     """Delete every object of this run from its store (rounds, members, metrics)."""
     return Store(config.store_url()).delete_prefix(RunLayout(config.run.name).run)
+
+
+def resume_plan(config: RunConfig, url: str) -> dict[str, Any]:
+    """What ``--resume-from url`` would start from (``--dry-run``): the mirror's committed
+    checkpoints, newest first (the first that reads back intact is taken), and whether the
+    run's store is empty, as it must be. Reads listings only."""
+    layout = RunLayout(config.run.name)
+    with Store(config.resolve(url)) as mirror, Store(config.store_url()) as store:
+        return {
+            "mirror": mirror.url,
+            "committed_checkpoints": committed_rounds(mirror, layout),
+            "store_is_empty": not store.list_prefix(layout.run),
+        }
 
 
 def resume_from_mirror(config: RunConfig, url: str) -> Resumed:

@@ -33,6 +33,7 @@ from diloco_anywhere.launch import (
     mark_stopped,
     plan_launch,
     resume_from_mirror,
+    resume_plan,
     run_dir,
     run_metrics,
     start,
@@ -249,6 +250,8 @@ def launch(
         plan = plan_launch(config, counts)
         if dry_run:
             shown = {"replicas": [_shown(spec) for spec in plan.specs], "submit": describe(plan)}
+            if resume_from is not None:
+                shown["resume_from"] = resume_plan(config, resume_from)
             print_json(shown)
             return
         if server_dry_run:
