@@ -2,7 +2,8 @@
 
 Each request is logged (method, path, query). A ``Fault`` rule answers matching requests with an
 error status, after or instead of forwarding them, or resets the connection, a given number of
-times; everything else is forwarded unchanged.
+times; everything else is forwarded unchanged. ``hold()`` keeps every request waiting until
+``release()``: a store that does not answer yet.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class FaultProxy:
         self.faults: list[Fault] = []
         self.log: list[Request] = []
         self._lock = threading.Lock()
+        self._open = threading.Event()
+        self._open.set()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
@@ -65,8 +68,15 @@ class FaultProxy:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        self.release()
         self._server.shutdown()
         self._server.server_close()
+
+    def hold(self) -> None:
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
 
     def inject(self, fault: Fault) -> None:
         with self._lock:
@@ -123,6 +133,7 @@ class FaultProxy:
                 self.close_connection = True
 
             def _handle(self) -> None:
+                proxy._open.wait()
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
                 fault = proxy._take_fault(self.command, self.path)

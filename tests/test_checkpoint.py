@@ -169,6 +169,20 @@ def test_a_writer_whose_state_differs_leaves_no_committed_checkpoint(store, capl
     assert "its writer stored other bytes than this replica's state" in caplog.text
 
 
+def test_replicas_that_commit_the_same_checkpoint_alone_agree(store, caplog) -> None:
+    """Replicas joining together each write their first checkpoint alone: the COMMITs differ in
+    their time only, and the second writer finds the first's and leaves it."""
+    caplog.set_level(logging.INFO)
+    state = diloco_like_state()
+    for name in CONTRIBUTORS[:2]:
+        writer = CheckpointWriter(store, RUN, name, CheckpointPolicy(poll=0.02))
+        writer.write(5, (name,), state, last=True)
+        writer.close()
+    assert "checkpoint of round 5 was committed by another replica" in caplog.text
+    assert "not written" not in caplog.text
+    assert_same_tree(load_checkpoint(store, RUN, 5).tree, state)
+
+
 def test_a_checkpoint_without_commit_does_not_exist(store) -> None:
     write_checkpoint(store, 3, diloco_like_state(0))
     write_checkpoint(store, 6, diloco_like_state(1), writers=("b-0", "c-0"))  # the committer died

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,16 @@ def test_a_store_url_no_store_can_open_is_refused_on_load(url, why):
         parse_config(f'[run]\nstore = "{url}"\n', "run.toml")
     with pytest.raises(ConfigError, match=rf"checkpoint\.mirrors\.0 = '{url}': .*{why}"):
         parse_config(f'[checkpoint]\nmirrors = ["{url}"]\n', "run.toml")
+
+
+@pytest.mark.parametrize(
+    ("mirrors", "store", "refused"),
+    [
+        (["s3://b/r"], "s3://b/r", "mirrors.0 = 's3://b/r' is also run.store"),
+        (["gs://m/r", "az://c/r", "gs://m/r"], "s", "2 = 'gs://m/r' is also checkpoint.mirrors.0"),
+    ],
+)  # fmt: skip
+def test_each_mirror_is_a_store_of_its_own(mirrors, store, refused):
+    text = f'[run]\nstore = "{store}"\n[checkpoint]\nmirrors = {mirrors}\n'.replace("'", '"')
+    with pytest.raises(ConfigError, match=re.escape(refused)):
+        parse_config(text, "run.toml")

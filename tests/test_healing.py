@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from diloco_anywhere.checkpoint import (
-    StoredCheckpoint,
-    StoredObject,
+    CheckpointPolicy,
+    CheckpointWriter,
     committed_rounds,
     copy_checkpoint,
     load_checkpoint,
@@ -30,11 +30,11 @@ from diloco_anywhere.global_state import fingerprint
 from diloco_anywhere.healing import HealError, heal
 from diloco_anywhere.layout import RunLayout
 from diloco_anywhere.metrics import MetricsReader, MetricsWriter
-from diloco_anywhere.record import encode_record
 from diloco_anywhere.replica import run_replica
 from diloco_anywhere.replica_group import ReplicaGroup
 from diloco_anywhere.store import Store
 from diloco_anywhere.training import _Run, build_parts, collective_config
+from proxy import Fault, FaultProxy
 
 OUTER_STEPS = 6
 RUN_TOML = f"""
@@ -291,34 +291,37 @@ def test_a_newcomer_heals_from_a_mirror_where_the_stores_checkpoints_are_lost(ru
     assert f"checkpoint of round 0 not used: {key}" in caplog.text  # the store's, then the mirror's
 
 
-def test_the_stores_own_checkpoint_comes_before_a_mirrors_and_a_mirror_down_is_skipped(run):
-    mirror = mirror_of(run)
-    report, _, _ = newcomer(run, mirrors=(mirror,))
+def test_the_stores_own_checkpoint_comes_before_a_mirrors(run):
+    report, _, _ = newcomer(run, mirrors=(mirror_of(run),))
     assert (report.checkpoint, report.mirror) == (OUTER_STEPS - 1, None)
-    (run / "down").write_text("a file where the mirror's folder would be")
-    report, _, _ = newcomer(run, mirrors=(Store(str(run / "down" / "mirror")), mirror))
-    assert (report.checkpoint, report.mirror) == (OUTER_STEPS - 1, None)
+
+
+def test_a_mirror_that_cannot_be_read_is_skipped(run, standins, caplog):
+    """A mirror whose every request is refused (expired credentials) before one that works:
+    healing logs it and goes on to the next."""
+    caplog.set_level(logging.WARNING)
+    server, mirror = standins("s3"), mirror_of(run)
+    drop_checkpoint(run, OUTER_STEPS - 1)
+    corrupt_checkpoint(run, 0)
+    with FaultProxy(server.storage_options["endpoint_url"]) as proxy:
+        proxy.inject(Fault("GET", status=403, code="AccessDenied", times=10**6))
+        options = server.storage_options | {"endpoint_url": proxy.url}
+        down = Store(f"{server.url}/mirror-{run.parent.name}", storage_options=options)
+        report, _, _ = newcomer(run, from_initial=False, mirrors=(down, mirror))
+    assert (report.checkpoint, report.mirror) == (0, mirror.url)
+    assert f"mirror {down.url} not used: its checkpoints cannot be listed" in caplog.text
+    assert "access denied" in caplog.text
 
 
 def stale_checkpoint(folder: Path, mirror: Store, as_round: int) -> None:
-    """Put into ``mirror`` the run's final state as the checkpoint of ``as_round``: what an
+    """Write into ``mirror`` the run's final state as the checkpoint of ``as_round``: what an
     earlier run of the same name (started over) leaves in a mirror, valid but not this run's
     state at that round."""
-    final = read_checkpoint(Store(str(folder / "store")), LAYOUT, OUTER_STEPS - 1)
-    rename = {key: key.replace(LAYOUT.checkpoint(OUTER_STEPS - 1), LAYOUT.checkpoint(as_round))
-              for key in final.objects}  # fmt: skip
-    entries = {
-        "state": StoredObject(
-            **{**final.commit.state.model_dump(), "key": rename[final.commit.state.key]}
-        ),
-        "shards": tuple(
-            StoredObject(**{**entry.model_dump(), "key": rename[entry.key]})
-            for entry in final.commit.shards
-        ),
-    }
-    commit = final.commit.model_copy(update={"round": as_round, "sync": as_round + 1, **entries})
-    objects = {rename[key]: data for key, data in final.objects.items()}
-    copy_checkpoint(mirror, LAYOUT, StoredCheckpoint(commit, encode_record(commit), objects))
+    tree = final_checkpoint(folder).tree
+    tree["manager"] = {**tree["manager"], "step": as_round + 1, "sync": as_round + 1}
+    writer = CheckpointWriter(mirror, LAYOUT, "earlier-0", CheckpointPolicy())
+    writer.write(as_round, ("earlier-0",), tree, last=True)
+    writer.close()
 
 
 def test_a_mirrors_checkpoint_from_an_earlier_run_of_the_same_name_is_not_used(run, caplog):

@@ -5,8 +5,12 @@ whose store is destroyed resumes from its mirror (``diloco launch --resume-from`
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import threading
 import time
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -16,9 +20,10 @@ from diloco_anywhere.cli.run import _status_table
 from diloco_anywhere.config import load_config
 from diloco_anywhere.launch import run_metrics
 from diloco_anywhere.layout import RunLayout
-from diloco_anywhere.mirrors import ResumeError, resume_from
+from diloco_anywhere.mirrors import MirrorWriter, ResumeError, resume_from
 from diloco_anywhere.status import ReplicaStatus
 from diloco_anywhere.store import Store
+from proxy import FaultProxy
 from test_checkpoint import diloco_like_state, write_checkpoint
 from test_hf_buckets import use_gateway
 from test_launch import RUN_TOML, _kill_all, diloco, statuses
@@ -67,6 +72,30 @@ def test_every_committed_checkpoint_reaches_the_mirror_intact(
     assert all(row["mirror_failures"] == 0 for row in statuses("run.toml").values())
 
 
+def test_a_copy_under_way_makes_a_checkpoint_skip_that_mirror_but_never_the_last(
+    s3_run, standins, monkeypatch, tmp_path
+) -> None:
+    """The mirror does not answer (held at a proxy) while round 1's copy is under way: round
+    2's is skipped, and round 3's, the run's last, waits for it and is copied."""
+    url, layout = s3_run[0], RunLayout("run")
+    store, checkpoints = Store(str(tmp_path / "store")), []
+    for round_ in (1, 2, 3):
+        write_checkpoint(store, round_, diloco_like_state(round_))
+        checkpoints.append(read_checkpoint(store, layout, round_))
+    failures: list[str] = []
+    with FaultProxy(standins("s3").storage_options["endpoint_url"]) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        writer = MirrorWriter([url], layout, keep=5, report=failures.append)
+        proxy.hold()
+        writer.copy(checkpoints[0])
+        writer.copy(checkpoints[1])  # round 1's copy cannot have finished: skipped
+        threading.Timer(0.5, proxy.release).start()
+        writer.copy(checkpoints[2], last=True)  # waits for round 1's, then copies
+        writer.close()
+        assert committed_rounds(Store(url), layout) == [3, 1]
+    assert failures == []
+
+
 def test_a_failing_mirror_is_reported_and_training_goes_on(tmp_path, monkeypatch):
     (tmp_path / "not-a-folder").write_text("a file where the mirror's folder would be")
     _launch(tmp_path, monkeypatch, [str(tmp_path / "not-a-folder" / "mirror")])
@@ -78,16 +107,22 @@ def test_a_failing_mirror_is_reported_and_training_goes_on(tmp_path, monkeypatch
     assert "mirror failed" in console.export_text()
 
 
+def _signal_all(signum: int) -> None:
+    for handle in json.loads(Path(".diloco/t/launch.json").read_text())["replicas"]:
+        os.kill(handle["job"]["pid"], signum)
+
+
 def _sealed_rounds(store: Store) -> list[int]:
     keys = store.list_prefix(f"{RUN.run}/rounds")
     return sorted({int(key.split("/")[2]) for key in keys if key.endswith("/SEAL")})
 
 
 def test_a_run_whose_store_is_destroyed_mid_run_resumes_from_its_mirror(tmp_path, monkeypatch):
-    """The store is destroyed while the replicas train (every write and read fails from then
-    on) and the replicas are stopped; an empty store and ``--resume-from mirror`` finish the
-    run from the mirror's newest checkpoint, the lost rounds trained again. Then the same run
-    uninterrupted (``--fresh``, over the same mirror): the held-out loss is within 2%."""
+    """Mid-run, once the mirror has a checkpoint of round 3, the replicas are frozen where they
+    are, their store destroyed (a file in its place: every read and write fails) and the
+    replicas killed; an empty store and ``--resume-from mirror`` finish the run from the
+    mirror's latest checkpoint, the lost rounds trained again. Then the same run uninterrupted
+    (``--fresh``, over the same mirror): the held-out loss is within 2%."""
     outer_steps = 12  # checkpoints after rounds 0, 3, 7 and 11
     _write_run_toml(tmp_path, monkeypatch, ["mirror"], outer_steps=outer_steps, every=4)
     primary, mirror = tmp_path / "store", Store(str(tmp_path / "mirror"))
@@ -96,7 +131,8 @@ def test_a_run_whose_store_is_destroyed_mid_run_resumes_from_its_mirror(tmp_path
     while not [r for r in committed_rounds(mirror, RUN) if r >= 3]:
         assert time.monotonic() < deadline, "no checkpoint after round 3 reached the mirror"
         time.sleep(0.2)
-    primary.rename(tmp_path / "destroyed")  # at once, while the replicas write to it
+    _signal_all(signal.SIGSTOP)  # the replicas hold where they are (mid-round, mid-write)
+    primary.rename(tmp_path / "destroyed")
     primary.write_text("the store is gone: every read and write fails")
     _kill_all("run.toml")
     sealed = _sealed_rounds(Store(str(tmp_path / "destroyed")))  # what the store had
@@ -106,8 +142,8 @@ def test_a_run_whose_store_is_destroyed_mid_run_resumes_from_its_mirror(tmp_path
     planned = diloco("launch", "--config", "run.toml", "--resume-from", "mirror", "--dry-run")
     assert planned.exit_code == 0, planned.output
     plan = json.loads(planned.stdout)["resume_from"]
-    assert plan == {"mirror": mirror.url, "committed_checkpoints": committed_rounds(mirror, RUN),
-                    "store_is_empty": True}  # fmt: skip
+    assert (plan["mirror"], plan["store"], plan["damaged"]) == (mirror.url, "empty", [])
+    assert [c["round"] for c in plan["checkpoints"]] == committed_rounds(mirror, RUN)
     assert not primary.exists()  # a dry run writes nothing
 
     resumed = diloco("launch", "--config", "run.toml", "--resume-from", "mirror")
@@ -138,21 +174,38 @@ def test_a_run_whose_store_is_destroyed_mid_run_resumes_from_its_mirror(tmp_path
     assert abs(resumed_loss / clean_loss - 1) < 0.02, (resumed_loss, clean_loss)
 
 
-def test_resuming_takes_the_newest_intact_checkpoint_and_refuses_a_store_that_has_the_run(
-    tmp_path,
-) -> None:
+def test_resuming_takes_the_latest_intact_checkpoint(tmp_path) -> None:
+    """Latest by commit time: the mirror's round 6 was committed before round 3 (an earlier run
+    of the same name went further), and round 5 is damaged."""
     layout, mirror = RunLayout("run"), Store(str(tmp_path / "mirror"))
     store = Store(str(tmp_path / "store"))
     with pytest.raises(ResumeError, match=r"no checkpoint of run run in .* \(none committed\)"):
         resume_from(str(tmp_path / "mirror"), store, layout)
-    for round_ in (3, 6):
+    for round_ in (6, 3, 5):
         write_checkpoint(mirror, round_, diloco_like_state(round_))
-    shard = read_checkpoint(mirror, layout, 6).commit.shards[0].key
+    shard = read_checkpoint(mirror, layout, 5).commit.shards[0].key
     mirror.delete(shard)
     mirror.put(shard, b"damaged")
     resumed = resume_from(str(tmp_path / "mirror"), store, layout)
-    assert (resumed.round, resumed.damaged) == (3, (6,))
-    assert "newer checkpoints of rounds 6 in the mirror are damaged" in resumed.describe()
+    assert (resumed.round, resumed.damaged, resumed.earlier) == (3, (5,), (6,))
+    assert "checkpoints of rounds 5 are damaged" in resumed.describe()
+    assert "rounds 6 were committed before it, by an earlier run" in resumed.describe()
     assert read_checkpoint(store, layout, 3) == read_checkpoint(mirror, layout, 3)
+
+
+def test_resuming_refuses_a_store_that_has_the_run_and_fresh_deletes_only_what_it_replaces(
+    tmp_path,
+) -> None:
+    layout, mirror_url = RunLayout("run"), str(tmp_path / "mirror")
+    store = Store(str(tmp_path / "store"))
+    write_checkpoint(store, 2, diloco_like_state(2))
     with pytest.raises(ResumeError, match=r"run run still has objects in .*add --fresh"):
-        resume_from(str(tmp_path / "mirror"), store, layout)
+        resume_from(mirror_url, store, layout)
+    with pytest.raises(ResumeError, match="is the run's store itself"):
+        resume_from(store.url, store, layout, fresh=True)
+    with pytest.raises(ResumeError, match="none committed"):  # an empty mirror: nothing deleted
+        resume_from(mirror_url, store, layout, fresh=True)
+    assert committed_rounds(store, layout) == [2]
+    write_checkpoint(Store(mirror_url), 4, diloco_like_state(4))
+    assert resume_from(mirror_url, store, layout, fresh=True).round == 4
+    assert committed_rounds(store, layout) == [4]

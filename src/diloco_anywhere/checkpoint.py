@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any
 
 import crc32c
@@ -65,6 +65,9 @@ class CheckpointCommit(Record):
     step: Count  # committed syncs (the manager's step)
     sync: Count  # the next round to run
     fingerprint: str = Field(max_length=128)
+    # when it was committed (seconds since the epoch, the committer's clock): the newest of a
+    # mirror that also holds checkpoints of an earlier run of the same name is the latest one
+    time: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
     state: StoredObject
     shards: tuple[StoredObject, ...] = Field(max_length=4096)
 
@@ -78,6 +81,7 @@ class Checkpoint:
     commit: CheckpointCommit
     tree: Any  # the state as it was saved, tensors on CPU
     source: str  # the store it was read from (its URL, credentials masked)
+    from_mirror: bool = False  # read from a mirror, not from the run's store
 
 
 @dataclass(frozen=True)
@@ -268,6 +272,7 @@ class CheckpointWriter:
                     "step": counters["step"],
                     "sync": counters["sync"],
                     "fingerprint": fingerprint(counters["step"], tree_checksum(tree["fragments"])),
+                    "time": time.time(),
                 }
                 shards_by_key = dict(zip(keys, shards, strict=True))
                 self._commit(commit, shards_by_key, owners, structure, last)
@@ -305,12 +310,28 @@ class CheckpointWriter:
         entries = tuple(_entry(key, data) for key, data in shards.items())
         done = CheckpointCommit(**commit, state=_entry(state_key, structure), shards=entries)
         commit_bytes = encode_record(done)
-        self.store.put(self.layout.checkpoint_commit(round_), commit_bytes)
+        if not self._put_commit(done, commit_bytes):
+            return
         log.info("checkpoint of round %d committed (%d shards)", round_, len(entries))
         prune_checkpoints(self.store, self.layout, self.policy.keep, round_)
         if self.mirror is not None:
             stored = StoredCheckpoint(done, commit_bytes, {**shards, state_key: structure})
             self.mirror(stored, last)
+
+    def _put_commit(self, done: CheckpointCommit, data: bytes) -> bool:
+        """Put the COMMIT; False if another replica committed this same checkpoint first
+        (replicas joining together each write their first one alone; only the time differs),
+        and then it is theirs to prune and mirror."""
+        key = self.layout.checkpoint_commit(done.round)
+        try:
+            self.store.put(key, data)
+            return True
+        except FileExistsError:
+            theirs, _ = read_commit(self.store, self.layout, done.round)
+            if theirs.model_copy(update={"time": done.time}) != done:
+                raise CheckpointError(f"{key}: another writer committed another state") from None
+            log.info("checkpoint of round %d was committed by another replica", done.round)
+            return False
 
     def _wait_for(self, keys: list[str], folder: str) -> set[str]:
         """Poll until every key exists under ``folder`` or ``orphan_grace`` has passed; the
@@ -431,10 +452,11 @@ def load_checkpoint(
 ) -> Checkpoint:
     """The committed checkpoint of ``round_``, every object checked; else ``CheckpointError``
     naming the key and why, whatever is wrong with the bucket's bytes (a dtype torch does not
-    have, a size no file has), so healing falls back to the previous checkpoint. ``confirm``
-    sees the COMMIT before anything else is read and may refuse it (says why). A store that
-    cannot be reached (``StoreError``) is not a bad checkpoint: it propagates."""
-    stored = _guarded(layout, round_, lambda: _read_checkpoint(store, layout, round_, confirm))
+    have, a size no file has, a state unlike its COMMIT), so healing falls back to the previous
+    checkpoint. ``confirm`` sees the COMMIT before anything else is read and may refuse it
+    (says why); what it raises propagates. A store that cannot be reached (``StoreError``) is
+    not a bad checkpoint: it propagates."""
+    stored = _read_checkpoint(store, layout, round_, confirm)
     tree = _guarded(layout, round_, lambda: _decode_checkpoint(stored))
     return Checkpoint(stored.commit, tree, store.url)
 
@@ -442,9 +464,22 @@ def load_checkpoint(
 def read_checkpoint(store: Store, layout: RunLayout, round_: int) -> StoredCheckpoint:
     """The committed checkpoint of ``round_`` as bytes, checked as ``load_checkpoint`` checks
     it (its tensors and structure decoded once, then dropped)."""
-    stored = _guarded(layout, round_, lambda: _read_checkpoint(store, layout, round_, None))
+    stored = _read_checkpoint(store, layout, round_, None)
     _guarded(layout, round_, lambda: _decode_checkpoint(stored))
     return stored
+
+
+def read_commit(store: Store, layout: RunLayout, round_: int) -> tuple[CheckpointCommit, bytes]:
+    """The COMMIT of ``round_``, checked against its key; ``CheckpointError`` if it is not one."""
+    key = layout.checkpoint_commit(round_)
+    try:
+        data = store.get(key, 0, RECORD_READ_LIMIT)
+        commit = decode_record(data, CheckpointCommit, key=key)
+    except (FileNotFoundError, WireFormatError) as exc:
+        raise CheckpointError(f"{key}: {exc}") from None
+    if (commit.run, commit.round) != (layout.run, round_):
+        raise CheckpointError(f"{key}: the COMMIT is for run {commit.run} round {commit.round}")
+    return commit, data
 
 
 def _guarded(layout: RunLayout, round_: int, read: Callable[[], Any]) -> Any:
@@ -460,22 +495,20 @@ def _guarded(layout: RunLayout, round_: int, read: Callable[[], Any]) -> Any:
 def _read_checkpoint(
     store: Store, layout: RunLayout, round_: int, confirm: Confirm | None
 ) -> StoredCheckpoint:
+    commit, commit_bytes = read_commit(store, layout, round_)
     key = layout.checkpoint_commit(round_)
-    try:
-        commit_bytes = store.get(key, 0, RECORD_READ_LIMIT)
-        commit = decode_record(commit_bytes, CheckpointCommit, key=key)
-    except (FileNotFoundError, WireFormatError) as exc:
-        raise CheckpointError(f"{key}: {exc}") from None
-    if (commit.run, commit.round) != (layout.run, round_):
-        raise CheckpointError(f"{key}: the COMMIT is for run {commit.run} round {commit.round}")
     if confirm is not None and (refusal := confirm(commit)):
         raise CheckpointError(f"{key} in {store.url}: {refusal}")
-    objects = _read_objects(store, key, f"{layout.checkpoint(round_)}/", commit)
+    objects = _guarded(
+        layout, round_, lambda: _read_objects(store, key, f"{layout.checkpoint(round_)}/", commit)
+    )
     checked = {e.key: _checked(e.key, objects[e.key], e) for e in (commit.state, *commit.shards)}
     return StoredCheckpoint(commit, commit_bytes, checked)
 
 
 def _decode_checkpoint(stored: StoredCheckpoint) -> Any:
+    """The state tree, which must hold the COMMIT's counters and fingerprint to its state: a
+    checkpoint whose objects and COMMIT do not belong together is refused by every reader."""
     commit, tensors = stored.commit, {}
     for entry in commit.shards:
         try:
@@ -486,7 +519,22 @@ def _decode_checkpoint(stored: StoredCheckpoint) -> Any:
             raise CheckpointError(
                 f"{entry.key}: safetensors this torch cannot load: {type(exc).__name__}: {exc}"
             ) from None
-    return unflatten(stored.objects[commit.state.key], tensors, commit.state.key)
+    tree = unflatten(stored.objects[commit.state.key], tensors, commit.state.key)
+    counters = tree.get("manager") if isinstance(tree, dict) else None
+    expected = {"step": commit.step, "sync": commit.sync}
+    if not (
+        isinstance(counters, dict)
+        and {name: counters.get(name) for name in expected} == expected
+        and type(counters.get("batches_committed")) is int
+        and "fragments" in tree
+    ):
+        raise CheckpointError(f"{commit.state.key}: its counters {str(counters)[:200]} are not "
+                              f"its COMMIT's {expected}")  # fmt: skip
+    found = fingerprint(commit.step, tree_checksum(tree["fragments"]))
+    if found != commit.fingerprint:
+        raise CheckpointError(f"{commit.state.key}: the state fingerprints as {found}, its COMMIT "
+                              f"says {commit.fingerprint}")  # fmt: skip
+    return tree
 
 
 def newest_checkpoints(
@@ -517,7 +565,8 @@ def _first_intact(
 ) -> Checkpoint | None:
     for source, confirm in holders:
         try:
-            return load_checkpoint(source, layout, round_, confirm)
+            checkpoint = load_checkpoint(source, layout, round_, confirm)
+            return replace(checkpoint, from_mirror=source is not primary)
         except CheckpointError as exc:
             log.warning("checkpoint of round %d not used: %s", round_, exc)
         except StoreError as exc:

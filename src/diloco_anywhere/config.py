@@ -27,7 +27,7 @@ from pydantic import (
 
 from diloco_anywhere.codec import CODEC_NAMES
 from diloco_anywhere.layout import NAME
-from diloco_anywhere.store import check_store_url
+from diloco_anywhere.store import check_store_url, redact_url
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -147,6 +147,20 @@ class RunConfig(_Section):
     # Per-backend settings ([backends.modal] ...), validated by each backend when it launches.
     backends: dict[str, dict[str, Any]] = Field(default_factory=dict)
     source: Path | None = Field(default=None, exclude=True)  # where it was loaded from
+
+    @model_validator(mode="after")
+    def _mirrors_are_other_stores(self) -> RunConfig:
+        """A mirror that is the store, or one listed twice, would have two writers copying
+        into the same folders (a copy replaces what is there that is not its checkpoint)."""
+        seen = {self.run.store: "run.store"}
+        for index, url in enumerate(self.checkpoint.mirrors):
+            if url in seen:
+                raise ValueError(
+                    f"checkpoint.mirrors.{index} = {redact_url(url)!r} is also {seen[url]}: "
+                    f"each mirror must be a store of its own"
+                )
+            seen[url] = f"checkpoint.mirrors.{index}"
+        return self
 
     def store_url(self) -> str:
         """The store URL, with a relative local path made absolute against run.toml's folder."""

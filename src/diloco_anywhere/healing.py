@@ -1,4 +1,4 @@
-"""Healing: bring a replica's global state to the run's, with the bucket as the only source.
+"""Healing: bring a replica's global state to the run's, from its store and mirrors alone.
 
 torchft heals a joining replica by sending it a peer's state over HTTP or the process group;
 ours cannot reach each other. So a replica that starts while a run is going (new, restarted
@@ -34,7 +34,7 @@ from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.round import RoundDataMissingError, SealedContributionError
 from diloco_anywhere.global_state import GlobalState, fingerprint
 from diloco_anywhere.manager import BucketManager
-from diloco_anywhere.store import Store
+from diloco_anywhere.store import Store, StoreError
 from diloco_anywhere.wire import WireFormatError
 
 log = logging.getLogger(__name__)
@@ -67,21 +67,12 @@ class HealReport:
 
 
 def _load(checkpoint: Checkpoint, state: GlobalState, manager: BucketManager) -> bool:
-    """Load ``checkpoint``; False (logged) if it does not fit this replica or its COMMIT."""
+    """Load ``checkpoint`` (its counters and fingerprint already checked against its COMMIT);
+    False (logged) if it does not fit this replica's model and optimizers."""
     commit, tree = checkpoint.commit, checkpoint.tree
-    counters = tree.get("manager") if isinstance(tree, dict) else None
-    expected = {"step": commit.step, "sync": commit.sync}
-    if not (
-        isinstance(counters, dict)
-        and {k: counters.get(k) for k in expected} == expected
-        and type(counters.get("batches_committed")) is int
-    ):
-        log.warning("checkpoint of round %d not used: its counters %s are not its COMMIT's %s",
-                    commit.round, counters, expected)  # fmt: skip
-        return False
     try:
         state.load_fragments_tree(tree["fragments"])
-        manager.load_state_dict(counters)
+        manager.load_state_dict(tree["manager"])
     except Exception as exc:  # another model or optimizer, or a malformed tree
         log.warning("checkpoint of round %d not used: it does not fit this replica's model and "
                     "optimizers: %s", commit.round, exc)  # fmt: skip
@@ -178,7 +169,7 @@ def heal(
             log.warning("healing from checkpoint %d failed: %s; trying the previous one",
                         checkpoint.commit.round, exc)  # fmt: skip
             continue
-        mirror = None if checkpoint.source == collective.store.url else checkpoint.source
+        mirror = checkpoint.source if checkpoint.from_mirror else None
         return _healed(state, manager, checkpoint.commit.round, mirror, replayed, skipped, started)
     if tried or not from_initial:
         raise HealError(
@@ -200,6 +191,8 @@ def _sealed_after(collective: BucketCollective) -> Confirm:
             sealed = collective.sealed_fingerprint(commit.sync)
         except (SealedContributionError, WireFormatError) as exc:
             return f"round {commit.sync}, which would confirm it, does not read back: {exc}"
+        except StoreError as exc:  # the run's store, not the mirror: healing cannot go on
+            raise HealError(f"the run's store cannot be read: {exc}") from exc
         if sealed is None:
             return (
                 f"the run's store has not sealed round {commit.sync}, which would confirm it "

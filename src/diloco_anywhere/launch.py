@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -25,11 +26,10 @@ from diloco_anywhere.backends.base import (
     one_line,
     stop_all,
 )
-from diloco_anywhere.checkpoint import committed_rounds
 from diloco_anywhere.config import ConfigError, RunConfig
 from diloco_anywhere.layout import RunLayout
 from diloco_anywhere.metrics import MetricsReader
-from diloco_anywhere.mirrors import Resumed, resume_from
+from diloco_anywhere.mirrors import Resumed, latest_commits, resume_from
 from diloco_anywhere.store import Store, redact_url
 
 log = logging.getLogger("diloco_anywhere.launch")
@@ -122,25 +122,32 @@ def delete_run_objects(config: RunConfig) -> int:
     return Store(config.store_url()).delete_prefix(RunLayout(config.run.name).run)
 
 
-def resume_plan(config: RunConfig, url: str) -> dict[str, Any]:
-    """What ``--resume-from url`` would start from (``--dry-run``): the mirror's committed
-    checkpoints, newest first (the first that reads back intact is taken), and whether the
-    run's store is empty, as it must be. Reads listings only."""
+def resume_plan(config: RunConfig, url: str, *, fresh: bool) -> dict[str, Any]:
+    """What ``--resume-from url`` would do (``--dry-run``), from listings and COMMITs only:
+    the mirror's committed checkpoints, the latest first (the first that reads back intact is
+    taken), and what becomes of the run's objects in its store."""
     layout = RunLayout(config.run.name)
     with Store(config.resolve(url)) as mirror, Store(config.store_url()) as store:
+        latest, damaged = latest_commits(mirror, layout)
+        held = bool(store.list_prefix(layout.run))
         return {
             "mirror": mirror.url,
-            "committed_checkpoints": committed_rounds(mirror, layout),
-            "store_is_empty": not store.list_prefix(layout.run),
-        }
+            "checkpoints": [
+                {"round": c.round, "committed": datetime.fromtimestamp(c.time, UTC).isoformat()}
+                for c in latest
+            ],
+            "damaged": damaged,
+            "store": "deleted first (--fresh)" if held and fresh
+            else "holds the run: refused without --fresh" if held else "empty",
+        }  # fmt: skip
 
 
-def resume_from_mirror(config: RunConfig, url: str) -> Resumed:
-    """Put the newest intact checkpoint of the run in the mirror at ``url`` into the run's
+def resume_from_mirror(config: RunConfig, url: str, *, fresh: bool) -> Resumed:
+    """Put the latest intact checkpoint of the run in the mirror at ``url`` into the run's
     store, which lost the run (``mirrors.resume_from``); the replicas launched next heal from
     it."""
     with Store(config.store_url()) as store:
-        return resume_from(config.resolve(url), store, RunLayout(config.run.name))
+        return resume_from(config.resolve(url), store, RunLayout(config.run.name), fresh=fresh)
 
 
 def mark_stopped(run_folder: Path, replica_id: str) -> None:

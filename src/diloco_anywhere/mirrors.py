@@ -23,12 +23,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from diloco_anywhere.checkpoint import (
+    CheckpointCommit,
     CheckpointError,
     StoredCheckpoint,
     committed_rounds,
     copy_checkpoint,
     prune_checkpoints,
     read_checkpoint,
+    read_commit,
 )
 from diloco_anywhere.layout import RunLayout
 from diloco_anywhere.store import Store
@@ -45,20 +47,20 @@ class MirrorWriter:
         self.layout, self.keep, self.report = layout, keep, report
         self.stores = [Store(url) for url in urls]  # healing reads them too
         self._executor = ThreadPoolExecutor(max(1, len(urls)), thread_name_prefix="mirror")
-        self._pending: dict[str, Future[None]] = {}
+        self._pending: dict[int, Future[None]] = {}  # by mirror
 
     def copy(self, checkpoint: StoredCheckpoint, last: bool = False) -> None:
         """Start copying ``checkpoint`` to every mirror not still busy with the previous one;
         the ``last`` (the run's final state) waits for it instead of being skipped."""
-        for store in self.stores:
-            pending = self._pending.get(store.url)
+        for index, store in enumerate(self.stores):
+            pending = self._pending.get(index)
             if pending is not None and last:
                 pending.result()  # _copy reports its failures, never raises
             elif pending is not None and not pending.done():
                 log.warning("mirror %s: checkpoint of round %d skipped, the previous copy is "
                             "still running", store.url, checkpoint.commit.round)  # fmt: skip
                 continue
-            self._pending[store.url] = self._executor.submit(self._copy, store, checkpoint)
+            self._pending[index] = self._executor.submit(self._copy, store, checkpoint)
 
     def _copy(self, store: Store, checkpoint: StoredCheckpoint) -> None:
         round_ = checkpoint.commit.round
@@ -87,45 +89,76 @@ class Resumed:
     mirror: str
     round: int  # the checkpoint's
     sync: int  # the round the replicas join
-    damaged: tuple[int, ...]  # newer checkpoints in the mirror that did not read back intact
+    damaged: tuple[int, ...]  # checkpoints there passed over: they did not read back intact
+    earlier: tuple[int, ...]  # checkpoints of later rounds committed before it: an earlier run
 
     def describe(self) -> str:
-        damaged = (
-            f" (newer checkpoints of rounds {', '.join(map(str, self.damaged))} in the mirror "
-            f"are damaged, see the warnings)" if self.damaged else ""
-        )  # fmt: skip
+        passed = [
+            f"rounds {', '.join(map(str, rounds))} {why}"
+            for rounds, why in (
+                (self.damaged, "are damaged (see the warnings)"),
+                (self.earlier, "were committed before it, by an earlier run of the same name"),
+            )
+            if rounds
+        ]
+        passed_over = f" (the mirror's checkpoints of {'; '.join(passed)})" if passed else ""
         return (
-            f"resuming from the checkpoint of round {self.round} in {self.mirror}{damaged}: "
+            f"resuming from the checkpoint of round {self.round} in {self.mirror}{passed_over}: "
             f"the replicas heal from it and join round {self.sync}; the rounds the lost store "
             f"had sealed after round {self.round} are lost and trained again"
         )
 
 
-def resume_from(url: str, store: Store, layout: RunLayout) -> Resumed:
-    """Copy the newest checkpoint of the run that reads back intact from the mirror at ``url``
-    into ``store`` (the run's store, which lost everything), so that the replicas launched
-    next heal from it. A store that still holds objects of the run is refused: healing already
-    uses them and the mirrors in run.toml."""
-    if store.list_prefix(layout.run):
+def resume_from(url: str, store: Store, layout: RunLayout, *, fresh: bool = False) -> Resumed:
+    """Copy the run's latest checkpoint that reads back intact from the mirror at ``url`` into
+    ``store`` (the run's store, which lost the run), so that the replicas launched next heal
+    from it. Latest by commit time, not by round: a mirror keeps checkpoints of an earlier run
+    of the same name until this run reaches their rounds. A store that still holds objects of
+    the run is refused (healing already uses them and the mirrors in run.toml) unless
+    ``fresh``, which deletes them, once the mirror's checkpoint has read back intact."""
+    if url == store.url:
+        raise ResumeError(f"--resume-from {url} is the run's store itself: name a mirror")
+    if not fresh and store.list_prefix(layout.run):
         raise ResumeError(
             f"run {layout.run} still has objects in {store.url}: a plain `diloco launch` heals "
             f"from them and from the mirrors in run.toml. --resume-from is for a store that "
             f"lost the run; add --fresh to delete what is left there first"
         )
-    damaged: list[int] = []
     with Store(url) as mirror:
-        for round_ in committed_rounds(mirror, layout):
-            try:
-                checkpoint = read_checkpoint(mirror, layout, round_)
-            except CheckpointError as exc:
-                log.warning("checkpoint of round %d in %s not used: %s", round_, mirror.url, exc)
-                damaged.append(round_)
-                continue
-            copy_checkpoint(store, layout, checkpoint)
-            commit = checkpoint.commit
-            return Resumed(mirror.url, commit.round, commit.sync, tuple(damaged))
-        raise ResumeError(
-            f"no checkpoint of run {layout.run} in {mirror.url} reads back intact"
-            + (f" ({len(damaged)} damaged, see the warnings)" if damaged else " (none committed)")
-            + ": check the URL against [checkpoint] mirrors in run.toml"
-        )
+        checkpoint, damaged = _latest_intact(mirror, layout)
+        if fresh:
+            store.delete_prefix(layout.run)
+        copy_checkpoint(store, layout, checkpoint)
+        commit, rounds = checkpoint.commit, committed_rounds(mirror, layout)
+        earlier = tuple(r for r in rounds if r > commit.round and r not in damaged)
+        return Resumed(mirror.url, commit.round, commit.sync, damaged, earlier)
+
+
+def latest_commits(mirror: Store, layout: RunLayout) -> tuple[list[CheckpointCommit], list[int]]:
+    """The COMMITs of the run's checkpoints in ``mirror``, the most recently committed first,
+    and the rounds whose COMMIT does not read back (logged)."""
+    commits, damaged = [], []
+    for round_ in committed_rounds(mirror, layout):
+        try:
+            commits.append(read_commit(mirror, layout, round_)[0])
+        except CheckpointError as exc:
+            log.warning("checkpoint of round %d in %s not used: %s", round_, mirror.url, exc)
+            damaged.append(round_)
+    return sorted(commits, key=lambda c: (c.time, c.round), reverse=True), damaged
+
+
+def _latest_intact(mirror: Store, layout: RunLayout) -> tuple[StoredCheckpoint, tuple[int, ...]]:
+    """The most recently committed checkpoint that reads back intact, and the rounds of those
+    passed over as damaged."""
+    commits, damaged = latest_commits(mirror, layout)
+    for commit in commits:
+        try:
+            return read_checkpoint(mirror, layout, commit.round), tuple(damaged)
+        except CheckpointError as exc:
+            log.warning("checkpoint of round %d in %s not used: %s", commit.round, mirror.url, exc)
+            damaged.append(commit.round)
+    raise ResumeError(
+        f"no checkpoint of run {layout.run} in {mirror.url} reads back intact"
+        + (f" ({len(damaged)} damaged, see the warnings)" if damaged else " (none committed)")
+        + ": check the URL against [checkpoint] mirrors in run.toml"
+    )

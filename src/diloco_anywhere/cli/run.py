@@ -251,21 +251,21 @@ def launch(
         if dry_run:
             shown = {"replicas": [_shown(spec) for spec in plan.specs], "submit": describe(plan)}
             if resume_from is not None:
-                shown["resume_from"] = resume_plan(config, resume_from)
+                shown["resume_from"] = resume_plan(config, resume_from, fresh=fresh)
             print_json(shown)
             return
         if server_dry_run:
             print_json(dry_run_on_servers(plan))
             return
-        if store_has_run(config):
+        if resume_from is not None:
+            stderr.print(resume_from_mirror(config, resume_from, fresh=fresh).describe())
+        elif store_has_run(config):
             if fresh:
                 delete_run_objects(config)
-            elif resume_from is None:
+            else:
                 stderr.print(f"run {config.run.name} has objects in "
                              f"{redact_url(config.run.store)}: resuming it (--fresh starts "
                              f"over)")  # fmt: skip
-        if resume_from is not None:
-            stderr.print(resume_from_mirror(config, resume_from).describe())
         started = start(plan)
     count = len(plan.specs)
     if detach:
