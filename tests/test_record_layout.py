@@ -183,5 +183,9 @@ def test_keys_with_numbers_no_writer_makes_are_not_ours(bad):
     assert layout.parse_member_key(f"run/members/r/{bad}/claim") is None
     assert layout.parse_member_key(f"run/members/r/0/lease-{bad}") is None
     assert layout.parse_checkpoint_commit(f"run/checkpoints/{bad}/COMMIT") is None
+    assert layout.parse_seal(f"run/rounds/{bad}/0/SEAL") is None
+    assert layout.parse_seal(f"run/rounds/0000000001/{bad}/SEAL") is None
+    assert layout.parse_seal(layout.seal(12, 1)) == 12
+    assert layout.parse_seal(layout.manifest(12, 1, "r", 0)) is None
     with pytest.raises(ValueError, match="is not '<replica>-<incarnation>'"):
         parse_contributor(f"r-{bad}")

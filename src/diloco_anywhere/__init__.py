@@ -1,5 +1,21 @@
-"""diloco-anywhere: DiLoCo across platforms that share nothing but an object store."""
+"""diloco-anywhere: DiLoCo across platforms that share nothing but an object store.
 
+The public API (docs/api.md), imported on first use so that ``import diloco_anywhere`` (and
+the ``diloco`` CLI) stays quick:
+
+- ``Collective``: the all-reduce alone, from a store URL and this process's name.
+"""
+
+from importlib import import_module
 from importlib.metadata import version
+from typing import Any
 
 __version__ = version("diloco-anywhere")
+__all__ = ["Collective", "__version__"]
+_EXPORTS = {"Collective": "diloco_anywhere.collective.plain"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'diloco_anywhere' has no attribute {name!r}")

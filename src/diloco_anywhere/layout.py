@@ -116,8 +116,11 @@ class RunLayout:
 
     # -- rounds --------------------------------------------------------------------------------
 
+    def rounds(self) -> str:
+        return f"{self.run}/rounds"
+
     def round(self, round_: int) -> str:
-        return f"{self.run}/rounds/{_check_count(round_, 'round', MAX_ROUND):0{ROUND_DIGITS}d}"
+        return f"{self.rounds()}/{_check_count(round_, 'round', MAX_ROUND):0{ROUND_DIGITS}d}"
 
     def fragment(self, round_: int, fragment: int) -> str:
         return f"{self.round(round_)}/{_check_count(fragment, 'fragment')}"
@@ -137,6 +140,14 @@ class RunLayout:
 
     def seal(self, round_: int, fragment: int) -> str:
         return f"{self.fragment(round_, fragment)}/SEAL"
+
+    def parse_seal(self, key: str) -> int | None:
+        """``rounds/{round}/{fragment}/SEAL`` -> round; anything else -> None."""
+        parts = key.removeprefix(f"{self.rounds()}/").split("/")
+        if key.startswith(f"{self.rounds()}/") and len(parts) == 3 and parts[2] == "SEAL":
+            fragment = parse_count(parts[1])
+            return None if fragment is None else parse_count(parts[0], MAX_ROUND)
+        return None
 
     def reduced(self, round_: int, fragment: int, shard: int) -> str:
         return f"{self.fragment(round_, fragment)}/reduced/{_check_count(shard, 'shard')}"

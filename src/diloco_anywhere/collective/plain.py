@@ -1,0 +1,82 @@
+"""The all-reduce alone: average tensors with processes that share nothing but a bucket.
+
+    from diloco_anywhere import Collective
+
+    with Collective("s3://bucket/runs", replica="worker-0", replicas=2) as collective:
+        collective.allreduce(tensor)  # tensor now holds the mean over the replicas
+
+No torchft, no run.toml: a store URL, this process's name and how many replicas to wait for.
+Every replica calls ``allreduce`` the same number of times, in the same order, as with any
+collective; each call is one sealed round (docs/collective.md), numbered on from the newest
+round sealed in the bucket, so a process that restarts joins at the round the others are at
+rather than at round 0. A round seals once ``replicas`` have contributed, or
+``grace`` seconds after the first contribution with at least ``min_replicas``; a replica that
+contributed to no sealed round gets the mean of the others and its own work is dropped, as in
+a DiLoCo run (``RoundTimeoutError`` or ``SealedContributionError`` say why when a round fails).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from diloco_anywhere.codec import make_codec
+from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig, Work
+from diloco_anywhere.collective.round import RoundPolicy
+from diloco_anywhere.store import Store
+
+
+class Collective:
+    """A weighted-mean all-reduce among the processes that open the same ``url`` and
+    ``name``, each with its own ``replica`` name."""
+
+    def __init__(
+        self,
+        url: str,
+        replica: str,
+        *,
+        replicas: int = 1,
+        min_replicas: int | None = None,
+        name: str = "allreduce",
+        codec: str = "fp32",
+        grace: float = 10.0,
+        timeout: float = 600.0,
+    ) -> None:
+        """``replicas``: how many contribute to a round when all are up; ``min_replicas``
+        (default: all of them) the fewest a round may seal with after ``grace`` seconds;
+        ``codec``: ``fp32``, ``bf16``, ``int8`` or ``int4`` on the wire."""
+        policy = RoundPolicy(
+            min_replicas=replicas if min_replicas is None else min_replicas,
+            expected_replicas=replicas, grace=grace, timeout=timeout,
+        )  # fmt: skip
+        self.store = Store(url)
+        config = CollectiveConfig(codec=make_codec(codec), round=policy)
+        self._collective = BucketCollective(self.store, name, replica, config)
+        self._rounds = itertools.count(self._next_round())
+
+    def _next_round(self) -> int:
+        """The round after the newest sealed one (0 for a new collective)."""
+        layout = self._collective.layout
+        sealed = (layout.parse_seal(key) for key in self.store.list_prefix(layout.rounds()))
+        return max((round_ + 1 for round_ in sealed if round_ is not None), default=0)
+
+    def allreduce_async(self, tensor: torch.Tensor, weight: float = 1.0) -> Work:
+        """Start the next round with ``tensor`` (weighted by ``weight``); ``wait()`` on the
+        result. ``tensor`` must not be touched until then: the mean is written into it."""
+        return self._collective.allreduce(tensor, round_=next(self._rounds), weight=weight)
+
+    def allreduce(self, tensor: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+        """``tensor``, now holding the weighted mean over this round's contributors."""
+        self.allreduce_async(tensor, weight).wait()
+        return tensor
+
+    def close(self) -> None:
+        self._collective.close()
+        self.store.close()
+
+    def __enter__(self) -> Collective:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
