@@ -2,19 +2,46 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+from test_launch import statuses
+
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "api.md"
 
 
-def example(first_line: str) -> str:
-    """The docs' Python block whose first line starts with ``first_line``."""
-    blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), flags=re.DOTALL)
+def example(first_line: str, language: str = "python") -> str:
+    """The docs' block whose first line starts with ``first_line``."""
+    blocks = re.findall(rf"```{language}\n(.*?)```", DOCS.read_text(), flags=re.DOTALL)
     [block] = [block for block in blocks if block.startswith(first_line)]
     return block
+
+
+def test_a_plain_loop_trains_as_two_replicas_started_by_hand(tmp_path, monkeypatch):
+    (tmp_path / "train.py").write_text(example("# train.py"))
+    (tmp_path / "run.toml").write_text(example("# run.toml", "toml"))
+    commands = example("DILOCO_REPLICA_ID=local-0", "bash").splitlines()[:2]
+    replicas = [
+        subprocess.Popen(
+            [sys.executable, "train.py", "run.toml"], cwd=tmp_path,
+            env={**os.environ, "DILOCO_REPLICA_ID": command.split()[0].split("=")[1]},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for command in commands
+    ]  # fmt: skip
+    outputs = [replica.communicate(timeout=300) for replica in replicas]
+    assert [replica.returncode for replica in replicas] == [0, 0], outputs
+    assert sorted(out for out, _ in outputs) == [
+        "local-0 trained 5 outer steps\n",
+        "local-1 trained 5 outer steps\n",
+    ]
+    monkeypatch.chdir(tmp_path)
+    rows = statuses("run.toml")
+    assert {(row["state"], row["outer_step"]) for row in rows.values()} == {("done", 5)}
+    assert all(row["loss"] is not None for row in rows.values())
 
 
 def test_the_allreduce_example_averages_across_two_processes(tmp_path):

@@ -33,7 +33,14 @@ from diloco_anywhere.metrics import MetricsReader, MetricsWriter
 from diloco_anywhere.replica import run_replica
 from diloco_anywhere.replica_group import ReplicaGroup
 from diloco_anywhere.store import Store
-from diloco_anywhere.training import _Run, build_parts, collective_config
+from diloco_anywhere.task import build_task
+from diloco_anywhere.training import (
+    Training,
+    build_parts,
+    collective_config,
+    inner_optimizer,
+    task_context,
+)
 from proxy import Fault, FaultProxy
 
 OUTER_STEPS = 6
@@ -100,6 +107,13 @@ def run(finished_run, tmp_path) -> Path:
     return tmp_path / "run"
 
 
+def replica_parts(config, collective):
+    """What the built-in loop trains replica 0 with (``training.train``)."""
+    task = build_task(config.task.entrypoint, task_context(config, 0, ReplicaGroup()))
+    inner = inner_optimizer(config, task.model)
+    return build_parts(config, collective, task.model, inner, task.tokens_per_batch)
+
+
 def newcomer(
     folder: Path,
     seed: int = 0,
@@ -114,7 +128,7 @@ def newcomer(
     store = Store(config.store_url())
     collective = BucketCollective(store, "h", "newcomer", collective_config(config))
     try:
-        parts = build_parts(config, collective, replica_index=0)
+        parts = replica_parts(config, collective)
         with parts.diloco():
             state = parts.global_state()
             report = heal(
@@ -218,10 +232,10 @@ def test_a_replica_whose_state_diverged_says_so_and_heals(run) -> None:
     collective = BucketCollective(store, "h", "local-0", collective_config(config))
     metrics = MetricsWriter(store, LAYOUT, "local-0", collective.me.incarnation, "local")
     try:
-        parts = build_parts(config, collective, replica_index=0)
+        parts = replica_parts(config, collective)
         with parts.diloco():
             state = parts.global_state()
-            loop = _Run(parts, collective, metrics, ReplicaGroup())
+            loop = Training(parts, collective, metrics, ReplicaGroup())
             loop.heal(state, from_initial=True)
             tree = state.fragments_tree()
             weights = tree["StreamingDiLoCoFragment_0"]["original_parameters"]

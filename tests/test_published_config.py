@@ -3,7 +3,6 @@ the launcher's variables or an Indexed Job's completion index."""
 
 from __future__ import annotations
 
-import argparse
 import re
 
 import pytest
@@ -62,9 +61,6 @@ def test_without_a_store_the_key_alone_is_refused():
         configuration(None, {"DILOCO_CONFIG_KEY": "pub/configs/0badc0de.toml"})
 
 
-NO_ARGUMENTS = argparse.Namespace(replica_id=None, replica_index=None)
-
-
 @pytest.mark.parametrize(
     ("environ", "expected"),
     [
@@ -76,11 +72,10 @@ NO_ARGUMENTS = argparse.Namespace(replica_id=None, replica_index=None)
     ],
 )  # fmt: skip
 def test_identity_from_the_launcher_or_the_completion_index(environ, expected):
-    assert identity(NO_ARGUMENTS, environ) == expected
+    assert identity(None, None, environ) == expected
 
 
 def test_arguments_win_and_bad_numbers_are_named():
-    given = argparse.Namespace(replica_id="x-1", replica_index=0)
-    assert identity(given, {"JOB_COMPLETION_INDEX": "5"}) == ("x-1", 0)
+    assert identity("x-1", 0, {"JOB_COMPLETION_INDEX": "5"}) == ("x-1", 0)
     with pytest.raises(ValueError, match=r"\$JOB_COMPLETION_INDEX = '-1': expected a whole"):
-        identity(NO_ARGUMENTS, {"JOB_COMPLETION_INDEX": "-1"})
+        identity(None, None, {"JOB_COMPLETION_INDEX": "-1"})

@@ -3,6 +3,8 @@
 The public API (docs/api.md), imported on first use so that ``import diloco_anywhere`` (and
 the ``diloco`` CLI) stays quick:
 
+- ``join``: this process's replica of a run (``Replica``), whose ``diloco(model, optimizer)``
+  trains any PyTorch loop under torchft's DiLoCo through the bucket (``Training``);
 - ``Collective``: the all-reduce alone, from a store URL and this process's name.
 """
 
@@ -11,8 +13,13 @@ from importlib.metadata import version
 from typing import Any
 
 __version__ = version("diloco-anywhere")
-__all__ = ["Collective", "__version__"]
-_EXPORTS = {"Collective": "diloco_anywhere.collective.plain"}
+__all__ = ["Collective", "Replica", "Training", "__version__", "join"]
+_EXPORTS = {
+    "Collective": "diloco_anywhere.collective.plain",
+    "Replica": "diloco_anywhere.session",
+    "Training": "diloco_anywhere.training",
+    "join": "diloco_anywhere.session",
+}
 
 
 def __getattr__(name: str) -> Any:

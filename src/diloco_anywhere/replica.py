@@ -26,17 +26,13 @@ import os
 import re
 import signal
 import sys
-from datetime import timedelta
 
-from diloco_anywhere.checkpoint import retained_after
-from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.config import ConfigError, RunConfig, load_config, validate_config
-from diloco_anywhere.layout import RunLayout, check_name, parse_count
-from diloco_anywhere.metrics import MetricsWriter
+from diloco_anywhere.layout import check_name, parse_count
 from diloco_anywhere.published_config import ENV_CONFIG_KEY, read_config
-from diloco_anywhere.replica_group import ReplicaGroup
-from diloco_anywhere.store import Store, StoreError, scrub_secrets
-from diloco_anywhere.training import collective_config, resolve_device, train
+from diloco_anywhere.session import Replica, StopRequestedError
+from diloco_anywhere.store import Store, StoreError
+from diloco_anywhere.training import train
 
 log = logging.getLogger("diloco_anywhere.replica")
 ENV_REPLICA_ID = "DILOCO_REPLICA_ID"
@@ -49,10 +45,6 @@ ENV_REPLICA_INDEX_BASE = "DILOCO_REPLICA_INDEX_BASE"
 ENV_COMPLETION_INDEX = "JOB_COMPLETION_INDEX"  # set by Kubernetes in an Indexed Job's pods
 EXIT_STOPPED = 128 + signal.SIGTERM  # as shells and platforms report a SIGTERM exit
 EXIT_BAD_CONFIG = 2  # run.toml or arguments refused, nothing started: a retry cannot help
-
-
-class StopRequestedError(Exception):
-    """SIGTERM arrived: ``diloco stop``, or the platform preempting or evicting the job."""
 
 
 def _raise_stopped(signum: int, _frame: object) -> None:
@@ -79,11 +71,12 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def identity(arguments: argparse.Namespace, environ: dict[str, str]) -> tuple[str, int | None]:
+def identity(
+    replica_id: str | None, index: int | None, environ: dict[str, str]
+) -> tuple[str, int | None]:
     """The replica id and, if given, its data shard: from the arguments, else the launcher's
     variables, else an Indexed Job's completion index."""
-    replica_id = arguments.replica_id or environ.get(ENV_REPLICA_ID)
-    index = arguments.replica_index
+    replica_id = replica_id or environ.get(ENV_REPLICA_ID)
     if index is None and environ.get(ENV_REPLICA_INDEX):
         index = _whole_number(environ[ENV_REPLICA_INDEX], ENV_REPLICA_INDEX)
     completion = environ.get(ENV_COMPLETION_INDEX)
@@ -146,37 +139,10 @@ def with_overrides(config: RunConfig, environ: dict[str, str]) -> RunConfig:
 
 
 def run_replica(config: RunConfig, replica_id: str, index: int, platform: str) -> int:
-    """Train this replica; under ``torchrun`` only rank 0 talks to the bucket
-    (``replica_group.py``)."""
-    group = ReplicaGroup.from_environment(
-        resolve_device(config.task.device).type,
-        timeout=timedelta(seconds=max(3600.0, 4 * config.sync.timeout)),
-    )
-    if not group.is_leader:
-        train(config, None, None, index, group)
-        return 0
-    store = Store(config.store_url())
-    layout = RunLayout(config.run.name)
-    keep = config.checkpoint.keep
-    with BucketCollective(
-        store, layout.run, replica_id, collective_config(config),
-        retained_after=lambda: retained_after(store, layout, keep),  # healing replays the rest
-    ) as collective:  # fmt: skip
-        metrics = MetricsWriter(store, layout, replica_id, collective.me.incarnation, platform)
-        try:
-            result = train(config, collective, metrics, index, group)
-        except StopRequestedError as exc:
-            metrics.flush()
-            metrics.event("stopped", str(exc))
-            raise
-        except Exception as exc:
-            metrics.flush()
-            metrics.event("failed", scrub_secrets(f"{type(exc).__name__}: {exc}")[:2000])
-            raise
-        metrics.event(
-            "done", f"{result.outer_steps} outer steps, {result.tokens} tokens, "
-            f"eval loss {result.eval_loss}",
-        )  # fmt: skip
+    """Train this replica with the built-in loop; under ``torchrun`` only rank 0 talks to the
+    bucket (``replica_group.py``)."""
+    with Replica(config, replica_id, index, platform) as replica:
+        result = train(replica)
     log.info("replica %s done: %s", replica_id, result)
     return 0
 
@@ -189,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     environ = dict(os.environ)
     try:
         config = configuration(arguments.config, environ)
-        replica_id, given_index = identity(arguments, environ)
+        replica_id, given_index = identity(arguments.replica_id, arguments.replica_index, environ)
         index = replica_index(replica_id, given_index, config.run.replicas)
     except (ConfigError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

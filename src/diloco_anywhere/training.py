@@ -10,13 +10,13 @@ metrics live in its bucket whatever platform ran it.
 from __future__ import annotations
 
 import bisect
-import gc
 import itertools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -35,7 +35,10 @@ from diloco_anywhere.metrics import MetricsWriter, StepLine, SyncLine
 from diloco_anywhere.mirrors import MirrorWriter
 from diloco_anywhere.replica_group import ReplicaGroup, make_manager
 from diloco_anywhere.store import scrub_secrets
-from diloco_anywhere.task import Batch, Task, TaskContext, build_task
+from diloco_anywhere.task import Batch, TaskContext, build_task
+
+if TYPE_CHECKING:
+    from diloco_anywhere.session import Replica
 
 log = logging.getLogger(__name__)
 
@@ -131,9 +134,15 @@ class TrainingResult:
     eval_loss: float | None
 
 
-class _Run:
-    """One replica's loop state between syncs, and what it does after each: metrics, global
-    checkpoints and healing (the leader's part), shared with the replica's other ranks."""
+class Training:
+    """One replica training under torchft's DiLoCo (``Replica.diloco`` yields it): where its
+    data resumes, and what it does after each sync, which DiLoCo runs inside the inner
+    optimizer's ``step``: metrics, global checkpoints, healing after a divergence, giving up
+    after failed syncs in a row (the leader's part; the other ranks share its results).
+
+    A training loop needs three things from it: ``batches(open_at)`` (the data from where the
+    run is, reopened after a heal), ``log(loss)`` after each inner step, and nothing else;
+    ``done`` says when the run's outer steps are committed."""
 
     def __init__(
         self,
@@ -142,9 +151,13 @@ class _Run:
         metrics: MetricsWriter | None,
         group: ReplicaGroup,
     ) -> None:
-        self.config, self.task, self.manager = parts.config, parts.task, parts.manager
+        self.config, self.manager, self.evaluate = parts.config, parts.manager, parts.evaluate
         self.parts, self.collective, self.metrics, self.group = parts, collective, metrics, group
         self.inner_steps = self.tokens = self.failed_in_a_row = 0
+        self.start_step = 0  # the inner step the data resumes at: set by every heal
+        self.heals = 0
+        self.state: GlobalState | None = None  # once DiLoCo is built
+        self._syncs_seen = self._step_seen = 0
         self.committed_before = False  # a sync of this process
         self.loss = float("nan")
         self.eval_loss: float | None = None
@@ -175,17 +188,48 @@ class _Run:
         """Every ``eval_every`` outer steps (all fragments synced), and at the last one."""
         every, fragments = self.config.task.eval_every, self.config.diloco.fragments
         step, last = self.manager.current_step(), self.config.diloco.outer_steps * fragments
-        return bool(self.task.evaluate and every) and (
-            step % (every * fragments) == 0 or step == last
-        )
+        return bool(self.evaluate and every) and (step % (every * fragments) == 0 or step == last)
 
-    def record_step(self, loss: torch.Tensor) -> None:
-        self.inner_steps += 1
-        self.tokens += self.task.tokens_per_batch * self.group.world_size
+    @property
+    def done(self) -> bool:
+        """Every fragment has committed the run's ``outer_steps`` syncs."""
+        last_step = self.config.diloco.outer_steps * self.config.diloco.fragments
+        return self.manager.current_step() >= last_step
+
+    def batches(self, open_at: Callable[[int], Iterator[Batch]]) -> Iterator[Batch]:
+        """Batches from ``open_at(start_step)``, reopened where the run is after each heal,
+        until ``done``: every replica trains ``sync_every / fragments`` batches per round, so a
+        replica that heals resumes its data at its round, never replaying the batches before."""
+        opened_at, batches = -1, iter(())
+        while not self.done:
+            if opened_at != self.heals:
+                opened_at, batches = self.heals, open_at(self.start_step)
+            yield next(batches)
+
+    def log(self, loss: torch.Tensor | float) -> None:
+        """The inner step's loss, into the run's metrics every ``task.log_every`` steps
+        (``diloco status``, ``diloco report``)."""
         if self.metrics is not None and self.inner_steps % self.config.task.log_every == 0:
             self.loss = float(loss)
             self.metrics.add(StepLine(step=self.inner_steps, loss=self.loss, tokens=self.tokens,
                                       time=time.time()))  # fmt: skip
+
+    def after_inner_step(self, model: nn.Module) -> None:
+        """Count the step; after a sync (DiLoCo's step hook ran one), record it, write the
+        checkpoint when due, heal after a divergence and give up after too many failures."""
+        self.inner_steps += 1
+        self.tokens += self.parts.tokens_per_step * self.group.world_size
+        manager = self.manager
+        if manager.syncs_attempted == self._syncs_seen:
+            return
+        committed = manager.current_step() > self._step_seen
+        self._syncs_seen, self._step_seen = manager.syncs_attempted, manager.current_step()
+        self.record_sync(committed, model)
+        if committed:
+            self.checkpoint_if_due(self.state)  # type: ignore[arg-type]
+        if isinstance(manager.last_sync_error, DivergedError):  # the same on every rank
+            self.after_divergence(self.state)  # type: ignore[arg-type]
+        self.stop_if_failing()
 
     def record_sync(self, committed: bool, model: nn.Module) -> None:
         self.failed_in_a_row = 0 if committed else self.failed_in_a_row + 1
@@ -194,7 +238,7 @@ class _Run:
         error = self.manager.last_sync_error
         evaluated = committed and self._evaluation_due()
         if evaluated:
-            self.eval_loss = self.task.evaluate(model)  # type: ignore[misc]
+            self.eval_loss = self.evaluate(model)  # type: ignore[misc]
         now, traffic = time.perf_counter(), self.collective.store.stats()  # type: ignore[union-attr]
         self.metrics.add(
             SyncLine(
@@ -242,10 +286,10 @@ class _Run:
             last=step == last,
         )
 
-    def heal(self, state: GlobalState, *, from_initial: bool) -> Iterator[Batch]:
+    def heal(self, state: GlobalState, *, from_initial: bool) -> int:
         """Bring the global state to the run's newest sealed round (the leader, from the
-        bucket: ``healing.py``; the other ranks, from the leader) and return the batches from
-        there: every replica trains ``batches_per_round`` per round."""
+        bucket: ``healing.py``; the other ranks, from the leader); the inner step the data
+        resumes at (``start_step``): every replica trains ``batches_per_round`` per round."""
         if self.group.is_leader:
             report = heal(
                 self.collective,  # type: ignore[arg-type]  (the leader holds the bucket)
@@ -269,11 +313,14 @@ class _Run:
             state.reset_local_weights()
         self.parts.apply_outer_hyperparameters()
         self.inner_steps = self.manager.state_dict()["sync"] * self.parts.batches_per_round
-        self.tokens = self.inner_steps * self.task.tokens_per_batch * self.group.world_size
+        self.tokens = self.inner_steps * self.parts.tokens_per_step * self.group.world_size
         self.tokens_at_sync, self.time_at_sync = self.tokens, time.perf_counter()
-        return self.task.batches(self.inner_steps)
+        self._syncs_seen = self.manager.syncs_attempted
+        self._step_seen = self.manager.current_step()
+        self.start_step, self.heals = self.inner_steps, self.heals + 1
+        return self.start_step
 
-    def after_divergence(self, state: GlobalState) -> Iterator[Batch]:
+    def after_divergence(self, state: GlobalState) -> int:
         """Say so loudly (log, metrics, ``diloco status``), then heal from the bucket. The
         diverged sync still counts as failed: a replica that diverges every time (it computes
         unlike the others) stops after ``MAX_FAILED_SYNCS``, saying why."""
@@ -292,6 +339,15 @@ class _Run:
                 f"and `diloco logs`"
             )
 
+    def result(self) -> TrainingResult:
+        return TrainingResult(
+            outer_steps=self.manager.current_step() // self.config.diloco.fragments,
+            inner_steps=self.inner_steps,
+            tokens=self.tokens,
+            final_loss=self.loss,
+            eval_loss=self.eval_loss,
+        )
+
     def close(self) -> None:
         """The last checkpoint is committed before the replica reports done."""
         if self.writer is not None:
@@ -308,15 +364,17 @@ def _checkpoint_due(step: int, every: int, last: int) -> bool:
 
 @dataclass
 class ReplicaParts:
-    """What one replica trains with, built from run.toml: the task, the bucket-backed manager,
-    the fragments, the inner optimizer and one outer optimizer per fragment."""
+    """What one replica trains with: the bucket-backed manager, the model's fragments, the
+    inner optimizer, one outer optimizer per fragment (from run.toml), the tokens each inner
+    step trains on (they weigh the replica's contribution) and the held-out evaluation."""
 
     config: RunConfig
-    task: Task
     manager: BucketManager
     fragments: list[nn.Module]
     inner: torch.optim.Optimizer
     outers: list[torch.optim.Optimizer]
+    tokens_per_step: int
+    evaluate: Callable[[nn.Module], float] | None = None
 
     @property
     def batches_per_round(self) -> int:
@@ -351,22 +409,13 @@ class ReplicaParts:
 def build_parts(
     config: RunConfig,
     collective: BucketCollective | None,
-    replica_index: int,
+    model: nn.Module,
+    inner: torch.optim.Optimizer,
+    tokens_per_step: int,
+    evaluate: Callable[[nn.Module], float] | None = None,
     group: ReplicaGroup = SINGLE_PROCESS,
 ) -> ReplicaParts:
     diloco = config.diloco
-    task = build_task(
-        config.task.entrypoint,
-        TaskContext(
-            replica_index=replica_index,
-            replicas=config.run.replicas,
-            seed=config.run.seed,
-            device=resolve_device(config.task.device, group.local_rank),
-            options=config.task.options,
-            rank=group.rank,
-            ranks=group.world_size,
-        ),
-    )
     manager = make_manager(
         group,
         collective,
@@ -374,10 +423,7 @@ def build_parts(
         min_replicas=config.run.min_replicas,
         timeout=timedelta(seconds=2 * config.sync.timeout),  # a seal, then a reduce
     )
-    fragments = split_fragments(task.model, diloco.fragments)
-    inner = torch.optim.AdamW(
-        task.model.parameters(), lr=diloco.inner_lr, weight_decay=diloco.inner_weight_decay
-    )
+    fragments = split_fragments(model, diloco.fragments)
     outers = [
         torch.optim.SGD(
             fragment.parameters(), lr=diloco.outer_lr, momentum=diloco.outer_momentum,
@@ -387,10 +433,31 @@ def build_parts(
     ]  # fmt: skip
     for outer in outers:
         single_threaded_steps(outer)
-    parts = ReplicaParts(config, task, manager, fragments, inner, outers)
-    tokens_per_round = task.tokens_per_batch * parts.batches_per_round * group.world_size
-    manager.set_weight(tokens_per_round)
+    parts = ReplicaParts(config, manager, fragments, inner, outers, tokens_per_step, evaluate)
+    manager.set_weight(tokens_per_step * parts.batches_per_round * group.world_size)
     return parts
+
+
+def inner_optimizer(config: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """The built-in loop's inner optimizer: AdamW with run.toml's ``inner_lr`` and weight decay
+    (DiLoCo, arXiv 2311.08105 section 3)."""
+    diloco = config.diloco
+    return torch.optim.AdamW(
+        model.parameters(), lr=diloco.inner_lr, weight_decay=diloco.inner_weight_decay
+    )
+
+
+def task_context(config: RunConfig, replica_index: int, group: ReplicaGroup) -> TaskContext:
+    """What the task's ``build`` function is told about this replica."""
+    return TaskContext(
+        replica_index=replica_index,
+        replicas=config.run.replicas,
+        seed=config.run.seed,
+        device=resolve_device(config.task.device, group.local_rank),
+        options=config.task.options,
+        rank=group.rank,
+        ranks=group.world_size,
+    )
 
 
 def _data_parallel(model: nn.Module, group: ReplicaGroup, device: torch.device) -> nn.Module:
@@ -402,56 +469,22 @@ def _data_parallel(model: nn.Module, group: ReplicaGroup, device: torch.device) 
     return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
 
 
-def train(
-    config: RunConfig,
-    collective: BucketCollective | None,
-    metrics: MetricsWriter | None,
-    replica_index: int,
-    group: ReplicaGroup = SINGLE_PROCESS,
-) -> TrainingResult:
-    """Heal to the run's state (a run already going, or resumed), then train until
-    ``outer_steps`` outer steps have committed (every fragment synced that many times),
-    recording metrics and writing global checkpoints as it goes. ``metrics`` is the leader's
-    (rank 0 of the replica); the other ranks pass None."""
-    parts = build_parts(config, collective, replica_index, group)
-    task, manager, model, inner = parts.task, parts.manager, parts.task.model, parts.inner
-    trained = _data_parallel(model, group, next(model.parameters()).device)
-    if metrics is not None:
-        metrics.event(
-            "started",
-            f"shard {replica_index} of {config.run.replicas}, {group.world_size} process(es)",
-            parameters=sum(p.numel() for p in model.parameters()),
-        )
-    run = _Run(parts, collective, metrics, group)
-    last_step = config.diloco.outer_steps * config.diloco.fragments
-    # Everything built so far lives for the whole run; keep the cyclic collector from
-    # rescanning it (torchft, pydantic, SDK modules) on every full collection during training.
-    gc.freeze()
-    with parts.diloco():
-        state = parts.global_state()
-        batches = run.heal(state, from_initial=True)
-        while manager.current_step() < last_step:
-            loss = task.loss(trained, next(batches))
+def train(replica: Replica) -> TrainingResult:
+    """The built-in replica loop, on the public API (docs/api.md): build run.toml's task, then
+    train it under torchft's DiLoCo until the run's outer steps are committed."""
+    task = build_task(
+        replica.config.task.entrypoint,
+        task_context(replica.config, replica.index, replica.group),
+    )
+    inner = inner_optimizer(replica.config, task.model)
+    trained = _data_parallel(task.model, replica.group, next(task.model.parameters()).device)
+    with replica.diloco(
+        task.model, inner, tokens_per_step=task.tokens_per_batch, evaluate=task.evaluate
+    ) as training:
+        for batch in training.batches(task.batches):
+            loss = task.loss(trained, batch)
             inner.zero_grad(set_to_none=True)
             loss.backward()
-            syncs, step = manager.syncs_attempted, manager.current_step()
             inner.step()  # DiLoCo's hook syncs here every sync_every / fragments steps
-            run.record_step(loss.detach())
-            if manager.syncs_attempted == syncs:
-                continue
-            committed = manager.current_step() > step
-            run.record_sync(committed, model)
-            if committed:
-                run.checkpoint_if_due(state)
-            if isinstance(manager.last_sync_error, DivergedError):  # the same on every rank
-                batches = run.after_divergence(state)
-            run.stop_if_failing()
-        group.check_same_state(state.checksum())
-    run.close()
-    return TrainingResult(
-        outer_steps=manager.current_step() // config.diloco.fragments,
-        inner_steps=run.inner_steps,
-        tokens=run.tokens,
-        final_loss=run.loss,
-        eval_loss=run.eval_loss,
-    )
+            training.log(loss.detach())
+    return training.result()
