@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_launch import statuses
+from test_launch import diloco, statuses
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "api.md"
 
@@ -20,9 +20,26 @@ def example(first_line: str, language: str = "python") -> str:
     return block
 
 
+def _plain_loop(folder: Path) -> None:
+    (folder / "train.py").write_text(example("# train.py"))
+    (folder / "run.toml").write_text(example("# run.toml", "toml"))
+
+
+def test_a_plain_loop_is_every_replica_of_diloco_launch(tmp_path, monkeypatch):
+    _plain_loop(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    [command] = example("diloco launch --config run.toml", "bash").splitlines()
+    result = diloco(*command.split("#")[0].split()[1:])
+    assert result.exit_code == 0, result.output
+    rows = statuses("run.toml")
+    assert {(row["state"], row["outer_step"]) for row in rows.values()} == {("done", 5)}
+    assert all(row["loss"] is not None for row in rows.values())
+    logs = [(tmp_path / ".diloco" / "plain-loop" / "logs" / f"{r}.log").read_text() for r in rows]
+    assert all("trained 5 outer steps" in log for log in logs)
+
+
 def test_a_plain_loop_trains_as_two_replicas_started_by_hand(tmp_path, monkeypatch):
-    (tmp_path / "train.py").write_text(example("# train.py"))
-    (tmp_path / "run.toml").write_text(example("# run.toml", "toml"))
+    _plain_loop(tmp_path)
     commands = example("DILOCO_REPLICA_ID=local-0", "bash").splitlines()[:2]
     replicas = [
         subprocess.Popen(

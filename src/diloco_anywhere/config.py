@@ -128,6 +128,14 @@ class TaskSection(_Section):
     log_every: PositiveInt = 10  # inner steps between two loss lines in the metrics
     # Outer steps between held-out evaluations (and always the last one); 0: never.
     eval_every: Annotated[int, Field(ge=0)] = 1
+    # Your own training script as the replica, e.g. ["python", "train.py"]: run instead of the
+    # built-in loop, in run.toml's folder (elsewhere: the image's working directory); it joins
+    # the run with diloco_anywhere.join() (docs/api.md). "python" is the replica's interpreter.
+    command: Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=256)] = Field(
+        default_factory=list
+    )
+    # Seconds the command has to call diloco_anywhere.join() before the replica fails.
+    join_timeout: Annotated[float, Field(gt=0)] = 600.0
 
 
 class ImageSection(_Section):

@@ -27,10 +27,11 @@ import re
 import signal
 import sys
 
+from diloco_anywhere.command import ENV_CONFIG, run_command
 from diloco_anywhere.config import ConfigError, RunConfig, load_config, validate_config
 from diloco_anywhere.layout import check_name, parse_count
 from diloco_anywhere.published_config import ENV_CONFIG_KEY, read_config
-from diloco_anywhere.session import Replica, StopRequestedError
+from diloco_anywhere.session import Replica, StopRequestedError, raise_stopped
 from diloco_anywhere.store import Store, StoreError
 from diloco_anywhere.training import train
 
@@ -45,11 +46,6 @@ ENV_REPLICA_INDEX_BASE = "DILOCO_REPLICA_INDEX_BASE"
 ENV_COMPLETION_INDEX = "JOB_COMPLETION_INDEX"  # set by Kubernetes in an Indexed Job's pods
 EXIT_STOPPED = 128 + signal.SIGTERM  # as shells and platforms report a SIGTERM exit
 EXIT_BAD_CONFIG = 2  # run.toml or arguments refused, nothing started: a retry cannot help
-
-
-def _raise_stopped(signum: int, _frame: object) -> None:
-    name = signal.Signals(signum).name
-    raise StopRequestedError(f"stopped by {name} (diloco stop, or the platform)")
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -96,8 +92,10 @@ def _whole_number(value: str, name: str) -> int:
 
 
 def configuration(path: str | None, environ: dict[str, str]) -> RunConfig:
-    """run.toml: the file given, else the launcher's published copy, else the embedded run;
-    then the launcher's overrides."""
+    """run.toml: the file given, else the one the entrypoint gave a ``[task] command``
+    (``$DILOCO_CONFIG``), else the launcher's published copy, else the embedded run; then the
+    launcher's overrides."""
+    path = path or environ.get(ENV_CONFIG)
     if path is None and environ.get(ENV_CONFIG_KEY):
         if not environ.get(ENV_STORE):
             raise ConfigError(f"${ENV_CONFIG_KEY} is set but ${ENV_STORE} is not")
@@ -163,9 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     except StoreError as exc:  # reading the published run.toml: may pass, so not exit 2
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    signal.signal(signal.SIGTERM, _raise_stopped)
+    signal.signal(signal.SIGTERM, raise_stopped)
+    platform = os.environ.get(ENV_PLATFORM, "local")
     try:
-        return run_replica(config, replica_id, index, os.environ.get(ENV_PLATFORM, "local"))
+        if config.task.command:
+            return run_command(config, replica_id, index, platform)
+        return run_replica(config, replica_id, index, platform)
     except StopRequestedError as exc:
         print(f"replica {replica_id}: {exc}", file=sys.stderr, flush=True)
         # At once: the stop is recorded, and rounds in flight (their threads would hold the

@@ -28,6 +28,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -39,6 +40,7 @@ from torch import nn
 
 from diloco_anywhere.checkpoint import retained_after
 from diloco_anywhere.collective.allreduce import BucketCollective
+from diloco_anywhere.command import DONE, ENV_JOINED, JOINED, report
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.layout import RunLayout
 from diloco_anywhere.metrics import MetricsWriter
@@ -56,6 +58,13 @@ log = logging.getLogger(__name__)
 
 class StopRequestedError(Exception):
     """SIGTERM arrived: ``diloco stop``, or the platform preempting or evicting the job."""
+
+
+def raise_stopped(signum: int, _frame: object) -> None:
+    """The SIGTERM handler of a replica: the stop becomes an error that unwinds training, so
+    that leaving the ``Replica`` records it."""
+    name = signal.Signals(signum).name
+    raise StopRequestedError(f"stopped by {name} (diloco stop, or the platform)")
 
 
 class Replica:
@@ -146,6 +155,9 @@ class Replica:
     ) -> None:
         """Record how the replica ended (``done`` with what it trained, ``stopped``,
         ``failed`` with the error), then leave the run."""
+        trained = error is None and self.training is not None and self.training.done
+        if trained:
+            report(DONE)
         if self.metrics is not None:
             self.metrics.flush()
             if isinstance(error, StopRequestedError):
@@ -181,4 +193,9 @@ def join(
         loaded = entrypoint.configuration(None if config is None else str(config), environ)
     name, given = entrypoint.identity(replica_id, replica_index, environ)
     index = entrypoint.replica_index(name, given, loaded.run.replicas)
-    return Replica(loaded, name, index, platform or environ.get(entrypoint.ENV_PLATFORM, "local"))
+    platform = platform or environ.get(entrypoint.ENV_PLATFORM, "local")
+    replica = Replica(loaded, name, index, platform)
+    if environ.get(ENV_JOINED):  # a [task] command: its entrypoint passes stops on
+        signal.signal(signal.SIGTERM, raise_stopped)
+        report(JOINED)
+    return replica

@@ -1,0 +1,113 @@
+"""``[task] command``: any training script as the replica.
+
+Every backend starts the one replica entrypoint (``replica.py``); with ``[task] command`` set
+it runs that command instead of the built-in loop, with the replica's identity in the
+environment, so the script's ``diloco_anywhere.join()`` (docs/api.md) knows who it is:
+``DILOCO_REPLICA_ID``, ``DILOCO_REPLICA_INDEX``, ``DILOCO_PLATFORM``, and run.toml as
+``DILOCO_CONFIG`` (its path, for replicas on this machine) or as the published copy in the
+store (``DILOCO_CONFIG_KEY``, elsewhere). The launcher, status, stop, restarts and healing then
+work as for the built-in loop: they only ever see the entrypoint.
+
+The entrypoint watches the script through a file the script's ``join`` writes to
+(``DILOCO_JOINED``): a script that has not joined the run within ``task.join_timeout`` seconds
+is stopped, and one that exits 0 without having trained the run to its end fails the replica,
+each with a message saying so, instead of leaving the other replicas waiting for it. A stop
+(SIGTERM) is passed on to the script, which records it (``stopped``) as the built-in loop does.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from diloco_anywhere.config import RunConfig
+
+ENV_CONFIG = "DILOCO_CONFIG"  # run.toml's path, for replicas on this machine
+ENV_JOINED = "DILOCO_JOINED"  # the file the script's join() reports to
+JOINED, DONE = "joined", "done"
+STOP_GRACE = 30.0  # seconds a stopped script has to record its stop and exit
+POLL = 0.5
+
+
+class CommandError(RuntimeError):
+    """The script did not take part in the run; the message says how and the fix."""
+
+
+def report(state: str) -> None:
+    """Tell the entrypoint that started this script how far it got (``join`` and the end of
+    training call it); nothing when the script was not started by one."""
+    path = os.environ.get(ENV_JOINED)
+    if path:
+        Path(path).write_text(state)
+
+
+def python_command(command: list[str]) -> list[str]:
+    """``python`` (or ``python3``) as the command's program means this replica's own
+    interpreter, the one with torch and diloco_anywhere, whatever ``PATH`` holds."""
+    if command and command[0] in ("python", "python3"):
+        return [sys.executable, *command[1:]]
+    return list(command)
+
+
+def run_command(config: RunConfig, replica_id: str, index: int, platform: str) -> int:
+    """Run ``[task] command`` as replica ``replica_id``; its exit code, or ``CommandError``.
+    Whatever interrupts the entrypoint (its SIGTERM handler's error, Ctrl-C) stops the script
+    first, then goes on."""
+    with tempfile.TemporaryDirectory(prefix="diloco-command-") as folder:
+        joined = Path(folder) / "joined"
+        environment = {
+            **os.environ,
+            "DILOCO_REPLICA_ID": replica_id,
+            "DILOCO_REPLICA_INDEX": str(index),
+            "DILOCO_PLATFORM": platform,
+            ENV_JOINED: str(joined),
+        }
+        if config.source is not None:
+            environment[ENV_CONFIG] = str(config.source)
+        process = subprocess.Popen(
+            python_command(config.task.command),
+            env=environment,
+            cwd=config.source.parent if config.source is not None else None,
+        )
+        try:
+            code = _watch(process, joined, config.task.join_timeout, config.task.command)
+        except BaseException:
+            _stop(process)
+            raise
+        state = joined.read_text() if joined.exists() else ""
+    if code == 0 and state != DONE:
+        raise CommandError(
+            f"[task] command {config.task.command} exited 0 before the run's outer steps were "
+            f"trained (it {'joined' if state else 'never called diloco_anywhere.join()'}); "
+            f"train inside `with replica.diloco(...)` until training.done (docs/api.md)"
+        )
+    return code
+
+
+def _watch(process: subprocess.Popen, joined: Path, join_timeout: float, command: list[str]) -> int:
+    deadline = time.monotonic() + join_timeout
+    while (code := process.poll()) is None:
+        if not joined.exists() and time.monotonic() > deadline:
+            _stop(process)
+            raise CommandError(
+                f"[task] command {command} did not call diloco_anywhere.join() within "
+                f"{join_timeout:.0f} s (task.join_timeout): it was stopped. Join the run "
+                f"before training (docs/api.md), or raise task.join_timeout"
+            )
+        time.sleep(POLL)
+    return code
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after ``STOP_GRACE`` seconds."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(STOP_GRACE)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

@@ -1,0 +1,107 @@
+"""``[task] command``: the replica entrypoint runs any script as the replica, and a script
+that does not take part in the run fails its replica with a message, never leaving it hanging.
+The script that trains (docs/api.md) is run through ``diloco launch`` in test_api_docs.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from diloco_anywhere.layout import RunLayout
+from diloco_anywhere.metrics import MetricsReader
+from diloco_anywhere.store import Store
+
+RUN_TOML = """
+[run]
+name = "c"
+store = "store"
+replicas = 1
+[task]
+command = {command}
+join_timeout = {join_timeout}
+"""
+
+
+def _entrypoint(tmp_path, script: str, join_timeout: float = 600.0) -> subprocess.Popen:
+    (tmp_path / "script.py").write_text(script)
+    command = json.dumps(["python", "script.py"])
+    (tmp_path / "run.toml").write_text(RUN_TOML.format(command=command, join_timeout=join_timeout))
+    return subprocess.Popen(
+        [sys.executable, "-m", "diloco_anywhere.replica", "--config", str(tmp_path / "run.toml"),
+         "--replica-id", "local-0"],
+        cwd="/", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _events(tmp_path) -> list:
+    return MetricsReader(Store(str(tmp_path / "store")), RunLayout("c")).read()["local-0"].events
+
+
+def _ended(process: subprocess.Popen) -> tuple[int, str]:
+    _, stderr = process.communicate(timeout=120)
+    return process.returncode, stderr
+
+
+def test_the_script_runs_in_run_toml_s_folder_with_the_replica_s_identity(tmp_path):
+    script = (
+        "import json, os, pathlib\n"
+        "keys = ['DILOCO_REPLICA_ID', 'DILOCO_REPLICA_INDEX', 'DILOCO_PLATFORM', 'DILOCO_CONFIG']\n"
+        "pathlib.Path('seen.json').write_text(json.dumps({k: os.environ[k] for k in keys}))\n"
+    )
+    code, stderr = _ended(_entrypoint(tmp_path, script))
+    assert code == 1
+    assert "never called diloco_anywhere.join()" in stderr
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert seen == {
+        "DILOCO_REPLICA_ID": "local-0",
+        "DILOCO_REPLICA_INDEX": "0",
+        "DILOCO_PLATFORM": "local",
+        "DILOCO_CONFIG": str(tmp_path / "run.toml"),
+    }
+
+
+def test_a_script_that_never_joins_is_stopped_after_the_join_timeout(tmp_path):
+    started = time.monotonic()
+    code, stderr = _ended(_entrypoint(tmp_path, "import time\ntime.sleep(600)\n", join_timeout=2))
+    assert code == 1
+    assert "did not call diloco_anywhere.join() within 2 s (task.join_timeout)" in stderr
+    assert time.monotonic() - started < 60  # stopped, not waited for
+
+
+def test_a_script_that_joins_then_exits_before_training_fails_its_replica(tmp_path):
+    script = "import diloco_anywhere\nwith diloco_anywhere.join():\n    pass\n"
+    code, stderr = _ended(_entrypoint(tmp_path, script))
+    assert code == 1
+    assert "exited 0 before the run's outer steps were trained (it joined)" in stderr
+
+
+def test_a_failing_script_fails_its_replica_with_its_own_exit_code_and_error(tmp_path):
+    script = "import diloco_anywhere\nwith diloco_anywhere.join():\n    raise SystemExit(3)\n"
+    code, _ = _ended(_entrypoint(tmp_path, script))
+    assert code == 3
+    assert [(event.event, event.detail) for event in _events(tmp_path)] == [
+        ("failed", "SystemExit: 3")
+    ]
+
+
+def test_a_stop_reaches_the_script_and_is_recorded(tmp_path):
+    script = (
+        "import pathlib, time\nimport diloco_anywhere\n"
+        "with diloco_anywhere.join():\n"
+        "    pathlib.Path('joined').touch()\n"
+        "    time.sleep(600)\n"
+    )
+    process = _entrypoint(tmp_path, script)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "joined").exists():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    os.kill(process.pid, signal.SIGTERM)
+    code, _ = _ended(process)
+    assert code == 143
+    assert [event.event for event in _events(tmp_path)] == ["stopped"]
