@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from matplotlib.image import imread
+
 from test_launch import diloco, statuses
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "api.md"
@@ -36,6 +38,10 @@ def test_a_plain_loop_is_every_replica_of_diloco_launch(tmp_path, monkeypatch):
     assert all(row["loss"] is not None for row in rows.values())
     logs = [(tmp_path / ".diloco" / "plain-loop" / "logs" / f"{r}.log").read_text() for r in rows]
     assert all("trained 5 outer steps" in log for log in logs)
+    assert all(row["values"] == {"lr": 0.01} for row in rows.values())
+    assert diloco("report", "--config", "run.toml").exit_code == 0
+    plot = imread(tmp_path / ".diloco" / "plain-loop" / "report.png")
+    assert plot.shape[0] == 7 * 120  # the loss, and a panel for lr under it (inches x dpi)
 
 
 def test_a_plain_loop_trains_as_two_replicas_started_by_hand(tmp_path, monkeypatch):

@@ -2,7 +2,8 @@
 
 A replica writes its metrics as chunks: create-only records (checksummed JSON, ``record.py``)
 under ``{run}/metrics/{replica}/{incarnation}-{seq}``, one chunk per sync plus one at start and
-one at the end. Each holds JSON lines of three kinds: ``step`` (loss every few inner steps),
+one at the end. Each holds JSON lines of three kinds: ``step`` (loss every few inner steps,
+with the training script's own numbers),
 ``sync`` (an outer step: committed or not, its round and fingerprint, eval loss, throughput,
 exposed sync time, traffic) and ``event`` (started, done, failed, stopped; diverged and healed
 in between). ``diloco status`` and ``diloco report`` read them all,
@@ -27,6 +28,7 @@ from diloco_anywhere.wire import Count, Name, WireFormatError
 
 log = logging.getLogger(__name__)
 MAX_LINES = 400  # keeps a chunk well under the 64 KiB record cap
+MAX_VALUES = 16  # a script's own numbers per step line
 
 
 class StepLine(Record):
@@ -35,6 +37,8 @@ class StepLine(Record):
     loss: float
     tokens: Count  # tokens this replica trained on so far
     time: float
+    # the training script's own numbers at that step (``Training.log``): learning rate, ...
+    values: dict[Name, float] = Field(default_factory=dict, max_length=MAX_VALUES)
 
 
 class SyncLine(Record):

@@ -70,13 +70,18 @@ def summarize(metrics: dict[str, ReplicaMetrics]) -> RunSummary:
 
 
 def plot_losses(metrics: dict[str, ReplicaMetrics], path: Path, title: str) -> Path:
-    """Training loss per replica and held-out loss at each committed sync, against tokens."""
+    """Training loss per replica and held-out loss at each committed sync, against tokens;
+    below it, one panel per number the training script logged of its own (``Training.log``)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers and CI
     from matplotlib import pyplot
 
-    figure, axes = pyplot.subplots(figsize=(8, 4.5))
+    names = sorted({name for m in metrics.values() for s in m.steps for name in s.values})
+    figure, panels = pyplot.subplots(
+        1 + len(names), 1, figsize=(8, 4.5 + 2.5 * len(names)), sharex=True, squeeze=False
+    )
+    axes = panels[0][0]
     for replica, m in sorted(metrics.items()):
         if m.steps:
             axes.plot([s.tokens for s in m.steps], [s.loss for s in m.steps], lw=1, label=replica)
@@ -89,9 +94,16 @@ def plot_losses(metrics: dict[str, ReplicaMetrics], path: Path, title: str) -> P
     if evals:
         axes.scatter(*zip(*sorted(evals), strict=True), s=18, c="black", zorder=3,
                      label="held-out (global weights)")  # fmt: skip
-    axes.set(xlabel="tokens per replica", ylabel="loss (nats per byte)", title=title)
+    axes.set(xlabel="tokens per replica", ylabel="loss", title=title)
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small")
+    for name, (panel,) in zip(names, panels[1:], strict=True):
+        for replica, m in sorted(metrics.items()):
+            points = [(s.tokens, s.values[name]) for s in m.steps if name in s.values]
+            if points:
+                panel.plot(*zip(*points, strict=True), lw=1, label=replica)
+        panel.set(xlabel="tokens per replica", ylabel=name)
+        panel.grid(alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.tight_layout()
     figure.savefig(path, dpi=120)

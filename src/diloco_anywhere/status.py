@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from diloco_anywhere.backends.base import JobState, ReplicaHandle
 from diloco_anywhere.metrics import ReplicaMetrics
@@ -31,6 +31,7 @@ class ReplicaStatus:
     heals: int = 0  # times it healed from the bucket (joining late, restarted, diverged)
     divergences: int = 0  # times its global state differed from the sealed contributors'
     mirror_failures: int = 0  # checkpoints it committed that did not reach a mirror
+    values: dict[str, float] = field(default_factory=dict)  # the script's own, latest
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -86,6 +87,7 @@ def replica_statuses(
                 heals=seen.count("healed") if seen else 0,
                 divergences=seen.count("diverged") if seen else 0,
                 mirror_failures=seen.count("mirror_failed") if seen else 0,
+                values=dict(last_step.values) if last_step else {},
             )
         )
     return rows

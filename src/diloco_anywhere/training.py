@@ -206,13 +206,16 @@ class Training:
                 opened_at, batches = self.heals, open_at(self.start_step)
             yield next(batches)
 
-    def log(self, loss: torch.Tensor | float) -> None:
-        """The inner step's loss, into the run's metrics every ``task.log_every`` steps
-        (``diloco status``, ``diloco report``)."""
+    def log(self, loss: torch.Tensor | float, **values: torch.Tensor | float) -> None:
+        """The inner step's loss and any numbers of the script's own (``lr=...``), into the
+        run's metrics every ``task.log_every`` steps (``diloco status``, ``diloco report``).
+        Names as run names are written; at most ``metrics.MAX_VALUES`` of them."""
         if self.metrics is not None and self.inner_steps % self.config.task.log_every == 0:
             self.loss = float(loss)
-            self.metrics.add(StepLine(step=self.inner_steps, loss=self.loss, tokens=self.tokens,
-                                      time=time.time()))  # fmt: skip
+            self.metrics.add(StepLine(
+                step=self.inner_steps, loss=self.loss, tokens=self.tokens, time=time.time(),
+                values={name: float(value) for name, value in values.items()},
+            ))  # fmt: skip
 
     def after_inner_step(self, model: nn.Module) -> None:
         """Count the step; after a sync (DiLoCo's step hook ran one), record it, write the
