@@ -19,6 +19,7 @@ from diloco_anywhere.infra import InfraError
 from diloco_anywhere.launch import LaunchError
 from diloco_anywhere.standins import StandInUnavailableError
 from diloco_anywhere.store import StoreError
+from diloco_anywhere.tracking import TrackerUnavailableError
 
 stdout = Console()
 stderr = Console(stderr=True)
@@ -31,7 +32,7 @@ SIZE_UNITS = {
 MIN_BENCH_SIZE = 1024
 USER_ERRORS = (
     StoreError, StandInUnavailableError, ConfigError, ValueError, FileNotFoundError,
-    BackendUnavailableError, LaunchError, InfraError,
+    BackendUnavailableError, LaunchError, InfraError, TrackerUnavailableError,
 )  # fmt: skip
 
 

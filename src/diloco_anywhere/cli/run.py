@@ -408,14 +408,43 @@ def export(
                  highlight=False, soft_wrap=True)  # fmt: skip
 
 
+def _track(config: RunConfig, tensorboard: Path | None, project: str | None) -> None:
+    from diloco_anywhere import tracking  # the trackers' packages load only when asked for
+
+    metrics = run_metrics(config).read()
+    if tensorboard is not None:
+        written = tracking.write_tensorboard(metrics, tensorboard)
+        stderr.print(f"TensorBoard: {len(written)} runs in {tensorboard}", highlight=False)
+    if project is not None:
+        ids = tracking.write_wandb(metrics, project, config.run.name)
+        stderr.print(f"W&B: runs {', '.join(ids)} in project {project}", highlight=False)
+
+
 def report(
     config_path: ConfigPath = None,
     output: Annotated[
         Path | None, typer.Option(help="PNG path. Default: .diloco/<run>/report.png.")
     ] = None,
     json_output: JsonFlag = False,
+    tensorboard: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="DIR",
+            help="Also write TensorBoard event files, one run per replica under DIR "
+            "(tensorboard --logdir DIR).",
+        ),
+    ] = None,
+    wandb: Annotated[
+        str | None,
+        typer.Option(
+            metavar="PROJECT",
+            help="Also log to Weights & Biases: one W&B run per replica in PROJECT, grouped by "
+            "the run's name (WANDB_API_KEY or wandb login; WANDB_MODE=offline writes locally).",
+        ),
+    ] = None,
 ) -> None:
-    """Plot loss against tokens per replica (PNG) and summarize what the syncs cost."""
+    """Plot loss against tokens per replica (PNG) and summarize what the syncs cost; with
+    --tensorboard or --wandb, copy the metrics into those trackers too."""
     with user_errors():
         config = load_config(config_path)
         path = output or run_dir(config) / "report.png"
@@ -425,3 +454,5 @@ def report(
             print_json({**summarize(metrics).as_dict(), "plot": str(path)})
         else:
             _print_report(config, path)
+        if tensorboard is not None or wandb is not None:
+            _track(config, tensorboard, wandb)
