@@ -40,6 +40,8 @@ class TaskContext:
     # among them. Each rank trains on its own part of the replica's shard.
     rank: int = 0
     ranks: int = 1
+    # The run's inner steps (outer_steps x sync_every): what a learning-rate schedule spans.
+    total_steps: int = 0
 
 
 @dataclass
@@ -52,6 +54,14 @@ class Task:
     # writes the model in the task's own format into a folder (`diloco export`), e.g. a
     # Hugging Face model's save_pretrained
     save: Callable[[nn.Module, Path], None] | None = None
+    # The built-in loop's extras, for tasks that want them:
+    # each batch is a list of micro-batches, each its own forward and backward (gradient
+    # accumulation: one inner step, the mean of their losses)
+    micro_batches: bool = False
+    max_grad_norm: float | None = None  # clip the gradients' global norm before each step
+    # the inner learning rate's multiplier at the run's inner step (warmup, decay); the run's
+    # step, not the process's, so it is right after a heal or a restart
+    lr_schedule: Callable[[int], float] | None = None
 
 
 def load_entrypoint(entrypoint: str) -> Callable[[TaskContext], Task]:

@@ -35,7 +35,7 @@ from diloco_anywhere.metrics import MetricsWriter, StepLine, SyncLine
 from diloco_anywhere.mirrors import MirrorWriter
 from diloco_anywhere.replica_group import ReplicaGroup, make_manager
 from diloco_anywhere.store import scrub_secrets
-from diloco_anywhere.task import Batch, TaskContext, build_task
+from diloco_anywhere.task import Batch, Task, TaskContext, build_task
 
 if TYPE_CHECKING:
     from diloco_anywhere.session import Replica
@@ -460,6 +460,7 @@ def task_context(config: RunConfig, replica_index: int, group: ReplicaGroup) -> 
         options=config.task.options,
         rank=group.rank,
         ranks=group.world_size,
+        total_steps=config.diloco.outer_steps * config.diloco.sync_every,
     )
 
 
@@ -485,9 +486,30 @@ def train(replica: Replica) -> TrainingResult:
         task.model, inner, tokens_per_step=task.tokens_per_batch, evaluate=task.evaluate
     ) as training:
         for batch in training.batches(task.batches):
-            loss = task.loss(trained, batch)
             inner.zero_grad(set_to_none=True)
-            loss.backward()
+            loss = _backward(task, trained, batch)
+            _before_step(task, inner, replica.config.diloco.inner_lr, training.inner_steps)
             inner.step()  # DiLoCo's hook syncs here every sync_every / fragments steps
-            training.log(loss.detach())
+            training.log(loss)
     return training.result()
+
+
+def _backward(task: Task, model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Forward and backward the batch (each of its micro-batches, for a task that accumulates
+    gradients); the mean loss, detached."""
+    parts = batch if task.micro_batches else [batch]
+    losses = []
+    for part in parts:
+        loss = task.loss(model, part) / len(parts)
+        loss.backward()
+        losses.append(loss.detach())  # on its device: read only when logged
+    return torch.stack(losses).sum()
+
+
+def _before_step(task: Task, inner: torch.optim.Optimizer, base_lr: float, step: int) -> None:
+    """The task's gradient clipping and learning-rate schedule, at the run's inner step."""
+    if task.max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(task.model.parameters(), task.max_grad_norm)
+    if task.lr_schedule is not None:
+        for group in inner.param_groups:
+            group["lr"] = base_lr * task.lr_schedule(step)

@@ -1,0 +1,132 @@
+"""The Hugging Face causal-LM task, offline: a tiny Llama-shaped model built from a config, a
+tokenizer this test trains with ``tokenizers``, and text this test writes; then a real
+2-replica run through ``diloco launch`` and its export as a ``save_pretrained`` folder."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from diloco_anywhere.task import TaskContext
+from diloco_anywhere.tasks.hf_causal_lm import build, inner_lr_schedule
+from test_launch import diloco, statuses
+
+WORDS = [
+    "the",
+    "a",
+    "cat",
+    "dog",
+    "sat",
+    "ran",
+    "on",
+    "under",
+    "mat",
+    "log",
+    "and",
+    "then",
+    "quickly",
+    "slowly",
+    "big",
+    "small",
+    "red",
+]
+LLAMA = {
+    "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 64,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """(tokenizer folder, data.jsonl): a BPE tokenizer trained on 240 documents written here."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("hf")
+    rng = random.Random(0)
+    documents = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 60))) + "."
+                 for _ in range(240)]  # fmt: skip
+    with (folder / "data.jsonl").open("w") as file:
+        for document in documents:
+            file.write(json.dumps({"text": document}) + "\n")
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"])
+    tokenizer.train_from_iterator(documents, trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="</s>", unk_token="<unk>"
+    )
+    wrapped.save_pretrained(folder / "tokenizer")
+    return folder / "tokenizer", folder / "data.jsonl"
+
+
+def _options(corpus) -> dict:
+    tokenizer, data = corpus
+    config = {**LLAMA, "vocab_size": 120}
+    return {"config": config, "tokenizer": str(tokenizer), "data": str(data), "seq_len": 32,
+            "batch_size": 4, "grad_accumulation": 2, "warmup_steps": 3}  # fmt: skip
+
+
+def _context(corpus, replica_index: int = 0) -> TaskContext:
+    return TaskContext(replica_index, 2, 7, torch.device("cpu"), _options(corpus), total_steps=30)
+
+
+def test_replicas_build_the_same_model_and_resume_their_own_data_at_any_batch(corpus):
+    first, again, other = _context(corpus), _context(corpus), _context(corpus, replica_index=1)
+    task, same, neighbour = build(first), build(again), build(other)
+    for a, b in zip(task.model.parameters(), same.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    from_zero = list(zip(range(6), task.batches(0), strict=False))[5][1]
+    from_five = next(same.batches(5))
+    assert all(torch.equal(x, y) for a, b in zip(from_zero, from_five, strict=True)
+               for x, y in zip(a, b, strict=True))  # fmt: skip
+    assert len(from_five) == 2  # grad_accumulation micro-batches
+    assert not torch.equal(next(neighbour.batches(5))[0][0], from_five[0][0])
+    assert task.tokens_per_batch == 4 * 32 * 2
+    assert task.evaluate(task.model) == pytest.approx(neighbour.evaluate(task.model))
+
+
+def test_the_inner_learning_rate_warms_up_then_follows_a_cosine_over_the_run():
+    schedule = inner_lr_schedule(warmup=10, total=110, min_ratio=0.1)
+    assert [schedule(step) for step in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])
+    assert schedule(60) == pytest.approx(0.55)  # half way down the cosine
+    assert schedule(110) == pytest.approx(0.1)
+    assert schedule(500) == pytest.approx(0.1)
+
+
+def test_unknown_or_missing_options_are_named(corpus):
+    with pytest.raises(ValueError, match=r"task options \['modle'\] unknown"):
+        build(TaskContext(0, 1, 0, torch.device("cpu"), {"modle": "x", "data": "y"}))
+    with pytest.raises(ValueError, match=r"need `model` .* or `config`"):
+        build(TaskContext(0, 1, 0, torch.device("cpu"), {"data": str(corpus[1])}))
+
+
+def test_two_replicas_train_it_and_export_a_save_pretrained_folder(corpus, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.chdir(tmp_path)
+    options = _options(corpus)
+    config = options.pop("config")
+    lines = ['[run]', 'name = "hf"', 'store = "store"', "replicas = 2", "min_replicas = 2",
+             "[diloco]", "sync_every = 5", "outer_steps = 3", "inner_lr = 3e-3",
+             "[task]", 'entrypoint = "diloco_anywhere.tasks.hf_causal_lm:build"', "eval_every = 1",
+             "log_every = 1", "[task.options]",
+             *(f"{key} = {json.dumps(value)}" for key, value in options.items()),
+             "[task.options.config]",
+             *(f"{key} = {json.dumps(value)}" for key, value in config.items())]  # fmt: skip
+    (tmp_path / "run.toml").write_text("\n".join(lines) + "\n")
+    result = diloco("launch", "--config", "run.toml")
+    assert result.exit_code == 0, result.output
+    rows = statuses("run.toml")
+    assert {(row["state"], row["outer_step"]) for row in rows.values()} == {("done", 3)}
+    assert all(row["eval_loss"] < math.log(120) for row in rows.values())  # beats uniform
+    exported = diloco("export", "model", "--config", "run.toml")
+    assert exported.exit_code == 0, exported.output
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model" / "saved")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model" / "saved")
+    inputs = tokenizer("the cat sat on the mat", return_tensors="pt")
+    assert model(**inputs).logits.shape[-1] == 120
