@@ -34,6 +34,7 @@ def _entrypoint(tmp_path, script: str, join_timeout: float = 600.0) -> subproces
         [sys.executable, "-m", "diloco_anywhere.replica", "--config", str(tmp_path / "run.toml"),
          "--replica-id", "local-0"],
         cwd="/", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,  # a process group, as the local backend starts replicas
     )  # fmt: skip
 
 
@@ -79,6 +80,24 @@ def test_a_script_that_joins_then_exits_before_training_fails_its_replica(tmp_pa
     assert "exited 0 before the run's outer steps were trained (it joined)" in stderr
 
 
+def test_a_script_that_leaves_training_early_is_recorded_as_failed(tmp_path):
+    """sys.exit(0) before the run's outer steps: the script's replica says how far it got."""
+    script = (
+        "import sys, torch\nimport diloco_anywhere\n"
+        "with diloco_anywhere.join() as replica:\n"
+        "    model = torch.nn.Linear(2, 1)\n"
+        "    inner = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "    with replica.diloco(model, inner):\n"
+        "        pass\n"
+        "    sys.exit(0)\n"
+    )
+    code, stderr = _ended(_entrypoint(tmp_path, script))
+    assert code == 1
+    assert "exited 0 before the run's outer steps were trained (it joined)" in stderr
+    events = [(event.event, event.detail) for event in _events(tmp_path)]
+    assert events[-1] == ("failed", "left training at outer step 0 of 10")
+
+
 def test_a_failing_script_fails_its_replica_with_its_own_exit_code_and_error(tmp_path):
     script = "import diloco_anywhere\nwith diloco_anywhere.join():\n    raise SystemExit(3)\n"
     code, _ = _ended(_entrypoint(tmp_path, script))
@@ -101,7 +120,7 @@ def test_a_stop_reaches_the_script_and_is_recorded(tmp_path):
         assert process.poll() is None, process.communicate()
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    os.kill(process.pid, signal.SIGTERM)
+    os.killpg(process.pid, signal.SIGTERM)  # as `diloco stop` does: the script gets it twice
     code, _ = _ended(process)
     assert code == 143
     assert [event.event for event in _events(tmp_path)] == ["stopped"]

@@ -37,13 +37,20 @@ def test_rounds_give_the_weighted_mean_in_place(tmp_path):
 
 
 def test_a_late_replica_gets_the_others_mean_and_a_restarted_one_joins_the_next_round(tmp_path):
-    url, quick = str(tmp_path / "store"), {"replicas": 2, "min_replicas": 1, "grace": 0.2}
-    with Collective(url, "a", **quick) as a, Collective(url, "b", **quick) as b:
-        assert a.allreduce(torch.ones(3)).tolist() == [1.0] * 3  # sealed alone, after grace
-        late = b.allreduce_async(torch.zeros(3))
+    url = str(tmp_path / "store")
+    with Collective(url, "a", replicas=2) as a, Collective(url, "b", replicas=2) as b:
+        _together((a, torch.zeros(3), 1.0), (b, torch.zeros(3), 1.0))  # round 0, both in
+        with Collective(url, "a", replicas=2, min_replicas=1, grace=0.2) as hasty:
+            assert hasty.allreduce(torch.ones(3)).tolist() == [1.0] * 3  # round 1, sealed alone
+        late = b.allreduce_async(torch.zeros(3))  # b's round 1
         late.wait()
         assert late.tensor.tolist() == [1.0] * 3  # the others' mean; its zeros dropped
-        assert late.result().seal.contributors == ("a-0",)
-        with Collective(url, "b", **quick) as restarted:  # after round 0: joins round 1
-            pair = _together((a, torch.zeros(3), 1.0), (restarted, torch.full((3,), 2.0), 1.0))
-            assert [t.tolist() for t in pair] == [[1.0] * 3] * 2
+        assert late.result().seal.contributors == ("a-1",)
+    # both back (restarted): numbered on from the newest sealed round, they meet in round 2
+    with Collective(url, "a", replicas=2) as a, Collective(url, "b", replicas=2) as restarted:
+        pair = _together((a, torch.zeros(3), 1.0), (restarted, torch.full((3,), 2.0), 1.0))
+        assert [t.tolist() for t in pair] == [[1.0] * 3] * 2
+        round_ = a.allreduce_async(torch.zeros(1))
+        restarted.allreduce(torch.zeros(1))
+        round_.wait()
+        assert round_.result().seal.round == 3

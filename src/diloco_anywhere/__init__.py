@@ -10,7 +10,12 @@ the ``diloco`` CLI) stays quick:
 
 from importlib import import_module
 from importlib.metadata import version
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr__ below
+    from diloco_anywhere.collective.plain import Collective
+    from diloco_anywhere.session import Replica, join
+    from diloco_anywhere.training import Training
 
 __version__ = version("diloco-anywhere")
 __all__ = ["Collective", "Replica", "Training", "__version__", "join"]

@@ -69,17 +69,23 @@ def run_command(config: RunConfig, replica_id: str, index: int, platform: str) -
         }
         if config.source is not None:
             environment[ENV_CONFIG] = str(config.source)
-        process = subprocess.Popen(
-            python_command(config.task.command),
-            env=environment,
-            cwd=config.source.parent if config.source is not None else None,
-        )
+        process = None
         try:
+            process = subprocess.Popen(
+                python_command(config.task.command),
+                env=environment,
+                cwd=config.source.parent if config.source is not None else None,
+            )
             code = _watch(process, joined, config.task.join_timeout, config.task.command)
         except BaseException:
-            _stop(process)
+            if process is not None:
+                _stop(process)
             raise
         state = joined.read_text() if joined.exists() else ""
+    if code < 0:  # killed by a signal: as shells and platforms report it
+        code = 128 - code
+    if code != 0:
+        print(f"error: [task] command {config.task.command} exited {code}", file=sys.stderr)
     if code == 0 and state != DONE:
         raise CommandError(
             f"[task] command {config.task.command} exited 0 before the run's outer steps were "
@@ -104,7 +110,9 @@ def _watch(process: subprocess.Popen, joined: Path, join_timeout: float, command
 
 
 def _stop(process: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL after ``STOP_GRACE`` seconds."""
+    """SIGTERM, then SIGKILL after ``STOP_GRACE`` seconds. A second stop of the entrypoint
+    meanwhile is ignored: it must not leave the script running."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     process.send_signal(signal.SIGTERM)
     try:
         process.wait(STOP_GRACE)

@@ -29,6 +29,7 @@ import gc
 import logging
 import os
 import signal
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -40,7 +41,7 @@ from torch import nn
 
 from diloco_anywhere.checkpoint import retained_after
 from diloco_anywhere.collective.allreduce import BucketCollective
-from diloco_anywhere.command import DONE, ENV_JOINED, JOINED, report
+from diloco_anywhere.command import DONE, JOINED, report
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.layout import RunLayout
 from diloco_anywhere.metrics import MetricsWriter
@@ -56,15 +57,30 @@ from diloco_anywhere.training import (
 log = logging.getLogger(__name__)
 
 
-class StopRequestedError(Exception):
-    """SIGTERM arrived: ``diloco stop``, or the platform preempting or evicting the job."""
+class StopRequestedError(BaseException):
+    """SIGTERM arrived: ``diloco stop``, or the platform preempting or evicting the job. A
+    ``BaseException``, as ``KeyboardInterrupt`` is: a training loop's ``except Exception``
+    must not swallow a stop."""
 
 
 def raise_stopped(signum: int, _frame: object) -> None:
     """The SIGTERM handler of a replica: the stop becomes an error that unwinds training, so
-    that leaving the ``Replica`` records it."""
+    that leaving the ``Replica`` records it. Once: a stop may arrive twice (the platform
+    signals the process group, the entrypoint passes it on), and a second one must not cut
+    the recording of the first short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     name = signal.Signals(signum).name
     raise StopRequestedError(f"stopped by {name} (diloco stop, or the platform)")
+
+
+def _stops_are_errors() -> None:
+    """Have SIGTERM raise ``StopRequestedError`` in this process, unless the script set a
+    handler of its own (or this is not the main thread, where handlers cannot be set)."""
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    ):
+        signal.signal(signal.SIGTERM, raise_stopped)
 
 
 class Replica:
@@ -108,9 +124,10 @@ class Replica:
         resumes at ``training.start_step``), synced through the bucket inside
         ``inner_optimizer.step()`` every ``sync_every / fragments`` steps, with metrics and
         checkpoints after each sync. ``tokens_per_step``: the tokens (or samples) one inner
-        step trains on, across this replica's processes' own share; it weighs the replica's
-        contribution. ``evaluate(model)``: the held-out loss, every ``task.eval_every`` outer
-        steps. On exit every process of the replica checks it holds rank 0's global state."""
+        step of this process trains on (times the replica's processes, it weighs the replica's
+        contribution). ``evaluate(model)``: the held-out loss of ``model``, every
+        ``task.eval_every`` outer steps, on rank 0, inside the ``step()`` that synced. On exit
+        every process of the replica checks it holds rank 0's global state."""
         parts = build_parts(
             self.config, self.collective, model, inner_optimizer, tokens_per_step, evaluate,
             self.group,
@@ -140,37 +157,48 @@ class Replica:
         training.close()
         self.training = training
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Leave the run; with ``wait``, first let rounds in flight finish (after an error or
+        a stop they are abandoned: the bucket's lifecycle rule expires their objects)."""
         if self.collective is not None:
-            self.collective.close()
+            self.collective.close(wait=wait)
 
     def __enter__(self) -> Replica:
         return self
 
     def __exit__(
         self,
-        kind: type[BaseException] | None,
+        _kind: type[BaseException] | None,
         error: BaseException | None,
         _traceback: TracebackType | None,
     ) -> None:
-        """Record how the replica ended (``done`` with what it trained, ``stopped``,
-        ``failed`` with the error), then leave the run."""
+        """Record how the replica ended (``done`` with what it trained, ``stopped``, ``failed``
+        with the error, or with how far it got if it left training early), then leave the
+        run. ``sys.exit(0)`` is a normal end."""
+        if isinstance(error, SystemExit) and error.code in (None, 0):
+            error = None
         trained = error is None and self.training is not None and self.training.done
         if trained:
             report(DONE)
         if self.metrics is not None:
             self.metrics.flush()
-            if isinstance(error, StopRequestedError):
-                self.metrics.event("stopped", str(error))
-            elif error is not None:
-                self.metrics.event("failed", scrub_secrets(f"{kind.__name__}: {error}")[:2000])
-            elif self.training is not None:
-                result = self.training.result()
-                self.metrics.event(
-                    "done", f"{result.outer_steps} outer steps, {result.tokens} tokens, "
-                    f"eval loss {result.eval_loss}",
-                )  # fmt: skip
-        self.close()
+            self.metrics.event(*self._ending(error, trained))
+        self.close(wait=error is None)
+
+    def _ending(self, error: BaseException | None, trained: bool) -> tuple[str, str]:
+        """The event that says how the replica ended, and its detail."""
+        if isinstance(error, StopRequestedError):
+            return "stopped", str(error)
+        if error is not None:
+            return "failed", scrub_secrets(f"{type(error).__name__}: {error}")[:2000]
+        if self.training is None:
+            return "failed", "left the run without training (no `with replica.diloco(...)`)"
+        result = self.training.result()
+        if not trained:
+            outer_steps = self.config.diloco.outer_steps
+            return "failed", f"left training at outer step {result.outer_steps} of {outer_steps}"
+        detail = f"{result.outer_steps} outer steps, {result.tokens} tokens"
+        return "done", f"{detail}, eval loss {result.eval_loss}"
 
 
 def join(
@@ -195,7 +223,6 @@ def join(
     index = entrypoint.replica_index(name, given, loaded.run.replicas)
     platform = platform or environ.get(entrypoint.ENV_PLATFORM, "local")
     replica = Replica(loaded, name, index, platform)
-    if environ.get(ENV_JOINED):  # a [task] command: its entrypoint passes stops on
-        signal.signal(signal.SIGTERM, raise_stopped)
-        report(JOINED)
+    _stops_are_errors()
+    report(JOINED)  # to the entrypoint that started this script, if one did
     return replica

@@ -158,6 +158,7 @@ class Training:
         self.heals = 0
         self.state: GlobalState | None = None  # once DiLoCo is built
         self._syncs_seen = self._step_seen = 0
+        self._healed_in_step = False
         self.committed_before = False  # a sync of this process
         self.loss = float("nan")
         self.eval_loss: float | None = None
@@ -204,12 +205,25 @@ class Training:
         while not self.done:
             if opened_at != self.heals:
                 opened_at, batches = self.heals, open_at(self.start_step)
-            yield next(batches)
+            try:
+                batch = next(batches)
+            except StopIteration:
+                raise ValueError(
+                    f"the data ran out at inner step {self.inner_steps} of the run's "
+                    f"{self.config.diloco.outer_steps * self.config.diloco.sync_every}: "
+                    f"open_at(start) must go on until the run ends (loop over epochs)"
+                ) from None
+            yield batch
 
     def log(self, loss: torch.Tensor | float, **values: torch.Tensor | float) -> None:
         """The inner step's loss and any numbers of the script's own (``lr=...``), into the
         run's metrics every ``task.log_every`` steps (``diloco status``, ``diloco report``).
-        Names as run names are written; at most ``metrics.MAX_VALUES`` of them."""
+        Names as run names are written; at most ``metrics.MAX_VALUES`` of them. The loss of
+        a step whose sync healed the replica is not recorded: its step count is the healed
+        position's, not the step's."""
+        healed, self._healed_in_step = self._healed_in_step, False
+        if healed:
+            return
         if self.metrics is not None and self.inner_steps % self.config.task.log_every == 0:
             self.loss = float(loss)
             self.metrics.add(StepLine(
@@ -232,6 +246,7 @@ class Training:
             self.checkpoint_if_due(self.state)  # type: ignore[arg-type]
         if isinstance(manager.last_sync_error, DivergedError):  # the same on every rank
             self.after_divergence(self.state)  # type: ignore[arg-type]
+            self._healed_in_step = True
         self.stop_if_failing()
 
     def record_sync(self, committed: bool, model: nn.Module) -> None:

@@ -8,16 +8,21 @@
 No torchft, no run.toml: a store URL, this process's name and how many replicas to wait for.
 Every replica calls ``allreduce`` the same number of times, in the same order, as with any
 collective; each call is one sealed round (docs/collective.md), numbered on from the newest
-round sealed in the bucket, so a process that restarts joins at the round the others are at
-rather than at round 0. A round seals once ``replicas`` have contributed, or
-``grace`` seconds after the first contribution with at least ``min_replicas``; a replica that
-contributed to no sealed round gets the mean of the others and its own work is dropped, as in
-a DiLoCo run (``RoundTimeoutError`` or ``SealedContributionError`` say why when a round fails).
+round sealed in the bucket when the first call is made, so a process that restarts joins at
+the round the others are at rather than at round 0 (finding it lists the rounds' objects once;
+a round that timed out without a SEAL is not skipped, and a restart then waits in it). A round
+seals once ``replicas`` have contributed, or ``grace`` seconds after the first contribution
+with at least ``min_replicas``; a replica late
+for a round sealed without it gets the mean of the others and its own values are dropped, as in
+a DiLoCo run, while the round's data is kept (the two newest rounds; older ones are collected,
+and reading one fails saying so). ``RoundTimeoutError`` or ``SealedContributionError`` say
+why a round failed.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 
 import torch
 
@@ -36,7 +41,7 @@ class Collective:
         url: str,
         replica: str,
         *,
-        replicas: int = 1,
+        replicas: int,
         min_replicas: int | None = None,
         name: str = "allreduce",
         codec: str = "fp32",
@@ -53,7 +58,7 @@ class Collective:
         self.store = Store(url)
         config = CollectiveConfig(codec=make_codec(codec), round=policy)
         self._collective = BucketCollective(self.store, name, replica, config)
-        self._rounds = itertools.count(self._next_round())
+        self._rounds: Iterator[int] | None = None  # numbered at the first round
 
     def _next_round(self) -> int:
         """The round after the newest sealed one (0 for a new collective)."""
@@ -64,6 +69,8 @@ class Collective:
     def allreduce_async(self, tensor: torch.Tensor, weight: float = 1.0) -> Work:
         """Start the next round with ``tensor`` (weighted by ``weight``); ``wait()`` on the
         result. ``tensor`` must not be touched until then: the mean is written into it."""
+        if self._rounds is None:  # now, not when built: setting up may take a while
+            self._rounds = itertools.count(self._next_round())
         return self._collective.allreduce(tensor, round_=next(self._rounds), weight=weight)
 
     def allreduce(self, tensor: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
@@ -71,12 +78,13 @@ class Collective:
         self.allreduce_async(tensor, weight).wait()
         return tensor
 
-    def close(self) -> None:
-        self._collective.close()
+    def close(self, wait: bool = True) -> None:
+        """Leave; with ``wait``, first let a round in flight finish."""
+        self._collective.close(wait=wait)
         self.store.close()
 
     def __enter__(self) -> Collective:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, _kind: object, error: BaseException | None, _traceback: object) -> None:
+        self.close(wait=error is None)
