@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -99,3 +101,37 @@ def s3_run(standins, monkeypatch) -> tuple[str, dict[str, str]]:
     for name, value in credentials.items():
         monkeypatch.setenv(name, value)
     return f"{server.url}/r-{uuid.uuid4().hex[:12]}", credentials
+
+
+# -- the Hugging Face task's offline parts --------------------------------------------------
+
+WORDS = "the a cat dog sat ran on under mat log and then quickly slowly big small red"
+TINY_LLAMA = {
+    "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 64,
+}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def hf_corpus(tmp_path_factory):
+    """(tokenizer folder, data.jsonl): 240 documents written here and a BPE tokenizer (120
+    tokens, ``</s>`` its end of sequence) trained on them with ``tokenizers``: no download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("hf")
+    rng = random.Random(0)
+    documents = [" ".join(rng.choice(WORDS.split()) for _ in range(rng.randint(20, 60))) + "."
+                 for _ in range(240)]  # fmt: skip
+    with (folder / "data.jsonl").open("w") as file:
+        for document in documents:
+            file.write(json.dumps({"text": document}) + "\n")
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"])
+    tokenizer.train_from_iterator(documents, trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="</s>", unk_token="<unk>"
+    )
+    wrapped.save_pretrained(folder / "tokenizer")
+    return folder / "tokenizer", folder / "data.jsonl"

@@ -6,67 +6,19 @@ from __future__ import annotations
 
 import json
 import math
-import random
 
 import pytest
 import torch
 
+from conftest import TINY_LLAMA
 from diloco_anywhere.task import TaskContext
 from diloco_anywhere.tasks.hf_causal_lm import build, inner_lr_schedule
 from test_launch import diloco, statuses
 
-WORDS = [
-    "the",
-    "a",
-    "cat",
-    "dog",
-    "sat",
-    "ran",
-    "on",
-    "under",
-    "mat",
-    "log",
-    "and",
-    "then",
-    "quickly",
-    "slowly",
-    "big",
-    "small",
-    "red",
-]
-LLAMA = {
-    "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-    "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 64,
-}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """(tokenizer folder, data.jsonl): a BPE tokenizer trained on 240 documents written here."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    folder = tmp_path_factory.mktemp("hf")
-    rng = random.Random(0)
-    documents = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 60))) + "."
-                 for _ in range(240)]  # fmt: skip
-    with (folder / "data.jsonl").open("w") as file:
-        for document in documents:
-            file.write(json.dumps({"text": document}) + "\n")
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"])
-    tokenizer.train_from_iterator(documents, trainer)
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token="</s>", unk_token="<unk>"
-    )
-    wrapped.save_pretrained(folder / "tokenizer")
-    return folder / "tokenizer", folder / "data.jsonl"
-
 
 def _options(corpus) -> dict:
     tokenizer, data = corpus
-    config = {**LLAMA, "vocab_size": 120}
+    config = {**TINY_LLAMA, "vocab_size": 120}
     return {"config": config, "tokenizer": str(tokenizer), "data": str(data), "seq_len": 32,
             "batch_size": 4, "grad_accumulation": 2, "warmup_steps": 3}  # fmt: skip
 
@@ -75,8 +27,12 @@ def _context(corpus, replica_index: int = 0) -> TaskContext:
     return TaskContext(replica_index, 2, 7, torch.device("cpu"), _options(corpus), total_steps=30)
 
 
-def test_replicas_build_the_same_model_and_resume_their_own_data_at_any_batch(corpus):
-    first, again, other = _context(corpus), _context(corpus), _context(corpus, replica_index=1)
+def test_replicas_build_the_same_model_and_resume_their_own_data_at_any_batch(hf_corpus):
+    first, again, other = (
+        _context(hf_corpus),
+        _context(hf_corpus),
+        _context(hf_corpus, replica_index=1),
+    )
     task, same, neighbour = build(first), build(again), build(other)
     for a, b in zip(task.model.parameters(), same.model.parameters(), strict=True):
         assert torch.equal(a, b)
@@ -98,18 +54,20 @@ def test_the_inner_learning_rate_warms_up_then_follows_a_cosine_over_the_run():
     assert schedule(500) == pytest.approx(0.1)
 
 
-def test_unknown_or_missing_options_are_named(corpus):
+def test_unknown_or_missing_options_are_named(hf_corpus):
     with pytest.raises(ValueError, match=r"task options \['modle'\] unknown"):
         build(TaskContext(0, 1, 0, torch.device("cpu"), {"modle": "x", "data": "y"}))
     with pytest.raises(ValueError, match=r"need `model` .* or `config`"):
-        build(TaskContext(0, 1, 0, torch.device("cpu"), {"data": str(corpus[1])}))
+        build(TaskContext(0, 1, 0, torch.device("cpu"), {"data": str(hf_corpus[1])}))
 
 
-def test_two_replicas_train_it_and_export_a_save_pretrained_folder(corpus, tmp_path, monkeypatch):
+def test_two_replicas_train_it_and_export_a_save_pretrained_folder(
+    hf_corpus, tmp_path, monkeypatch
+):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     monkeypatch.chdir(tmp_path)
-    options = _options(corpus)
+    options = _options(hf_corpus)
     config = options.pop("config")
     lines = ['[run]', 'name = "hf"', 'store = "store"', "replicas = 2", "min_replicas = 2",
              "[diloco]", "sync_every = 5", "outer_steps = 3", "inner_lr = 3e-3",

@@ -8,6 +8,7 @@ validator's message; the hardware choices are the platforms' own.
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import keyword
 import os
@@ -22,6 +23,7 @@ import hcl2
 import markupsafe
 import pytest
 import tomllib
+import torch
 import yaml
 from huggingface_hub import JobHardware
 from packaging.requirements import Requirement
@@ -30,11 +32,14 @@ from diloco_anywhere.backends import modal as modal_backend
 from diloco_anywhere.backends import sagemaker as sagemaker_backend
 from diloco_anywhere.config import parse_config
 from diloco_anywhere.launch import plan_launch
+from diloco_anywhere.task import TaskContext
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
+
+from conftest import TINY_LLAMA
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCOUNT = {"aws_account_id": "123456789012"}  # asked only with sagemaker
@@ -317,3 +322,35 @@ def test_the_reserved_package_names_cover_what_the_runtime_imports() -> None:
         yaml.safe_load((ROOT / "copier.yml").read_text())["reserved_package_names"]["default"]
     )
     assert _reserved_names() - listed == set()
+
+
+def test_the_hf_task_answers_render_a_task_that_builds_with_their_model_and_text(
+    tmp_path, hf_corpus
+) -> None:
+    """A local model folder (a tiny Llama saved here) and a local jsonl, as a user answers."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer_folder, data = hf_corpus
+    model_folder = tmp_path / "model"
+    config = AutoConfig.for_model(**{**TINY_LLAMA, "vocab_size": 120})
+    AutoModelForCausalLM.from_config(config).save_pretrained(model_folder)
+    AutoTokenizer.from_pretrained(tokenizer_folder).save_pretrained(model_folder)
+    project = render(tmp_path, task="hf_causal_lm", hf_model=str(model_folder), hf_data=str(data))
+    assert_clean(project)
+    assert "model_preset" not in answers_of(project)
+    run = parse_config((project / "run.toml").read_text(), "run.toml")
+    assert (run.task.options["model"], run.task.options["data"]) == (str(model_folder), str(data))
+    pyproject = tomllib.loads((project / "pyproject.toml").read_text())
+    task_extra = pyproject["project"]["optional-dependencies"]["task"]
+    assert any(requirement.startswith("transformers") for requirement in task_extra)
+    sys.path.insert(0, str(project / "src"))
+    try:
+        task_module = importlib.import_module("my_diloco_run.task")
+        context = TaskContext(0, 2, 0, torch.device("cpu"), run.task.options, total_steps=100)
+        task = task_module.build(context)
+    finally:
+        sys.path.remove(str(project / "src"))
+        sys.modules.pop("my_diloco_run.task", None)
+        sys.modules.pop("my_diloco_run", None)
+    assert task.micro_batches
+    assert task.tokens_per_batch == 8 * 512

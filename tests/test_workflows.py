@@ -265,7 +265,9 @@ def test_the_build_context_is_enough_to_install_a_rendered_project(project, tmp_
     assert "diloco_anywhere/replica.py" in names
     assert "my_diloco_run/task.py" in names
     pyproject = tomllib.loads((project / "pyproject.toml").read_text())
-    assert pyproject["project"]["optional-dependencies"]["store"]  # the image's EXTRAS=store
+    extras = pyproject["project"]["optional-dependencies"]
+    assert extras["store"]  # the image's EXTRAS=store,task
+    assert "task" in extras
     assert (project / "images" / "Dockerfile").read_bytes() == DOCKERFILE.read_bytes()
 
 
