@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.standins import GCS_EMULATOR_ENV, StandIn, StandInUnavailableError, standin
-from diloco_anywhere.store import Store
 
 # gcsfs reads this once, at its first import, which a test module may do at collection time.
 os.environ.update(GCS_EMULATOR_ENV)

@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from diloco_anywhere.bench.store import sample_tensor
-from diloco_anywhere.checkpoint import prune_checkpoints
+from diloco_anywhere.bucket.layout import Participant, RunLayout
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig
 from diloco_anywhere.collective.mean import weighted_mean
 from diloco_anywhere.collective.membership import Heartbeat, LeasePolicy, claim_incarnation
 from diloco_anywhere.collective.round import RoundPolicy, RoundTimeoutError
-from diloco_anywhere.layout import Participant, RunLayout
-from diloco_anywhere.metrics import MetricsReader, MetricsWriter
-from diloco_anywhere.store import Store
+from diloco_anywhere.training.checkpoint import prune_checkpoints
+from diloco_anywhere.training.metrics import MetricsReader, MetricsWriter
 
 CONFIG = CollectiveConfig(
     round=RoundPolicy(min_replicas=1, grace=5.0, timeout=60.0), lease=LeasePolicy(period=5.0)

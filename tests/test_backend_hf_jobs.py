@@ -14,7 +14,7 @@ from huggingface_hub.errors import HfHubHTTPError
 from diloco_anywhere.backends.base import BackendUnavailableError, ReplicaHandle
 from diloco_anywhere.backends.hf_jobs import HfJobsBackend
 from diloco_anywhere.config import ConfigError, load_config, parse_config
-from diloco_anywhere.launch import plan_launch, run_metrics, start
+from diloco_anywhere.launching.launch import plan_launch, run_metrics, start
 from diloco_anywhere.standins import free_port
 from hf_jobs_standin import USER, hf_jobs_api
 from proxy import Fault, FaultProxy

@@ -24,7 +24,7 @@ from diloco_anywhere.backends.k8s import (
     parse_indexes,
 )
 from diloco_anywhere.config import ConfigError, load_config
-from diloco_anywhere.launch import plan_launch, run_metrics, start
+from diloco_anywhere.launching.launch import plan_launch, run_metrics, start
 from diloco_anywhere.standins import StandIn, moto_s3
 
 kubernetes = pytest.importorskip("kubernetes", reason="the k8s extra is not installed")

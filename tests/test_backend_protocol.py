@@ -18,7 +18,7 @@ from diloco_anywhere.backends.base import (
 )
 from diloco_anywhere.cli.run import parse_backends
 from diloco_anywhere.config import ConfigError, RunConfig, parse_config
-from diloco_anywhere.launch import check_remote_store, job_state
+from diloco_anywhere.launching.launch import check_remote_store, job_state
 
 SPECS = [ReplicaSpec(f"x-{k}", k, "x", {}, ()) for k in range(3)]
 

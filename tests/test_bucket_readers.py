@@ -20,8 +20,22 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco_anywhere import wire
-from diloco_anywhere.checkpoint import (
+from diloco_anywhere.bucket import wire
+from diloco_anywhere.bucket.codec import make_codec
+from diloco_anywhere.bucket.layout import Participant, RunLayout
+from diloco_anywhere.bucket.record import (
+    RECORD_MAGIC,
+    RECORD_READ_LIMIT,
+    decode_record,
+    encode_record,
+)
+from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.collective.allreduce import finish_round
+from diloco_anywhere.collective.membership import LeasePolicy, member_progress
+from diloco_anywhere.collective.round import Round, RoundPolicy, SealedContributionError
+from diloco_anywhere.config import ConfigError, RunConfig, load_config
+from diloco_anywhere.launching.published_config import MAX_CONFIG_BYTES, config_text, read_config
+from diloco_anywhere.training.checkpoint import (
     Checkpoint,
     CheckpointCommit,
     CheckpointError,
@@ -29,16 +43,7 @@ from diloco_anywhere.checkpoint import (
     CheckpointWriter,
     load_checkpoint,
 )
-from diloco_anywhere.codec import make_codec
-from diloco_anywhere.collective.allreduce import finish_round
-from diloco_anywhere.collective.membership import LeasePolicy, member_progress
-from diloco_anywhere.collective.round import Round, RoundPolicy, SealedContributionError
-from diloco_anywhere.config import ConfigError, RunConfig, load_config
-from diloco_anywhere.layout import Participant, RunLayout
-from diloco_anywhere.metrics import MetricsReader, MetricsWriter, StepLine
-from diloco_anywhere.published_config import MAX_CONFIG_BYTES, config_text, read_config
-from diloco_anywhere.record import RECORD_MAGIC, RECORD_READ_LIMIT, decode_record, encode_record
-from diloco_anywhere.store import Store
+from diloco_anywhere.training.metrics import MetricsReader, MetricsWriter, StepLine
 
 RUN = RunLayout("run")
 HUGE = 3 * RECORD_READ_LIMIT  # an object three times the largest record

@@ -12,7 +12,10 @@ import torch
 from crc32c import crc32c
 from safetensors.torch import load as load_safetensors
 
-from diloco_anywhere.checkpoint import (
+from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.record import decode_record, encode_record
+from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.training.checkpoint import (
     CheckpointCommit,
     CheckpointError,
     CheckpointPolicy,
@@ -27,10 +30,7 @@ from diloco_anywhere.checkpoint import (
     retained_after,
     unflatten,
 )
-from diloco_anywhere.global_state import fingerprint, tree_checksum
-from diloco_anywhere.layout import RunLayout
-from diloco_anywhere.record import decode_record, encode_record
-from diloco_anywhere.store import Store
+from diloco_anywhere.training.global_state import fingerprint, tree_checksum
 
 RUN = RunLayout("run")
 CONTRIBUTORS = ("a-0", "b-0", "c-0")

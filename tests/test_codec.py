@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diloco_anywhere import wire
 from diloco_anywhere.bench.store import sample_tensor as sample
-from diloco_anywhere.codec import make_codec
-from diloco_anywhere.feedback import ErrorFeedback
+from diloco_anywhere.bucket import wire
+from diloco_anywhere.bucket.codec import make_codec
+from diloco_anywhere.bucket.feedback import ErrorFeedback
 
 META = wire.ObjectMeta(run="r", round=0, replica="a", incarnation=0, shard=0)
 NUMEL = 1 << 20

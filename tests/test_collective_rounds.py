@@ -14,9 +14,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from diloco_anywhere import wire
 from diloco_anywhere.bench.store import sample_tensor
-from diloco_anywhere.codec import make_codec
+from diloco_anywhere.bucket import wire
+from diloco_anywhere.bucket.codec import make_codec
+from diloco_anywhere.bucket.layout import Participant, RunLayout
+from diloco_anywhere.bucket.record import decode_record, encode_record
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import finish_round
 from diloco_anywhere.collective.mean import weighted_mean
 from diloco_anywhere.collective.records import Manifest, PartEntry, Seal
@@ -28,9 +31,6 @@ from diloco_anywhere.collective.round import (
     SealedContributionError,
     part_ranges,
 )
-from diloco_anywhere.layout import Participant, RunLayout
-from diloco_anywhere.record import decode_record, encode_record
-from diloco_anywhere.store import Store
 
 RUN = RunLayout("run")
 NUMEL = 10_000

@@ -11,9 +11,9 @@ import subprocess
 import sys
 import time
 
-from diloco_anywhere.layout import RunLayout
-from diloco_anywhere.metrics import MetricsReader
-from diloco_anywhere.store import Store
+from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.training.metrics import MetricsReader
 
 RUN_TOML = """
 [run]

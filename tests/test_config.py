@@ -9,7 +9,7 @@ import pytest
 
 from diloco_anywhere.config import ConfigError, load_config, parse_config
 from diloco_anywhere.replica import replica_index, with_overrides
-from diloco_anywhere.training import collective_config
+from diloco_anywhere.training.loop import collective_config
 
 
 def test_the_embedded_default_is_a_complete_local_run(monkeypatch, tmp_path):

@@ -10,12 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from diloco_anywhere.checkpoint import committed_rounds, newest_checkpoints
+from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import load_config
-from diloco_anywhere.export import trained_task
-from diloco_anywhere.global_state import FRAGMENT_KEY
-from diloco_anywhere.layout import RunLayout
-from diloco_anywhere.store import Store
+from diloco_anywhere.launching.export import trained_task
+from diloco_anywhere.training.checkpoint import committed_rounds, newest_checkpoints
+from diloco_anywhere.training.global_state import FRAGMENT_KEY
 from test_launch import RUN_TOML, diloco
 
 SAVING_TASK = """

@@ -15,7 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco_anywhere.checkpoint import (
+from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.collective.allreduce import BucketCollective
+from diloco_anywhere.collective.round import DivergedError
+from diloco_anywhere.config import load_config
+from diloco_anywhere.replica import run_replica
+from diloco_anywhere.task import build_task
+from diloco_anywhere.training.checkpoint import (
     CheckpointPolicy,
     CheckpointWriter,
     committed_rounds,
@@ -23,24 +30,17 @@ from diloco_anywhere.checkpoint import (
     load_checkpoint,
     read_checkpoint,
 )
-from diloco_anywhere.collective.allreduce import BucketCollective
-from diloco_anywhere.collective.round import DivergedError
-from diloco_anywhere.config import load_config
-from diloco_anywhere.global_state import fingerprint
-from diloco_anywhere.healing import HealError, heal
-from diloco_anywhere.layout import RunLayout
-from diloco_anywhere.metrics import MetricsReader, MetricsWriter
-from diloco_anywhere.replica import run_replica
-from diloco_anywhere.replica_group import ReplicaGroup
-from diloco_anywhere.store import Store
-from diloco_anywhere.task import build_task
-from diloco_anywhere.training import (
+from diloco_anywhere.training.global_state import fingerprint
+from diloco_anywhere.training.healing import HealError, heal
+from diloco_anywhere.training.loop import (
     Training,
     build_parts,
     collective_config,
     inner_optimizer,
     task_context,
 )
+from diloco_anywhere.training.metrics import MetricsReader, MetricsWriter
+from diloco_anywhere.training.replica_group import ReplicaGroup
 from proxy import Fault, FaultProxy
 
 OUTER_STEPS = 6

@@ -9,10 +9,15 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from diloco_anywhere.bucket.hf_buckets import (
+    ENV_ACCESS_KEY,
+    ENV_ENDPOINT,
+    ENV_SECRET_KEY,
+    HfBucketError,
+)
+from diloco_anywhere.bucket.store import Store, check_store_url
 from diloco_anywhere.config import ConfigError, parse_config
-from diloco_anywhere.hf_buckets import ENV_ACCESS_KEY, ENV_ENDPOINT, ENV_SECRET_KEY, HfBucketError
 from diloco_anywhere.standins import hf_gateway
-from diloco_anywhere.store import Store, check_store_url
 from hf_jobs_standin import hf_jobs_api
 from test_launch import RUN_TOML, diloco, statuses
 from test_template import render

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from diloco_anywhere.config import load_config
-from diloco_anywhere.infra import image_in, secrets_to_set
+from diloco_anywhere.launching.infra import image_in, secrets_to_set
 from hf_jobs_standin import hf_jobs_api
 from test_launch import diloco
 

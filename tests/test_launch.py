@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from diloco_anywhere.checkpoint import committed_rounds
+from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.cli import app
 from diloco_anywhere.config import load_config
-from diloco_anywhere.launch import mark_stopped, plan_launch, run_metrics, start
-from diloco_anywhere.layout import RunLayout
-from diloco_anywhere.store import Store
-from diloco_anywhere.supervisor import Supervisor
+from diloco_anywhere.launching.launch import mark_stopped, plan_launch, run_metrics, start
+from diloco_anywhere.launching.supervisor import Supervisor
+from diloco_anywhere.training.checkpoint import committed_rounds
 
 RUN_TOML = """
 [run]

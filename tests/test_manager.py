@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig
 from diloco_anywhere.collective.round import RoundPolicy
-from diloco_anywhere.manager import BucketManager
-from diloco_anywhere.store import Store
+from diloco_anywhere.training.manager import BucketManager
 
 SYNC_EVERY = 4  # inner steps per outer step (H)
 OUTER_STEPS = 4

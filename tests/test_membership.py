@@ -9,7 +9,10 @@ import time
 import pytest
 
 from diloco_anywhere.bench.store import sample_tensor
-from diloco_anywhere.codec import make_codec
+from diloco_anywhere.bucket.codec import make_codec
+from diloco_anywhere.bucket.layout import Participant, RunLayout
+from diloco_anywhere.bucket.record import encode_record
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import finish_round
 from diloco_anywhere.collective.mean import weighted_mean
 from diloco_anywhere.collective.membership import (
@@ -21,9 +24,6 @@ from diloco_anywhere.collective.membership import (
     member_progress,
 )
 from diloco_anywhere.collective.round import Round, RoundPolicy
-from diloco_anywhere.layout import Participant, RunLayout
-from diloco_anywhere.record import encode_record
-from diloco_anywhere.store import Store
 
 RUN = RunLayout("run")
 POLICY = LeasePolicy(period=10.0)

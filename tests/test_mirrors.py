@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from diloco_anywhere.checkpoint import committed_rounds, load_checkpoint, read_checkpoint
+from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.cli.run import _status_table
 from diloco_anywhere.config import load_config
-from diloco_anywhere.launch import run_metrics
-from diloco_anywhere.layout import RunLayout
-from diloco_anywhere.mirrors import MirrorWriter, ResumeError, resume_from
-from diloco_anywhere.status import ReplicaStatus
-from diloco_anywhere.store import Store
+from diloco_anywhere.launching.launch import run_metrics
+from diloco_anywhere.launching.status import ReplicaStatus
+from diloco_anywhere.training.checkpoint import committed_rounds, load_checkpoint, read_checkpoint
+from diloco_anywhere.training.mirrors import MirrorWriter, ResumeError, resume_from
 from proxy import FaultProxy
 from test_checkpoint import diloco_like_state, write_checkpoint
 from test_hf_buckets import use_gateway

@@ -12,7 +12,7 @@ import pytest
 
 from diloco_anywhere.backends.k8s import api_client
 from diloco_anywhere.config import load_config
-from diloco_anywhere.launch import load_handles, run_metrics
+from diloco_anywhere.launching.launch import load_handles, run_metrics
 from hf_jobs_standin import hf_jobs_api
 from k8s_standin import k8s_api
 from test_backend_hf_jobs import write_run

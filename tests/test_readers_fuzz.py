@@ -14,13 +14,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco_anywhere import wire
-from diloco_anywhere.checkpoint import CheckpointCommit, StoredObject
-from diloco_anywhere.codec import make_codec
+from diloco_anywhere.bucket import wire
+from diloco_anywhere.bucket.codec import make_codec
+from diloco_anywhere.bucket.record import RECORD_MAGIC, decode_record, encode_record
 from diloco_anywhere.collective.membership import Claim, Lease
 from diloco_anywhere.collective.records import Manifest, PartEntry, Seal, ShardFailure
-from diloco_anywhere.metrics import EventLine, MetricsChunk, StepLine, SyncLine
-from diloco_anywhere.record import RECORD_MAGIC, decode_record, encode_record
+from diloco_anywhere.training.checkpoint import CheckpointCommit, StoredObject
+from diloco_anywhere.training.metrics import EventLine, MetricsChunk, StepLine, SyncLine
 
 KEY = "run/rounds/0000000001/0/SEAL"
 PART = PartEntry(key="run/rounds/0000000001/0/parts/a-0/0", size=300, crc32c=7, start=0, stop=64)

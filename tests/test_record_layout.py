@@ -8,18 +8,18 @@ from crc32c import crc32c
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco_anywhere import wire
-from diloco_anywhere.codec import make_codec
-from diloco_anywhere.collective.records import Manifest, PartEntry
-from diloco_anywhere.layout import RunLayout, contributor, parse_contributor, parse_count
-from diloco_anywhere.record import (
+from diloco_anywhere.bucket import wire
+from diloco_anywhere.bucket.codec import make_codec
+from diloco_anywhere.bucket.layout import RunLayout, contributor, parse_contributor, parse_count
+from diloco_anywhere.bucket.record import (
     MAX_RECORD_BYTES,
     RECORD_MAGIC,
     Record,
     decode_record,
     encode_record,
 )
-from diloco_anywhere.store import check_key
+from diloco_anywhere.bucket.store import check_key
+from diloco_anywhere.collective.records import Manifest, PartEntry
 
 
 class Sealed(Record):

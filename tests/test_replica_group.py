@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 
 from diloco_anywhere.bench.chaos import fingerprint_disagreements
+from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import load_config
-from diloco_anywhere.launch import run_metrics
-from diloco_anywhere.layout import RunLayout
-from diloco_anywhere.store import Store
+from diloco_anywhere.launching.launch import run_metrics
 from test_launch import RUN_TOML, diloco, statuses
 
 TWO_PROCESSES = "\n[backends.local]\nprocesses_per_replica = 2\n"

@@ -10,7 +10,12 @@ from azure.core.exceptions import HttpResponseError, ServiceResponseError
 from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
 from gcsfs.retry import HttpError
 
-from diloco_anywhere.retry import RetryDeadlineError, RetryPolicy, call_with_retry, is_transient
+from diloco_anywhere.bucket.retry import (
+    RetryDeadlineError,
+    RetryPolicy,
+    call_with_retry,
+    is_transient,
+)
 
 
 def s3_error(status: int, code: str) -> OSError:

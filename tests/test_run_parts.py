@@ -13,16 +13,16 @@ import torch
 from torch import nn
 
 from diloco_anywhere.backends.base import ReplicaHandle
+from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.cli.common import print_json
 from diloco_anywhere.cli.run import parse_backends
 from diloco_anywhere.config import RunConfig
-from diloco_anywhere.layout import RunLayout
-from diloco_anywhere.metrics import MetricsReader, MetricsWriter, StepLine, SyncLine
-from diloco_anywhere.report import summarize
-from diloco_anywhere.status import replica_statuses
-from diloco_anywhere.store import Store
+from diloco_anywhere.launching.report import summarize
+from diloco_anywhere.launching.status import replica_statuses
 from diloco_anywhere.task import TaskContext, build_task, load_entrypoint
-from diloco_anywhere.training import split_fragments
+from diloco_anywhere.training.loop import split_fragments
+from diloco_anywhere.training.metrics import MetricsReader, MetricsWriter, StepLine, SyncLine
 
 
 def tied_model() -> nn.Module:

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from diloco_anywhere.store import Store, StoreError, check_key, redact_url, scrub_secrets
+from diloco_anywhere.bucket.store import Store, StoreError, check_key, redact_url, scrub_secrets
 
 
 def test_put_then_get_whole_and_range(backend):

@@ -12,9 +12,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco_anywhere import wire
 from diloco_anywhere.bench.store import sample_tensor
-from diloco_anywhere.codec import make_codec
+from diloco_anywhere.bucket import wire
+from diloco_anywhere.bucket.codec import make_codec
+from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.store import Store, StoreError
 from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig
 from diloco_anywhere.collective.flat import FlatTensors
 from diloco_anywhere.collective.mean import weighted_mean
@@ -23,8 +25,6 @@ from diloco_anywhere.collective.records import MAX_WEIGHT, Manifest, check_weigh
 from diloco_anywhere.collective.round import RoundPolicy
 from diloco_anywhere.collective.sharded import _ShardedExchange
 from diloco_anywhere.collective.transfers import windowed
-from diloco_anywhere.layout import RunLayout
-from diloco_anywhere.store import Store, StoreError
 
 META = wire.ObjectMeta(run="run", round=0, replica="a", incarnation=0, shard=0)
 

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from diloco_anywhere.layout import RunLayout
-from diloco_anywhere.metrics import MetricsWriter, StepLine, SyncLine
-from diloco_anywhere.store import Store
+from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.training.metrics import MetricsWriter, StepLine, SyncLine
 from test_launch import diloco
 
 REPLICAS = ("local-0", "local-1")

@@ -13,8 +13,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diloco_anywhere import wire
-from diloco_anywhere.codec import Bf16Codec, Fp32Codec, Int8Codec, make_codec
+from diloco_anywhere.bucket import wire
+from diloco_anywhere.bucket.codec import Bf16Codec, Fp32Codec, Int8Codec, make_codec
 
 META = wire.ObjectMeta(run="run-1", round=7, replica="modal-0", incarnation=3, shard=2)
 DTYPES = list(wire.DTYPES.values())

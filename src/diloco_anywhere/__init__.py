@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr__ below
     from diloco_anywhere.collective.plain import Collective
-    from diloco_anywhere.session import Replica, join
-    from diloco_anywhere.training import Training
+    from diloco_anywhere.training.loop import Training
+    from diloco_anywhere.training.session import Replica, join
 
 __version__ = version("diloco-anywhere")
 __all__ = ["Collective", "Replica", "Training", "__version__", "join"]
 _EXPORTS = {
     "Collective": "diloco_anywhere.collective.plain",
-    "Replica": "diloco_anywhere.session",
-    "Training": "diloco_anywhere.training",
-    "join": "diloco_anywhere.session",
+    "Replica": "diloco_anywhere.training.session",
+    "Training": "diloco_anywhere.training.loop",
+    "join": "diloco_anywhere.training.session",
 }
 
 

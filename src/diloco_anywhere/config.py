@@ -25,9 +25,9 @@ from pydantic import (
     model_validator,
 )
 
-from diloco_anywhere.codec import CODEC_NAMES
-from diloco_anywhere.layout import NAME
-from diloco_anywhere.store import check_store_url, redact_url
+from diloco_anywhere.bucket.codec import CODEC_NAMES
+from diloco_anywhere.bucket.layout import NAME
+from diloco_anywhere.bucket.store import check_store_url, redact_url
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -27,13 +27,13 @@ import re
 import signal
 import sys
 
-from diloco_anywhere.command import ENV_CONFIG, run_command
+from diloco_anywhere.bucket.layout import check_name, parse_count
+from diloco_anywhere.bucket.store import Store, StoreError
 from diloco_anywhere.config import ConfigError, RunConfig, load_config, validate_config
-from diloco_anywhere.layout import check_name, parse_count
-from diloco_anywhere.published_config import ENV_CONFIG_KEY, read_config
-from diloco_anywhere.session import Replica, StopRequestedError, raise_stopped
-from diloco_anywhere.store import Store, StoreError
-from diloco_anywhere.training import train
+from diloco_anywhere.launching.published_config import ENV_CONFIG_KEY, read_config
+from diloco_anywhere.training.command import ENV_CONFIG, run_command
+from diloco_anywhere.training.loop import train
+from diloco_anywhere.training.session import Replica, StopRequestedError, raise_stopped
 
 log = logging.getLogger("diloco_anywhere.replica")
 ENV_REPLICA_ID = "DILOCO_REPLICA_ID"

@@ -39,8 +39,8 @@ from diloco_anywhere.backends.base import (
     launch_each,
     settings_error,
 )
+from diloco_anywhere.bucket.layout import parse_count
 from diloco_anywhere.config import RunConfig
-from diloco_anywhere.layout import parse_count
 from diloco_anywhere.replica import EXIT_BAD_CONFIG
 
 if TYPE_CHECKING:

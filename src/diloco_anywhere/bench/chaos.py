@@ -29,9 +29,9 @@ from typing import Any
 from diloco_anywhere.backends.local import LocalBackend
 from diloco_anywhere.bench.train import Progress, local_plan, run_diloco
 from diloco_anywhere.config import RunConfig
-from diloco_anywhere.launch import run_metrics
-from diloco_anywhere.metrics import ReplicaMetrics
-from diloco_anywhere.supervisor import Supervisor
+from diloco_anywhere.launching.launch import run_metrics
+from diloco_anywhere.launching.supervisor import Supervisor
+from diloco_anywhere.training.metrics import ReplicaMetrics
 
 
 @dataclass

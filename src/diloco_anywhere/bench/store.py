@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from diloco_anywhere import wire
-from diloco_anywhere.codec import Codec, make_codec
-from diloco_anywhere.store import Store
+from diloco_anywhere.bucket import wire
+from diloco_anywhere.bucket.codec import Codec, make_codec
+from diloco_anywhere.bucket.store import Store
 
 MiB = 1 << 20
 BENCH_META = wire.ObjectMeta(run="bench", round=0, replica="bench", incarnation=0, shard=0)

@@ -39,14 +39,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from diloco_anywhere import wire
 from diloco_anywhere.bench.memory import PeakMemory, resident_bytes
 from diloco_anywhere.bench.store import BENCH_META
 from diloco_anywhere.bench.wan import WanShape
-from diloco_anywhere.codec import make_codec
+from diloco_anywhere.bucket import wire
+from diloco_anywhere.bucket.codec import make_codec
+from diloco_anywhere.bucket.store import Store, StoreStats, redact_url
 from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig
 from diloco_anywhere.collective.round import RoundPolicy
-from diloco_anywhere.store import Store, StoreStats, redact_url
 
 MODES = ("gather", "sharded", "auto")
 # S3 Standard request prices, us-east-1 (aws.amazon.com/s3/pricing, 2026): USD per 1,000.

@@ -24,10 +24,10 @@ import torch
 
 from diloco_anywhere.backends.local import LocalBackend, threads_per_replica
 from diloco_anywhere.config import RunConfig, load_config, validate_config
-from diloco_anywhere.launch import LaunchPlan, plan_launch, run_metrics
-from diloco_anywhere.metrics import ReplicaMetrics
-from diloco_anywhere.report import summarize
+from diloco_anywhere.launching.launch import LaunchPlan, plan_launch, run_metrics
+from diloco_anywhere.launching.report import summarize
 from diloco_anywhere.task import Task, TaskContext, build_task
+from diloco_anywhere.training.metrics import ReplicaMetrics
 
 Progress = Callable[[str], None]
 

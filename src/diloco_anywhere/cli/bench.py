@@ -11,6 +11,8 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from diloco_anywhere.bucket.codec import CODEC_NAMES
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.cli.common import (
     parse_size,
     print_json,
@@ -18,9 +20,7 @@ from diloco_anywhere.cli.common import (
     stdout,
     user_errors,
 )
-from diloco_anywhere.codec import CODEC_NAMES
 from diloco_anywhere.standins import STANDINS, standin
-from diloco_anywhere.store import Store
 
 
 def _bench_target(

@@ -14,12 +14,12 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from diloco_anywhere.backends.base import BackendUnavailableError
+from diloco_anywhere.bucket.store import StoreError
 from diloco_anywhere.config import ConfigError
-from diloco_anywhere.infra import InfraError
-from diloco_anywhere.launch import LaunchError
+from diloco_anywhere.launching.infra import InfraError
+from diloco_anywhere.launching.launch import LaunchError
+from diloco_anywhere.launching.tracking import TrackerUnavailableError
 from diloco_anywhere.standins import StandInUnavailableError
-from diloco_anywhere.store import StoreError
-from diloco_anywhere.tracking import TrackerUnavailableError
 
 stdout = Console()
 stderr = Console(stderr=True)

@@ -8,10 +8,10 @@ from typing import Annotated
 
 import typer
 
-from diloco_anywhere import hf_buckets
+from diloco_anywhere.bucket import hf_buckets
 from diloco_anywhere.cli.common import stderr, stdout, user_errors
 from diloco_anywhere.config import RunConfig, load_config
-from diloco_anywhere.infra import (
+from diloco_anywhere.launching.infra import (
     CLOUDS,
     HubBucket,
     InfraError,

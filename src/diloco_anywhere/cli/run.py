@@ -20,9 +20,11 @@ from diloco_anywhere.backends.base import (
     one_line,
     stop_all,
 )
+from diloco_anywhere.bucket.layout import parse_count
+from diloco_anywhere.bucket.store import redact_url
 from diloco_anywhere.cli.common import print_json, stderr, stdout, user_errors
 from diloco_anywhere.config import RunConfig, load_config, validate_config
-from diloco_anywhere.launch import (
+from diloco_anywhere.launching.launch import (
     LaunchPlan,
     backends_for,
     delete_run_objects,
@@ -40,12 +42,10 @@ from diloco_anywhere.launch import (
     stopped_replicas,
     store_has_run,
 )
-from diloco_anywhere.layout import parse_count
+from diloco_anywhere.launching.report import RunSummary, plot_losses, summarize
+from diloco_anywhere.launching.status import ReplicaStatus, replica_statuses
+from diloco_anywhere.launching.supervisor import Supervisor
 from diloco_anywhere.replica import ENV_STORE
-from diloco_anywhere.report import RunSummary, plot_losses, summarize
-from diloco_anywhere.status import ReplicaStatus, replica_statuses
-from diloco_anywhere.store import redact_url
-from diloco_anywhere.supervisor import Supervisor
 
 CONFIG_OPTION = typer.Option(
     "--config", help="run.toml of the run. Default: the embedded demo run (4 local replicas)."
@@ -398,7 +398,7 @@ def export(
     """Write the run's trained model: the global weights of a committed checkpoint (checked as
     healing checks it) as model.safetensors, a model card (README.md), run.toml, and the task's
     own save format when it has one."""
-    from diloco_anywhere.export import export as export_run
+    from diloco_anywhere.launching.export import export as export_run
 
     with user_errors():
         config = load_config(config_path)
@@ -409,7 +409,9 @@ def export(
 
 
 def _track(config: RunConfig, tensorboard: Path | None, project: str | None) -> None:
-    from diloco_anywhere import tracking  # the trackers' packages load only when asked for
+    from diloco_anywhere.launching import (
+        tracking,  # the trackers' packages load only when asked for
+    )
 
     metrics = run_metrics(config).read()
     if tensorboard is not None:

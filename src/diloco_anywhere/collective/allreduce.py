@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco_anywhere.codec import Codec, make_codec
+from diloco_anywhere.bucket.codec import Codec, make_codec
+from diloco_anywhere.bucket.layout import Participant, RunLayout
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.collect import RoundCollector
 from diloco_anywhere.collective.flat import FlatTensors
 from diloco_anywhere.collective.gather import gather_mean
@@ -39,8 +41,6 @@ from diloco_anywhere.collective.parts import Transfers, one_intra_op_thread
 from diloco_anywhere.collective.records import Seal
 from diloco_anywhere.collective.round import Round, RoundPolicy
 from diloco_anywhere.collective.sharded import sharded_mean
-from diloco_anywhere.layout import Participant, RunLayout
-from diloco_anywhere.store import Store
 
 EXCHANGES = {"gather": gather_mean, "sharded": sharded_mean}
 log = logging.getLogger(__name__)

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco_anywhere import wire
-from diloco_anywhere.codec import Codec
+from diloco_anywhere.bucket import wire
+from diloco_anywhere.bucket.codec import Codec
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.flat import FlatTensors
 from diloco_anywhere.collective.records import Manifest, PartEntry
 from diloco_anywhere.collective.transfers import BufferPool, Held
-from diloco_anywhere.store import Store
 
 log = logging.getLogger(__name__)
 

@@ -26,10 +26,10 @@ from collections.abc import Iterator
 
 import torch
 
-from diloco_anywhere.codec import make_codec
+from diloco_anywhere.bucket.codec import make_codec
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig, Work
 from diloco_anywhere.collective.round import RoundPolicy
-from diloco_anywhere.store import Store
 
 
 class Collective:

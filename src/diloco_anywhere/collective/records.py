@@ -7,10 +7,10 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from diloco_anywhere.codec import Codec
-from diloco_anywhere.layout import parse_contributor
-from diloco_anywhere.record import Record
-from diloco_anywhere.wire import Count, Name, max_object_nbytes
+from diloco_anywhere.bucket.codec import Codec
+from diloco_anywhere.bucket.layout import parse_contributor
+from diloco_anywhere.bucket.record import Record
+from diloco_anywhere.bucket.wire import Count, Name, max_object_nbytes
 
 # Weights are tokens or samples per sync: 2^64 is beyond any run, and a sum of any number of
 # them stays far inside float64 (the mean scales each contribution by its share, mean.py).

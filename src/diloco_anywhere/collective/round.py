@@ -24,15 +24,15 @@ from typing import Literal
 
 import torch
 
-from diloco_anywhere import wire
-from diloco_anywhere.codec import Codec
+from diloco_anywhere.bucket import wire
+from diloco_anywhere.bucket.codec import Codec
+from diloco_anywhere.bucket.layout import Participant, RunLayout, parse_contributor
+from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, decode_record, encode_record
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.flat import FlatTensors
 from diloco_anywhere.collective.parts import MissingPartError, Part, PartIO, Transfers
 from diloco_anywhere.collective.records import ExchangeMode, Manifest, PartEntry, Seal
 from diloco_anywhere.collective.transfers import windowed
-from diloco_anywhere.layout import Participant, RunLayout, parse_contributor
-from diloco_anywhere.record import RECORD_READ_LIMIT, decode_record, encode_record
-from diloco_anywhere.store import Store
 
 log = logging.getLogger(__name__)
 PartId = tuple[str, int]  # (contributor, shard)

@@ -34,18 +34,18 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
-from diloco_anywhere import wire
-from diloco_anywhere.collective.flat import FlatTensors
-from diloco_anywhere.collective.mean import WeightedMean
-from diloco_anywhere.collective.records import Seal, ShardFailure
-from diloco_anywhere.collective.round import Round, SealedContributionError, release
-from diloco_anywhere.collective.transfers import Held
-from diloco_anywhere.record import (
+from diloco_anywhere.bucket import wire
+from diloco_anywhere.bucket.record import (
     RECORD_MAGIC,
     RECORD_READ_LIMIT,
     decode_record,
     encode_record,
 )
+from diloco_anywhere.collective.flat import FlatTensors
+from diloco_anywhere.collective.mean import WeightedMean
+from diloco_anywhere.collective.records import Seal, ShardFailure
+from diloco_anywhere.collective.round import Round, SealedContributionError, release
+from diloco_anywhere.collective.transfers import Held
 
 log = logging.getLogger(__name__)
 # The wire header's replica field of a reduced shard: the round's reduction, by whoever.

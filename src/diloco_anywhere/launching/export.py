@@ -26,21 +26,21 @@ from pathlib import Path
 import torch
 from safetensors.torch import save as save_safetensors
 
-from diloco_anywhere.checkpoint import (
+from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.config import RunConfig
+from diloco_anywhere.launching.published_config import config_text
+from diloco_anywhere.launching.report import RunSummary, summarize
+from diloco_anywhere.task import Task, TaskContext, build_task
+from diloco_anywhere.training.checkpoint import (
     Checkpoint,
     CheckpointError,
     load_checkpoint,
     newest_checkpoints,
 )
-from diloco_anywhere.config import RunConfig
-from diloco_anywhere.global_state import FRAGMENT_KEY
-from diloco_anywhere.layout import RunLayout
-from diloco_anywhere.metrics import MetricsReader
-from diloco_anywhere.published_config import config_text
-from diloco_anywhere.report import RunSummary, summarize
-from diloco_anywhere.store import Store
-from diloco_anywhere.task import Task, TaskContext, build_task
-from diloco_anywhere.training import split_fragments
+from diloco_anywhere.training.global_state import FRAGMENT_KEY
+from diloco_anywhere.training.loop import split_fragments
+from diloco_anywhere.training.metrics import MetricsReader
 
 MODEL_FILE, CARD_FILE, CONFIG_FILE, SAVED_FOLDER = (
     "model.safetensors",

@@ -39,20 +39,20 @@ from types import TracebackType
 import torch
 from torch import nn
 
-from diloco_anywhere.checkpoint import retained_after
+from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.store import Store, scrub_secrets
 from diloco_anywhere.collective.allreduce import BucketCollective
-from diloco_anywhere.command import DONE, JOINED, report
 from diloco_anywhere.config import RunConfig
-from diloco_anywhere.layout import RunLayout
-from diloco_anywhere.metrics import MetricsWriter
-from diloco_anywhere.replica_group import ReplicaGroup
-from diloco_anywhere.store import Store, scrub_secrets
-from diloco_anywhere.training import (
+from diloco_anywhere.training.checkpoint import retained_after
+from diloco_anywhere.training.command import DONE, JOINED, report
+from diloco_anywhere.training.loop import (
     Training,
     build_parts,
     collective_config,
     resolve_device,
 )
+from diloco_anywhere.training.metrics import MetricsWriter
+from diloco_anywhere.training.replica_group import ReplicaGroup
 
 log = logging.getLogger(__name__)
 

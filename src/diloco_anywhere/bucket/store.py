@@ -37,8 +37,8 @@ from urllib.parse import urlsplit, urlunsplit
 import fsspec
 from fsspec.utils import get_protocol
 
-from diloco_anywhere import hf_buckets
-from diloco_anywhere.retry import RetryPolicy, call_with_retry, http_status
+from diloco_anywhere.bucket import hf_buckets
+from diloco_anywhere.bucket.retry import RetryPolicy, call_with_retry, http_status
 
 T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from diloco_anywhere import published_config, replica
+from diloco_anywhere import replica
 from diloco_anywhere.backends import get_backend
 from diloco_anywhere.backends.base import (
     Backend,
@@ -26,13 +26,14 @@ from diloco_anywhere.backends.base import (
     one_line,
     stop_all,
 )
+from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.store import Store, redact_url
 from diloco_anywhere.config import ConfigError, RunConfig
-from diloco_anywhere.layout import RunLayout
-from diloco_anywhere.metrics import MetricsReader
-from diloco_anywhere.mirrors import Resumed, latest_commits, resume_from
-from diloco_anywhere.store import Store, redact_url
+from diloco_anywhere.launching import published_config
+from diloco_anywhere.training.metrics import MetricsReader
+from diloco_anywhere.training.mirrors import Resumed, latest_commits, resume_from
 
-log = logging.getLogger("diloco_anywhere.launch")
+log = logging.getLogger("diloco_anywhere.launching.launch")
 STATE_FILE = "launch.json"
 STOPPED_FOLDER = "stopped"  # one empty file per replica that `diloco stop` stopped on purpose
 

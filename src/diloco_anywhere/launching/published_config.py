@@ -15,9 +15,9 @@ import re
 import crc32c
 import tomli_w
 
+from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import ConfigError, RunConfig, parse_config
-from diloco_anywhere.layout import RunLayout
-from diloco_anywhere.store import Store
 
 ENV_CONFIG_KEY = "DILOCO_CONFIG_KEY"
 _KEY = re.compile(r"(?P<run>[^/]+)/configs/(?P<crc>[0-9a-f]{8})\.toml")

@@ -37,11 +37,11 @@ import crc32c
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from diloco_anywhere.codec import CPU, Codec, CodecDataError, require_finite
-from diloco_anywhere.layout import NAME
+from diloco_anywhere.bucket.codec import CPU, Codec, CodecDataError, require_finite
+from diloco_anywhere.bucket.layout import NAME
 
 if sys.byteorder != "little":  # every platform we target is little-endian; say so if not
-    raise ImportError("diloco_anywhere.wire supports little-endian machines only")
+    raise ImportError("diloco_anywhere.bucket.wire supports little-endian machines only")
 
 MAGIC = b"DLAW"
 KINDS = {MAGIC: "diloco-anywhere wire object", b"DLAR": "diloco-anywhere record"}

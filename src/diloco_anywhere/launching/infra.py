@@ -24,8 +24,8 @@ from typing import Any
 
 import tomlkit
 
-from diloco_anywhere import hf_buckets
 from diloco_anywhere.backends.base import one_line
+from diloco_anywhere.bucket import hf_buckets
 
 TERRAFORM_INSTALL = "https://developer.hashicorp.com/terraform/install"
 CLOUDS = {"s3": "aws", "gs": "gcp", "gcs": "gcp"}

@@ -39,10 +39,10 @@ from typing import Any
 import torch
 from torch.distributed import ReduceOp
 
-from diloco_anywhere.codec import Codec, make_codec
+from diloco_anywhere.bucket.codec import Codec, make_codec
 from diloco_anywhere.collective.allreduce import BucketCollective, RoundResult, Work
 from diloco_anywhere.collective.records import check_weight
-from diloco_anywhere.global_state import fingerprint, state_tree, tree_checksum
+from diloco_anywhere.training.global_state import fingerprint, state_tree, tree_checksum
 
 log = logging.getLogger(__name__)
 StateDictFns = tuple[Callable[[Any], None], Callable[[], Any]]

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from diloco_anywhere.hf_buckets import HfBucketError, check_gateway_key
+from diloco_anywhere.bucket.hf_buckets import HfBucketError, check_gateway_key
 
 PROXIED_CLIENTS = ("botocore", "aws-cli", "aws-sdk-rust")
 STREAMING_PAYLOADS = (

@@ -29,13 +29,18 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from diloco_anywhere.checkpoint import Checkpoint, CheckpointCommit, Confirm, newest_checkpoints
+from diloco_anywhere.bucket.store import Store, StoreError
+from diloco_anywhere.bucket.wire import WireFormatError
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.round import RoundDataMissingError, SealedContributionError
-from diloco_anywhere.global_state import GlobalState, fingerprint
-from diloco_anywhere.manager import BucketManager
-from diloco_anywhere.store import Store, StoreError
-from diloco_anywhere.wire import WireFormatError
+from diloco_anywhere.training.checkpoint import (
+    Checkpoint,
+    CheckpointCommit,
+    Confirm,
+    newest_checkpoints,
+)
+from diloco_anywhere.training.global_state import GlobalState, fingerprint
+from diloco_anywhere.training.manager import BucketManager
 
 log = logging.getLogger(__name__)
 

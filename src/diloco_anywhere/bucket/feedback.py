@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from diloco_anywhere import wire
-from diloco_anywhere.codec import Codec
+from diloco_anywhere.bucket import wire
+from diloco_anywhere.bucket.codec import Codec
 
 
 class ErrorFeedback:

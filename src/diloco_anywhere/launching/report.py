@@ -12,7 +12,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from diloco_anywhere.metrics import ReplicaMetrics
+from diloco_anywhere.training.metrics import ReplicaMetrics
 
 
 @dataclass(frozen=True)

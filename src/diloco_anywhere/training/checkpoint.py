@@ -37,11 +37,11 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch.utils._pytree import tree_map
 
-from diloco_anywhere.global_state import fingerprint, tree_checksum
-from diloco_anywhere.layout import RunLayout, parse_count
-from diloco_anywhere.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
-from diloco_anywhere.store import Store, StoreError, check_key
-from diloco_anywhere.wire import Count, Name, WireFormatError
+from diloco_anywhere.bucket.layout import RunLayout, parse_count
+from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
+from diloco_anywhere.bucket.store import Store, StoreError, check_key
+from diloco_anywhere.bucket.wire import Count, Name, WireFormatError
+from diloco_anywhere.training.global_state import fingerprint, tree_checksum
 
 log = logging.getLogger(__name__)
 JSON_LEAVES = (bool, int, float, str, type(None))

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from diloco_anywhere.metrics import ReplicaMetrics
+from diloco_anywhere.training.metrics import ReplicaMetrics
 
 
 class TrackerUnavailableError(RuntimeError):

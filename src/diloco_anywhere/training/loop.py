@@ -22,23 +22,23 @@ import torch
 from torch import nn
 from torchft.local_sgd import DiLoCo
 
-from diloco_anywhere.checkpoint import CheckpointPolicy, CheckpointWriter
-from diloco_anywhere.codec import make_codec
+from diloco_anywhere.bucket.codec import make_codec
+from diloco_anywhere.bucket.store import scrub_secrets
 from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig
 from diloco_anywhere.collective.membership import LeasePolicy
 from diloco_anywhere.collective.round import DivergedError, RoundPolicy
 from diloco_anywhere.config import RunConfig
-from diloco_anywhere.global_state import GlobalState
-from diloco_anywhere.healing import heal
-from diloco_anywhere.manager import BucketManager
-from diloco_anywhere.metrics import MetricsWriter, StepLine, SyncLine
-from diloco_anywhere.mirrors import MirrorWriter
-from diloco_anywhere.replica_group import ReplicaGroup, make_manager
-from diloco_anywhere.store import scrub_secrets
 from diloco_anywhere.task import Batch, Task, TaskContext, build_task
+from diloco_anywhere.training.checkpoint import CheckpointPolicy, CheckpointWriter
+from diloco_anywhere.training.global_state import GlobalState
+from diloco_anywhere.training.healing import heal
+from diloco_anywhere.training.manager import BucketManager
+from diloco_anywhere.training.metrics import MetricsWriter, StepLine, SyncLine
+from diloco_anywhere.training.mirrors import MirrorWriter
+from diloco_anywhere.training.replica_group import ReplicaGroup, make_manager
 
 if TYPE_CHECKING:
-    from diloco_anywhere.session import Replica
+    from diloco_anywhere.training.session import Replica
 
 log = logging.getLogger(__name__)
 

@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from diloco_anywhere.codec import Codec
+from diloco_anywhere.bucket.codec import Codec
+from diloco_anywhere.bucket.layout import Participant
 from diloco_anywhere.collective.allreduce import BucketCollective, RoundResult
 from diloco_anywhere.collective.records import Seal
 from diloco_anywhere.collective.round import DivergedError
-from diloco_anywhere.layout import Participant
-from diloco_anywhere.manager import BucketManager
+from diloco_anywhere.training.manager import BucketManager
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from typing import Any
 
 import fsspec
 
-from diloco_anywhere.hf_gateway import gateway_front
+from diloco_anywhere.standins.hf_gateway import gateway_front
 
 # Azurite's documented development account (public, not a secret).
 AZURITE_ACCOUNT = "devstoreaccount1"

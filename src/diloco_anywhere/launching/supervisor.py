@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import Counter
 
 from diloco_anywhere.backends.base import ACTIVE_STATES, Backend, JobState, ReplicaHandle
-from diloco_anywhere.launch import LaunchPlan, job_state, save_state, stopped_replicas
+from diloco_anywhere.launching.launch import LaunchPlan, job_state, save_state, stopped_replicas
 from diloco_anywhere.replica import EXIT_BAD_CONFIG, EXIT_STOPPED
 
 NOT_RESTARTED = {EXIT_BAD_CONFIG: "bad configuration", EXIT_STOPPED: "stopped", -15: "stopped"}

@@ -11,7 +11,7 @@ from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 
 from diloco_anywhere.backends.base import JobState, ReplicaHandle
-from diloco_anywhere.metrics import ReplicaMetrics
+from diloco_anywhere.training.metrics import ReplicaMetrics
 
 
 @dataclass(frozen=True)

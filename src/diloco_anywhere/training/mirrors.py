@@ -22,7 +22,9 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from diloco_anywhere.checkpoint import (
+from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.training.checkpoint import (
     CheckpointCommit,
     CheckpointError,
     StoredCheckpoint,
@@ -32,8 +34,6 @@ from diloco_anywhere.checkpoint import (
     read_checkpoint,
     read_commit,
 )
-from diloco_anywhere.layout import RunLayout
-from diloco_anywhere.store import Store
 
 log = logging.getLogger(__name__)
 
