@@ -12,7 +12,7 @@ import torch
 
 from conftest import TINY_LLAMA
 from diloco_anywhere.task import TaskContext
-from diloco_anywhere.tasks.hf_causal_lm import build, inner_lr_schedule
+from diloco_anywhere.tasks.hf_causal_lm import build, inner_lr_schedule, read_documents
 from test_launch import diloco, statuses
 
 
@@ -82,9 +82,29 @@ def test_two_replicas_train_it_and_export_a_save_pretrained_folder(
     rows = statuses("run.toml")
     assert {(row["state"], row["outer_step"]) for row in rows.values()} == {("done", 3)}
     assert all(row["eval_loss"] < math.log(120) for row in rows.values())  # beats uniform
+    # the inner learning rate of the run's last step: its place in warmup + cosine, 15 steps
+    last_lr = 3e-3 * inner_lr_schedule(warmup=3, total=15, min_ratio=0.1)(14)
+    assert all(row["values"]["lr"] == pytest.approx(last_lr) for row in rows.values())
     exported = diloco("export", "model", "--config", "run.toml")
     assert exported.exit_code == 0, exported.output
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "model" / "saved")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model" / "saved")
     inputs = tokenizer("the cat sat on the mat", return_tensors="pt")
     assert model(**inputs).logits.shape[-1] == 120
+
+
+def test_text_comes_from_parquet_jsonl_and_txt_files_by_path_or_glob(tmp_path):
+    import pyarrow
+    import pyarrow.parquet
+
+    table = pyarrow.table({"body": ["first document", "second document"]})
+    pyarrow.parquet.write_table(table, tmp_path / "a.parquet")
+    (tmp_path / "b.jsonl").write_text('{"body": "third"}\n\n{"body": "fourth"}\n')
+    (tmp_path / "c.txt").write_text("a whole file is one document")
+    assert read_documents(str(tmp_path / "*"), "body") == [
+        "first document", "second document", "third", "fourth", "a whole file is one document",
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="a line without a string 'text' field"):
+        read_documents(str(tmp_path / "b.jsonl"), "text")
+    with pytest.raises(ValueError, match="no file there"):
+        read_documents(str(tmp_path / "missing-*.jsonl"), "text")

@@ -505,7 +505,7 @@ def train(replica: Replica) -> TrainingResult:
             loss = _backward(task, trained, batch)
             _before_step(task, inner, replica.config.diloco.inner_lr, training.inner_steps)
             inner.step()  # DiLoCo's hook syncs here every sync_every / fragments steps
-            training.log(loss)
+            training.log(loss, lr=inner.param_groups[0]["lr"])
     return training.result()
 
 
