@@ -18,7 +18,7 @@
 bucket, and its metrics (``started``, ``done``, ``failed``, ``stopped`` events) go to the run's
 store. ``diloco`` wraps torchft's own ``DiLoCo`` over the bucket-backed manager, with the
 fragments, outer optimizers, codec and checkpoints run.toml gives, heals the replica to the
-run's state first, and says where its data resumes. The built-in loop (``training.train``) is
+run's state first, and says where its data resumes. The built-in loop (``loop.train``) is
 written on this API. Under ``torchrun`` (a replica of several processes), rank 0 alone talks
 to the bucket (``replica_group.py``).
 """
