@@ -42,6 +42,14 @@ def test_a_plain_loop_is_every_replica_of_diloco_launch(tmp_path, monkeypatch):
     assert diloco("report", "--config", "run.toml").exit_code == 0
     plot = imread(tmp_path / ".diloco" / "plain-loop" / "report.png")
     assert plot.shape[0] == 7 * 120  # the loss, and a panel for lr under it (inches x dpi)
+    # the trackers' example, as printed (W&B offline: no account, no network)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    for line in example("diloco report --config run.toml --tensorboard", "bash").splitlines():
+        tracked = diloco(*line.split("#")[0].split()[1:])
+        assert tracked.exit_code == 0, tracked.output
+    assert sorted(path.name for path in (tmp_path / "tb").iterdir()) == ["local-0", "local-1"]
+    assert len(list((tmp_path / "wandb").glob("offline-run-*-plain-loop-local-*"))) == 2
 
 
 def test_a_plain_loop_trains_as_two_replicas_started_by_hand(tmp_path, monkeypatch):
