@@ -72,13 +72,19 @@ def write_wandb(metrics: dict[str, ReplicaMetrics], project: str, run: str) -> l
             f"wandb is not installed ({exc}): pip install 'diloco-anywhere[wandb]'"
         ) from None
     ids = []
-    for replica, replica_metrics in sorted(metrics.items()):
-        tracked = wandb.init(
-            project=project, group=run, name=replica, id=f"{run}-{replica}",
-            job_type=replica_metrics.platform or "replica", resume="allow", reinit="create_new",
-        )  # fmt: skip
-        with tracked:
-            for tokens, values in sorted(points(replica_metrics), key=lambda p: p[0]):
-                tracked.log({**values, "tokens": tokens}, step=tokens)
-        ids.append(tracked.id)
+    try:
+        for replica, replica_metrics in sorted(metrics.items()):
+            tracked = wandb.init(
+                project=project, group=run, name=replica, id=f"{run}-{replica}",
+                job_type=replica_metrics.platform or "replica", resume="allow",
+                reinit="create_new",
+            )  # fmt: skip
+            with tracked:
+                for tokens, values in sorted(points(replica_metrics), key=lambda p: p[0]):
+                    tracked.log({**values, "tokens": tokens}, step=tokens)
+            ids.append(tracked.id)
+    finally:
+        # W&B keeps its settings (WANDB_DIR, the mode...) for the process once set up: end
+        # them, so the next report in this process reads the environment again
+        wandb.teardown()
     return ids
