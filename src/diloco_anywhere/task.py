@@ -64,6 +64,40 @@ class Task:
     lr_schedule: Callable[[int], float] | None = None
 
 
+# -- building blocks for token tasks ---------------------------------------------------------
+
+
+def windows(
+    tokens: torch.Tensor, offsets: torch.Tensor, seq_len: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) at ``offsets``: targets are the inputs shifted on by one token."""
+    rows = tokens[offsets[:, None] + torch.arange(seq_len + 1)].to(device).long()
+    return rows[:, :-1], rows[:, 1:]
+
+
+def batch_generator(context: TaskContext, index: int) -> torch.Generator:
+    """The generator batch ``index`` draws from, seeded by (seed, replica, rank, index): any
+    batch can be the first, at no cost, and replays the same after a heal or restart."""
+    seed = hash((context.seed, context.replica_index, context.rank, index)) & (2**63 - 1)
+    return torch.Generator().manual_seed(seed)
+
+
+def held_out_loss(
+    loss: Callable[[nn.Module, Batch], torch.Tensor], eval_set: list[Batch]
+) -> Callable[[nn.Module], float]:
+    """``evaluate``: the mean loss over ``eval_set`` in eval mode, without gradients."""
+
+    def evaluate(model: nn.Module) -> float:
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            total = sum(float(loss(model, batch)) for batch in eval_set)
+        model.train(was_training)
+        return total / len(eval_set)
+
+    return evaluate
+
+
 def load_entrypoint(entrypoint: str) -> Callable[[TaskContext], Task]:
     """``'package.module:function'`` -> the function; errors say what was wrong and the fix."""
     module_name, _, function_name = entrypoint.partition(":")

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from diloco_anywhere.task import Task, TaskContext
+from diloco_anywhere.task import Task, TaskContext, batch_generator, held_out_loss, windows
 
 VOCAB = 256  # one token per byte value
 EVAL_FRACTION = 0.05
@@ -129,14 +129,6 @@ def load_corpus(corpus: str, limit: int) -> torch.Tensor:
     return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
-def windows(
-    data: torch.Tensor, offsets: torch.Tensor, seq_len: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) at ``offsets``: targets are the inputs shifted on by one byte."""
-    rows = data[offsets[:, None] + torch.arange(seq_len + 1)].to(device).long()
-    return rows[:, :-1], rows[:, 1:]
-
-
 def build(context: TaskContext) -> Task:
     options = context.options
     if unknown := sorted(set(options) - set(OPTIONS)):
@@ -170,11 +162,8 @@ def build(context: TaskContext) -> Task:
         )
 
     def batches(start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Batch ``i`` draws from its own generator, seeded by (seed, replica, rank, i): any
-        batch can be the first, at no cost."""
         for index in itertools.count(start):
-            seed = hash((context.seed, context.replica_index, context.rank, index)) & (2**63 - 1)
-            generator = torch.Generator().manual_seed(seed)
+            generator = batch_generator(context, index)
             offsets = torch.randint(len(shard) - seq_len, (batch_size,), generator=generator)
             yield windows(shard, offsets, seq_len, context.device)
 
@@ -189,12 +178,4 @@ def build(context: TaskContext) -> Task:
         windows(held_out, part, seq_len, context.device) for part in offsets.split(batch_size)
     ]
 
-    def evaluate(model: nn.Module) -> float:
-        was_training = model.training
-        model.eval()
-        with torch.no_grad():
-            total = sum(float(loss(model, batch)) for batch in eval_set)
-        model.train(was_training)
-        return total / len(eval_set)
-
-    return Task(model, batches, loss, batch_size * seq_len, evaluate)
+    return Task(model, batches, loss, batch_size * seq_len, held_out_loss(loss, eval_set))

@@ -38,7 +38,7 @@ import fsspec
 import torch
 from torch import nn
 
-from diloco_anywhere.task import Task, TaskContext
+from diloco_anywhere.task import Task, TaskContext, batch_generator, held_out_loss, windows
 
 OPTIONS = (
     "model", "config", "tokenizer", "data", "eval_data", "text_field", "eval_fraction",
@@ -121,12 +121,11 @@ def _model(options: dict[str, Any], seed: int, device: torch.device) -> nn.Modul
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).to(device)
 
 
-def _windows(
+def _random_windows(
     tokens: torch.Tensor, generator: torch.Generator, count: int, seq_len: int, device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     offsets = torch.randint(len(tokens) - seq_len, (count,), generator=generator)
-    rows = tokens[offsets[:, None] + torch.arange(seq_len + 1)].to(device).long()
-    return rows[:, :-1], rows[:, 1:]
+    return windows(tokens, offsets, seq_len, device)
 
 
 def build(context: TaskContext) -> Task:
@@ -161,9 +160,8 @@ def build(context: TaskContext) -> Task:
 
     def batches(start: int) -> Iterator[Batch]:
         for index in itertools.count(start):
-            seed = hash((context.seed, context.replica_index, context.rank, index)) & (2**63 - 1)
-            generator = torch.Generator().manual_seed(seed)
-            yield [_windows(shard, generator, batch_size, seq_len, device)
+            generator = batch_generator(context, index)
+            yield [_random_windows(shard, generator, batch_size, seq_len, device)
                    for _ in range(accumulation)]  # fmt: skip
 
     def loss(model: nn.Module, micro_batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -173,16 +171,8 @@ def build(context: TaskContext) -> Task:
         return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
     generator = torch.Generator().manual_seed(context.seed)  # the same windows everywhere
-    eval_set = [_windows(held_out, generator, batch_size, seq_len, device)
+    eval_set = [_random_windows(held_out, generator, batch_size, seq_len, device)
                 for _ in range(eval_batches)]  # fmt: skip
-
-    def evaluate(model: nn.Module) -> float:
-        was_training = model.training
-        model.eval()
-        with torch.no_grad():
-            total = sum(float(loss(model, batch)) for batch in eval_set)
-        model.train(was_training)
-        return total / len(eval_set)
 
     def save(model: nn.Module, folder: Path) -> None:
         model.save_pretrained(folder)
@@ -190,7 +180,8 @@ def build(context: TaskContext) -> Task:
 
     max_norm = float(options.get("max_grad_norm", 1.0))
     return Task(
-        model, batches, loss, batch_size * seq_len * accumulation, evaluate, save,
+        model, batches, loss, batch_size * seq_len * accumulation,
+        held_out_loss(loss, eval_set), save,
         micro_batches=True, max_grad_norm=max_norm or None,
         lr_schedule=inner_lr_schedule(
             int(options.get("warmup_steps", 100)), context.total_steps,

@@ -125,13 +125,15 @@ def resume_from(url: str, store: Store, layout: RunLayout, *, fresh: bool = Fals
             f"lost the run; add --fresh to delete what is left there first"
         )
     with Store(url) as mirror:
-        checkpoint, damaged = _latest_intact(mirror, layout)
+        commits, damaged = latest_commits(mirror, layout)
+        checkpoint = _first_intact(mirror, layout, commits, damaged)
         if fresh:
             store.delete_prefix(layout.run)
         copy_checkpoint(store, layout, checkpoint)
-        commit, rounds = checkpoint.commit, committed_rounds(mirror, layout)
-        earlier = tuple(r for r in rounds if r > commit.round and r not in damaged)
-        return Resumed(mirror.url, commit.round, commit.sync, damaged, earlier)
+        commit = checkpoint.commit
+        later = (c.round for c in commits if c.round > commit.round and c.round not in damaged)
+        earlier = tuple(sorted(later, reverse=True))  # committed before it: an earlier run's
+        return Resumed(mirror.url, commit.round, commit.sync, tuple(damaged), earlier)
 
 
 def latest_commits(mirror: Store, layout: RunLayout) -> tuple[list[CheckpointCommit], list[int]]:
@@ -147,13 +149,14 @@ def latest_commits(mirror: Store, layout: RunLayout) -> tuple[list[CheckpointCom
     return sorted(commits, key=lambda c: (c.time, c.round), reverse=True), damaged
 
 
-def _latest_intact(mirror: Store, layout: RunLayout) -> tuple[StoredCheckpoint, tuple[int, ...]]:
-    """The most recently committed checkpoint that reads back intact, and the rounds of those
-    passed over as damaged."""
-    commits, damaged = latest_commits(mirror, layout)
+def _first_intact(
+    mirror: Store, layout: RunLayout, commits: list[CheckpointCommit], damaged: list[int]
+) -> StoredCheckpoint:
+    """The first of ``commits`` (latest first) whose checkpoint reads back intact; the rounds
+    passed over are added to ``damaged``."""
     for commit in commits:
         try:
-            return read_checkpoint(mirror, layout, commit.round), tuple(damaged)
+            return read_checkpoint(mirror, layout, commit.round)
         except CheckpointError as exc:
             log.warning("checkpoint of round %d in %s not used: %s", commit.round, mirror.url, exc)
             damaged.append(commit.round)
