@@ -20,6 +20,7 @@ from diloco_anywhere.training.checkpoint import (
     CheckpointError,
     CheckpointPolicy,
     CheckpointWriter,
+    ShardOf,
     committed_rounds,
     copy_checkpoint,
     flatten,
@@ -27,10 +28,11 @@ from diloco_anywhere.training.checkpoint import (
     newest_checkpoints,
     plan_shards,
     read_checkpoint,
+    read_commit,
     retained_after,
     unflatten,
 )
-from diloco_anywhere.training.global_state import fingerprint, tree_checksum
+from diloco_anywhere.training.global_state import LocalShard, fingerprint, tree_checksum
 
 RUN = RunLayout("run")
 CONTRIBUTORS = ("a-0", "b-0", "c-0")
@@ -68,7 +70,12 @@ def assert_same_tree(found, expected) -> None:
     expected_leaves = torch.utils._pytree.tree_leaves(expected)
     assert len(found_leaves) == len(expected_leaves)
     for a, b in zip(found_leaves, expected_leaves, strict=True):
-        if isinstance(b, torch.Tensor):
+        if isinstance(b, LocalShard):
+            assert torch.equal(a.tensor, b.tensor)
+            assert (a.shape, a.offset, a.mesh, a.placements) == (
+                b.shape, b.offset, b.mesh, b.placements,
+            )  # fmt: skip
+        elif isinstance(b, torch.Tensor):
             assert torch.equal(a, b)
         else:
             assert a == b
@@ -317,3 +324,98 @@ def test_any_defect_of_a_checkpoint_falls_back_to_the_previous_one(store, caplog
     [used] = list(newest_checkpoints(store, RUN))[:1]
     assert used.commit.round == 3
     assert "checkpoint of round 6 not used" in caplog.text
+
+
+# -- a sharded replica's checkpoint: one part per rank --------------------------------------
+
+
+def split_in_ranks(tree: dict, ranks: int) -> list[dict]:
+    """``tree`` as each rank of a sharded replica holds it: every tensor of more than one
+    row cut in ``ranks`` pieces along dim 0 (FSDP2's Shard(0)), as ``LocalShard``s."""
+
+    def piece(rank: int):
+        def cut(leaf):
+            if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
+                return leaf
+            rows = torch.tensor_split(leaf, ranks)[rank]
+            offset = sum(len(r) for r in torch.tensor_split(leaf, ranks)[:rank])
+            at = (offset,) + (0,) * (leaf.dim() - 1)
+            return LocalShard(rows.clone(), tuple(leaf.shape), at, (ranks,), ("Shard(dim=0)",))
+
+        return torch.utils._pytree.tree_map(cut, tree)
+
+    return [piece(rank) for rank in range(ranks)]
+
+
+def write_sharded(store: Store, round_: int, tree: dict, ranks: int = 2, wait: float = 30.0):
+    """Every rank of replica ``a`` writes its part at once; rank 0 commits."""
+    policy = CheckpointPolicy(poll=0.01, part_wait=wait)
+    writers = [
+        CheckpointWriter(store, RUN, "a", policy, shard=ShardOf(rank, ranks))
+        for rank in range(ranks)
+    ]
+    for writer, part in zip(writers, split_in_ranks(tree, ranks), strict=True):
+        assert writer.write(round_, ("a",), part, last=False)
+    for writer in writers:
+        writer.close()
+
+
+def test_a_sharded_checkpoint_is_one_commit_over_every_ranks_part(store) -> None:
+    tree = diloco_like_state()
+    write_sharded(store, 3, tree)
+    commit = read_commit(store, RUN, 3)[0]
+    assert [len(part.shards) for part in commit.ranks] == [1, 1]
+    assert {e.key.rsplit("/", 2)[1] for e in commit.entries()} == {"rank-0000", "rank-0001"}
+
+    whole = load_checkpoint(store, RUN, 3)  # what export reads: the parts put together
+    assert_same_tree(whole.tree, tree)
+    assert whole.fingerprint == commit.fingerprint
+
+    for rank, expected in enumerate(split_in_ranks(tree, 2)):  # what each rank heals from
+        part = load_checkpoint(store, RUN, 3, shard=ShardOf(rank, 2))
+        assert_same_tree(part.tree, expected)
+        assert part.fingerprint == commit.ranks[rank].fingerprint
+        shard = part.tree["fragments"]["StreamingDiLoCoFragment_0"]["original_parameters"][
+            "0.weight"
+        ]
+        assert (shard.offset, shard.shape, shard.placements) == (
+            (16 * rank, 0), (32, 16), ("Shard(dim=0)",),
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("reader", "expected"),
+    [
+        (ShardOf(0, 4), "sharded over 2 ranks; this replica is sharded over 4 ranks."),
+        (ShardOf(), "sharded over 2 ranks; this replica is unsharded."),
+    ],
+)
+def test_a_replica_of_another_rank_count_is_refused_a_sharded_checkpoint(
+    store, reader, expected
+) -> None:
+    write_sharded(store, 3, diloco_like_state())
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint(store, RUN, 3, shard=reader)
+    assert f"run/checkpoints/0000000003/COMMIT: the checkpoint is {expected}" in str(refused.value)
+
+
+def test_a_damaged_part_fails_its_rank_and_the_whole_but_not_the_others(store) -> None:
+    write_sharded(store, 3, diloco_like_state())
+    key = read_commit(store, RUN, 3)[0].ranks[1].shards[0].key
+    data = bytearray(store.get(key))
+    data[-1] ^= 1
+    store.delete_prefix(key)
+    store.put(key, bytes(data))
+    for shard in (ShardOf(1, 2), None):
+        with pytest.raises(CheckpointError, match=f"{key}: .* bytes with CRC32C"):
+            load_checkpoint(store, RUN, 3, shard=shard)
+    load_checkpoint(store, RUN, 3, shard=ShardOf(0, 2))  # healing agrees across the ranks
+
+
+def test_rank_0_commits_nothing_when_another_rank_never_writes_its_part(store, caplog) -> None:
+    policy = CheckpointPolicy(poll=0.01, part_wait=0.2)
+    writer = CheckpointWriter(store, RUN, "a", policy, shard=ShardOf(0, 2))
+    writer.write(3, ("a",), split_in_ranks(diloco_like_state(), 2)[0], last=False)
+    writer.close()
+    assert committed_rounds(store, RUN) == []
+    assert "run/checkpoints/0000000003/rank-0001/PART: not written after 0.2s" in caplog.text

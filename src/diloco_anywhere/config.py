@@ -54,6 +54,10 @@ class RunSection(_Section):
     replicas: PositiveInt = 4
     min_replicas: PositiveInt = 1
     seed: int = 0
+    # How a replica of several processes (processes_per_replica > 1) holds the model: "ddp",
+    # a whole copy per process and rank 0 alone syncing; "fsdp", FSDP2 shards, every rank
+    # syncing its own (docs/backends.md, "Sharded replicas").
+    sharding: Literal["ddp", "fsdp"] = "ddp"
 
     @model_validator(mode="after")
     def _quorum_fits(self) -> RunSection:
@@ -168,6 +172,12 @@ class RunConfig(_Section):
                     f"each mirror must be a store of its own"
                 )
             seen[url] = f"checkpoint.mirrors.{index}"
+        if self.checkpoint.mirrors and self.run.sharding == "fsdp":
+            raise ValueError(
+                "checkpoint.mirrors is not supported with run.sharding = 'fsdp' yet (a mirror "
+                "copy goes through one process; a sharded checkpoint is written by every "
+                "rank): remove the mirrors or use sharding = 'ddp'"
+            )
         return self
 
     def store_url(self) -> str:

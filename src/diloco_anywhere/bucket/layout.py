@@ -26,6 +26,7 @@ def check_name(name: str, what: str) -> str:
 
 
 MAX_COUNT = 2**63 - 1
+MAX_RANK = 4095  # processes of one replica
 DIGITS = re.compile(r"[0-9]{1,19}")
 
 
@@ -73,19 +74,36 @@ class Participant:
 
 @dataclass(frozen=True)
 class RunLayout:
+    """The keys of run ``run``. ``rank``: the process of a sharded replica (``sharding =
+    "fsdp"``) whose exchange these keys are: rank r of every replica claims its membership and
+    runs its rounds under ``{run}/ranks/{r}/`` (rank 0 under the run itself, so the run's tools
+    read a sharded run as any other); checkpoints, metrics and configs are the run's."""
+
     run: str
+    rank: int = 0
 
     def __post_init__(self) -> None:
         check_name(self.run, "run")
+        _check_count(self.rank, "rank", MAX_RANK)
+
+    @property
+    def exchange(self) -> str:
+        """Where this rank's membership and rounds live."""
+        return self.run if self.rank == 0 else f"{self.run}/ranks/{self.rank}"
 
     def config(self, checksum: int) -> str:
         """The run.toml a launcher published for remote replicas (``published_config.py``)."""
         return f"{self.run}/configs/{_check_count(checksum, 'checksum', 2**32 - 1):08x}.toml"
 
+    def sharding(self) -> str:
+        """How the run's replicas hold the model: the first replica's record, which every
+        later one must match (``sharded_replica.check_sharding``)."""
+        return f"{self.run}/sharding"
+
     # -- membership ------------------------------------------------------------------------
 
     def members(self) -> str:
-        return f"{self.run}/members"
+        return f"{self.exchange}/members"
 
     def incarnations(self, replica: str) -> str:
         return f"{self.members()}/{check_name(replica, 'replica')}"
@@ -117,7 +135,7 @@ class RunLayout:
     # -- rounds --------------------------------------------------------------------------------
 
     def rounds(self) -> str:
-        return f"{self.run}/rounds"
+        return f"{self.exchange}/rounds"
 
     def round(self, round_: int) -> str:
         return f"{self.rounds()}/{_check_count(round_, 'round', MAX_ROUND):0{ROUND_DIGITS}d}"
@@ -161,8 +179,24 @@ class RunLayout:
         """The global state after round ``round_`` (``checkpoint.py``)."""
         return f"{self.checkpoints()}/{_check_count(round_, 'round', MAX_ROUND):0{ROUND_DIGITS}d}"
 
-    def checkpoint_shard(self, round_: int, shard: int) -> str:
-        return f"{self.checkpoint(round_)}/shard-{_check_count(shard, 'shard'):05d}.safetensors"
+    def checkpoint_part(self, round_: int, rank: int | None = None) -> str:
+        """The folder of one rank's part of a sharded replica's checkpoint; the checkpoint's
+        own folder for an unsharded one (``rank`` None)."""
+        folder = self.checkpoint(round_)
+        return (
+            folder if rank is None else f"{folder}/rank-{_check_count(rank, 'rank', MAX_RANK):04d}"
+        )
+
+    def checkpoint_shard(self, round_: int, shard: int, rank: int | None = None) -> str:
+        folder = self.checkpoint_part(round_, rank)
+        return f"{folder}/shard-{_check_count(shard, 'shard'):05d}.safetensors"
+
+    def checkpoint_state(self, round_: int, rank: int | None = None) -> str:
+        return f"{self.checkpoint_part(round_, rank)}/state"
+
+    def checkpoint_rank_done(self, round_: int, rank: int) -> str:
+        """Rank ``rank``'s record of its part (written last), for rank 0 to commit."""
+        return f"{self.checkpoint_part(round_, rank)}/PART"
 
     def checkpoint_commit(self, round_: int) -> str:
         return f"{self.checkpoint(round_)}/COMMIT"

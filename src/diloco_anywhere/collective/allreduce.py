@@ -133,11 +133,14 @@ class BucketCollective:
         replica: str,
         config: CollectiveConfig | None = None,
         retained_after: Callable[[], int] | None = None,
+        rank: int = 0,
     ) -> None:
-        """``retained_after()``: rounds after it are never collected (healing replays them)."""
+        """``retained_after()``: rounds after it are never collected (healing replays them).
+        ``rank``: the process of a sharded replica this collective exchanges the shard of, in
+        that rank's own membership and rounds (``RunLayout``)."""
         self.store = store
         self.config = config or CollectiveConfig()
-        self.layout = RunLayout(run)
+        self.layout = RunLayout(run, rank)
         self.me = Participant(replica, claim_incarnation(store, self.layout, replica))
         self._finished: dict[int, int] = {}  # fragment -> newest round this replica finished
         self._collector = RoundCollector(

@@ -58,6 +58,8 @@ def plan_launch(config: RunConfig, counts: dict[str, int], root: Path | None = N
     """``counts``: replicas per backend, e.g. ``{"local": 4}``; their sum is the run's size.
     Validates every platform's ``[backends.*]`` settings; contacts nothing."""
     backends = {platform: get_backend(platform, config) for platform in counts}
+    if config.run.sharding == "fsdp":
+        check_same_ranks(backends)
     remote = [platform for platform, backend in backends.items() if backend.remote]
     if remote:
         check_remote_store(config, remote)
@@ -86,6 +88,18 @@ def plan_launch(config: RunConfig, counts: dict[str, int], root: Path | None = N
             specs.append(ReplicaSpec(replica_id, index, platform, env, args, processes))
             index += 1
     return LaunchPlan(config, run_dir(config, root), tuple(specs), backends, config_key)
+
+
+def check_same_ranks(backends: dict[str, Backend]) -> None:
+    """Rank r of every replica of a sharded run exchanges shard r: every replica needs the
+    same number of ranks, whatever platform runs it."""
+    processes = {p: b.settings.processes_per_replica for p, b in backends.items()}
+    if len(set(processes.values())) > 1:
+        found = ", ".join(f"{platform} {count}" for platform, count in processes.items())
+        raise ConfigError(
+            f"run.sharding = 'fsdp' needs the same processes_per_replica on every backend of "
+            f"the launch (found {found}): rank r of every replica exchanges shard r"
+        )
 
 
 def check_remote_store(config: RunConfig, platforms: list[str]) -> None:

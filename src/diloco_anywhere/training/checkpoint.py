@@ -9,6 +9,13 @@ A checkpoint of round ``r`` lives under ``checkpoints/{r}/`` (docs/checkpoints.m
   (counters, optimizer hyperparameters) as JSON;
 - ``COMMIT``: written last, create-only, listing the size and CRC32C of every object above.
 
+A sharded replica (``sharding = "fsdp"``) writes one part per rank instead, each under
+``checkpoints/{r}/rank-{k}/`` (its ``state`` and shards: that rank's local shards of the global
+weights and outer momentum, each DTensor's whole shape, offset, mesh and placements recorded
+in the structure as data). Rank k > 0 writes a ``PART`` record last; rank 0 waits for every
+rank's, then writes the one COMMIT, which lists every rank's objects and fingerprint. A rank
+heals from its own part; ``diloco export`` puts the parts together.
+
 The state is torchft's PGTransport idea (a state dict flattened to metadata plus tensors) with
 the bucket as the wire. Every sealed contributor of round ``r`` holds the same state, so they
 write the shards in parallel, shard ``s`` by ``contributors[s % n]`` (the sharded exchange's
@@ -31,17 +38,23 @@ from typing import Annotated, Any
 
 import crc32c
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
-from diloco_anywhere.bucket.layout import RunLayout, parse_count
+from diloco_anywhere.bucket.layout import MAX_RANK, RunLayout, parse_count
 from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
 from diloco_anywhere.bucket.store import Store, StoreError, check_key
 from diloco_anywhere.bucket.wire import Count, Name, WireFormatError
-from diloco_anywhere.training.global_state import fingerprint, tree_checksum
+from diloco_anywhere.training.global_state import (
+    LocalShard,
+    combine_fingerprints,
+    fingerprint,
+    tree_checksum,
+)
 
 log = logging.getLogger(__name__)
 JSON_LEAVES = (bool, int, float, str, type(None))
@@ -57,6 +70,15 @@ class StoredObject(Record):
     crc32c: Annotated[int, Field(ge=0, le=2**32 - 1)]
 
 
+class RankPart(Record):
+    """One rank's part of a sharded replica's checkpoint: its objects and the fingerprint of
+    the state it holds (an unsharded checkpoint is one part, the COMMIT's own fields)."""
+
+    state: StoredObject
+    shards: tuple[StoredObject, ...] = Field(max_length=4096)
+    fingerprint: str = Field(max_length=128)
+
+
 class CheckpointCommit(Record):
     """The last object of a checkpoint: without it, the checkpoint does not exist."""
 
@@ -68,8 +90,31 @@ class CheckpointCommit(Record):
     # when it was committed (seconds since the epoch, the committer's clock): the newest of a
     # mirror that also holds checkpoints of an earlier run of the same name is the latest one
     time: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
-    state: StoredObject
-    shards: tuple[StoredObject, ...] = Field(max_length=4096)
+    state: StoredObject | None = None  # unsharded: the structure ...
+    shards: tuple[StoredObject, ...] = Field(default=(), max_length=4096)  # ... and tensors
+    ranks: tuple[RankPart, ...] = Field(default=(), max_length=MAX_RANK + 1)  # sharded
+
+    @model_validator(mode="after")
+    def _one_layout(self) -> CheckpointCommit:
+        """Either the whole state (``state``, ``shards``) or one part per rank (``ranks``)."""
+        if (self.state is None) == (not self.ranks) or (self.ranks and self.shards):
+            raise ValueError("a COMMIT lists either state and shards, or ranks")
+        if (
+            self.ranks
+            and combine_fingerprints([p.fingerprint for p in self.ranks]) != self.fingerprint
+        ):
+            raise ValueError("the COMMIT's fingerprint is not its ranks' fingerprints combined")
+        return self
+
+    def parts(self) -> tuple[RankPart, ...]:
+        """Every part: one per rank of a sharded checkpoint, else the whole state as one."""
+        if self.ranks:
+            return self.ranks
+        return (RankPart(state=self.state, shards=self.shards, fingerprint=self.fingerprint),)  # type: ignore[arg-type]
+
+    def entries(self) -> list[StoredObject]:
+        """Every object the COMMIT names."""
+        return [entry for part in self.parts() for entry in (part.state, *part.shards)]
 
 
 # Sees a COMMIT before its objects are read; says why it must not be used, or None.
@@ -79,8 +124,9 @@ Confirm = Callable[[CheckpointCommit], str | None]
 @dataclass(frozen=True)
 class Checkpoint:
     commit: CheckpointCommit
-    tree: Any  # the state as it was saved, tensors on CPU
+    tree: Any  # the state as it was saved (one rank's part, or the whole), tensors on CPU
     source: str  # the store it was read from (its URL, credentials masked)
+    fingerprint: str  # of ``tree``: the part's, or the COMMIT's for the whole
     from_mirror: bool = False  # read from a mirror, not from the run's store
 
 
@@ -91,19 +137,24 @@ class StoredCheckpoint:
 
     commit: CheckpointCommit
     commit_bytes: bytes
-    objects: dict[str, bytes]  # the state and the shards, by key
+    objects: dict[str, bytes]  # the objects read (every part's, or one rank's), by key
 
 
 # -- the state as bytes ---------------------------------------------------------------------
 
 
 def snapshot(tree: Any) -> Any:
-    """A copy of ``tree`` with every tensor copied to CPU: training may change the original
-    while the copy is written."""
-    return tree_map(
-        lambda leaf: leaf.detach().to("cpu", copy=True) if isinstance(leaf, torch.Tensor) else leaf,
-        tree,
-    )
+    """A copy of ``tree`` with every tensor copied to CPU (a DTensor as its ``LocalShard``):
+    training may change the original while the copy is written."""
+
+    def copy(leaf: Any) -> Any:
+        if isinstance(leaf, DTensor):
+            return LocalShard.of(leaf)
+        if isinstance(leaf, torch.Tensor):
+            return leaf.detach().to("cpu", copy=True)
+        return leaf
+
+    return tree_map(copy, tree)
 
 
 def _name(path: tuple[str | int, ...]) -> str:
@@ -114,6 +165,12 @@ def _encode(node: Any, path: tuple[str | int, ...], tensors: dict[str, torch.Ten
     if isinstance(node, torch.Tensor):
         tensors[_name(path)] = node.contiguous()
         return {"tensor": _name(path)}
+    if isinstance(node, LocalShard):
+        tensors[_name(path)] = node.tensor.contiguous()
+        return {"dtensor": {
+            "tensor": _name(path), "shape": list(node.shape), "offset": list(node.offset),
+            "mesh": list(node.mesh), "placements": list(node.placements),
+        }}  # fmt: skip
     if isinstance(node, dict):
         if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in node):
             raise TypeError(f"state node {_name(path)} has keys other than str and int")
@@ -147,6 +204,9 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor], used: set[str]) -> Any:
     if kind == "tensor" and isinstance(value, str) and value in tensors:
         used.add(value)
         return tensors[value]
+    if kind == "dtensor" and isinstance(value, dict) and value.get("tensor") in tensors:
+        used.add(value["tensor"])
+        return _local_shard(value, tensors[value["tensor"]])
     if kind == "value" and isinstance(value, JSON_LEAVES):
         return value
     if kind in ("list", "tuple") and isinstance(value, list):
@@ -162,6 +222,33 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor], used: set[str]) -> Any:
         return {k: _decode(v, tensors, used) for k, v in pairs}
     raise ValueError(f"node {kind!r} with {str(value)[:80]} is not a tensor, value, list, tuple "
                      f"or dict node (or names a tensor the shards lack)")  # fmt: skip
+
+
+def _local_shard(node: dict[str, Any], tensor: torch.Tensor) -> LocalShard:
+    """A ``dtensor`` node's shard, its place checked: whole numbers, the local tensor inside
+    the whole one."""
+    fields = {name: node.get(name) for name in ("shape", "offset", "mesh")}
+    if (
+        not all(
+            isinstance(v, list) and all(type(n) is int and n >= 0 for n in v)
+            for v in fields.values()
+        )
+        or len(fields["shape"]) != tensor.dim()
+        or len(fields["offset"]) != tensor.dim()
+    ):
+        raise ValueError(f"dtensor node {node.get('tensor')}: shape, offset and mesh must be "
+                         f"lists of whole numbers, one per dimension")  # fmt: skip
+    ends = [o + n for o, n in zip(fields["offset"], tensor.shape, strict=True)]
+    if any(end > whole for end, whole in zip(ends, fields["shape"], strict=True)):
+        raise ValueError(f"dtensor node {node['tensor']}: the local shard at {fields['offset']} "
+                         f"reaches past the whole shape {fields['shape']}")  # fmt: skip
+    placements = node.get("placements")
+    if not (isinstance(placements, list) and all(isinstance(p, str) for p in placements)):
+        raise ValueError(f"dtensor node {node['tensor']}: placements must be a list of strings")
+    return LocalShard(
+        tensor, tuple(fields["shape"]), tuple(fields["offset"]), tuple(fields["mesh"]),
+        tuple(placements),
+    )  # fmt: skip
 
 
 def unflatten(structure: bytes, tensors: dict[str, torch.Tensor], key: str) -> Any:
@@ -198,6 +285,19 @@ def _entry(key: str, data: bytes) -> StoredObject:
     return StoredObject(key=key, size=len(data), crc32c=crc32c.crc32c(data))
 
 
+def _commit_fields(layout: RunLayout, round_: int, tree: dict[str, Any]) -> dict[str, Any]:
+    """A COMMIT's description of the state ``tree`` (the whole, or one rank's part)."""
+    counters = tree["manager"]
+    return {
+        "run": layout.run,
+        "round": round_,
+        "step": counters["step"],
+        "sync": counters["sync"],
+        "fingerprint": fingerprint(counters["step"], tree_checksum(tree["fragments"])),
+        "time": time.time(),
+    }
+
+
 # -- writing -------------------------------------------------------------------------------
 
 
@@ -206,6 +306,24 @@ class CheckpointPolicy:
     keep: int = 2  # committed checkpoints kept (rounds after the oldest kept are kept too)
     orphan_grace: float = 30.0  # seconds the committer waits for other writers' shards
     poll: float = 0.2
+    part_wait: float = 600.0  # seconds rank 0 of a sharded replica waits for the others' parts
+    part_bytes: int = 1 << 30  # a rank's part is written in objects of about this size
+
+
+@dataclass(frozen=True)
+class ShardOf:
+    """Which part of a sharded replica's checkpoint a process writes or reads: rank ``rank``
+    of ``ranks``. An unsharded replica's processes all hold the whole state: rank 0 of 1."""
+
+    rank: int = 0
+    ranks: int = 1
+
+    @property
+    def sharded(self) -> bool:
+        return self.ranks > 1
+
+
+WHOLE = ShardOf()
 
 
 class CheckpointWriter:
@@ -223,11 +341,13 @@ class CheckpointWriter:
         me: str,
         policy: CheckpointPolicy,
         mirror: Callable[[StoredCheckpoint, bool], None] | None = None,
+        shard: ShardOf = WHOLE,
     ) -> None:
         """``mirror(checkpoint, last)`` hears of every checkpoint this replica commits
-        (``mirrors.MirrorWriter.copy``)."""
+        (``mirrors.MirrorWriter.copy``). ``shard``: the part of a sharded replica this process
+        writes (then ``me`` names the replica, whose ranks all write theirs)."""
         self.store, self.layout, self.me, self.policy = store, layout, me, policy
-        self.mirror = mirror
+        self.mirror, self.shard = mirror, shard
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self._pending: Future[None] | None = None
 
@@ -242,15 +362,18 @@ class CheckpointWriter:
         if self.me not in contributors:
             return False
         if self._pending is not None:
-            if not (last or self._pending.done()):
+            if not (last or self.idle()):
                 log.warning("checkpoint of round %d skipped: the previous one is still being "
                             "written (raise checkpoint.every)", round_)  # fmt: skip
                 return False
             self._pending.result()  # raises what went wrong, other than the store
-        self._pending = self._executor.submit(
-            self._write, round_, contributors, snapshot(tree), last
-        )
+        write = self._write_part if self.shard.sharded else self._write
+        self._pending = self._executor.submit(write, round_, contributors, snapshot(tree), last)
         return True
+
+    def idle(self) -> bool:
+        """No checkpoint being written."""
+        return self._pending is None or self._pending.done()
 
     def _write(
         self, round_: int, contributors: tuple[str, ...], tree: dict[str, Any], last: bool
@@ -265,19 +388,62 @@ class CheckpointWriter:
                 {keys[s]: shards[s] for s, owner in enumerate(owners) if owner == self.me}
             )
             if owners[0] == self.me:
-                counters = tree["manager"]
-                commit = {
-                    "run": self.layout.run,
-                    "round": round_,
-                    "step": counters["step"],
-                    "sync": counters["sync"],
-                    "fingerprint": fingerprint(counters["step"], tree_checksum(tree["fragments"])),
-                    "time": time.time(),
-                }
+                commit = _commit_fields(self.layout, round_, tree)
                 shards_by_key = dict(zip(keys, shards, strict=True))
                 self._commit(commit, shards_by_key, owners, structure, last)
         except (OSError, CheckpointError) as exc:  # the store's errors are OSErrors
             log.warning("checkpoint of round %d not written: %s", round_, exc)
+
+    def _write_part(
+        self, round_: int, _writers: tuple[str, ...], tree: dict[str, Any], last: bool
+    ) -> None:
+        """This rank's part of a sharded replica's checkpoint: its objects, then (rank k > 0)
+        its PART record, or (rank 0) the COMMIT once every rank's PART is in."""
+        rank, layout = self.shard.rank, self.layout
+        tensors, structure = flatten(tree)
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        plan = plan_shards(tensors, -(-total // self.policy.part_bytes))
+        objects = {
+            layout.checkpoint_shard(round_, s, rank): encode_shard(names, tensors)
+            for s, names in enumerate(plan)
+        }
+        state_key = layout.checkpoint_state(round_, rank)
+        commit = _commit_fields(layout, round_, tree)
+        part = RankPart(
+            state=_entry(state_key, structure),
+            shards=tuple(_entry(key, data) for key, data in objects.items()),
+            fingerprint=commit["fingerprint"],
+        )
+        try:
+            self.store.put_many({**objects, state_key: structure})
+            if rank > 0:
+                self.store.put(layout.checkpoint_rank_done(round_, rank), encode_record(part))
+                return
+            parts = (part, *self._other_parts(round_))
+            commit["fingerprint"] = combine_fingerprints([p.fingerprint for p in parts])
+            done = CheckpointCommit(**commit, ranks=parts)
+            if self._put_commit(done, encode_record(done)):
+                log.info("checkpoint of round %d committed (%d ranks)", round_, len(parts))
+                prune_checkpoints(self.store, self.layout, self.policy.keep, round_)
+        except (OSError, CheckpointError) as exc:
+            log.warning("checkpoint of round %d not written: %s", round_, exc)
+
+    def _other_parts(self, round_: int) -> list[RankPart]:
+        """The PART records of ranks 1 and up, once all are in (``part_wait`` at most)."""
+        keys = [self.layout.checkpoint_rank_done(round_, r) for r in range(1, self.shard.ranks)]
+        deadline = time.monotonic() + self.policy.part_wait
+        while missing := set(keys) - set(self.store.list_prefix(self.layout.checkpoint(round_))):
+            if time.monotonic() >= deadline:
+                waited = f"{self.policy.part_wait:g}s"
+                raise CheckpointError(
+                    f"{sorted(missing)[0]}: not written after {waited} (that rank stalled or died)"
+                )
+            time.sleep(self.policy.poll)
+        found = self.store.get_many(keys, limit=RECORD_READ_LIMIT)
+        try:
+            return [decode_record(found[key], RankPart, key=key) for key in keys]
+        except WireFormatError as exc:
+            raise CheckpointError(str(exc)) from None
 
     def _commit(
         self,
@@ -423,12 +589,11 @@ def _checked(key: str, data: bytes | None, entry: StoredObject) -> bytes:
 
 
 def _read_objects(
-    store: Store, key: str, folder: str, commit: CheckpointCommit
+    store: Store, key: str, folder: str, entries: list[StoredObject]
 ) -> dict[str, bytes | None]:
     """The objects the COMMIT names, each read up to one byte past the size it gives (so the
     memory used is what the COMMIT claims, whatever the bucket holds); keys must be plain keys
     inside the checkpoint's folder."""
-    entries = [commit.state, *commit.shards]
     for entry in entries:
         try:
             check_key(entry.key)
@@ -448,23 +613,34 @@ def _read_objects(
 
 
 def load_checkpoint(
-    store: Store, layout: RunLayout, round_: int, confirm: Confirm | None = None
+    store: Store,
+    layout: RunLayout,
+    round_: int,
+    confirm: Confirm | None = None,
+    shard: ShardOf | None = None,
 ) -> Checkpoint:
     """The committed checkpoint of ``round_``, every object checked; else ``CheckpointError``
     naming the key and why, whatever is wrong with the bucket's bytes (a dtype torch does not
     have, a size no file has, a state unlike its COMMIT), so healing falls back to the previous
-    checkpoint. ``confirm`` sees the COMMIT before anything else is read and may refuse it
-    (says why); what it raises propagates. A store that cannot be reached (``StoreError``) is
-    not a bad checkpoint: it propagates."""
-    stored = _read_checkpoint(store, layout, round_, confirm)
-    tree = _guarded(layout, round_, lambda: _decode_checkpoint(stored))
-    return Checkpoint(stored.commit, tree, store.url)
+    checkpoint. ``shard``: the part one process of a replica heals from (its rank's, of a
+    sharded checkpoint written by replicas of as many ranks); None: the whole state, a sharded
+    checkpoint's parts put together. ``confirm`` sees the COMMIT before anything else is read
+    and may refuse it (says why); what it raises propagates. A store that cannot be reached
+    (``StoreError``) is not a bad checkpoint: it propagates."""
+    stored = _read_checkpoint(store, layout, round_, confirm, shard)
+    parts = _guarded(layout, round_, lambda: _decode_checkpoint(stored))
+    if len(parts) == 1:
+        tree, found = parts[0], stored.commit.parts()[shard.rank if shard else 0].fingerprint
+    else:
+        tree = _guarded(layout, round_, lambda: whole_tree(parts))
+        found = stored.commit.fingerprint
+    return Checkpoint(stored.commit, tree, store.url, found)
 
 
 def read_checkpoint(store: Store, layout: RunLayout, round_: int) -> StoredCheckpoint:
-    """The committed checkpoint of ``round_`` as bytes, checked as ``load_checkpoint`` checks
-    it (its tensors and structure decoded once, then dropped)."""
-    stored = _read_checkpoint(store, layout, round_, None)
+    """The committed checkpoint of ``round_`` as bytes (every part), checked as
+    ``load_checkpoint`` checks it (its tensors and structure decoded once, then dropped)."""
+    stored = _read_checkpoint(store, layout, round_, None, None)
     _guarded(layout, round_, lambda: _decode_checkpoint(stored))
     return stored
 
@@ -492,34 +668,51 @@ def _guarded(layout: RunLayout, round_: int, read: Callable[[], Any]) -> Any:
         raise CheckpointError(f"{key}: {type(exc).__name__}: {exc}") from None
 
 
+def _parts_read(commit: CheckpointCommit, key: str, shard: ShardOf | None) -> list[RankPart]:
+    """The parts ``shard`` reads: every one (None), or its rank's, which exists only when the
+    checkpoint's replicas had as many ranks as the reader's (``sharding = "fsdp"``)."""
+    parts = commit.parts()
+    if shard is None:
+        return list(parts)
+    if len(parts) != shard.ranks:
+        written = f"sharded over {len(parts)} ranks" if commit.ranks else "unsharded (one part)"
+        reader = f"sharded over {shard.ranks} ranks" if shard.sharded else "unsharded"
+        raise CheckpointError(
+            f"{key}: the checkpoint is {written}; this replica is {reader}. Every replica of a "
+            f"run must have the same [run] sharding and, with fsdp, the same "
+            f"processes_per_replica"
+        )
+    return [parts[shard.rank]]
+
+
 def _read_checkpoint(
-    store: Store, layout: RunLayout, round_: int, confirm: Confirm | None
+    store: Store, layout: RunLayout, round_: int, confirm: Confirm | None, shard: ShardOf | None
 ) -> StoredCheckpoint:
     commit, commit_bytes = read_commit(store, layout, round_)
     key = layout.checkpoint_commit(round_)
     if confirm is not None and (refusal := confirm(commit)):
         raise CheckpointError(f"{key} in {store.url}: {refusal}")
-    objects = _guarded(
-        layout, round_, lambda: _read_objects(store, key, f"{layout.checkpoint(round_)}/", commit)
-    )
-    checked = {e.key: _checked(e.key, objects[e.key], e) for e in (commit.state, *commit.shards)}
+    entries = [e for part in _parts_read(commit, key, shard) for e in (part.state, *part.shards)]
+    folder = f"{layout.checkpoint(round_)}/"
+    objects = _guarded(layout, round_, lambda: _read_objects(store, key, folder, entries))
+    checked = {e.key: _checked(e.key, objects[e.key], e) for e in entries}
     return StoredCheckpoint(commit, commit_bytes, checked)
 
 
-def _decode_checkpoint(stored: StoredCheckpoint) -> Any:
-    """The state tree, which must hold the COMMIT's counters and fingerprint to its state: a
-    checkpoint whose objects and COMMIT do not belong together is refused by every reader."""
-    commit, tensors = stored.commit, {}
-    for entry in commit.shards:
+def _decode_part(commit: CheckpointCommit, part: RankPart, objects: dict[str, bytes]) -> Any:
+    """One part's state tree, which must hold the COMMIT's counters and fingerprint to the
+    part's fingerprint: objects and a COMMIT that do not belong together are refused."""
+    tensors: dict[str, torch.Tensor] = {}
+    for entry in part.shards:
         try:
-            tensors.update(load_safetensors(stored.objects[entry.key]))
+            tensors.update(load_safetensors(objects[entry.key]))
         except SafetensorError as exc:
             raise CheckpointError(f"{entry.key}: not a safetensors file: {exc}") from None
         except Exception as exc:  # valid safetensors torch cannot hold (e.g. a dtype it lacks)
             raise CheckpointError(
                 f"{entry.key}: safetensors this torch cannot load: {type(exc).__name__}: {exc}"
             ) from None
-    tree = unflatten(stored.objects[commit.state.key], tensors, commit.state.key)
+    tree = unflatten(objects[part.state.key], tensors, part.state.key)
     counters = tree.get("manager") if isinstance(tree, dict) else None
     expected = {"step": commit.step, "sync": commit.sync}
     if not (
@@ -528,13 +721,56 @@ def _decode_checkpoint(stored: StoredCheckpoint) -> Any:
         and type(counters.get("batches_committed")) is int
         and "fragments" in tree
     ):
-        raise CheckpointError(f"{commit.state.key}: its counters {str(counters)[:200]} are not "
+        raise CheckpointError(f"{part.state.key}: its counters {str(counters)[:200]} are not "
                               f"its COMMIT's {expected}")  # fmt: skip
     found = fingerprint(commit.step, tree_checksum(tree["fragments"]))
-    if found != commit.fingerprint:
-        raise CheckpointError(f"{commit.state.key}: the state fingerprints as {found}, its COMMIT "
-                              f"says {commit.fingerprint}")  # fmt: skip
+    if found != part.fingerprint:
+        raise CheckpointError(f"{part.state.key}: the state fingerprints as {found}, its COMMIT "
+                              f"says {part.fingerprint}")  # fmt: skip
     return tree
+
+
+def _decode_checkpoint(stored: StoredCheckpoint) -> list[Any]:
+    """The state tree of each part read (the parts whose objects ``stored`` holds)."""
+    parts = [part for part in stored.commit.parts() if part.state.key in stored.objects]
+    return [_decode_part(stored.commit, part, stored.objects) for part in parts]
+
+
+def whole_tree(parts: list[Any]) -> Any:
+    """The state of a sharded checkpoint as one tree: each ``LocalShard`` leaf put together
+    from the ranks' shards at their offsets (every element exactly once), every other leaf
+    (counters, hyperparameters) the same in every part."""
+
+    def whole(*leaves: Any) -> Any:
+        first = leaves[0]
+        if not isinstance(first, LocalShard):
+            if any(not _same(leaf, first) for leaf in leaves):
+                raise CheckpointError(
+                    f"the ranks' parts differ in an unsharded leaf: {first!r:.80}"
+                )
+            return first
+        tensor = torch.zeros(first.shape, dtype=first.tensor.dtype)
+        covered = 0
+        for leaf in leaves:
+            if not isinstance(leaf, LocalShard) or leaf.shape != first.shape:
+                raise CheckpointError("the ranks' parts hold one tensor in different shapes")
+            where = tuple(
+                slice(o, o + n) for o, n in zip(leaf.offset, leaf.tensor.shape, strict=True)
+            )
+            tensor[where] = leaf.tensor
+            covered += leaf.tensor.numel()
+        if covered != tensor.numel():
+            raise CheckpointError(f"the ranks' shards of a {list(first.shape)} tensor hold "
+                                  f"{covered} elements, not {tensor.numel()}")  # fmt: skip
+        return tensor
+
+    return tree_map(whole, parts[0], *parts[1:])
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+    return a == b
 
 
 def newest_checkpoints(
@@ -542,8 +778,10 @@ def newest_checkpoints(
     layout: RunLayout,
     mirrors: Sequence[Store] = (),
     confirm_mirrored: Confirm | None = None,
+    shard: ShardOf | None = None,
 ) -> Iterator[Checkpoint]:
-    """Committed checkpoints that load intact, newest first (lazily), each from ``store`` or,
+    """Committed checkpoints that load intact (``shard``'s part, or the whole: as
+    ``load_checkpoint``), newest first (lazily), each from ``store`` or,
     where it has none of that round or its copy there does not load, from the first of
     ``mirrors`` whose copy does; ``confirm_mirrored`` may refuse a mirror's COMMIT. The ones
     that do not load, and mirrors that cannot be reached, are logged with the reason and
@@ -556,16 +794,20 @@ def newest_checkpoints(
             log.warning("mirror %s not used: its checkpoints cannot be listed: %s", mirror.url, exc)
     for round_ in sorted({r for _, rounds, _ in sources for r in rounds}, reverse=True):
         holders = [(source, confirm) for source, rounds, confirm in sources if round_ in rounds]
-        if (checkpoint := _first_intact(holders, layout, round_, store)) is not None:
+        if (checkpoint := _first_intact(holders, layout, round_, store, shard)) is not None:
             yield checkpoint
 
 
 def _first_intact(
-    holders: list[tuple[Store, Confirm | None]], layout: RunLayout, round_: int, primary: Store
+    holders: list[tuple[Store, Confirm | None]],
+    layout: RunLayout,
+    round_: int,
+    primary: Store,
+    shard: ShardOf | None,
 ) -> Checkpoint | None:
     for source, confirm in holders:
         try:
-            checkpoint = load_checkpoint(source, layout, round_, confirm)
+            checkpoint = load_checkpoint(source, layout, round_, confirm, shard)
             return replace(checkpoint, from_mirror=source is not primary)
         except CheckpointError as exc:
             log.warning("checkpoint of round %d not used: %s", round_, exc)

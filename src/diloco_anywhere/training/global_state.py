@@ -10,29 +10,115 @@ optimizer and the local weights are each replica's own (arXiv 2311.08105 algorit
 (restore the global weights, set the averaged pseudo-gradient as the gradient, step the outer
 optimizer, keep the result as the new global weights), so a replica that replays the rounds it
 missed holds the same bits as the replicas that lived through them.
+
+In a sharded replica (FSDP2) the parameters are DTensors and each rank holds its local shard
+of them: DiLoCo keeps only the local shards of the global weights, and the outer optimizer's
+momentum is a DTensor like its parameter. Everything here works on the local shards, exactly
+as torchft's ``local_sgd.py`` does (``extract_local_tensor``, ``DTensor.from_local``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import crc32c
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils import _pytree as pytree
 
 FRAGMENT_KEY = "StreamingDiLoCoFragment_{}"  # torchft's key for fragment i's state functions
 
 
+@dataclass(frozen=True, eq=False)  # its tensor has no truth value: compare fields yourself
+class LocalShard:
+    """One rank's part of a DTensor, copied off it (what a checkpoint stores of it): the local
+    tensor, and where it sits in the whole, as data (never a pickled mesh or placement)."""
+
+    tensor: torch.Tensor
+    shape: tuple[int, ...]  # the whole tensor's
+    offset: tuple[int, ...]  # of the local tensor in the whole
+    mesh: tuple[int, ...]  # the device mesh's shape
+    placements: tuple[str, ...]  # e.g. ("Shard(dim=0)",)
+
+    @classmethod
+    def of(cls, tensor: DTensor) -> LocalShard:
+        """A CPU copy of ``tensor``'s local shard and its place."""
+        return cls.like(tensor.to_local(), tensor)
+
+    @classmethod
+    def like(cls, local: torch.Tensor, tensor: DTensor) -> LocalShard:
+        """A CPU copy of ``local``, which is placed as ``tensor``'s local shard (DiLoCo keeps a
+        DTensor parameter's global weights as its local shard)."""
+        _, offset = compute_local_shape_and_global_offset(
+            tensor.shape, tensor.device_mesh, tensor.placements
+        )
+        return cls(
+            local.detach().to("cpu", copy=True),
+            tuple(tensor.shape), tuple(offset), tuple(tensor.device_mesh.shape),
+            tuple(str(placement) for placement in tensor.placements),
+        )  # fmt: skip
+
+
+def local_tensor(leaf: Any) -> Any:
+    """A DTensor's (or a ``LocalShard``'s) local tensor; any other leaf as it is."""
+    if isinstance(leaf, DTensor):
+        return leaf.to_local()
+    return leaf.tensor if isinstance(leaf, LocalShard) else leaf
+
+
 def tree_checksum(tree: Any) -> int:
-    """CRC32C over the bytes of every tensor leaf, in flattening order: equal trees give equal
-    checksums on every device, whatever the thread count."""
+    """CRC32C over the bytes of every tensor leaf (a rank's local shard of a DTensor), in
+    flattening order: equal trees give equal checksums on every device, whatever the thread
+    count."""
     checksum = 0
-    for leaf in pytree.tree_leaves(tree):
+    for leaf in map(local_tensor, pytree.tree_leaves(tree)):
         if isinstance(leaf, torch.Tensor):
             data = leaf.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
             checksum = crc32c.crc32c(data, checksum)
     return checksum
+
+
+def _as_parameter(values: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
+    """``values`` (a local shard, or the whole tensor) as ``parameter`` holds it: a DTensor
+    parameter's local shard is wrapped as torchft's ``restore_parameters`` and ``_set_grads``
+    wrap it."""
+    values = values.to(local_tensor(parameter).device)
+    if not isinstance(parameter, DTensor):
+        return values
+    return DTensor.from_local(
+        values, parameter.device_mesh, parameter.placements,
+        shape=parameter.shape, stride=parameter.stride(),
+    )  # fmt: skip
+
+
+def _outer_state_as_parameters(
+    optimizer: torch.optim.Optimizer, saved: dict[str, Any]
+) -> dict[str, Any]:
+    """An outer optimizer's saved state with each per-parameter tensor of a DTensor
+    parameter's local shape (momentum) wrapped as that parameter: a checkpoint stores local
+    shards, and torch's SGD adds DTensor gradients to its buffers."""
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def wrap(index: Any, value: Any) -> Any:
+        parameter = (
+            parameters[index] if isinstance(index, int) and index < len(parameters) else None
+        )
+        fits = (
+            isinstance(parameter, DTensor)
+            and isinstance(value, torch.Tensor)
+            and not isinstance(value, DTensor)
+            and value.shape == parameter.to_local().shape
+        )
+        return _as_parameter(value, parameter) if fits else value  # type: ignore[arg-type]
+
+    state = {
+        index: {name: wrap(index, value) for name, value in values.items()}
+        for index, values in saved.get("state", {}).items()
+    }
+    return {**saved, "state": state}
 
 
 def state_tree(state_dict_fns: dict[str, tuple[Any, Any]]) -> dict[str, Any]:
@@ -63,9 +149,30 @@ class GlobalState:
         """Each fragment's saved state (references to DiLoCo's tensors, not copies)."""
         return state_tree(self._fns)
 
+    def checkpoint_tree(self) -> dict[str, Any]:
+        """``fragments_tree`` as a checkpoint stores it: a sharded replica's global weights as
+        ``LocalShard``s placed as their parameters (their momentum is a DTensor already)."""
+        tree = self.fragments_tree()
+        for index, fragment in enumerate(self.fragments):
+            key = FRAGMENT_KEY.format(index)
+            parameters = dict(fragment.named_parameters())
+            weights = {
+                name: LocalShard.like(value, parameters[name])
+                if isinstance(parameters.get(name), DTensor)
+                else value
+                for name, value in tree[key]["original_parameters"].items()
+            }
+            tree[key] = {**tree[key], "original_parameters": weights}
+        return tree
+
     def load_fragments_tree(self, tree: dict[str, Any]) -> None:
+        tree = pytree.tree_map(local_tensor, tree)  # a checkpoint's LocalShards
         if tree.keys() != self._fns.keys():
             raise ValueError(f"state has {sorted(tree)}; this replica has {sorted(self._fns)}")
+        for index, optimizer in enumerate(self.outer_optimizers):
+            fragment = tree[FRAGMENT_KEY.format(index)]
+            outer = _outer_state_as_parameters(optimizer, fragment["outer_optimizer"])
+            tree = {**tree, FRAGMENT_KEY.format(index): {**fragment, "outer_optimizer": outer}}
         for key, (load, _) in self._fns.items():
             load(tree[key])
 
@@ -78,10 +185,11 @@ class GlobalState:
 
     def replay(self, fragment: int, mean: torch.Tensor) -> None:
         """Apply one committed round's averaged pseudo-gradient (flat float32, the fragment's
-        parameters in ``named_parameters`` order, as DiLoCo sends them) to ``fragment``."""
+        parameters, or this rank's local shards of them, in ``named_parameters`` order, as
+        DiLoCo sends them) to ``fragment``."""
         weights = self.global_weights(fragment)
         parameters = list(self.fragments[fragment].named_parameters())
-        total = sum(p.numel() for _, p in parameters)
+        total = sum(local_tensor(p).numel() for _, p in parameters)
         if mean.numel() != total:
             raise ValueError(
                 f"round result has {mean.numel()} values; fragment {fragment} has {total}"
@@ -89,16 +197,17 @@ class GlobalState:
         offset = 0
         with torch.no_grad():
             for name, parameter in parameters:
-                parameter.data.copy_(weights[name])
-                values = mean[offset : offset + parameter.numel()].view(parameter.shape)
-                parameter.grad = values.to(parameter.device, parameter.dtype)
-                offset += parameter.numel()
+                shard = local_tensor(parameter)
+                parameter.data.copy_(_as_parameter(weights[name], parameter))
+                values = mean[offset : offset + shard.numel()].view(shard.shape)
+                parameter.grad = _as_parameter(values.to(shard.dtype), parameter)
+                offset += shard.numel()
         optimizer = self.outer_optimizers[fragment]
         optimizer.step()
         optimizer.zero_grad()
         load = self._fns[FRAGMENT_KEY.format(fragment)][0]  # copies into DiLoCo's own tensors
         load({
-            "original_parameters": {name: parameter.data for name, parameter in parameters},
+            "original_parameters": {name: local_tensor(p.data) for name, p in parameters},
             "outer_optimizer": optimizer.state_dict(),
         })  # fmt: skip
 
@@ -109,4 +218,13 @@ class GlobalState:
             for index, fragment in enumerate(self.fragments):
                 weights = self.global_weights(index)
                 for name, parameter in fragment.named_parameters():
-                    parameter.data.copy_(weights[name])
+                    parameter.data.copy_(_as_parameter(weights[name], parameter))
+
+
+def combine_fingerprints(fingerprints: list[str]) -> str:
+    """A sharded replica's fingerprint: its ranks' (each of its own shard) in rank order, as
+    one. One rank's is its own."""
+    if len(fingerprints) == 1:
+        return fingerprints[0]
+    step = fingerprints[0].rpartition("-")[0]
+    return f"{step}-{crc32c.crc32c('|'.join(fingerprints).encode()):08x}"

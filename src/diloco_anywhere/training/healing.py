@@ -20,27 +20,42 @@ fine and take the replica somewhere the run never was.
 Rounds are replayed as every replica decides them: a round sealed with fewer than
 ``min_replicas`` contributors, or one whose sealed data cannot be read intact (every replica
 failed it alike), is skipped; every other sealed round was committed.
+
+A sharded replica (``sharding = "fsdp"``) heals every rank at once, each its own shard: from its
+part of the checkpoint, replaying the rounds of its own exchange. Its ranks take every decision
+together (``ReplicaGroup.gather``), as they do live: a checkpoint is used only if every rank's
+part loads; a round is replayed only if every rank's round is sealed and committed, skipped if
+any rank's was not committed, and healing stops at the first round some rank has no SEAL for.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from diloco_anywhere.bucket.store import Store, StoreError
 from diloco_anywhere.bucket.wire import WireFormatError
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.round import RoundDataMissingError, SealedContributionError
 from diloco_anywhere.training.checkpoint import (
+    WHOLE,
     Checkpoint,
     CheckpointCommit,
+    CheckpointError,
     Confirm,
+    ShardOf,
+    committed_rounds,
+    load_checkpoint,
     newest_checkpoints,
 )
-from diloco_anywhere.training.global_state import GlobalState, fingerprint
+from diloco_anywhere.training.global_state import GlobalState, fingerprint, local_tensor
 from diloco_anywhere.training.manager import BucketManager
+from diloco_anywhere.training.replica_group import ReplicaGroup
+
+ALONE = ReplicaGroup()
 
 log = logging.getLogger(__name__)
 
@@ -83,67 +98,128 @@ def _load(checkpoint: Checkpoint, state: GlobalState, manager: BucketManager) ->
                     "optimizers: %s", commit.round, exc)  # fmt: skip
         return False
     found = fingerprint(commit.step, state.checksum())
-    if found != commit.fingerprint:
+    if found != checkpoint.fingerprint:
         log.warning("checkpoint of round %d not used: loaded, it fingerprints as %s, its COMMIT "
-                    "says %s", commit.round, found, commit.fingerprint)  # fmt: skip
+                    "says %s", commit.round, found, checkpoint.fingerprint)  # fmt: skip
         return False
     return True
 
 
+@dataclass(frozen=True)
+class _Verdict:
+    """What one rank found of a round: ``apply``, ``skip`` (too few contributors),
+    ``unreadable`` (every replica failed it alike), ``open`` (no SEAL yet) or ``error``."""
+
+    kind: str
+    detail: str = ""
+
+
+def _examine(
+    collective: BucketCollective,
+    state: GlobalState,
+    counters: dict[str, int],
+    min_replicas: int,
+    unreadable: list[str],
+) -> tuple[_Verdict, Any]:
+    """This rank's verdict on the round the manager is at, and its mean when it applies."""
+    round_ = counters["sync"]
+    try:
+        observed = collective.observe(round_)
+    except RoundDataMissingError as exc:
+        return _Verdict("error", f"round {round_} cannot be replayed: its data is gone from the "
+                        f"bucket ({exc}); rounds after the oldest kept checkpoint must stay "
+                        f"(checkpoint.keep)"), None  # fmt: skip
+    except SealedContributionError as exc:  # every replica failed this round alike
+        return _Verdict("unreadable", f"round {round_} was skipped as unreadable ({exc})"), None
+    except WireFormatError as exc:  # a SEAL or manifest of the round that does not parse
+        return _Verdict("error", f"round {round_} cannot be replayed: {exc}"), None
+    if observed is None:
+        return _Verdict("open"), None
+    result, mean = observed
+    if len(result.seal.contributors) < min_replicas:
+        return _Verdict("skip"), None
+    mine = fingerprint(counters["step"], state.checksum())
+    if mine != result.fingerprint:
+        return _Verdict("error", (
+            f"round {round_} was sealed by replicas holding {result.fingerprint}; replayed to "
+            f"there, this replica holds {mine}. Replicas must build the same initial model "
+            f"(seed every random init with the task's seed) and run the same code on the same "
+            f"kind of device"
+        ) + "".join(
+            f"; or {skip}, which the other replicas applied: its data was damaged after it "
+            f"was sealed"
+            for skip in unreadable
+        )), None  # fmt: skip
+    fragment = state.fragments[counters["step"] % len(state.fragments)]
+    expected = sum(local_tensor(p).numel() for p in fragment.parameters())
+    if mean.numel() != expected:
+        return _Verdict("error", f"round {round_} does not apply to this model: its result "
+                        f"has {mean.numel()} values, the fragment {expected}"), None  # fmt: skip
+    return _Verdict("apply"), (result, mean)
+
+
+def _together(verdicts: list[_Verdict]) -> _Verdict:
+    """The replica's verdict from its ranks': an error, else an open round, else a skip."""
+    for kind in ("error", "open", "unreadable", "skip"):
+        found = [(rank, v) for rank, v in enumerate(verdicts) if v.kind == kind]
+        if found:
+            rank, verdict = found[0]
+            detail = verdict.detail if len(verdicts) == 1 else f"rank {rank}: {verdict.detail}"
+            return _Verdict(kind, detail)
+    return _Verdict("apply")
+
+
 def _replay(
-    collective: BucketCollective, state: GlobalState, manager: BucketManager, min_replicas: int
+    collective: BucketCollective,
+    state: GlobalState,
+    manager: BucketManager,
+    min_replicas: int,
+    ranks: ReplicaGroup = ALONE,
 ) -> tuple[int, int]:
-    """Apply every sealed round from the manager's next one on; (replayed, skipped)."""
+    """Apply every sealed round from the manager's next one on, as all ``ranks`` of the
+    replica decide together; (replayed, skipped)."""
     replayed = skipped = 0
     unreadable: list[str] = []  # rounds skipped because a sealed record did not read back
-    fragments = len(state.fragments)
     while True:
         counters = manager.state_dict()
-        round_ = counters["sync"]
-        try:
-            observed = collective.observe(round_)
-        except RoundDataMissingError as exc:
-            raise HealError(
-                f"round {round_} cannot be replayed: its data is gone from the bucket ({exc}); "
-                f"rounds after the oldest kept checkpoint must stay (checkpoint.keep)"
-            ) from None
-        except SealedContributionError as exc:  # every replica failed this round alike
-            log.warning("round %d is not replayed: %s", round_, exc)
-            unreadable.append(f"round {round_} was skipped as unreadable ({exc})")
-            skipped += 1
-            manager.load_state_dict({**counters, "sync": round_ + 1})
-            continue
-        except WireFormatError as exc:  # a SEAL or manifest of the round that does not parse
-            raise HealError(f"round {round_} cannot be replayed: {exc}") from None
-        if observed is None:
+        mine, observed = _examine(collective, state, counters, min_replicas, unreadable)
+        verdict = _together(ranks.gather(mine))
+        if verdict.kind == "error":
+            raise HealError(verdict.detail)
+        if verdict.kind == "open":
             return replayed, skipped
-        result, mean = observed
-        contributors = len(result.seal.contributors)
-        if contributors >= min_replicas:
-            step = counters["step"]
-            mine = fingerprint(step, state.checksum())
-            if mine != result.fingerprint:
-                raise HealError(
-                    f"round {round_} was sealed by replicas holding {result.fingerprint}; "
-                    f"replayed to there, this replica holds {mine}. Replicas must build the "
-                    f"same initial model (seed every random init with the task's seed) and run "
-                    f"the same code on the same kind of device"
-                    + "".join(
-                        f"; or {skip}, which the other replicas applied: its data was damaged "
-                        f"after it was sealed"
-                        for skip in unreadable
-                    )
-                )
-            try:
-                state.replay(step % fragments, mean)
-            except (ValueError, TypeError, RuntimeError) as exc:  # a mean unlike the model
-                raise HealError(f"round {round_} does not apply to this model: {exc}") from None
-            committed = counters["batches_committed"] + contributors
-            counters = {**counters, "step": step + 1, "batches_committed": committed}
-            replayed += 1
-        else:
+        if verdict.kind in ("unreadable", "skip"):
+            if verdict.kind == "unreadable":
+                log.warning("%s", verdict.detail)
+                unreadable.append(verdict.detail)
             skipped += 1
-        manager.load_state_dict({**counters, "sync": round_ + 1})
+        else:
+            result, mean = observed
+            state.replay(counters["step"] % len(state.fragments), mean)
+            committed = counters["batches_committed"] + len(result.seal.contributors)
+            counters = {**counters, "step": counters["step"] + 1, "batches_committed": committed}
+            replayed += 1
+        manager.load_state_dict({**counters, "sync": counters["sync"] + 1})
+
+
+def _candidates(
+    collective: BucketCollective,
+    mirrors: Sequence[Store],
+    shard: ShardOf,
+    ranks: ReplicaGroup,
+) -> Iterator[Checkpoint | None]:
+    """Checkpoints to heal from, newest first. A sharded replica's ranks go through rank 0's
+    list of committed rounds together, each loading its part (None where it does not)."""
+    store, layout = collective.store, collective.layout
+    if not shard.sharded:
+        yield from newest_checkpoints(store, layout, mirrors, _sealed_after(collective), shard)
+        return
+    for round_ in ranks.broadcast(committed_rounds(store, layout)):
+        try:
+            yield load_checkpoint(store, layout, round_, None, shard)
+        except CheckpointError as exc:
+            log.warning("checkpoint of round %d not used: %s", round_, exc)
+            yield None
 
 
 def heal(
@@ -154,28 +230,30 @@ def heal(
     *,
     from_initial: bool,
     mirrors: Sequence[Store] = (),
+    shard: ShardOf = WHOLE,
+    ranks: ReplicaGroup = ALONE,
 ) -> HealReport:
     """Bring ``state`` and ``manager`` to the run's newest sealed round, then set the local
     weights to the global ones. Checkpoints are tried newest first, from the store or from
     ``mirrors``, and an older one when a newer one does not load or does not replay to the
     sealed fingerprints. ``from_initial``: the state is still the task's initial one, usable
-    when no checkpoint is committed yet (a fresh process)."""
+    when no checkpoint is committed yet (a fresh process). ``shard`` and ``ranks``: this
+    process's part of a sharded replica, and the replica's ranks, which heal together."""
     started, tried = time.perf_counter(), False
-    checkpoints = newest_checkpoints(
-        collective.store, collective.layout, mirrors, _sealed_after(collective)
-    )
-    for checkpoint in checkpoints:
-        tried = True
-        if not _load(checkpoint, state, manager):
+    for checkpoint in _candidates(collective, mirrors, shard, ranks):
+        loaded = checkpoint is not None and _load(checkpoint, state, manager)
+        tried |= any(ranks.gather(checkpoint is not None))
+        if not all(ranks.gather(loaded)):
             continue
         try:
-            replayed, skipped = _replay(collective, state, manager, min_replicas)
+            replayed, skipped = _replay(collective, state, manager, min_replicas, ranks)
         except HealError as exc:
             log.warning("healing from checkpoint %d failed: %s; trying the previous one",
-                        checkpoint.commit.round, exc)  # fmt: skip
+                        checkpoint.commit.round, exc)  # type: ignore[union-attr]  # fmt: skip
             continue
-        mirror = checkpoint.source if checkpoint.from_mirror else None
-        return _healed(state, manager, checkpoint.commit.round, mirror, replayed, skipped, started)
+        mirror = checkpoint.source if checkpoint.from_mirror else None  # type: ignore[union-attr]
+        round_ = checkpoint.commit.round  # type: ignore[union-attr]
+        return _healed(state, manager, round_, mirror, replayed, skipped, started)
     if tried or not from_initial:
         raise HealError(
             "no committed checkpoint in the bucket heals this replica (see the warnings above), "
@@ -183,7 +261,7 @@ def heal(
             "loaded into it); the first checkpoint is written after the first committed round"
         )
     manager.load_state_dict({"step": 0, "batches_committed": 0, "sync": 0})
-    replayed, skipped = _replay(collective, state, manager, min_replicas)
+    replayed, skipped = _replay(collective, state, manager, min_replicas, ranks)
     return _healed(state, manager, None, None, replayed, skipped, started)
 
 

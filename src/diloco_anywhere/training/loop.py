@@ -19,6 +19,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torchft.local_sgd import DiLoCo
 
@@ -29,13 +30,14 @@ from diloco_anywhere.collective.membership import LeasePolicy
 from diloco_anywhere.collective.round import DivergedError, RoundPolicy
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.task import Batch, Task, TaskContext, build_task
-from diloco_anywhere.training.checkpoint import CheckpointPolicy, CheckpointWriter
+from diloco_anywhere.training.checkpoint import CheckpointPolicy, CheckpointWriter, ShardOf
 from diloco_anywhere.training.global_state import GlobalState
-from diloco_anywhere.training.healing import heal
+from diloco_anywhere.training.healing import ALONE, heal
 from diloco_anywhere.training.manager import BucketManager
 from diloco_anywhere.training.metrics import MetricsWriter, StepLine, SyncLine
 from diloco_anywhere.training.mirrors import MirrorWriter
 from diloco_anywhere.training.replica_group import ReplicaGroup, make_manager
+from diloco_anywhere.training.sharded_replica import reshard, shard_model
 
 if TYPE_CHECKING:
     from diloco_anywhere.training.session import Replica
@@ -164,8 +166,10 @@ class Training:
         self.eval_loss: float | None = None
         self.tokens_at_sync, self.time_at_sync = 0, time.perf_counter()
         policy = CheckpointPolicy(
-            keep=self.config.checkpoint.keep, orphan_grace=self.config.sync.grace * 3
-        )
+            keep=self.config.checkpoint.keep, orphan_grace=self.config.sync.grace * 3,
+            part_wait=self.config.sync.timeout,
+        )  # fmt: skip
+        self.shard = ShardOf(group.rank, group.world_size) if group.sharded else ShardOf()
         self.mirrors = (
             MirrorWriter(self.config.mirror_urls(), collective.layout, policy.keep, self._report)
             if collective is not None and self.config.checkpoint.mirrors
@@ -173,8 +177,9 @@ class Training:
         )
         self.writer = (
             CheckpointWriter(
-                collective.store, collective.layout, collective.me.name, policy,
-                mirror=self.mirrors.copy if self.mirrors else None,
+                collective.store, collective.layout,
+                collective.me.replica if self.shard.sharded else collective.me.name, policy,
+                mirror=self.mirrors.copy if self.mirrors else None, shard=self.shard,
             )
             if collective is not None
             else None
@@ -250,14 +255,19 @@ class Training:
         self.stop_if_failing()
 
     def record_sync(self, committed: bool, model: nn.Module) -> None:
+        """The sync's line in the metrics (rank 0), with the held-out loss when due: every rank
+        of a sharded replica evaluates (each forward gathers the shards of all), rank 0 alone
+        of any other."""
         self.failed_in_a_row = 0 if committed else self.failed_in_a_row + 1
+        evaluated = committed and self._evaluation_due()
+        if evaluated and (self.metrics is not None or self.group.sharded):
+            self.eval_loss = self.evaluate(model)  # type: ignore[misc]
+            if self.group.sharded:
+                reshard(model)
         if self.metrics is None:
             return
         error = self.manager.last_sync_error
-        evaluated = committed and self._evaluation_due()
-        if evaluated:
-            self.eval_loss = self.evaluate(model)  # type: ignore[misc]
-        now, traffic = time.perf_counter(), self.collective.store.stats()  # type: ignore[union-attr]
+        now, (bytes_up, bytes_down) = time.perf_counter(), self.manager.traffic()
         self.metrics.add(
             SyncLine(
                 outer_step=self.manager.current_step() // self.config.diloco.fragments,
@@ -270,8 +280,8 @@ class Training:
                 tokens=self.tokens,
                 tokens_per_second=(self.tokens - self.tokens_at_sync) / (now - self.time_at_sync),
                 sync_exposed_seconds=self.manager.exposed_seconds,
-                bytes_up=traffic.bytes_up,
-                bytes_down=traffic.bytes_down,
+                bytes_up=bytes_up,
+                bytes_down=bytes_down,
                 error=None
                 if error is None
                 else scrub_secrets(f"{type(error).__name__}: {error}")[:2000],
@@ -292,15 +302,23 @@ class Training:
         if self.writer is None or result is None:
             return
         if _checkpoint_due(step, self.config.checkpoint.every, last):
-            writers = result.seal.contributors
+            writers = (
+                (self.manager.leading_replica,)  # type: ignore[attr-defined]
+                if self.shard.sharded
+                else result.seal.contributors
+            )
         elif first:
             writers = (self.writer.me,)
         else:
             return
+        if self.shard.sharded and not (step == last or all(self.group.gather(self.writer.idle()))):
+            log.warning("checkpoint of round %d skipped: a rank is still writing the previous "
+                        "one (raise checkpoint.every)", self.manager.last_round())  # fmt: skip
+            return
         self.writer.write(
             self.manager.last_round(),
             writers,
-            {"manager": self.manager.state_dict(), "fragments": state.fragments_tree()},
+            {"manager": self.manager.state_dict(), "fragments": state.checkpoint_tree()},
             last=step == last,
         )
 
@@ -308,7 +326,7 @@ class Training:
         """Bring the global state to the run's newest sealed round (the leader, from the
         bucket: ``healing.py``; the other ranks, from the leader); the inner step the data
         resumes at (``start_step``): every replica trains ``batches_per_round`` per round."""
-        if self.group.is_leader:
+        if self.group.is_leader or self.shard.sharded:
             report = heal(
                 self.collective,  # type: ignore[arg-type]  (the leader holds the bucket)
                 state,
@@ -316,19 +334,16 @@ class Training:
                 self.config.run.min_replicas,
                 from_initial=from_initial,
                 mirrors=self.mirrors.stores if self.mirrors else (),
+                shard=self.shard,
+                ranks=self.group if self.shard.sharded else ALONE,
             )
             if self.metrics and (
                 report.checkpoint is not None or report.replayed or report.skipped
             ):
                 log.info("%s", report.describe())
                 self.metrics.event("healed", report.describe(), seconds=report.seconds)
-        tree = self.group.share_state(
-            {"manager": self.manager.state_dict(), "fragments": state.fragments_tree()}
-        )
-        if not self.group.is_leader:
-            self.manager.load_state_dict(tree["manager"])
-            state.load_fragments_tree(tree["fragments"])
-            state.reset_local_weights()
+        if not self.shard.sharded:
+            self._share_leaders_state(state)
         self.parts.apply_outer_hyperparameters()
         self.inner_steps = self.manager.state_dict()["sync"] * self.parts.batches_per_round
         self.tokens = self.inner_steps * self.parts.tokens_per_step * self.group.world_size
@@ -337,6 +352,16 @@ class Training:
         self._step_seen = self.manager.current_step()
         self.start_step, self.heals = self.inner_steps, self.heals + 1
         return self.start_step
+
+    def _share_leaders_state(self, state: GlobalState) -> None:
+        """The other ranks of an unsharded replica take the state the leader healed to."""
+        tree = self.group.share_state(
+            {"manager": self.manager.state_dict(), "fragments": state.fragments_tree()}
+        )
+        if not self.group.is_leader:
+            self.manager.load_state_dict(tree["manager"])
+            state.load_fragments_tree(tree["fragments"])
+            state.reset_local_weights()
 
     def after_divergence(self, state: GlobalState) -> int:
         """Say so loudly (log, metrics, ``diloco status``), then heal from the bucket. The
@@ -479,12 +504,17 @@ def task_context(config: RunConfig, replica_index: int, group: ReplicaGroup) -> 
     )
 
 
-def _data_parallel(model: nn.Module, group: ReplicaGroup, device: torch.device) -> nn.Module:
-    """The module the inner steps run: DDP across the replica's ranks, or the model alone."""
+def parallelize(model: nn.Module, group: ReplicaGroup) -> nn.Module:
+    """The module the inner steps run: ``model`` sharded in place with FSDP2 (``sharding =
+    "fsdp"``), wrapped in DDP across the replica's ranks, or the model alone. Build the inner
+    optimizer after this (FSDP2 turns the parameters into DTensors)."""
+    if group.sharded and dist.is_initialized():
+        return shard_model(model, group)
     if group.world_size == 1:
         return model
     from torch.nn.parallel import DistributedDataParallel
 
+    device = next(model.parameters()).device
     return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
 
 
@@ -495,8 +525,8 @@ def train(replica: Replica) -> TrainingResult:
         replica.config.task.entrypoint,
         task_context(replica.config, replica.index, replica.group),
     )
+    trained = replica.parallelize(task.model)
     inner = inner_optimizer(replica.config, task.model)
-    trained = _data_parallel(task.model, replica.group, next(task.model.parameters()).device)
     with replica.diloco(
         task.model, inner, tokens_per_step=task.tokens_per_batch, evaluate=task.evaluate
     ) as training:

@@ -250,6 +250,11 @@ class BucketManager:
         result = self.last_result
         return result is not None and self._collective.me.name in result.seal.contributors
 
+    def traffic(self) -> tuple[int, int]:
+        """Bytes this replica sent and received through the bucket so far."""
+        stats = self._collective.store.stats()
+        return stats.bytes_up, stats.bytes_down
+
     def is_participating(self) -> bool:
         return True  # a late replica is left out of a SEAL but still receives the result
 

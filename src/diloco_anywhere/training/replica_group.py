@@ -1,4 +1,4 @@
-"""One replica, several processes (``torchrun``): only rank 0 talks to the bucket.
+"""One replica, several processes (``torchrun``): with DDP, only rank 0 talks to the bucket.
 
 A replica with several GPUs runs one process per GPU under ``torchrun``, with DDP inside the
 replica for the inner steps (gradients all-reduced over NCCL, or gloo on CPU). Their global
@@ -12,6 +12,9 @@ Every exchange happens on the training thread at points where all ranks are (``s
 healing, the end of training), over a second gloo group, apart from DDP's all-reduces. The
 other ranks adopt the leader's decision for every sync, never one of their own (a timeout only
 they saw would split the replica's global state).
+
+A sharded replica (``sharding = "fsdp"``) uses the same group to agree, but every rank talks to
+the bucket for its own shard (``sharded_replica.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from diloco_anywhere.collective.allreduce import BucketCollective, RoundResult
 from diloco_anywhere.collective.records import Seal
 from diloco_anywhere.collective.round import DivergedError
 from diloco_anywhere.training.manager import BucketManager
+from diloco_anywhere.training.sharded_replica import ShardManager
 
 
 @dataclass(frozen=True)
@@ -49,25 +53,39 @@ class ReplicaGroup:
     world_size: int = 1
     local_rank: int = 0
     sync_group: Any = None  # the gloo group for results and state (None alone)
+    sharded: bool = False  # FSDP2 inside the replica: every rank syncs its own shard
 
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
 
     @classmethod
-    def from_environment(cls, device_type: str, timeout: timedelta) -> ReplicaGroup:
-        """Join the replica's process group when ``torchrun`` set ``WORLD_SIZE`` > 1.
-        ``timeout`` bounds a rank's wait for the leader: a round, or a heal, at most."""
+    def from_environment(
+        cls, device_type: str, timeout: timedelta, *, sharded: bool = False
+    ) -> ReplicaGroup:
+        """Join the replica's process group when ``torchrun`` set ``WORLD_SIZE`` > 1 (or
+        started a ``sharded`` replica of one process: FSDP2 needs a device mesh even of one).
+        ``timeout`` bounds a rank's wait for the others: a round, or a heal, at most."""
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        if world_size == 1:
-            return cls()
+        if world_size == 1 and not (sharded and "TORCHELASTIC_RUN_ID" in os.environ):
+            return cls(sharded=sharded)
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout)
         return cls(
             rank=dist.get_rank(),
             world_size=world_size,
             local_rank=int(os.environ.get("LOCAL_RANK", "0")),
             sync_group=dist.new_group(backend="gloo", timeout=timeout),
+            sharded=sharded,
         )
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (a small object of this replica's own), in rank order, on
+        every rank: what the ranks of a sharded replica decide together from."""
+        if self.world_size == 1:
+            return [value]
+        values: list[Any] = [None] * self.world_size
+        dist.all_gather_object(values, value, group=self.sync_group)
+        return values
 
     def broadcast(self, value: Any) -> Any:
         """The leader's ``value`` on every rank (a small object of this replica's own)."""
@@ -208,9 +226,12 @@ class FollowerManager(BucketManager):
 def make_manager(
     group: ReplicaGroup, collective: BucketCollective | None, codec: Codec, **kwargs: Any
 ) -> BucketManager:
-    """The manager of this process: the bucket's alone, the leader's, or a follower's."""
+    """The manager of this process: the bucket's alone, a rank's of a sharded replica, the
+    leader's, or a follower's."""
     if group.world_size == 1:
         return BucketManager(collective, codec=codec, **kwargs)  # type: ignore[arg-type]
+    if group.sharded:
+        return ShardManager(group, collective, codec=codec, **kwargs)  # type: ignore[arg-type]
     if group.is_leader:
         return LeaderManager(group, collective, codec=codec, **kwargs)  # type: ignore[arg-type]
     return FollowerManager(group, codec, **kwargs)

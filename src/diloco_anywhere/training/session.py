@@ -20,7 +20,8 @@ store. ``diloco`` wraps torchft's own ``DiLoCo`` over the bucket-backed manager,
 fragments, outer optimizers, codec and checkpoints run.toml gives, heals the replica to the
 run's state first, and says where its data resumes. The built-in loop (``loop.train``) is
 written on this API. Under ``torchrun`` (a replica of several processes), rank 0 alone talks
-to the bucket (``replica_group.py``).
+to the bucket (``replica_group.py``), or, with ``sharding = "fsdp"``, every rank for its own
+shard (``sharded_replica.py``); ``replica.parallelize(model)`` wraps the model to match.
 """
 
 from __future__ import annotations
@@ -49,10 +50,12 @@ from diloco_anywhere.training.loop import (
     Training,
     build_parts,
     collective_config,
+    parallelize,
     resolve_device,
 )
 from diloco_anywhere.training.metrics import MetricsWriter
 from diloco_anywhere.training.replica_group import ReplicaGroup
+from diloco_anywhere.training.sharded_replica import Sharding, check_sharding
 
 log = logging.getLogger(__name__)
 
@@ -96,20 +99,38 @@ class Replica:
         self.group = ReplicaGroup.from_environment(
             resolve_device(config.task.device).type,
             timeout=timedelta(seconds=max(3600.0, 4 * config.sync.timeout)),
+            sharded=config.run.sharding == "fsdp",
         )
         self.device = resolve_device(config.task.device, self.group.local_rank)
         self.collective: BucketCollective | None = None
         self.metrics: MetricsWriter | None = None
         self.training: Training | None = None
-        if self.group.is_leader:
+        if self.group.is_leader or self.group.sharded:
             store, layout = Store(config.store_url()), RunLayout(config.run.name)
+            if self.group.is_leader:
+                check_sharding(store, layout, self._sharding())
             keep = config.checkpoint.keep
             self.collective = BucketCollective(
                 store, layout.run, replica_id, collective_config(config),
                 retained_after=lambda: retained_after(store, layout, keep),  # healing replays
+                rank=self.group.rank if self.group.sharded else 0,
             )  # fmt: skip
-            incarnation = self.collective.me.incarnation
+        if self.group.is_leader:
+            incarnation = self.collective.me.incarnation  # type: ignore[union-attr]
             self.metrics = MetricsWriter(store, layout, replica_id, incarnation, platform)
+
+    def _sharding(self) -> Sharding:
+        """What this replica exchanges, which every replica of the run must match."""
+        if self.group.sharded:
+            return Sharding(sharding="fsdp", ranks=self.group.world_size)
+        return Sharding(sharding="ddp", ranks=1)
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """The module to run the inner steps through, as run.toml's ``[run] sharding`` and the
+        replica's processes say: ``model`` sharded in place with FSDP2 (``fsdp``), wrapped in
+        DDP (``ddp``, several processes), or ``model`` itself. Call it before building the
+        inner optimizer, and pass ``model`` (not the wrapper) to ``diloco``."""
+        return parallelize(model, self.group)
 
     @contextmanager
     def diloco(
@@ -153,7 +174,8 @@ class Replica:
                 yield training
             finally:
                 hook.remove()
-            self.group.check_same_state(training.state.checksum())
+            if not self.group.sharded:  # each rank holds its own shard, fingerprinted together
+                self.group.check_same_state(training.state.checksum())
         training.close()
         self.training = training
 

@@ -1,0 +1,176 @@
+"""A sharded replica: FSDP2 inside it, and every rank syncing its own shard through the bucket.
+
+With ``[run] sharding = "fsdp"`` and ``processes_per_replica = N``, each replica wraps its model
+with FSDP2 (``fully_shard``): the parameters become DTensors and rank r holds shard r of every
+one of them, and of the global weights and outer momentum DiLoCo keeps. torchft's DiLoCo
+already works on the local shards (``local_sgd.py``: ``extract_local_tensor``,
+``DTensor.from_local``), so each rank's pseudo-gradient is its own shard, 1/N of the model.
+
+Rank r of every replica exchanges its shard in a round namespace of its own (``RunLayout``
+``rank``: ``{run}/ranks/{r}/``), with a collective, membership and lease of its own, in
+parallel with the other ranks: the bytes through any one host fall by N. The mean of shard r is
+over the replicas whose rank r is in that rank's SEAL; every replica reads the same SEALs, so
+every replica applies the same means.
+
+A replica commits a sync only if every one of its ranks' rounds committed. The ranks agree in
+``should_commit``, on the training thread, where every rank is at the same point: they gather
+each rank's outcome over the replica's gloo group and all take the same decision, the same
+error (a divergence on any rank heals every rank) and one fingerprint, their shards'
+fingerprints combined. Replicas whose rank counts differ cannot exchange shard by shard: the
+first replica records the run's sharding in the bucket and a replica unlike it is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+from torch import nn
+
+from diloco_anywhere.bucket.layout import RunLayout, parse_contributor
+from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
+from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.bucket.wire import Count
+from diloco_anywhere.collective.allreduce import BucketCollective
+from diloco_anywhere.collective.round import DivergedError
+from diloco_anywhere.training.global_state import combine_fingerprints
+from diloco_anywhere.training.manager import BucketManager
+
+if TYPE_CHECKING:
+    from diloco_anywhere.training.replica_group import ReplicaGroup
+
+log = logging.getLogger(__name__)
+
+
+class ShardingMismatchError(RuntimeError):
+    """This replica cannot exchange with the run's: another sharding or rank count."""
+
+
+class Sharding(Record):
+    """How a run's replicas hold the model: what every replica must match."""
+
+    sharding: Literal["ddp", "fsdp"]
+    ranks: Count  # the parts one replica exchanges: its processes with fsdp, else 1
+
+    def describe(self) -> str:
+        if self.sharding == "ddp":
+            return "unsharded (ddp: rank 0 exchanges the whole model)"
+        return f"sharded over {self.ranks} rank(s) (fsdp)"
+
+
+def check_sharding(store: Store, layout: RunLayout, mine: Sharding) -> None:
+    """Record ``mine`` as the run's sharding if it has none yet (create-only), else refuse a
+    replica unlike it, saying what to change."""
+    key = layout.sharding()
+    try:
+        store.put(key, encode_record(mine))
+        return
+    except FileExistsError:
+        theirs = decode_record(store.get(key, 0, RECORD_READ_LIMIT), Sharding, key=key)
+    if theirs != mine:
+        raise ShardingMismatchError(
+            f"this replica is {mine.describe()}; the run's replicas are {theirs.describe()} "
+            f"({key}). Every replica of a run needs the same [run] sharding and, with fsdp, the "
+            f"same processes_per_replica on every backend (a new run name starts over)"
+        )
+
+
+def shard_model(model: nn.Module, group: ReplicaGroup) -> nn.Module:
+    """Wrap ``model`` with FSDP2 over the replica's ranks, in place: every module held in an
+    ``nn.ModuleList`` (a transformer's blocks) is its own unit, gathered only while it runs,
+    then the model itself (embeddings, head). Build the inner optimizer after this: the
+    parameters are DTensors from here on (torch.distributed.fsdp.fully_shard)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = next(model.parameters()).device
+    mesh = init_device_mesh(device.type, (group.world_size,))
+    for module in list(model.modules()):
+        if isinstance(module, nn.ModuleList):
+            for block in module:
+                fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def reshard(model: nn.Module) -> None:
+    """Back to the shards after a forward without backward (the held-out evaluation): FSDP2
+    keeps the root's parameters gathered after its forward until a backward reshards them,
+    and DiLoCo, checkpoints and healing read the parameters as DTensors."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """One rank's sync, as the replica's ranks decide from."""
+
+    committed: bool
+    diverged: bool
+    error: str | None
+    fingerprint: str
+    contributed: bool
+    first_contributor: str | None  # of this rank's SEAL: who writes its checkpoint part
+    traffic: tuple[int, int]  # bytes up and down, this rank's so far
+
+
+class ShardManager(BucketManager):
+    """A rank's manager in a sharded replica: its own shard's rounds through its own
+    collective, and each sync's decision taken with the replica's other ranks."""
+
+    def __init__(self, group: ReplicaGroup, collective: BucketCollective, **kwargs: Any) -> None:
+        super().__init__(collective, **kwargs)
+        self._group = group
+        self._contributed = False
+        self._traffic = (0, 0)
+        self.leading_replica: str | None = None  # writes the checkpoint after a due sync
+
+    def should_commit(self, timeout: timedelta | None = None) -> bool:
+        self.send()
+        self.wait_for_round(timeout)
+        sync = self._current
+        stats, seal = self._collective.store.stats(), sync.result.seal if sync.result else None
+        outcomes: list[RankOutcome] = self._group.gather(RankOutcome(
+            committed=sync.error is None and (
+                sync.result is None or len(sync.result.seal.contributors) >= self._min_replicas
+            ),
+            diverged=isinstance(sync.error, DivergedError),
+            error=None if sync.error is None else f"{type(sync.error).__name__}: {sync.error}",
+            fingerprint=sync.fingerprint,
+            contributed=seal is not None and self._collective.me.name in seal.contributors,
+            first_contributor=seal.contributors[0] if seal else None,
+            traffic=(stats.bytes_up, stats.bytes_down),
+        ))  # fmt: skip
+        sync.error = _replica_error(outcomes)
+        commit = all(outcome.committed for outcome in outcomes)
+        self.conclude(sync, commit)
+        self.last_fingerprint = combine_fingerprints([o.fingerprint for o in outcomes])
+        self._contributed = all(outcome.contributed for outcome in outcomes)
+        self._traffic = tuple(sum(o.traffic[i] for o in outcomes) for i in (0, 1))  # type: ignore[assignment]
+        leader = outcomes[0].first_contributor
+        self.leading_replica = parse_contributor(leader)[0] if leader else None
+        return commit
+
+    def contributed(self) -> bool:
+        """Whether every rank's contribution is in its SEAL."""
+        return self._contributed
+
+    def traffic(self) -> tuple[int, int]:
+        """The replica's bytes up and down (every rank's), as of the last sync."""
+        return self._traffic
+
+
+def _replica_error(outcomes: list[RankOutcome]) -> Exception | None:
+    """The one error every rank keeps for the sync: a divergence on any rank (then every rank
+    heals), else the first rank's error, else none."""
+    for diverged in (True, False):
+        for rank, outcome in enumerate(outcomes):
+            if outcome.error is not None and outcome.diverged == diverged:
+                kind = DivergedError if diverged else RuntimeError
+                return kind(f"rank {rank}: {outcome.error}")
+    return None
