@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from diloco_anywhere.bench.chaos import fingerprint_disagreements, unhealed_restarts
 from diloco_anywhere.bucket.layout import RunLayout
@@ -25,6 +26,7 @@ from diloco_anywhere.collective.records import Manifest
 from diloco_anywhere.config import ConfigError, load_config, parse_config
 from diloco_anywhere.launching.launch import plan_launch, run_metrics, start
 from diloco_anywhere.launching.supervisor import Supervisor
+from diloco_anywhere.replica import main as replica_main
 from diloco_anywhere.training.checkpoint import (
     committed_rounds,
     load_checkpoint,
@@ -99,12 +101,18 @@ def test_fsdp_replicas_sync_shard_by_shard_agree_and_match_ddp(tmp_path, monkeyp
     assert all(entry.key.split("/")[3] == f"rank-{r:04d}"
                for r, part in enumerate(commit.ranks) for entry in part.shards)  # fmt: skip
 
-    # The same run with DDP inside each replica ends at the same weights (within rounding).
-    ddp, fsdp = _final_weights(str(runs["ddp"][0] / "store")), _final_weights(str(folder / "store"))
-    assert ddp.keys() == fsdp.keys()
-    for name in ddp:
-        assert ddp[name].shape == fsdp[name].shape
-        torch.testing.assert_close(fsdp[name], ddp[name], rtol=1e-5, atol=1e-6)
+    # The same run with DDP inside each replica ends at the same model (within rounding):
+    # `diloco export` puts the sharded checkpoint's parts together into the whole model.
+    exported = {}
+    for sharding, (run_folder, _) in runs.items():
+        monkeypatch.chdir(run_folder)
+        result = diloco("export", str(run_folder / "model"), "--config", "run.toml")
+        assert result.exit_code == 0, result.output
+        exported[sharding] = load_file(run_folder / "model" / "model.safetensors")
+    assert exported["ddp"].keys() == exported["fsdp"].keys()
+    for name, expected in exported["ddp"].items():
+        assert exported["fsdp"][name].shape == expected.shape
+        torch.testing.assert_close(exported["fsdp"][name], expected, rtol=1e-5, atol=1e-6)
 
 
 def _rank_process(launcher_pid: int, rank: int) -> int:
@@ -173,6 +181,18 @@ def test_a_replica_unlike_the_runs_sharding_is_refused(tmp_path):
             f"rank(s) (fsdp) (t/sharding). Every replica of a run needs the same [run] "
             f"sharding and, with fsdp, the same processes_per_replica"
         )
+
+
+def test_a_replica_refused_for_its_sharding_exits_2_saying_why(tmp_path, monkeypatch, capsys):
+    """Exit 2, as for any configuration that would only fail again: never restarted."""
+    monkeypatch.chdir(tmp_path)
+    config = _write_run(tmp_path, "fsdp", outer_steps=1)
+    store = Store(str(tmp_path / "store"))
+    check_sharding(store, RunLayout("t"), Sharding(sharding="fsdp", ranks=2))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)  # one process: sharded over 1 rank
+    assert replica_main(["--config", config, "--replica-id", "local-0"]) == 2
+    assert "error: replica local-0: this replica is sharded over 1 rank(s) (fsdp); the run's " \
+        "replicas are sharded over 2 rank(s) (fsdp)" in capsys.readouterr().err  # fmt: skip
 
 
 def test_fsdp_needs_one_rank_count_on_every_backend_and_no_mirrors(tmp_path, monkeypatch):

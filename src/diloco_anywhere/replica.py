@@ -172,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         # At once: the stop is recorded, and rounds in flight (their threads would hold the
         # interpreter's exit) are abandoned; the bucket's lifecycle rule expires their objects.
         os._exit(EXIT_STOPPED)
+    except ConfigError as exc:  # e.g. a sharding unlike the run's: would only fail again
+        print(f"error: replica {replica_id}: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
     except (StoreError, ValueError, RuntimeError) as exc:
         print(f"error: replica {replica_id} failed: {exc}", file=sys.stderr)
         return 1

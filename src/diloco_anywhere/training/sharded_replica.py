@@ -35,6 +35,7 @@ from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.bucket.wire import Count
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.round import DivergedError
+from diloco_anywhere.config import ConfigError
 from diloco_anywhere.training.global_state import combine_fingerprints
 from diloco_anywhere.training.manager import BucketManager
 
@@ -44,8 +45,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class ShardingMismatchError(RuntimeError):
-    """This replica cannot exchange with the run's: another sharding or rank count."""
+class ShardingMismatchError(ConfigError):
+    """This replica cannot exchange with the run's: another sharding or rank count (a
+    configuration error: restarting it would only fail again)."""
 
 
 class Sharding(Record):
