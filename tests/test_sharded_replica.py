@@ -135,7 +135,7 @@ def test_a_rank_killed_takes_its_replica_down_and_the_restart_heals_every_rank(
     tmp_path, monkeypatch
 ):
     monkeypatch.chdir(tmp_path)
-    config = load_config(_write_run(tmp_path, "fsdp", outer_steps=6))
+    config = load_config(_write_run(tmp_path, "fsdp", outer_steps=8))
     plan = plan_launch(config, {"local": 2})
     supervisor = Supervisor(plan, start(plan), max_restarts=1)
     store, layout = Store(config.store_url()), RunLayout("t")
@@ -166,7 +166,7 @@ def test_a_rank_killed_takes_its_replica_down_and_the_restart_heals_every_rank(
     assert fingerprint_disagreements(metrics) == {}
     for replica in metrics.values():
         last = replica.syncs[-1]
-        assert (last.outer_step, last.committed) == (6, True)
+        assert (last.outer_step, last.committed) == (8, True)
 
 
 def test_a_replica_unlike_the_runs_sharding_is_refused(tmp_path):

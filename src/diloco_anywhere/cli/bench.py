@@ -79,6 +79,9 @@ STORE_OPTION = typer.Option(
 STANDIN_OPTION = typer.Option(
     "--standin", help=f"Start a local stand-in server and measure it: {', '.join(STANDINS)}."
 )
+JsonOutput = Annotated[
+    bool, typer.Option("--json", help="Print one JSON object instead of the tables.")
+]
 
 
 bench_app = typer.Typer(
@@ -102,9 +105,7 @@ def bench_store_command(
     ] = "64MiB",  # type: ignore[assignment]
     objects: Annotated[int, typer.Option(min=1, help="Objects per round, sent concurrently.")] = 16,
     repeats: Annotated[int, typer.Option(min=1, help="Rounds to take the median of.")] = 3,
-    json_output: Annotated[
-        bool, typer.Option("--json", help="Print one JSON object instead of tables.")
-    ] = False,
+    json_output: JsonOutput = False,
 ) -> None:
     """Measure store put/get against a raw file copy, and codec speed, size and error.
 
@@ -228,9 +229,7 @@ def bench_sync_command(
     ] = None,
     store_url: Annotated[str | None, STORE_OPTION] = None,
     standin_name: Annotated[str | None, STANDIN_OPTION] = None,
-    json_output: Annotated[
-        bool, typer.Option("--json", help="Print one JSON object instead of a table.")
-    ] = False,
+    json_output: JsonOutput = False,
 ) -> None:
     """Measure N replica processes all-reducing through one store for R rounds.
 
@@ -265,10 +264,97 @@ def bench_sync_command(
     stdout.print(_sync_table(result))
 
 
+def _parse_ranks(text: str) -> list[int]:
+    """``1,2,4`` -> [1, 2, 4]: rank counts per replica, each 1 to 64."""
+    try:
+        ranks = [int(part) for part in str(text).split(",")]
+    except ValueError:
+        ranks = []
+    if not ranks or not all(1 <= n <= 64 for n in ranks):
+        raise typer.BadParameter(f"{text!r}: give rank counts from 1 to 64, e.g. 1,2,4")
+    return ranks
+
+
+def _sharded_table(result: dict[str, Any]) -> Table:
+    table = Table(
+        title=f"Sharded replicas: {result['replicas']} replicas, "
+        f"{result['size_bytes'] / 2**20:.0f} MiB each, {result['codec']} "
+        f"(median of {result['rounds']} rounds)"
+    )
+    columns = ("ranks N", "mode", "up / rank (mean, max)", "down / rank (mean, max)",
+               "busiest host", f"vs N={result['baseline_ranks']}", "bytes / replica",
+               "round s")  # fmt: skip
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in result["configs"]:
+        table.add_row(
+            str(row["ranks"]), row["mode"],
+            f"{row['bytes_up_per_rank_mean']:,.0f}, {row['bytes_up_per_rank_max']:,.0f}",
+            f"{row['bytes_down_per_rank_mean']:,.0f}, {row['bytes_down_per_rank_max']:,.0f}",
+            f"{row['busiest_host_bytes']:,.0f}",
+            f"{row['bytes_per_rank_vs_baseline']:.3f} ({row['expected_vs_baseline']:.3f})",
+            f"{row['bytes_per_replica_max']:,.0f}",
+            f"{row['round_seconds']:.3f}",
+        )  # fmt: skip
+    worst = max(row["max_mean_error"] for row in result["configs"])
+    table.caption = (
+        f"store {result['url']}; every rank is a process of its own: busiest host = busiest "
+        f"rank (up + down); vs N = bytes per rank over those with N={result['baseline_ranks']} "
+        f"(expected in brackets); bytes / replica = all its ranks' (one host, if they share "
+        f"one); round = first rank's start to last rank's end; worst mean error {worst:.1e}"
+    )
+    return table
+
+
+@bench_app.command("sharded")
+def bench_sharded_command(
+    ranks: Annotated[
+        str,
+        typer.Option(
+            help="Rank counts per replica to measure, comma-separated; each rank exchanges "
+            "its 1/N slice in its own round namespace, all ranks in parallel.",
+        ),
+    ] = "1,2,4",
+    replicas: Annotated[int, typer.Option(min=1, max=16, help="Replicas.")] = 2,
+    size: Annotated[
+        int,
+        typer.Option(parser=parse_size, help="Bytes of float32 pseudo-gradient per replica."),
+    ] = "64MiB",  # type: ignore[assignment]
+    mode: Annotated[
+        str, typer.Option(help="Every rank's exchange: gather, sharded or auto (as a run).")
+    ] = "auto",
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds to take medians over.")] = 3,
+    store_url: Annotated[str | None, STORE_OPTION] = None,
+    standin_name: Annotated[str | None, STANDIN_OPTION] = None,
+    json_output: JsonOutput = False,
+) -> None:
+    """Measure sharded replicas: R replicas of N rank processes each, rank r exchanging only
+    its 1/N of the pseudo-gradient, as with [run] sharding = "fsdp".
+
+    For each N: bytes up and down per rank (mean and max over ranks), the busiest host's
+    bytes (here the busiest rank's: every rank is its own process, as on a deployment where
+    each rank has its own host), a replica's bytes in all, round wall time from the first
+    rank starting to the last finishing, and per-rank traffic relative to the fewest ranks
+    measured (expected: about 1/N of N=1's). Each rank checks the mean it got.
+    """
+    from diloco_anywhere.bench.sharded import bench_sharded
+    from diloco_anywhere.bench.sync import MODES
+
+    if mode not in MODES:
+        raise typer.BadParameter(f"--mode {mode!r}: this build has {', '.join(MODES)}")
+    with user_errors(), ExitStack() as stack, progress_display() as status:
+        url, options = _bench_target(stack, store_url, standin_name, status)
+        counts = _parse_ranks(ranks)
+        result = bench_sharded(url, options, replicas, counts, size, rounds, mode, status)
+    if json_output:
+        print_json(result)
+        return
+    stdout.print(_sharded_table(result))
+
+
 Replicas = Annotated[int, typer.Option(min=1, max=16, help="Replica processes.")]
 SyncEvery = Annotated[int, typer.Option(min=1, help="H: inner steps per outer step.")]
 OuterSteps = Annotated[int, typer.Option(min=1, help="Outer steps of each run.")]
-JsonOutput = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 
 
 def _print_result(result: dict[str, Any], title: str, json_output: bool) -> None:

@@ -324,8 +324,9 @@ class Training:
 
     def heal(self, state: GlobalState, *, from_initial: bool) -> int:
         """Bring the global state to the run's newest sealed round (the leader, from the
-        bucket: ``healing.py``; the other ranks, from the leader); the inner step the data
-        resumes at (``start_step``): every replica trains ``batches_per_round`` per round."""
+        bucket: ``healing.py``, and the other ranks from the leader; or every rank of a sharded
+        replica its own shard, together); the inner step the data resumes at
+        (``start_step``): every replica trains ``batches_per_round`` per round."""
         if self.group.is_leader or self.shard.sharded:
             report = heal(
                 self.collective,  # type: ignore[arg-type]  (the leader holds the bucket)
