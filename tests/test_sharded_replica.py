@@ -27,6 +27,7 @@ from diloco_anywhere.config import ConfigError, load_config, parse_config
 from diloco_anywhere.launching.launch import plan_launch, run_metrics, start
 from diloco_anywhere.launching.supervisor import Supervisor
 from diloco_anywhere.replica import main as replica_main
+from diloco_anywhere.tasks.gpt import GPT, PRESETS
 from diloco_anywhere.training.checkpoint import (
     committed_rounds,
     load_checkpoint,
@@ -36,6 +37,7 @@ from diloco_anywhere.training.sharded_replica import (
     Sharding,
     ShardingMismatchError,
     check_sharding,
+    shard_units,
 )
 from test_launch import RUN_TOML, diloco, statuses
 
@@ -213,3 +215,26 @@ def test_fsdp_needs_one_rank_count_on_every_backend_and_no_mirrors(tmp_path, mon
     assert "checkpoint.mirrors is not supported with run.sharding = 'fsdp' yet" in str(
         refused.value
     )
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4)
+        )
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+
+def test_fsdp_shards_each_block_of_a_stack_as_its_own_unit() -> None:
+    """A forward then gathers one block at a time, never the whole model."""
+    gpt = GPT(PRESETS["tiny"], torch.Generator().manual_seed(0))
+    assert shard_units(gpt) == list(gpt.blocks)  # an nn.Sequential of blocks
+
+    hf_like = torch.nn.Module()
+    hf_like.embed = torch.nn.Embedding(16, 4)
+    hf_like.layers = torch.nn.ModuleList(_Block() for _ in range(2))  # experts stay inside
+    assert shard_units(hf_like) == list(hf_like.layers)
+
+    mixed = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    assert shard_units(mixed) == []  # no stack of blocks: the model is the one unit

@@ -79,9 +79,27 @@ def check_sharding(store: Store, layout: RunLayout, mine: Sharding) -> None:
         )
 
 
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 shards as units of their own, before the model itself: the members of
+    every outermost stack of blocks (an ``nn.ModuleList`` or ``nn.Sequential`` of two or more
+    modules of one class, holding parameters: a transformer's layers). Each unit's parameters
+    are gathered only while it runs, so a forward never holds the whole model unsharded; a
+    stack inside a unit (experts in a block) stays in its unit."""
+    units: list[nn.Module] = []
+    inside: set[int] = set()  # ids of the modules within a unit already chosen
+    for module in model.modules():
+        if id(module) in inside or not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        members = list(module.children())
+        uniform = len(members) >= 2 and len({type(member) for member in members}) == 1
+        if uniform and next(module.parameters(), None) is not None:
+            units += members
+            inside |= {id(sub) for member in members for sub in member.modules()}
+    return units
+
+
 def shard_model(model: nn.Module, group: ReplicaGroup) -> nn.Module:
-    """Wrap ``model`` with FSDP2 over the replica's ranks, in place: every module held in an
-    ``nn.ModuleList`` (a transformer's blocks) is its own unit, gathered only while it runs,
+    """Wrap ``model`` with FSDP2 over the replica's ranks, in place: each of ``shard_units``,
     then the model itself (embeddings, head). Build the inner optimizer after this: the
     parameters are DTensors from here on (torch.distributed.fsdp.fully_shard)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -89,10 +107,8 @@ def shard_model(model: nn.Module, group: ReplicaGroup) -> nn.Module:
 
     device = next(model.parameters()).device
     mesh = init_device_mesh(device.type, (group.world_size,))
-    for module in list(model.modules()):
-        if isinstance(module, nn.ModuleList):
-            for block in module:
-                fully_shard(block, mesh=mesh)
+    for unit in shard_units(model):
+        fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 
