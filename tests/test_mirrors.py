@@ -21,7 +21,12 @@ from diloco_anywhere.cli.run import _status_table
 from diloco_anywhere.config import load_config
 from diloco_anywhere.launching.launch import run_metrics
 from diloco_anywhere.launching.status import ReplicaStatus
-from diloco_anywhere.training.checkpoint import committed_rounds, load_checkpoint, read_checkpoint
+from diloco_anywhere.training.checkpoint import (
+    CheckpointPolicy,
+    committed_rounds,
+    load_checkpoint,
+    read_checkpoint,
+)
 from diloco_anywhere.training.mirrors import MirrorWriter, ResumeError, resume_from
 from proxy import FaultProxy
 from test_checkpoint import diloco_like_state, write_checkpoint
@@ -85,7 +90,7 @@ def test_a_copy_under_way_makes_a_checkpoint_skip_that_mirror_but_never_the_last
     failures: list[str] = []
     with FaultProxy(standins("s3").storage_options["endpoint_url"]) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-        writer = MirrorWriter([url], layout, keep=5, report=failures.append)
+        writer = MirrorWriter([url], layout, CheckpointPolicy(keep=5), report=failures.append)
         proxy.hold()
         writer.copy(checkpoints[0])
         writer.copy(checkpoints[1])  # round 1's copy cannot have finished: skipped

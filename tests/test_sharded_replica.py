@@ -10,6 +10,7 @@ it, and every rank heals its own shard from its part of the checkpoint and its o
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ from diloco_anywhere.launching.supervisor import Supervisor
 from diloco_anywhere.replica import main as replica_main
 from diloco_anywhere.tasks.gpt import GPT, PRESETS
 from diloco_anywhere.training.checkpoint import (
+    ShardOf,
     committed_rounds,
     load_checkpoint,
     read_commit,
@@ -45,10 +47,12 @@ TWO_RANKS = "\n[backends.local]\nprocesses_per_replica = 2\n"
 FRAGMENT = "StreamingDiLoCoFragment_0"
 
 
-def _write_run(folder: Path, sharding: str, outer_steps: int) -> str:
+def _write_run(folder: Path, sharding: str, outer_steps: int, mirror: str = "") -> str:
     text = RUN_TOML.format(replicas=2, outer_steps=outer_steps).replace(
         "min_replicas = 2", f'min_replicas = 2\nsharding = "{sharding}"'
     )
+    if mirror:
+        text = text.replace("[task]", f'[checkpoint]\nmirrors = ["{mirror}"]\n[task]')
     (folder / "run.toml").write_text(text + TWO_RANKS)
     return str(folder / "run.toml")
 
@@ -171,6 +175,32 @@ def test_a_rank_killed_takes_its_replica_down_and_the_restart_heals_every_rank(
         assert (last.outer_step, last.committed) == (8, True)
 
 
+def test_every_rank_mirrors_its_part_and_a_lost_store_resumes_from_the_mirror(
+    tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    config = _write_run(tmp_path, "fsdp", outer_steps=3, mirror="mirror")
+    result = diloco("launch", "--config", config)
+    assert result.exit_code == 0, result.output
+    store, mirror, layout = Store(str(tmp_path / "store")), Store("mirror"), RunLayout("t")
+    rounds = committed_rounds(store, layout)
+    assert committed_rounds(mirror, layout) == rounds == [2, 0]
+    for round_ in rounds:  # the COMMIT as committed, over both ranks' parts, intact there
+        assert read_commit(mirror, layout, round_)[1] == read_commit(store, layout, round_)[1]
+        for rank in (0, 1):
+            load_checkpoint(mirror, layout, round_, shard=ShardOf(rank, 2))
+    trained = _final_weights(str(tmp_path / "store"))
+
+    shutil.rmtree(tmp_path / "store")  # the run's store is lost
+    resumed = diloco("launch", "--config", config, "--resume-from", "mirror")
+    assert resumed.exit_code == 0, resumed.output
+    for replica in run_metrics(load_config(config)).read().values():
+        healed = [event.detail for event in replica.events if event.event == "healed"]
+        assert healed[-1].startswith("healed from checkpoint 2: replayed 0 rounds"), healed
+    restored = _final_weights(str(tmp_path / "store"))
+    assert all(torch.equal(restored[name], trained[name]) for name in trained)
+
+
 def test_a_replica_unlike_the_runs_sharding_is_refused(tmp_path):
     store, layout = Store(str(tmp_path / "store")), RunLayout("t")
     check_sharding(store, layout, Sharding(sharding="fsdp", ranks=2))
@@ -197,7 +227,7 @@ def test_a_replica_refused_for_its_sharding_exits_2_saying_why(tmp_path, monkeyp
         "replicas are sharded over 2 rank(s) (fsdp)" in capsys.readouterr().err  # fmt: skip
 
 
-def test_fsdp_needs_one_rank_count_on_every_backend_and_no_mirrors(tmp_path, monkeypatch):
+def test_fsdp_needs_one_rank_count_on_every_backend(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     text = RUN_TOML.format(replicas=2, outer_steps=1).replace(
         "min_replicas = 2", 'min_replicas = 2\nsharding = "fsdp"'
@@ -208,13 +238,6 @@ def test_fsdp_needs_one_rank_count_on_every_backend_and_no_mirrors(tmp_path, mon
         plan_launch(parse_config(two_platforms, "run.toml"), {"local": 1, "k8s": 1})
     assert "needs the same processes_per_replica on every backend of the launch (found " \
         "local 2, k8s 4)" in str(refused.value)  # fmt: skip
-
-    mirrored = text.replace("[task]", '[checkpoint]\nmirrors = ["mirror"]\n[task]')
-    with pytest.raises(ConfigError) as refused:
-        parse_config(mirrored, "run.toml")
-    assert "checkpoint.mirrors is not supported with run.sharding = 'fsdp' yet" in str(
-        refused.value
-    )
 
 
 class _Block(torch.nn.Module):

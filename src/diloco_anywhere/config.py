@@ -172,12 +172,6 @@ class RunConfig(_Section):
                     f"each mirror must be a store of its own"
                 )
             seen[url] = f"checkpoint.mirrors.{index}"
-        if self.checkpoint.mirrors and self.run.sharding == "fsdp":
-            raise ValueError(
-                "checkpoint.mirrors is not supported with run.sharding = 'fsdp' yet (a mirror "
-                "copy goes through one process; a sharded checkpoint is written by every "
-                "rank): remove the mirrors or use sharding = 'ddp'"
-            )
         return self
 
     def store_url(self) -> str:

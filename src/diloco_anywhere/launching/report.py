@@ -96,7 +96,8 @@ def plot_losses(metrics: dict[str, ReplicaMetrics], path: Path, title: str) -> P
                      label="held-out (global weights)")  # fmt: skip
     axes.set(xlabel="tokens per replica", ylabel="loss", title=title)
     axes.grid(alpha=0.3)
-    axes.legend(fontsize="small")
+    if axes.get_legend_handles_labels()[0]:  # none when no replica recorded a step yet
+        axes.legend(fontsize="small")
     for name, (panel,) in zip(names, panels[1:], strict=True):
         for replica, m in sorted(metrics.items()):
             points = [(s.tokens, s.values[name]) for s in m.steps if name in s.values]

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Annotated, Any
@@ -128,6 +128,19 @@ class Checkpoint:
     source: str  # the store it was read from (its URL, credentials masked)
     fingerprint: str  # of ``tree``: the part's, or the COMMIT's for the whole
     from_mirror: bool = False  # read from a mirror, not from the run's store
+
+
+@dataclass(frozen=True)
+class StoredPart:
+    """One rank's part of a sharded checkpoint as bytes: what a mirror copy of that rank
+    writes (``copy_part``). Rank 0's carries the COMMIT, written once every rank's part is in."""
+
+    round: int
+    rank: int
+    part: RankPart
+    objects: dict[str, bytes]  # the part's state and shards, by key
+    commit: CheckpointCommit | None = None
+    commit_bytes: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -340,12 +353,13 @@ class CheckpointWriter:
         layout: RunLayout,
         me: str,
         policy: CheckpointPolicy,
-        mirror: Callable[[StoredCheckpoint, bool], None] | None = None,
+        mirror: Callable[[StoredCheckpoint | StoredPart, bool], None] | None = None,
         shard: ShardOf = WHOLE,
     ) -> None:
         """``mirror(checkpoint, last)`` hears of every checkpoint this replica commits
-        (``mirrors.MirrorWriter.copy``). ``shard``: the part of a sharded replica this process
-        writes (then ``me`` names the replica, whose ranks all write theirs)."""
+        (``mirrors.MirrorWriter.copy``), or of every part this rank writes. ``shard``: the
+        part of a sharded replica this process writes (then ``me`` names the replica, whose
+        ranks all write theirs)."""
         self.store, self.layout, self.me, self.policy = store, layout, me, policy
         self.mirror, self.shard = mirror, shard
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
@@ -414,36 +428,32 @@ class CheckpointWriter:
             shards=tuple(_entry(key, data) for key, data in objects.items()),
             fingerprint=commit["fingerprint"],
         )
+        objects[state_key] = structure
         try:
-            self.store.put_many({**objects, state_key: structure})
+            self.store.put_many(objects)
             if rank > 0:
                 self.store.put(layout.checkpoint_rank_done(round_, rank), encode_record(part))
+                self._mirror(StoredPart(round_, rank, part, objects), last)
                 return
             parts = (part, *self._other_parts(round_))
             commit["fingerprint"] = combine_fingerprints([p.fingerprint for p in parts])
             done = CheckpointCommit(**commit, ranks=parts)
-            if self._put_commit(done, encode_record(done)):
+            commit_bytes = encode_record(done)
+            if self._put_commit(done, commit_bytes):
                 log.info("checkpoint of round %d committed (%d ranks)", round_, len(parts))
                 prune_checkpoints(self.store, self.layout, self.policy.keep, round_)
+                self._mirror(StoredPart(round_, 0, part, objects, done, commit_bytes), last)
         except (OSError, CheckpointError) as exc:
             log.warning("checkpoint of round %d not written: %s", round_, exc)
 
+    def _mirror(self, stored: StoredCheckpoint | StoredPart, last: bool) -> None:
+        if self.mirror is not None:
+            self.mirror(stored, last)
+
     def _other_parts(self, round_: int) -> list[RankPart]:
         """The PART records of ranks 1 and up, once all are in (``part_wait`` at most)."""
-        keys = [self.layout.checkpoint_rank_done(round_, r) for r in range(1, self.shard.ranks)]
-        deadline = time.monotonic() + self.policy.part_wait
-        while missing := set(keys) - set(self.store.list_prefix(self.layout.checkpoint(round_))):
-            if time.monotonic() >= deadline:
-                waited = f"{self.policy.part_wait:g}s"
-                raise CheckpointError(
-                    f"{sorted(missing)[0]}: not written after {waited} (that rank stalled or died)"
-                )
-            time.sleep(self.policy.poll)
-        found = self.store.get_many(keys, limit=RECORD_READ_LIMIT)
-        try:
-            return [decode_record(found[key], RankPart, key=key) for key in keys]
-        except WireFormatError as exc:
-            raise CheckpointError(str(exc)) from None
+        ranks = range(1, self.shard.ranks)
+        return wait_for_parts(self.store, self.layout, round_, ranks, self.policy)
 
     def _commit(
         self,
@@ -480,9 +490,7 @@ class CheckpointWriter:
             return
         log.info("checkpoint of round %d committed (%d shards)", round_, len(entries))
         prune_checkpoints(self.store, self.layout, self.policy.keep, round_)
-        if self.mirror is not None:
-            stored = StoredCheckpoint(done, commit_bytes, {**shards, state_key: structure})
-            self.mirror(stored, last)
+        self._mirror(StoredCheckpoint(done, commit_bytes, {**shards, state_key: structure}), last)
 
     def _put_commit(self, done: CheckpointCommit, data: bytes) -> bool:
         """Put the COMMIT; False if another replica committed this same checkpoint first
@@ -516,6 +524,52 @@ class CheckpointWriter:
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
 
 
+def wait_for_parts(
+    store: Store,
+    layout: RunLayout,
+    round_: int,
+    ranks: Iterable[int],
+    policy: CheckpointPolicy,
+    expected: Sequence[RankPart] | None = None,
+) -> list[RankPart]:
+    """The PART records of ``ranks`` in ``store`` once every one is in (and, given
+    ``expected``, is the one expected of it: a mirror may still hold an older copy's),
+    polling ``policy.part_wait`` seconds at most; else ``CheckpointError`` naming the first
+    missing."""
+    keys = [layout.checkpoint_rank_done(round_, rank) for rank in ranks]
+    deadline = time.monotonic() + policy.part_wait
+    while True:
+        parts, missing = _read_parts(store, keys, expected)
+        if missing is None:
+            return parts
+        if time.monotonic() >= deadline:
+            waited = f"{policy.part_wait:g}s"
+            raise CheckpointError(
+                f"{missing}: not written after {waited} (that rank stalled or died)"
+            )
+        time.sleep(policy.poll)
+
+
+def _read_parts(
+    store: Store, keys: list[str], expected: Sequence[RankPart] | None
+) -> tuple[list[RankPart], str | None]:
+    """The PART records at ``keys``, and the first key that is missing or holds another
+    record than ``expected`` gives (None: every one is in)."""
+    folders = {key.rsplit("/", 2)[0] for key in keys}
+    listed = {key for folder in folders for key in store.list_prefix(folder)}
+    if missing := [key for key in keys if key not in listed]:
+        return [], missing[0]
+    found = store.get_many(keys, limit=RECORD_READ_LIMIT)
+    try:
+        parts = [decode_record(found[key], RankPart, key=key) for key in keys]
+    except WireFormatError as exc:
+        raise CheckpointError(str(exc)) from None
+    unlike = [
+        k for k, part, want in zip(keys, parts, expected or parts, strict=True) if part != want
+    ]
+    return parts, (unlike[0] if unlike else None)
+
+
 def prune_checkpoints(store: Store, layout: RunLayout, keep: int, newest: int) -> None:
     """Delete every checkpoint (committed or not) older than the ``keep`` newest committed up
     to round ``newest`` (the one just written). Counting from the round written, not from the
@@ -543,19 +597,56 @@ def copy_checkpoint(store: Store, layout: RunLayout, checkpoint: StoredCheckpoin
     earlier run of the same name (a create-only put would refuse its keys)."""
     round_ = checkpoint.commit.round
     folder, commit_key = layout.checkpoint(round_), layout.checkpoint_commit(round_)
-    try:
-        if store.get(commit_key, 0, len(checkpoint.commit_bytes) + 1) == checkpoint.commit_bytes:
-            return  # copied before
-    except FileNotFoundError:
-        pass
+    if _holds(store, commit_key, checkpoint.commit_bytes):
+        return  # copied before
     if removed := store.delete_prefix(folder):
         log.warning("%s: replaced %d objects under %s: a copy cut short, or another run's "
                     "checkpoint of round %d", store.url, removed, folder, round_)  # fmt: skip
-    store.put_many(checkpoint.objects)
-    for key, data in checkpoint.objects.items():
+    _put_checked(store, checkpoint.objects)
+    store.put(commit_key, checkpoint.commit_bytes)
+
+
+def copy_part(
+    store: Store, layout: RunLayout, stored: StoredPart, policy: CheckpointPolicy
+) -> None:
+    """Put one rank's part of a sharded checkpoint into ``store`` (a mirror): its objects,
+    each read back and compared, then its PART record; rank 0's copy then waits for every
+    rank's PART there, as it was committed, and puts the COMMIT. What the rank's folder held
+    before, unless it is this very part, goes first, as in ``copy_checkpoint``; so does a
+    COMMIT of the round that is not this one (an earlier run's), before any part is copied."""
+    round_, commit_key = stored.round, layout.checkpoint_commit(stored.round)
+    if stored.commit is not None:
+        if _holds(store, commit_key, stored.commit_bytes):
+            return  # copied before
+        store.delete_prefix(commit_key)
+    record, done_key = encode_record(stored.part), layout.checkpoint_rank_done(round_, stored.rank)
+    if not _holds(store, done_key, record):
+        folder = layout.checkpoint_part(round_, stored.rank)
+        if removed := store.delete_prefix(folder):
+            log.warning("%s: replaced %d objects under %s: a copy cut short, or another run's "
+                        "checkpoint of round %d", store.url, removed, folder, round_)  # fmt: skip
+        _put_checked(store, stored.objects)
+        store.put(done_key, record)
+    if stored.commit is not None:
+        ranks = range(len(stored.commit.ranks))
+        wait_for_parts(store, layout, round_, ranks, policy, expected=stored.commit.ranks)
+        store.put(commit_key, stored.commit_bytes)
+
+
+def _holds(store: Store, key: str, data: bytes) -> bool:
+    """Whether ``key`` holds exactly ``data``."""
+    try:
+        return store.get(key, 0, len(data) + 1) == data
+    except FileNotFoundError:
+        return False
+
+
+def _put_checked(store: Store, objects: dict[str, bytes]) -> None:
+    """Put ``objects``, then read each back: a copy is done only when its bytes are there."""
+    store.put_many(objects)
+    for key, data in objects.items():
         if store.get(key, 0, len(data) + 1) != data:
             raise OSError(f"{key} in {store.url} reads back other bytes than were written")
-    store.put(commit_key, checkpoint.commit_bytes)
 
 
 # -- reading -------------------------------------------------------------------------------
@@ -781,38 +872,55 @@ def newest_checkpoints(
     shard: ShardOf | None = None,
 ) -> Iterator[Checkpoint]:
     """Committed checkpoints that load intact (``shard``'s part, or the whole: as
-    ``load_checkpoint``), newest first (lazily), each from ``store`` or,
-    where it has none of that round or its copy there does not load, from the first of
-    ``mirrors`` whose copy does; ``confirm_mirrored`` may refuse a mirror's COMMIT. The ones
-    that do not load, and mirrors that cannot be reached, are logged with the reason and
-    skipped; ``store`` itself not answering propagates."""
-    sources = [(store, committed_rounds(store, layout), None)]
-    for mirror in mirrors:
-        try:
-            sources.append((mirror, committed_rounds(mirror, layout), confirm_mirrored))
-        except OSError as exc:
-            log.warning("mirror %s not used: its checkpoints cannot be listed: %s", mirror.url, exc)
-    for round_ in sorted({r for _, rounds, _ in sources for r in rounds}, reverse=True):
-        holders = [(source, confirm) for source, rounds, confirm in sources if round_ in rounds]
-        if (checkpoint := _first_intact(holders, layout, round_, store, shard)) is not None:
+    ``load_checkpoint``), newest first (lazily), each from ``store`` or, where it has none of
+    that round or its copy there does not load, from the first of ``mirrors`` whose copy does;
+    ``confirm_mirrored`` may refuse a mirror's COMMIT. The ones that do not load, and mirrors
+    that cannot be listed, are logged with the reason and skipped; ``store`` itself not
+    answering propagates."""
+    for round_, holders in checkpoint_holders(store, layout, mirrors):
+        checkpoint = first_intact(store, mirrors, holders, layout, round_, confirm_mirrored, shard)
+        if checkpoint is not None:
             yield checkpoint
 
 
-def _first_intact(
-    holders: list[tuple[Store, Confirm | None]],
+def checkpoint_holders(
+    store: Store, layout: RunLayout, mirrors: Sequence[Store] = ()
+) -> list[tuple[int, list[int]]]:
+    """Every committed round, newest first, with the stores holding a COMMIT of it: 0 for
+    ``store``, k for ``mirrors[k - 1]``, in that order (mirrors that cannot be listed are
+    logged and left out)."""
+    listed = [committed_rounds(store, layout)]
+    for mirror in mirrors:
+        try:
+            listed.append(committed_rounds(mirror, layout))
+        except OSError as exc:
+            log.warning("mirror %s not used: its checkpoints cannot be listed: %s", mirror.url, exc)
+            listed.append([])
+    rounds = sorted({round_ for found in listed for round_ in found}, reverse=True)
+    return [(r, [k for k, found in enumerate(listed) if r in found]) for r in rounds]
+
+
+def first_intact(
+    store: Store,
+    mirrors: Sequence[Store],
+    holders: list[int],
     layout: RunLayout,
     round_: int,
-    primary: Store,
+    confirm_mirrored: Confirm | None,
     shard: ShardOf | None,
 ) -> Checkpoint | None:
-    for source, confirm in holders:
+    """The checkpoint of ``round_`` from the first of ``holders`` (``checkpoint_holders``)
+    whose copy loads intact; None (logged) if none does. ``store`` not answering propagates."""
+    for holder in holders:
+        source = store if holder == 0 else mirrors[holder - 1]
+        confirm = None if holder == 0 else confirm_mirrored
         try:
             checkpoint = load_checkpoint(source, layout, round_, confirm, shard)
-            return replace(checkpoint, from_mirror=source is not primary)
+            return replace(checkpoint, from_mirror=holder != 0)
         except CheckpointError as exc:
             log.warning("checkpoint of round %d not used: %s", round_, exc)
         except StoreError as exc:
-            if source is primary:
+            if holder == 0:
                 raise
             log.warning("checkpoint of round %d in mirror %s not used: %s",
                         round_, source.url, exc)  # fmt: skip

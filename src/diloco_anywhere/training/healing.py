@@ -44,11 +44,10 @@ from diloco_anywhere.training.checkpoint import (
     WHOLE,
     Checkpoint,
     CheckpointCommit,
-    CheckpointError,
     Confirm,
     ShardOf,
-    committed_rounds,
-    load_checkpoint,
+    checkpoint_holders,
+    first_intact,
     newest_checkpoints,
 )
 from diloco_anywhere.training.global_state import GlobalState, fingerprint, local_tensor
@@ -208,18 +207,15 @@ def _candidates(
     shard: ShardOf,
     ranks: ReplicaGroup,
 ) -> Iterator[Checkpoint | None]:
-    """Checkpoints to heal from, newest first. A sharded replica's ranks go through rank 0's
-    list of committed rounds together, each loading its part (None where it does not)."""
-    store, layout = collective.store, collective.layout
+    """Checkpoints to heal from, newest first, from the store or its mirrors. A sharded
+    replica's ranks go through rank 0's list of committed rounds together, each loading its
+    part (None where no copy of it loads)."""
+    store, layout, confirm = collective.store, collective.layout, _sealed_after(collective, shard)
     if not shard.sharded:
-        yield from newest_checkpoints(store, layout, mirrors, _sealed_after(collective), shard)
+        yield from newest_checkpoints(store, layout, mirrors, confirm, shard)
         return
-    for round_ in ranks.broadcast(committed_rounds(store, layout)):
-        try:
-            yield load_checkpoint(store, layout, round_, None, shard)
-        except CheckpointError as exc:
-            log.warning("checkpoint of round %d not used: %s", round_, exc)
-            yield None
+    for round_, holders in ranks.broadcast(checkpoint_holders(store, layout, mirrors)):
+        yield first_intact(store, mirrors, holders, layout, round_, confirm, shard)
 
 
 def heal(
@@ -265,11 +261,13 @@ def heal(
     return _healed(state, manager, None, None, replayed, skipped, started)
 
 
-def _sealed_after(collective: BucketCollective) -> Confirm:
+def _sealed_after(collective: BucketCollective, shard: ShardOf) -> Confirm:
     """Refuses a mirror's checkpoint unless the run's store sealed the round after it from the
-    state it holds."""
+    state it holds (this rank's part of it: each rank's exchange has its own rounds)."""
 
     def confirm(commit: CheckpointCommit) -> str | None:
+        parts = commit.parts()
+        held = parts[shard.rank].fingerprint if len(parts) == shard.ranks else commit.fingerprint
         try:
             sealed = collective.sealed_fingerprint(commit.sync)
         except (SealedContributionError, WireFormatError) as exc:
@@ -281,10 +279,10 @@ def _sealed_after(collective: BucketCollective) -> Confirm:
                 f"the run's store has not sealed round {commit.sync}, which would confirm it "
                 f"is this run's state"
             )
-        if sealed != commit.fingerprint:
+        if sealed != held:
             return (
                 f"round {commit.sync} was sealed from state {sealed}, not from this "
-                f"checkpoint's {commit.fingerprint}: it is from an earlier run of the same name"
+                f"checkpoint's {held}: it is from an earlier run of the same name"
             )
         return None
 

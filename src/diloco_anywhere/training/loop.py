@@ -171,7 +171,7 @@ class Training:
         )  # fmt: skip
         self.shard = ShardOf(group.rank, group.world_size) if group.sharded else ShardOf()
         self.mirrors = (
-            MirrorWriter(self.config.mirror_urls(), collective.layout, policy.keep, self._report)
+            MirrorWriter(self.config.mirror_urls(), collective.layout, policy, self._report)
             if collective is not None and self.config.checkpoint.mirrors
             else None
         )
@@ -311,9 +311,10 @@ class Training:
             writers = (self.writer.me,)
         else:
             return
-        if self.shard.sharded and not (step == last or all(self.group.gather(self.writer.idle()))):
-            log.warning("checkpoint of round %d skipped: a rank is still writing the previous "
-                        "one (raise checkpoint.every)", self.manager.last_round())  # fmt: skip
+        if self.shard.sharded and not (step == last or all(self.group.gather(self._idle()))):
+            log.warning("checkpoint of round %d skipped: a rank is still writing or "
+                        "mirroring the previous one (raise checkpoint.every)",
+                        self.manager.last_round())  # fmt: skip
             return
         self.writer.write(
             self.manager.last_round(),
@@ -321,6 +322,10 @@ class Training:
             {"manager": self.manager.state_dict(), "fragments": state.checkpoint_tree()},
             last=step == last,
         )
+
+    def _idle(self) -> bool:
+        """This process writes and mirrors no checkpoint now."""
+        return self.writer.idle() and (self.mirrors is None or self.mirrors.idle())  # type: ignore[union-attr]
 
     def heal(self, state: GlobalState, *, from_initial: bool) -> int:
         """Bring the global state to the run's newest sealed round (the leader, from the

@@ -3,12 +3,13 @@ run's store (a deleted bucket, a region outage, an expired account) does not los
 
 Writing: the replica that commits a checkpoint copies it, after the commit, to each store of
 ``[checkpoint] mirrors``, under the same keys (``checkpoint.copy_checkpoint``: the objects
-first, each read back and compared, then the COMMIT). Old checkpoints are pruned in each mirror
-as in the store. A mirror never holds training back: copies run on a thread of their own, one
-checkpoint at a time per mirror (a copy still running when the next checkpoint is committed is
-skipped for that mirror, logged; the run's last checkpoint waits for it instead), and a mirror
-that fails is reported through ``report`` (the run's metrics: ``diloco status`` shows it),
-never raised.
+first, each read back and compared, then the COMMIT). In a sharded replica every rank copies
+its own part, and rank 0 the COMMIT once every part is in the mirror (``copy_part``). Old
+checkpoints are pruned in each mirror as in the store. A mirror never holds training back:
+copies run on a thread of their own, one checkpoint at a time per mirror (a copy still running
+when the next checkpoint is committed is skipped for that mirror, logged; the run's last
+checkpoint waits for it instead), and a mirror that fails is reported through ``report`` (the
+run's metrics: ``diloco status`` shows it), never raised.
 
 Reading: healing takes a mirror's checkpoint when the store has no intact one as new
 (``healing.py``), and ``diloco launch --resume-from URL`` starts a run whose store was lost
@@ -27,9 +28,12 @@ from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.training.checkpoint import (
     CheckpointCommit,
     CheckpointError,
+    CheckpointPolicy,
     StoredCheckpoint,
+    StoredPart,
     committed_rounds,
     copy_checkpoint,
+    copy_part,
     prune_checkpoints,
     read_checkpoint,
     read_commit,
@@ -42,31 +46,48 @@ class MirrorWriter:
     """Copies committed checkpoints to ``urls``; ``report(detail)`` hears of every failure."""
 
     def __init__(
-        self, urls: list[str], layout: RunLayout, keep: int, report: Callable[[str], None]
+        self,
+        urls: list[str],
+        layout: RunLayout,
+        policy: CheckpointPolicy,
+        report: Callable[[str], None],
     ) -> None:
-        self.layout, self.keep, self.report = layout, keep, report
+        """``policy``: the checkpoints kept, and how long rank 0 of a sharded replica waits
+        for the other ranks' parts in a mirror."""
+        self.layout, self.policy, self.report = layout, policy, report
         self.stores = [Store(url) for url in urls]  # healing reads them too
         self._executor = ThreadPoolExecutor(max(1, len(urls)), thread_name_prefix="mirror")
         self._pending: dict[int, Future[None]] = {}  # by mirror
 
-    def copy(self, checkpoint: StoredCheckpoint, last: bool = False) -> None:
-        """Start copying ``checkpoint`` to every mirror not still busy with the previous one;
-        the ``last`` (the run's final state) waits for it instead of being skipped."""
+    def copy(self, checkpoint: StoredCheckpoint | StoredPart, last: bool = False) -> None:
+        """Start copying ``checkpoint`` (or a rank's part of one) to every mirror not still
+        busy with the previous one; the ``last`` (the run's final state) waits for it instead
+        of being skipped. A sharded replica's ranks skip together: they write a checkpoint
+        only when every rank's mirrors are ``idle``."""
+        round_ = checkpoint.round if isinstance(checkpoint, StoredPart) else checkpoint.commit.round
         for index, store in enumerate(self.stores):
             pending = self._pending.get(index)
             if pending is not None and last:
                 pending.result()  # _copy reports its failures, never raises
             elif pending is not None and not pending.done():
                 log.warning("mirror %s: checkpoint of round %d skipped, the previous copy is "
-                            "still running", store.url, checkpoint.commit.round)  # fmt: skip
+                            "still running", store.url, round_)  # fmt: skip
                 continue
-            self._pending[index] = self._executor.submit(self._copy, store, checkpoint)
+            self._pending[index] = self._executor.submit(self._copy, store, checkpoint, round_)
 
-    def _copy(self, store: Store, checkpoint: StoredCheckpoint) -> None:
-        round_ = checkpoint.commit.round
+    def idle(self) -> bool:
+        """No copy under way."""
+        return all(pending.done() for pending in self._pending.values())
+
+    def _copy(self, store: Store, checkpoint: StoredCheckpoint | StoredPart, round_: int) -> None:
         try:
-            copy_checkpoint(store, self.layout, checkpoint)
-            prune_checkpoints(store, self.layout, self.keep, round_)
+            if isinstance(checkpoint, StoredPart):
+                copy_part(store, self.layout, checkpoint, self.policy)
+                if checkpoint.commit is None:
+                    return  # rank 0 commits and prunes
+            else:
+                copy_checkpoint(store, self.layout, checkpoint)
+            prune_checkpoints(store, self.layout, self.policy.keep, round_)
             log.info("checkpoint of round %d mirrored to %s", round_, store.url)
         except Exception as exc:  # a mirror never stops training: it is reported instead
             detail = f"checkpoint of round {round_} not mirrored to {store.url}: {exc}"
