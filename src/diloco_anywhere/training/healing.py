@@ -238,8 +238,9 @@ def heal(
     started, tried = time.perf_counter(), False
     for checkpoint in _candidates(collective, mirrors, shard, ranks):
         loaded = checkpoint is not None and _load(checkpoint, state, manager)
-        tried |= any(ranks.gather(checkpoint is not None))
-        if not all(ranks.gather(loaded)):
+        found = ranks.gather((checkpoint is not None, loaded))  # every rank's
+        tried |= any(intact for intact, _ in found)
+        if not all(fits for _, fits in found):
             continue
         try:
             replayed, skipped = _replay(collective, state, manager, min_replicas, ranks)
