@@ -31,6 +31,7 @@ from diloco_anywhere.training.checkpoint import (
     read_commit,
     retained_after,
     unflatten,
+    whole_tree,
 )
 from diloco_anywhere.training.global_state import LocalShard, fingerprint, tree_checksum
 
@@ -347,6 +348,11 @@ def split_in_ranks(tree: dict, ranks: int) -> list[dict]:
     return [piece(rank) for rank in range(ranks)]
 
 
+def part_fingerprints(parts: list[dict]) -> tuple[str, ...]:
+    """What the ranks gather before writing: each part's fingerprint."""
+    return tuple(fingerprint(p["manager"]["step"], tree_checksum(p["fragments"])) for p in parts)
+
+
 def write_sharded(store: Store, round_: int, tree: dict, ranks: int = 2, wait: float = 30.0):
     """Every rank of replica ``a`` writes its part at once; rank 0 commits."""
     policy = CheckpointPolicy(poll=0.01, part_wait=wait)
@@ -354,8 +360,9 @@ def write_sharded(store: Store, round_: int, tree: dict, ranks: int = 2, wait: f
         CheckpointWriter(store, RUN, "a", policy, shard=ShardOf(rank, ranks))
         for rank in range(ranks)
     ]
-    for writer, part in zip(writers, split_in_ranks(tree, ranks), strict=True):
-        assert writer.write(round_, ("a",), part, last=False)
+    parts = split_in_ranks(tree, ranks)
+    for writer, part in zip(writers, parts, strict=True):
+        assert writer.write(round_, ("a",), part, last=False, parts=part_fingerprints(parts))
     for writer in writers:
         writer.close()
 
@@ -415,7 +422,55 @@ def test_a_damaged_part_fails_its_rank_and_the_whole_but_not_the_others(store) -
 def test_rank_0_commits_nothing_when_another_rank_never_writes_its_part(store, caplog) -> None:
     policy = CheckpointPolicy(poll=0.01, part_wait=0.2)
     writer = CheckpointWriter(store, RUN, "a", policy, shard=ShardOf(0, 2))
-    writer.write(3, ("a",), split_in_ranks(diloco_like_state(), 2)[0], last=False)
+    parts = split_in_ranks(diloco_like_state(), 2)
+    writer.write(3, ("a",), parts[0], last=False, parts=part_fingerprints(parts))
     writer.close()
     assert committed_rounds(store, RUN) == []
     assert "run/checkpoints/0000000003/rank-0001/PART: not written after 0.2s" in caplog.text
+
+
+def test_rank_0_never_commits_a_part_of_another_state(store, caplog) -> None:
+    """Another replica's rank 1 wrote this round's part first, from another state (its own
+    first checkpoint, say): rank 0 refuses it at once rather than mix the two states."""
+    policy = CheckpointPolicy(poll=0.01, part_wait=30.0)
+    theirs = split_in_ranks(diloco_like_state(seed=1), 2)
+    other = CheckpointWriter(store, RUN, "b", policy, shard=ShardOf(1, 2))
+    other.write(3, ("b",), theirs[1], last=False)
+    other.close()
+    ours = split_in_ranks(diloco_like_state(), 2)
+    writer = CheckpointWriter(store, RUN, "a", policy, shard=ShardOf(0, 2))
+    writer.write(3, ("a",), ours[0], last=False, parts=part_fingerprints(ours))
+    writer.close()
+    assert committed_rounds(store, RUN) == []
+    assert "rank-0001/PART: another part than this replica's rank wrote" in caplog.text
+
+
+def test_a_one_rank_fsdp_checkpoint_loads_whole_and_an_unsharded_commit_is_as_before(store):
+    """One rank's DTensors are checkpointed as shards covering the whole (a one-process FSDP
+    replica); export reads plain tensors. Its COMMIT carries no ``ranks``: older releases
+    read it."""
+    tree = diloco_like_state()
+    writer = CheckpointWriter(store, RUN, "a", CheckpointPolicy(), shard=ShardOf(0, 1))
+    writer.write(3, ("a",), split_in_ranks(tree, 1)[0], last=False)
+    writer.close()
+    assert_same_tree(load_checkpoint(store, RUN, 3).tree, tree)
+    assert b'"ranks"' not in read_commit(store, RUN, 3)[1]
+
+
+@pytest.mark.parametrize(
+    ("offsets", "expected"),
+    [((0, 16), None), ((0, 8), "overlap"), ((0,), "hold 16 elements, not 32")],
+)
+def test_a_sharded_tensor_is_put_together_only_from_shards_that_tile_it(offsets, expected) -> None:
+    """Every element exactly once: shards that overlap (and leave a gap), or too few, are
+    refused, before the whole tensor is allocated."""
+    rows = torch.arange(32.0).view(32, 1)
+    parts = [
+        {"w": LocalShard(rows[16 * k : 16 * (k + 1)], (32, 1), (at, 0), (2,), ("Shard(dim=0)",))}
+        for k, at in enumerate(offsets)
+    ]
+    if expected is None:
+        assert torch.equal(whole_tree(parts)["w"], rows)
+    else:
+        with pytest.raises(CheckpointError, match=expected):
+            whole_tree(parts)

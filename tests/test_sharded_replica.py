@@ -35,6 +35,7 @@ from diloco_anywhere.training.checkpoint import (
     load_checkpoint,
     read_commit,
 )
+from diloco_anywhere.training.healing import _together, _Verdict
 from diloco_anywhere.training.sharded_replica import (
     Sharding,
     ShardingMismatchError,
@@ -261,3 +262,16 @@ def test_fsdp_shards_each_block_of_a_stack_as_its_own_unit() -> None:
 
     mixed = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
     assert shard_units(mixed) == []  # no stack of blocks: the model is the one unit
+
+
+def test_a_sharded_replicas_ranks_replay_a_round_only_together() -> None:
+    """Healing decides each round from every rank's verdict, as the live sync does: any
+    error fails all, a round some rank has no SEAL for ends the replay, any skip skips, and an
+    applied round counts the fewest replicas in any rank's SEAL (every rank's counters, and
+    so every rank's checkpoint part, stay alike)."""
+    apply2, apply1 = _Verdict("apply", contributors=2), _Verdict("apply", contributors=1)
+    assert _together([apply2, apply1]) == _Verdict("apply", contributors=1)
+    assert _together([apply2, _Verdict("skip")]).kind == "skip"
+    assert _together([_Verdict("skip"), _Verdict("open")]).kind == "open"
+    failed = _together([_Verdict("open"), _Verdict("error", "round 4 cannot be replayed")])
+    assert failed == _Verdict("error", "rank 1: round 4 cannot be replayed")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,7 +39,7 @@ from typing import Annotated, Any
 
 import crc32c
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
@@ -105,6 +106,16 @@ class CheckpointCommit(Record):
         ):
             raise ValueError("the COMMIT's fingerprint is not its ranks' fingerprints combined")
         return self
+
+    @model_serializer(mode="wrap")
+    def _as_before_when_unsharded(self, handler: SerializerFunctionWrapHandler) -> Any:
+        """An unsharded COMMIT is written without ``ranks``, byte for byte as before sharded
+        replicas existed: older readers (a mirror read by an older release) refuse fields
+        they do not know."""
+        data = handler(self)
+        if not self.ranks:
+            data.pop("ranks", None)
+        return data
 
     def parts(self) -> tuple[RankPart, ...]:
         """Every part: one per rank of a sharded checkpoint, else the whole state as one."""
@@ -366,13 +377,20 @@ class CheckpointWriter:
         self._pending: Future[None] | None = None
 
     def write(
-        self, round_: int, contributors: tuple[str, ...], tree: dict[str, Any], *, last: bool
+        self,
+        round_: int,
+        contributors: tuple[str, ...],
+        tree: dict[str, Any],
+        *,
+        last: bool,
+        parts: tuple[str, ...] = (),
     ) -> bool:
         """Start writing the checkpoint of ``round_``, whose state is ``tree`` (``{"manager":
         counters, "fragments": DiLoCo's state}``), if this replica is among ``contributors``
         (the round's SEAL). The tree is copied first; True if a write started. While the
         previous checkpoint is still being written a new one is skipped, except the ``last``
-        (the run's final state), which waits for it."""
+        (the run's final state), which waits for it. ``parts``: a sharded replica's ranks'
+        fingerprints of the state they write, gathered; rank 0 commits only those parts."""
         if self.me not in contributors:
             return False
         if self._pending is not None:
@@ -381,8 +399,11 @@ class CheckpointWriter:
                             "written (raise checkpoint.every)", round_)  # fmt: skip
                 return False
             self._pending.result()  # raises what went wrong, other than the store
-        write = self._write_part if self.shard.sharded else self._write
-        self._pending = self._executor.submit(write, round_, contributors, snapshot(tree), last)
+        if self.shard.sharded:
+            work = (self._write_part, round_, parts, snapshot(tree), last)
+        else:
+            work = (self._write, round_, contributors, snapshot(tree), last)
+        self._pending = self._executor.submit(*work)
         return True
 
     def idle(self) -> bool:
@@ -409,7 +430,7 @@ class CheckpointWriter:
             log.warning("checkpoint of round %d not written: %s", round_, exc)
 
     def _write_part(
-        self, round_: int, _writers: tuple[str, ...], tree: dict[str, Any], last: bool
+        self, round_: int, expected: tuple[str, ...], tree: dict[str, Any], last: bool
     ) -> None:
         """This rank's part of a sharded replica's checkpoint: its objects, then (rank k > 0)
         its PART record, or (rank 0) the COMMIT once every rank's PART is in."""
@@ -435,7 +456,7 @@ class CheckpointWriter:
                 self.store.put(layout.checkpoint_rank_done(round_, rank), encode_record(part))
                 self._mirror(StoredPart(round_, rank, part, objects), last)
                 return
-            parts = (part, *self._other_parts(round_))
+            parts = (part, *self._other_parts(round_, expected))
             commit["fingerprint"] = combine_fingerprints([p.fingerprint for p in parts])
             done = CheckpointCommit(**commit, ranks=parts)
             commit_bytes = encode_record(done)
@@ -450,10 +471,18 @@ class CheckpointWriter:
         if self.mirror is not None:
             self.mirror(stored, last)
 
-    def _other_parts(self, round_: int) -> list[RankPart]:
-        """The PART records of ranks 1 and up, once all are in (``part_wait`` at most)."""
+    def _other_parts(self, round_: int, expected: tuple[str, ...]) -> list[RankPart]:
+        """The PART records of ranks 1 and up, once all are in (``part_wait`` at most), each
+        of the state its rank held (``expected``: the fingerprints the ranks gathered) with
+        its objects in its own folder."""
+
+        def fits(rank: int, part: RankPart) -> bool:
+            folder = f"{self.layout.checkpoint_part(round_, rank)}/"
+            keys = [entry.key for entry in (part.state, *part.shards)]
+            return part.fingerprint == expected[rank] and all(k.startswith(folder) for k in keys)
+
         ranks = range(1, self.shard.ranks)
-        return wait_for_parts(self.store, self.layout, round_, ranks, self.policy)
+        return wait_for_parts(self.store, self.layout, round_, ranks, self.policy, fits)
 
     def _commit(
         self,
@@ -524,50 +553,60 @@ class CheckpointWriter:
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
 
 
+PartCheck = Callable[[int, RankPart], bool]  # whether rank k's PART record is the one expected
+
+
 def wait_for_parts(
     store: Store,
     layout: RunLayout,
     round_: int,
     ranks: Iterable[int],
     policy: CheckpointPolicy,
-    expected: Sequence[RankPart] | None = None,
+    fits: PartCheck,
+    *,
+    replaceable: bool = False,
 ) -> list[RankPart]:
-    """The PART records of ``ranks`` in ``store`` once every one is in (and, given
-    ``expected``, is the one expected of it: a mirror may still hold an older copy's),
-    polling ``policy.part_wait`` seconds at most; else ``CheckpointError`` naming the first
-    missing."""
+    """The PART records of ``ranks`` in ``store`` once every one is in and ``fits``, polling
+    ``policy.part_wait`` seconds at most; else ``CheckpointError`` naming the first missing.
+    A record that does not fit is final in the run's store (create-only: another replica's
+    part, whose state differs), but ``replaceable`` in a mirror (an older copy's, which that
+    rank's copy replaces)."""
+    ranks = list(ranks)
     keys = [layout.checkpoint_rank_done(round_, rank) for rank in ranks]
     deadline = time.monotonic() + policy.part_wait
     while True:
-        parts, missing = _read_parts(store, keys, expected)
-        if missing is None:
+        parts, missing, unlike = _read_parts(store, keys, ranks, fits)
+        if unlike is not None and not replaceable:
+            raise CheckpointError(f"{unlike}: another part than this replica's rank wrote "
+                                  f"(another replica's state differs)")  # fmt: skip
+        if missing is None and unlike is None:
             return parts
         if time.monotonic() >= deadline:
             waited = f"{policy.part_wait:g}s"
             raise CheckpointError(
-                f"{missing}: not written after {waited} (that rank stalled or died)"
+                f"{missing or unlike}: not written after {waited} (that rank stalled or died)"
             )
         time.sleep(policy.poll)
 
 
 def _read_parts(
-    store: Store, keys: list[str], expected: Sequence[RankPart] | None
-) -> tuple[list[RankPart], str | None]:
-    """The PART records at ``keys``, and the first key that is missing or holds another
-    record than ``expected`` gives (None: every one is in)."""
+    store: Store, keys: list[str], ranks: list[int], fits: PartCheck
+) -> tuple[list[RankPart], str | None, str | None]:
+    """The PART records at ``keys``, the first key missing, and the first whose record does
+    not fit (None: none)."""
     folders = {key.rsplit("/", 2)[0] for key in keys}
     listed = {key for folder in folders for key in store.list_prefix(folder)}
     if missing := [key for key in keys if key not in listed]:
-        return [], missing[0]
+        return [], missing[0], None
     found = store.get_many(keys, limit=RECORD_READ_LIMIT)
     try:
         parts = [decode_record(found[key], RankPart, key=key) for key in keys]
     except WireFormatError as exc:
         raise CheckpointError(str(exc)) from None
     unlike = [
-        k for k, part, want in zip(keys, parts, expected or parts, strict=True) if part != want
+        key for key, rank, part in zip(keys, ranks, parts, strict=True) if not fits(rank, part)
     ]
-    return parts, (unlike[0] if unlike else None)
+    return parts, None, (unlike[0] if unlike else None)
 
 
 def prune_checkpoints(store: Store, layout: RunLayout, keep: int, newest: int) -> None:
@@ -629,7 +668,11 @@ def copy_part(
         store.put(done_key, record)
     if stored.commit is not None:
         ranks = range(len(stored.commit.ranks))
-        wait_for_parts(store, layout, round_, ranks, policy, expected=stored.commit.ranks)
+        committed = stored.commit.ranks
+        wait_for_parts(
+            store, layout, round_, ranks, policy, lambda k, part: part == committed[k],
+            replaceable=True,
+        )  # fmt: skip
         store.put(commit_key, stored.commit_bytes)
 
 
@@ -679,12 +722,9 @@ def _checked(key: str, data: bytes | None, entry: StoredObject) -> bytes:
     return data
 
 
-def _read_objects(
-    store: Store, key: str, folder: str, entries: list[StoredObject]
-) -> dict[str, bytes | None]:
-    """The objects the COMMIT names, each read up to one byte past the size it gives (so the
-    memory used is what the COMMIT claims, whatever the bucket holds); keys must be plain keys
-    inside the checkpoint's folder."""
+def _check_keys(key: str, folder: str, entries: list[StoredObject]) -> None:
+    """The COMMIT ``key`` must name plain keys inside ``folder`` (its checkpoint's, or for a
+    sharded one each rank's own part's)."""
     for entry in entries:
         try:
             check_key(entry.key)
@@ -692,6 +732,11 @@ def _read_objects(
             raise CheckpointError(f"{key}: {exc}") from None
         if not entry.key.startswith(folder):
             raise CheckpointError(f"{key}: the COMMIT names {entry.key}, outside {folder}")
+
+
+def _read_objects(store: Store, entries: list[StoredObject]) -> dict[str, bytes | None]:
+    """The objects the COMMIT names, each read up to one byte past the size it gives (so the
+    memory used is what the COMMIT claims, whatever the bucket holds)."""
 
     def read(entry: StoredObject) -> bytes | None:
         try:
@@ -720,12 +765,11 @@ def load_checkpoint(
     (``StoreError``) is not a bad checkpoint: it propagates."""
     stored = _read_checkpoint(store, layout, round_, confirm, shard)
     parts = _guarded(layout, round_, lambda: _decode_checkpoint(stored))
-    if len(parts) == 1:
-        tree, found = parts[0], stored.commit.parts()[shard.rank if shard else 0].fingerprint
-    else:
-        tree = _guarded(layout, round_, lambda: whole_tree(parts))
-        found = stored.commit.fingerprint
-    return Checkpoint(stored.commit, tree, store.url, found)
+    if shard is not None:
+        fingerprint_ = stored.commit.parts()[shard.rank].fingerprint
+        return Checkpoint(stored.commit, parts[0], store.url, fingerprint_)
+    tree = _guarded(layout, round_, lambda: whole_tree(parts))  # a one-rank FSDP's too
+    return Checkpoint(stored.commit, tree, store.url, stored.commit.fingerprint)
 
 
 def read_checkpoint(store: Store, layout: RunLayout, round_: int) -> StoredCheckpoint:
@@ -759,12 +803,14 @@ def _guarded(layout: RunLayout, round_: int, read: Callable[[], Any]) -> Any:
         raise CheckpointError(f"{key}: {type(exc).__name__}: {exc}") from None
 
 
-def _parts_read(commit: CheckpointCommit, key: str, shard: ShardOf | None) -> list[RankPart]:
-    """The parts ``shard`` reads: every one (None), or its rank's, which exists only when the
-    checkpoint's replicas had as many ranks as the reader's (``sharding = "fsdp"``)."""
+def _parts_read(
+    commit: CheckpointCommit, key: str, shard: ShardOf | None
+) -> list[tuple[int, RankPart]]:
+    """The parts ``shard`` reads, by rank: every one (None), or its rank's, which exists only
+    when the checkpoint's replicas had as many ranks as the reader's (``sharding = "fsdp"``)."""
     parts = commit.parts()
     if shard is None:
-        return list(parts)
+        return list(enumerate(parts))
     if len(parts) != shard.ranks:
         written = f"sharded over {len(parts)} ranks" if commit.ranks else "unsharded (one part)"
         reader = f"sharded over {shard.ranks} ranks" if shard.sharded else "unsharded"
@@ -773,7 +819,7 @@ def _parts_read(commit: CheckpointCommit, key: str, shard: ShardOf | None) -> li
             f"run must have the same [run] sharding and, with fsdp, the same "
             f"processes_per_replica"
         )
-    return [parts[shard.rank]]
+    return [(shard.rank, parts[shard.rank])]
 
 
 def _read_checkpoint(
@@ -781,11 +827,14 @@ def _read_checkpoint(
 ) -> StoredCheckpoint:
     commit, commit_bytes = read_commit(store, layout, round_)
     key = layout.checkpoint_commit(round_)
+    parts = _parts_read(commit, key, shard)  # a sharding unlike the reader's is refused first
     if confirm is not None and (refusal := confirm(commit)):
         raise CheckpointError(f"{key} in {store.url}: {refusal}")
-    entries = [e for part in _parts_read(commit, key, shard) for e in (part.state, *part.shards)]
-    folder = f"{layout.checkpoint(round_)}/"
-    objects = _guarded(layout, round_, lambda: _read_objects(store, key, folder, entries))
+    for rank, part in parts:
+        folder = layout.checkpoint_part(round_, rank if commit.ranks else None)
+        _check_keys(key, f"{folder}/", [part.state, *part.shards])
+    entries = [entry for _, part in parts for entry in (part.state, *part.shards)]
+    objects = _guarded(layout, round_, lambda: _read_objects(store, entries))
     checked = {e.key: _checked(e.key, objects[e.key], e) for e in entries}
     return StoredCheckpoint(commit, commit_bytes, checked)
 
@@ -834,28 +883,36 @@ def whole_tree(parts: list[Any]) -> Any:
 
     def whole(*leaves: Any) -> Any:
         first = leaves[0]
-        if not isinstance(first, LocalShard):
-            if any(not _same(leaf, first) for leaf in leaves):
-                raise CheckpointError(
-                    f"the ranks' parts differ in an unsharded leaf: {first!r:.80}"
-                )
-            return first
-        tensor = torch.zeros(first.shape, dtype=first.tensor.dtype)
-        covered = 0
-        for leaf in leaves:
-            if not isinstance(leaf, LocalShard) or leaf.shape != first.shape:
-                raise CheckpointError("the ranks' parts hold one tensor in different shapes")
-            where = tuple(
-                slice(o, o + n) for o, n in zip(leaf.offset, leaf.tensor.shape, strict=True)
-            )
-            tensor[where] = leaf.tensor
-            covered += leaf.tensor.numel()
-        if covered != tensor.numel():
-            raise CheckpointError(f"the ranks' shards of a {list(first.shape)} tensor hold "
-                                  f"{covered} elements, not {tensor.numel()}")  # fmt: skip
-        return tensor
+        if isinstance(first, LocalShard):
+            return _put_together(leaves)
+        if any(not _same(leaf, first) for leaf in leaves):
+            raise CheckpointError(f"the ranks' parts differ in an unsharded leaf: {first!r:.80}")
+        return first
 
     return tree_map(whole, parts[0], *parts[1:])
+
+
+def _put_together(shards: tuple[Any, ...]) -> torch.Tensor:
+    """One tensor from its ranks' ``LocalShard``s, each element covered exactly once. Checked
+    before anything the size of the whole is allocated: the shapes come from the bucket."""
+    first, kind = shards[0], (shards[0].shape, shards[0].tensor.dtype)
+    if not all(isinstance(s, LocalShard) and (s.shape, s.tensor.dtype) == kind for s in shards):
+        raise CheckpointError("the ranks' parts hold one tensor in different shapes or dtypes")
+    numel, held = math.prod(first.shape), sum(s.tensor.numel() for s in shards)
+    if held != numel:
+        raise CheckpointError(
+            f"the ranks' shards of a {list(first.shape)} tensor hold {held} elements, not {numel}"
+        )
+    tensor = torch.empty(first.shape, dtype=first.tensor.dtype)
+    covered = torch.zeros(first.shape, dtype=torch.bool)
+    for shard in shards:
+        where = tuple(
+            slice(o, o + n) for o, n in zip(shard.offset, shard.tensor.shape, strict=True)
+        )
+        if covered[where].any():
+            raise CheckpointError(f"the ranks' shards of a {list(first.shape)} tensor overlap")
+        tensor[where], covered[where] = shard.tensor, True
+    return tensor
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -52,14 +52,24 @@ class LocalShard:
     def like(cls, local: torch.Tensor, tensor: DTensor) -> LocalShard:
         """A CPU copy of ``local``, which is placed as ``tensor``'s local shard (DiLoCo keeps a
         DTensor parameter's global weights as its local shard)."""
-        _, offset = compute_local_shape_and_global_offset(
-            tensor.shape, tensor.device_mesh, tensor.placements
-        )
-        return cls(
-            local.detach().to("cpu", copy=True),
-            tuple(tensor.shape), tuple(offset), tuple(tensor.device_mesh.shape),
-            tuple(str(placement) for placement in tensor.placements),
-        )  # fmt: skip
+        return cls(local.detach().to("cpu", copy=True), *placement(tensor))
+
+    def place(self) -> tuple[tuple[int, ...], ...]:
+        """Where it sits: the whole shape, the offset, the mesh and the placements."""
+        return self.shape, self.offset, self.mesh, self.placements
+
+
+def placement(tensor: DTensor) -> tuple[tuple[Any, ...], ...]:
+    """Where this rank's shard of ``tensor`` sits: the whole shape, its offset in it, the
+    device mesh's shape and the placements (``compute_local_shape_and_global_offset`` is
+    what torch's distributed checkpoint uses for the same)."""
+    _, offset = compute_local_shape_and_global_offset(
+        tensor.shape, tensor.device_mesh, tensor.placements
+    )
+    return (
+        tuple(tensor.shape), tuple(offset), tuple(tensor.device_mesh.shape),
+        tuple(str(p) for p in tensor.placements),
+    )  # fmt: skip
 
 
 def local_tensor(leaf: Any) -> Any:
@@ -166,6 +176,7 @@ class GlobalState:
         return tree
 
     def load_fragments_tree(self, tree: dict[str, Any]) -> None:
+        self._check_placements(tree)
         tree = pytree.tree_map(local_tensor, tree)  # a checkpoint's LocalShards
         if tree.keys() != self._fns.keys():
             raise ValueError(f"state has {sorted(tree)}; this replica has {sorted(self._fns)}")
@@ -175,6 +186,21 @@ class GlobalState:
             tree = {**tree, FRAGMENT_KEY.format(index): {**fragment, "outer_optimizer": outer}}
         for key, (load, _) in self._fns.items():
             load(tree[key])
+
+    def _check_placements(self, tree: dict[str, Any]) -> None:
+        """A checkpoint's shards of the global weights must sit where this rank's shards of
+        the parameters do (the same shapes, offsets and mesh): a shard of the same size from
+        elsewhere in the tensor would load without complaint."""
+        for index, fragment in enumerate(self.fragments):
+            saved = tree.get(FRAGMENT_KEY.format(index), {}).get("original_parameters", {})
+            for name, parameter in fragment.named_parameters():
+                leaf = saved.get(name)
+                sharded = isinstance(leaf, LocalShard) and isinstance(parameter, DTensor)
+                if sharded and leaf.place() != placement(parameter):
+                    raise ValueError(
+                        f"the checkpoint's shard of {name} sits at {leaf.place()}; this "
+                        f"rank's is at {placement(parameter)} (shape, offset, mesh, placements)"
+                    )
 
     def checksum(self) -> int:
         return tree_checksum(self.fragments_tree())

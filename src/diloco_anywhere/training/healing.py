@@ -34,7 +34,8 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+
+import torch
 
 from diloco_anywhere.bucket.store import Store, StoreError
 from diloco_anywhere.bucket.wire import WireFormatError
@@ -111,6 +112,7 @@ class _Verdict:
 
     kind: str
     detail: str = ""
+    contributors: int = 0  # in the SEAL of a round that applies
 
 
 def _examine(
@@ -119,7 +121,7 @@ def _examine(
     counters: dict[str, int],
     min_replicas: int,
     unreadable: list[str],
-) -> tuple[_Verdict, Any]:
+) -> tuple[_Verdict, torch.Tensor | None]:
     """This rank's verdict on the round the manager is at, and its mean when it applies."""
     round_ = counters["sync"]
     try:
@@ -154,18 +156,20 @@ def _examine(
     if mean.numel() != expected:
         return _Verdict("error", f"round {round_} does not apply to this model: its result "
                         f"has {mean.numel()} values, the fragment {expected}"), None  # fmt: skip
-    return _Verdict("apply"), (result, mean)
+    return _Verdict("apply", contributors=len(result.seal.contributors)), mean
 
 
 def _together(verdicts: list[_Verdict]) -> _Verdict:
-    """The replica's verdict from its ranks': an error, else an open round, else a skip."""
+    """The replica's verdict from its ranks': an error, else an open round, else a skip, else
+    the round applies, counting the fewest replicas in any rank's SEAL (as the live sync did:
+    ``ShardManager.num_participants``)."""
     for kind in ("error", "open", "unreadable", "skip"):
         found = [(rank, v) for rank, v in enumerate(verdicts) if v.kind == kind]
         if found:
             rank, verdict = found[0]
             detail = verdict.detail if len(verdicts) == 1 else f"rank {rank}: {verdict.detail}"
             return _Verdict(kind, detail)
-    return _Verdict("apply")
+    return _Verdict("apply", contributors=min(verdict.contributors for verdict in verdicts))
 
 
 def _replay(
@@ -181,7 +185,7 @@ def _replay(
     unreadable: list[str] = []  # rounds skipped because a sealed record did not read back
     while True:
         counters = manager.state_dict()
-        mine, observed = _examine(collective, state, counters, min_replicas, unreadable)
+        mine, mean = _examine(collective, state, counters, min_replicas, unreadable)
         verdict = _together(ranks.gather(mine))
         if verdict.kind == "error":
             raise HealError(verdict.detail)
@@ -192,10 +196,9 @@ def _replay(
                 log.warning("%s", verdict.detail)
                 unreadable.append(verdict.detail)
             skipped += 1
-        else:
-            result, mean = observed
+        else:  # errors after the agreement end the process: the ranks could no longer agree
             state.replay(counters["step"] % len(state.fragments), mean)
-            committed = counters["batches_committed"] + len(result.seal.contributors)
+            committed = counters["batches_committed"] + verdict.contributors
             counters = {**counters, "step": counters["step"] + 1, "batches_committed": committed}
             replayed += 1
         manager.load_state_dict({**counters, "sync": counters["sync"] + 1})
@@ -214,7 +217,8 @@ def _candidates(
     if not shard.sharded:
         yield from newest_checkpoints(store, layout, mirrors, confirm, shard)
         return
-    for round_, holders in ranks.broadcast(checkpoint_holders(store, layout, mirrors)):
+    listed = checkpoint_holders(store, layout, mirrors) if ranks.is_leader else None
+    for round_, holders in ranks.broadcast(listed):
         yield first_intact(store, mirrors, holders, layout, round_, confirm, shard)
 
 

@@ -31,7 +31,7 @@ from diloco_anywhere.collective.round import DivergedError, RoundPolicy
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.task import Batch, Task, TaskContext, build_task
 from diloco_anywhere.training.checkpoint import CheckpointPolicy, CheckpointWriter, ShardOf
-from diloco_anywhere.training.global_state import GlobalState
+from diloco_anywhere.training.global_state import GlobalState, fingerprint
 from diloco_anywhere.training.healing import ALONE, heal
 from diloco_anywhere.training.manager import BucketManager
 from diloco_anywhere.training.metrics import MetricsWriter, StepLine, SyncLine
@@ -140,7 +140,8 @@ class Training:
     """One replica training under torchft's DiLoCo (``Replica.diloco`` yields it): where its
     data resumes, and what it does after each sync, which DiLoCo runs inside the inner
     optimizer's ``step``: metrics, global checkpoints, healing after a divergence, giving up
-    after failed syncs in a row (the leader's part; the other ranks share its results).
+    after failed syncs in a row (the leader's part, the other ranks sharing its results; or,
+    in a sharded replica, every rank's for its own shard, decided together).
 
     A training loop needs three things from it: ``batches(open_at)`` (the data from where the
     run is, reopened after a heal), ``log(loss)`` after each inner step, and nothing else;
@@ -292,10 +293,11 @@ class Training:
         self.tokens_at_sync, self.time_at_sync = self.tokens, now
 
     def checkpoint_if_due(self, state: GlobalState) -> None:
-        """Write the run's checkpoint with the round's other contributors when one is due.
-        After its own first commit, a process writes one alone as well: a run resumed with new
-        outer hyperparameters then has a checkpoint under them at once, and healing never
-        replays rounds across the change."""
+        """Write the run's checkpoint with the round's other contributors when one is due (a
+        sharded replica: the one first in rank 0's SEAL, all its ranks). After its own first
+        commit, a process writes one alone as well: a run resumed with new outer
+        hyperparameters then has a checkpoint under them at once, and healing never replays
+        rounds across the change."""
         step, result = self.manager.current_step(), self.manager.last_result
         last = self.config.diloco.outer_steps * self.config.diloco.fragments
         first, self.committed_before = not self.committed_before, True
@@ -311,17 +313,30 @@ class Training:
             writers = (self.writer.me,)
         else:
             return
-        if self.shard.sharded and not (step == last or all(self.group.gather(self._idle()))):
+        if self.writer.me not in writers:
+            return
+        parts = self._agree_on_parts(state, step, last=step == last)
+        if parts is None:
+            return
+        tree = {"manager": self.manager.state_dict(), "fragments": state.checkpoint_tree()}
+        self.writer.write(self.manager.last_round(), writers, tree, last=step == last, parts=parts)
+
+    def _agree_on_parts(
+        self, state: GlobalState, step: int, *, last: bool
+    ) -> tuple[str, ...] | None:
+        """A sharded replica's ranks write a checkpoint together or not at all: each rank's
+        part's fingerprint, for rank 0 to commit only those parts; None (skipped) while any
+        rank still writes or mirrors the previous one, unless this is the run's ``last``.
+        Nothing to agree for an unsharded replica: ``()``."""
+        if not self.shard.sharded:
+            return ()
+        gathered = self.group.gather((self._idle(), state.checksum()))
+        if not (last or all(idle for idle, _ in gathered)):
             log.warning("checkpoint of round %d skipped: a rank is still writing or "
                         "mirroring the previous one (raise checkpoint.every)",
                         self.manager.last_round())  # fmt: skip
-            return
-        self.writer.write(
-            self.manager.last_round(),
-            writers,
-            {"manager": self.manager.state_dict(), "fragments": state.checkpoint_tree()},
-            last=step == last,
-        )
+            return None
+        return tuple(fingerprint(step, checksum) for _, checksum in gathered)
 
     def _idle(self) -> bool:
         """This process writes and mirrors no checkpoint now."""
@@ -334,7 +349,7 @@ class Training:
         (``start_step``): every replica trains ``batches_per_round`` per round."""
         if self.group.is_leader or self.shard.sharded:
             report = heal(
-                self.collective,  # type: ignore[arg-type]  (the leader holds the bucket)
+                self.collective,  # type: ignore[arg-type]  (held by the leader, or every rank of a sharded replica)
                 state,
                 self.manager,
                 self.config.run.min_replicas,

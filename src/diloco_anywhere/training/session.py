@@ -55,7 +55,7 @@ from diloco_anywhere.training.loop import (
 )
 from diloco_anywhere.training.metrics import MetricsWriter
 from diloco_anywhere.training.replica_group import ReplicaGroup
-from diloco_anywhere.training.sharded_replica import Sharding, check_sharding
+from diloco_anywhere.training.sharded_replica import Sharding, check_sharded, check_sharding
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +147,10 @@ class Replica:
         checkpoints after each sync. ``tokens_per_step``: the tokens (or samples) one inner
         step of this process trains on (times the replica's processes, it weighs the replica's
         contribution). ``evaluate(model)``: the held-out loss of ``model``, every
-        ``task.eval_every`` outer steps, on rank 0, inside the ``step()`` that synced. On exit
-        every process of the replica checks it holds rank 0's global state."""
+        ``task.eval_every`` outer steps, inside the ``step()`` that synced: on rank 0, or on
+        every rank of a sharded replica (each forward gathers every rank's shards). On exit
+        every process of an unsharded replica checks it holds rank 0's global state."""
+        check_sharded(model, self.group)
         parts = build_parts(
             self.config, self.collective, model, inner_optimizer, tokens_per_step, evaluate,
             self.group,

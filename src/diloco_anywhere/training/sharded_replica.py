@@ -113,6 +113,20 @@ def shard_model(model: nn.Module, group: ReplicaGroup) -> nn.Module:
     return model
 
 
+def check_sharded(model: nn.Module, group: ReplicaGroup) -> None:
+    """Refuse to train a sharded replica's model that is not sharded: every rank would
+    exchange the whole model in its own namespace, and the ranks would drift apart."""
+    from torch.distributed.tensor import DTensor
+
+    if group.sharded and group.world_size > 1:
+        plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+        if plain:
+            raise ValueError(
+                f"run.sharding = 'fsdp', but parameter {plain[0]} is not sharded: pass the model "
+                f"through replica.parallelize(model) before building the inner optimizer"
+            )
+
+
 def reshard(model: nn.Module) -> None:
     """Back to the shards after a forward without backward (the held-out evaluation): FSDP2
     keeps the root's parameters gathered after its forward until a backward reshards them,
@@ -133,6 +147,7 @@ class RankOutcome:
     error: str | None
     fingerprint: str
     contributed: bool
+    contributors: int  # in this rank's SEAL (0: none)
     first_contributor: str | None  # of this rank's SEAL: who writes its checkpoint part
     traffic: tuple[int, int]  # bytes up and down, this rank's so far
 
@@ -145,6 +160,7 @@ class ShardManager(BucketManager):
         super().__init__(collective, **kwargs)
         self._group = group
         self._contributed = False
+        self._participants = 1  # agreed by the ranks: see ``num_participants``
         self._traffic = (0, 0)
         self.leading_replica: str | None = None  # writes the checkpoint after a due sync
 
@@ -161,11 +177,14 @@ class ShardManager(BucketManager):
             error=None if sync.error is None else f"{type(sync.error).__name__}: {sync.error}",
             fingerprint=sync.fingerprint,
             contributed=seal is not None and self._collective.me.name in seal.contributors,
+            contributors=len(seal.contributors) if seal else 0,
             first_contributor=seal.contributors[0] if seal else None,
             traffic=(stats.bytes_up, stats.bytes_down),
         ))  # fmt: skip
         sync.error = _replica_error(outcomes)
         commit = all(outcome.committed for outcome in outcomes)
+        if commit:
+            self._participants = min(outcome.contributors for outcome in outcomes)
         self.conclude(sync, commit)
         self.last_fingerprint = combine_fingerprints([o.fingerprint for o in outcomes])
         self._contributed = all(outcome.contributed for outcome in outcomes)
@@ -178,6 +197,12 @@ class ShardManager(BucketManager):
         """Whether every rank's contribution is in its SEAL."""
         return self._contributed
 
+    def num_participants(self) -> int:
+        """Replicas in the last committed sync, the same on every rank: the fewest in any of
+        its ranks' SEALs (each rank's round has its own, and a late rank may miss one). It
+        counts the batches committed, which every rank's checkpoint part holds alike."""
+        return self._participants
+
     def traffic(self) -> tuple[int, int]:
         """The replica's bytes up and down (every rank's), as of the last sync."""
         return self._traffic
@@ -189,6 +214,7 @@ def _replica_error(outcomes: list[RankOutcome]) -> Exception | None:
     for diverged in (True, False):
         for rank, outcome in enumerate(outcomes):
             if outcome.error is not None and outcome.diverged == diverged:
-                kind = DivergedError if diverged else RuntimeError
-                return kind(f"rank {rank}: {outcome.error}")
+                if diverged:  # its text without the type, which stays DivergedError
+                    return DivergedError(f"rank {rank}: {outcome.error.partition(': ')[2]}")
+                return RuntimeError(f"rank {rank}: {outcome.error}")
     return None
