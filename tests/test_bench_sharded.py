@@ -53,6 +53,39 @@ def test_two_ranks_each_move_half_of_what_one_rank_moves_and_get_the_mean(tmp_pa
     assert "(0.500)" in table
 
 
+def test_every_rank_through_its_own_shaped_link_cannot_beat_that_link():
+    """Each rank reaches moto through a link of its own; the busiest rank's bytes cross its
+    link within the round, so the round takes at least their time at the link's rate."""
+    result = runner.invoke(app, ["bench", "sharded", "--ranks", "1,2", "--replicas", "2",
+                                 "--size", "512KiB", "--rounds", "1", "--standin", "s3",
+                                 "--bandwidth", "2MB", "--latency", "0.01", "--link", "2MB",
+                                 "--json"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["wan"] == {"bandwidth": 2_000_000, "latency": 0.01, "link": 2_000_000}
+    one, two = report["configs"]
+    for row in (one, two):
+        for direction in ("up", "down"):
+            assert row[f"bytes_{direction}_per_rank_mean"] >= row["shard_bytes"]
+            assert row[f"bytes_{direction}_per_rank_max"] < 1.1 * row["shard_bytes"] + 16_384
+        assert row["max_mean_error"] < 1e-5
+        assert row["link_bound_seconds"] == pytest.approx(row["busiest_host_bytes"] / 2e6)
+        assert row["round_vs_link_bound"] == pytest.approx(
+            row["round_seconds"] / row["link_bound_seconds"]
+        )
+        assert row["round_seconds"] >= 0.8 * row["link_bound_seconds"]
+    assert abs(two["busiest_host_vs_baseline"] - 0.5) < 0.05
+    assert two["link_bound_seconds"] < one["link_bound_seconds"]
+    assert one["round_vs_baseline"] == 1
+    assert two["round_vs_baseline"] == pytest.approx(two["round_seconds"] / one["round_seconds"])
+
+    console = Console(record=True, width=250)
+    console.print(_sharded_table(report))
+    table = console.export_text()
+    for heading in ("round s (vs N=1)", "link bound s", "round / bound"):
+        assert heading in table
+
+
 def test_the_mean_check_tells_a_replica_s_own_values_and_another_shard_from_the_mean():
     own = torch.empty(4096)
     _fill(own, first=4096, round_=3, offset=0)  # replica 0's contribution, never averaged

@@ -20,6 +20,10 @@ gets is checked against the one its replicas' known contributions give.
 
 One rank's exchange is a ``diloco bench sync`` of ``replicas`` replicas at ``size / N`` bytes
 (``SyncBench``): same round policy, same bound per mode.
+
+With a WAN shape (``wan.py``) every rank reaches the store through a shaped link of its own,
+as a rank with its own host and NIC does, and a round is compared with what the busiest rank's
+link allows, ``(its bytes up + down) / link``, and with the round of the fewest ranks measured.
 """
 
 from __future__ import annotations
@@ -27,11 +31,13 @@ from __future__ import annotations
 import multiprocessing
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
 from diloco_anywhere.bench.sync import SyncBench, traffic_bound
+from diloco_anywhere.bench.wan import WanShape
 from diloco_anywhere.bucket.codec import make_codec
 from diloco_anywhere.bucket.store import Store, StoreStats, redact_url
 from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig
@@ -49,6 +55,7 @@ class ShardedBench:
     size: int
     rounds: int = 3
     mode: str = "auto"
+    wan: WanShape | None = None  # each rank's link to the store
 
     def exchange(self) -> SyncBench:
         """What one rank's exchange is: a sync of the replicas over its shard."""
@@ -125,13 +132,19 @@ def _rank(url, options, replica, rank, bench: ShardedBench, barrier, results) ->
         results.put(((replica, rank), f"{type(exc).__name__}: {exc}"))
 
 
-def _run_ranks(url, options, bench: ShardedBench, progress) -> list[list[RankRound]]:
-    """Per rank process (replica by replica, rank by rank), its ``RankRound`` of every round."""
+def _run_ranks(
+    url, options: list[dict[str, Any]], bench: ShardedBench, progress
+) -> list[list[RankRound]]:
+    """Per rank process (replica by replica, rank by rank), its ``RankRound`` of every round;
+    process ``j * ranks + r`` reaches the store with ``options[j * ranks + r]``."""
     context = multiprocessing.get_context("spawn")
     processes = bench.replicas * bench.ranks
     barrier, results = context.Barrier(processes), context.Queue()
     workers = [
-        context.Process(target=_rank, args=(url, options, j, r, bench, barrier, results))
+        context.Process(
+            target=_rank,
+            args=(url, options[j * bench.ranks + r], j, r, bench, barrier, results),
+        )
         for j in range(bench.replicas)
         for r in range(bench.ranks)
     ]
@@ -149,10 +162,10 @@ def _run_ranks(url, options, bench: ShardedBench, progress) -> list[list[RankRou
     return [outcomes[j, r] for j in range(bench.replicas) for r in range(bench.ranks)]
 
 
-def _measure(url: str, options: dict, bench: ShardedBench, progress) -> dict:
+def _measure(url: str, options: list[dict[str, Any]], bench: ShardedBench, progress) -> dict:
     """One rank count: traffic per rank and per replica, round wall time, the check."""
     per_rank = _run_ranks(url, options, bench, progress)
-    with Store(url, storage_options=options) as store:
+    with Store(url, storage_options=options[0]) as store:
         store.delete_prefix(bench.run)  # the last round stays otherwise (``keep_rounds=1``)
     up = [int(statistics.median(m.traffic.bytes_up for m in rounds)) for rounds in per_rank]
     down = [int(statistics.median(m.traffic.bytes_down for m in rounds)) for rounds in per_rank]
@@ -168,7 +181,7 @@ def _measure(url: str, options: dict, bench: ShardedBench, progress) -> dict:
     bound_up, bound_down = traffic_bound(mode, bench.replicas, payload)
     replica_bytes = [sum(both[j * bench.ranks : (j + 1) * bench.ranks])
                      for j in range(bench.replicas)]  # fmt: skip
-    return {
+    measured = {
         "ranks": bench.ranks,
         "shard_bytes": exchange.size,
         "mode": mode,
@@ -187,18 +200,28 @@ def _measure(url: str, options: dict, bench: ShardedBench, progress) -> dict:
         "round_seconds_each": walls,
         "max_mean_error": max(m.mean_error for rounds in per_rank for m in rounds),
     }
+    if bench.wan is not None:
+        # every rank has a link of its own: the round cannot end before the busiest rank's
+        # bytes have crossed its link
+        link_seconds = max(both) / bench.wan.link
+        measured["link_bound_seconds"] = link_seconds
+        measured["round_vs_link_bound"] = measured["round_seconds"] / link_seconds
+    return measured
 
 
 def bench_sharded(
-    url: str, options: dict, replicas: int, ranks: list[int], size: int, rounds: int, mode: str,
-    progress,
+    url: str, options: list[dict[str, Any]], replicas: int, ranks: list[int], size: int,
+    rounds: int, mode: str, wan: WanShape | None, progress,
 ) -> dict:  # fmt: skip
     """Every rank count in ``ranks``, one after the other, against the same store; per-rank
-    traffic is also given relative to the fewest ranks measured (expected: their ratio)."""
+    traffic and round time are also given relative to the fewest ranks measured (expected
+    traffic: their ratio). ``options``: each rank process's storage options, replica by
+    replica, rank by rank, ``replicas x max(ranks)`` of them (its own shaped link, with a
+    WAN); a rank count of N uses the first ``replicas x N``."""
     if size // 4 < max(ranks):
         raise ValueError(f"{size} bytes is fewer float32 values than {max(ranks)} ranks")
     configs = [
-        _measure(url, options, ShardedBench(replicas, n, size, rounds, mode), progress)
+        _measure(url, options, ShardedBench(replicas, n, size, rounds, mode, wan), progress)
         for n in sorted(set(ranks))
     ]
     baseline = configs[0]
@@ -210,7 +233,8 @@ def bench_sharded(
             config["busiest_host_bytes"] / baseline["busiest_host_bytes"]
         )
         config["expected_vs_baseline"] = baseline["ranks"] / config["ranks"]
-    return {
+        config["round_vs_baseline"] = config["round_seconds"] / baseline["round_seconds"]
+    result = {
         "url": redact_url(url),
         "replicas": replicas,
         "size_bytes": size,
@@ -219,3 +243,6 @@ def bench_sharded(
         "baseline_ranks": baseline["ranks"],
         "configs": configs,
     }
+    if wan is not None:
+        result["wan"] = asdict(wan)
+    return result

@@ -84,16 +84,18 @@ class ShapedLink:
         self.port = 0
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Pump both directions until either side closes. Cancelled at shutdown, it ends
+        quietly: Python 3.11's ``start_server`` reads the handler task's ``exception()``,
+        which raises (and prints a traceback) for a task that ends cancelled."""
         try:
             upstream_reader, upstream_writer = await asyncio.open_connection(*self.target)
-        except OSError:
+            await asyncio.gather(
+                _pump(reader, upstream_writer, self.shape, self._link),
+                _pump(upstream_reader, writer, self.shape, self._link),
+                return_exceptions=True,
+            )
+        except (OSError, asyncio.CancelledError):
             writer.close()
-            return
-        await asyncio.gather(
-            _pump(reader, upstream_writer, self.shape, self._link),
-            _pump(upstream_reader, writer, self.shape, self._link),
-            return_exceptions=True,
-        )
 
     async def start(self) -> asyncio.Server:
         server = await asyncio.start_server(self._connection, "127.0.0.1", 0)

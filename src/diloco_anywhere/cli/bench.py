@@ -6,7 +6,7 @@ import json
 import tempfile
 from collections.abc import Callable
 from contextlib import ExitStack
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -21,6 +21,9 @@ from diloco_anywhere.cli.common import (
     user_errors,
 )
 from diloco_anywhere.standins import STANDINS, standin
+
+if TYPE_CHECKING:
+    from diloco_anywhere.bench.wan import WanShape
 
 
 def _bench_target(
@@ -127,18 +130,52 @@ def bench_store_command(
     stdout.print(_codec_table(result["codecs"], size // 4))
 
 
+Bandwidth = Annotated[
+    int | None,
+    typer.Option(
+        parser=parse_size,
+        help="WAN: bytes/s per connection (e.g. 25MB), through a shaped link per replica "
+        "(bench sharded: per rank) in front of --standin s3.",
+    ),
+]
+Latency = Annotated[
+    float, typer.Option(min=0, help="WAN: seconds of round trip added to every request.")
+]
+Link = Annotated[
+    int | None,
+    typer.Option(
+        parser=parse_size,
+        help="WAN: bytes/s of each replica's (bench sharded: each rank's) link, both "
+        "directions together (default: 8 connections' worth).",
+    ),
+]
+
+
+def _wan_shape(bandwidth: int | None, latency: float, link: int | None) -> WanShape | None:
+    """--bandwidth, --latency and --link as a shape; None (no WAN) without --bandwidth."""
+    from diloco_anywhere.bench.wan import WanShape
+
+    if bandwidth is None:
+        return None
+    return WanShape(bandwidth=bandwidth, latency=latency, link=link or 8 * bandwidth)
+
+
 def _wan_options(
-    stack: ExitStack, options: dict[str, Any], shape: Any, replicas: int
+    stack: ExitStack, options: dict[str, Any], shape: WanShape | None, processes: int
 ) -> list[dict[str, Any]]:
-    """Per replica, the stand-in's storage options through a shaped link of its own."""
+    """Per process (a replica, or a rank), its storage options: with a shape, the stand-in's
+    through a shaped link of its own; without, ``options`` as they are."""
     from urllib.parse import urlsplit
 
     from diloco_anywhere.bench.wan import shaped_links
 
+    if shape is None:
+        return [options] * processes
     endpoint = urlsplit(options.get("endpoint_url", ""))
     if not endpoint.port:
         raise typer.BadParameter("--bandwidth shapes a stand-in's link: give --standin s3")
-    links = stack.enter_context(shaped_links((endpoint.hostname, endpoint.port), shape, replicas))
+    target = (endpoint.hostname, endpoint.port)
+    links = stack.enter_context(shaped_links(target, shape, processes))
     return [{**options, "endpoint_url": f"http://127.0.0.1:{link.port}"} for link in links]
 
 
@@ -208,25 +245,9 @@ def bench_sync_command(
             "while they wait are reported.",
         ),
     ] = 0.0,
-    bandwidth: Annotated[
-        int | None,
-        typer.Option(
-            parser=parse_size,
-            help="WAN: bytes/s per connection (e.g. 25MB), through a shaped "
-            "link per replica in front of --standin s3.",
-        ),
-    ] = None,
-    latency: Annotated[
-        float, typer.Option(min=0, help="WAN: seconds of round trip added to every request.")
-    ] = 0.04,
-    link: Annotated[
-        int | None,
-        typer.Option(
-            parser=parse_size,
-            help="WAN: bytes/s of each replica's link, both directions "
-            "together (default: 8 connections' worth).",
-        ),
-    ] = None,
+    bandwidth: Bandwidth = None,
+    latency: Latency = 0.04,
+    link: Link = None,
     store_url: Annotated[str | None, STORE_OPTION] = None,
     standin_name: Annotated[str | None, STANDIN_OPTION] = None,
     json_output: JsonOutput = False,
@@ -240,23 +261,18 @@ def bench_sync_command(
     and the round is compared with what that link allows.
     """
     from diloco_anywhere.bench.sync import MODES, SyncBench, bench_sync
-    from diloco_anywhere.bench.wan import WanShape
 
     if mode not in MODES:
         raise typer.BadParameter(f"--mode {mode!r}: this build has {', '.join(MODES)}")
     if codec not in CODEC_NAMES:
         raise typer.BadParameter(f"--codec {codec!r}: choose one of {', '.join(CODEC_NAMES)}")
-    shape = None
-    if bandwidth is not None:
-        shape = WanShape(bandwidth=bandwidth, latency=latency, link=link or 8 * bandwidth)
+    shape = _wan_shape(bandwidth, latency, link)
     bench = SyncBench(
         replicas, size, rounds, codec, mode, window, part_size, straggler, shape
     )  # fmt: skip
     with user_errors(), ExitStack() as stack, progress_display() as status:
         url, options = _bench_target(stack, store_url, standin_name, status)
-        per_replica = [options] * replicas
-        if shape is not None:
-            per_replica = _wan_options(stack, options, shape, replicas)
+        per_replica = _wan_options(stack, options, shape, replicas)
         result = bench_sync(url, per_replica, bench, status)
     if json_output:
         print_json(result)
@@ -281,27 +297,41 @@ def _sharded_table(result: dict[str, Any]) -> Table:
         f"{result['size_bytes'] / 2**20:.0f} MiB each, {result['codec']} "
         f"(median of {result['rounds']} rounds)"
     )
+    baseline = result["baseline_ranks"]
     columns = ("ranks N", "mode", "up / rank (mean, max)", "down / rank (mean, max)",
-               "busiest host", f"vs N={result['baseline_ranks']}", "bytes / replica",
-               "round s")  # fmt: skip
-    for column in columns:
+               "busiest host", f"vs N={baseline}", "bytes / replica",
+               f"round s (vs N={baseline})")  # fmt: skip
+    wan = "wan" in result
+    for column in (*columns, *(("link bound s", "round / bound") if wan else ())):
         table.add_column(column, justify="right")
     for row in result["configs"]:
-        table.add_row(
+        cells = [
             str(row["ranks"]), row["mode"],
             f"{row['bytes_up_per_rank_mean']:,.0f}, {row['bytes_up_per_rank_max']:,.0f}",
             f"{row['bytes_down_per_rank_mean']:,.0f}, {row['bytes_down_per_rank_max']:,.0f}",
             f"{row['busiest_host_bytes']:,.0f}",
             f"{row['bytes_per_rank_vs_baseline']:.3f} ({row['expected_vs_baseline']:.3f})",
             f"{row['bytes_per_replica_max']:,.0f}",
-            f"{row['round_seconds']:.3f}",
-        )  # fmt: skip
+            f"{row['round_seconds']:.3f} ({row['round_vs_baseline']:.3f})",
+        ]  # fmt: skip
+        if wan:
+            cells += [f"{row['link_bound_seconds']:.3f}", f"{row['round_vs_link_bound']:.2f}x"]
+        table.add_row(*cells)
     worst = max(row["max_mean_error"] for row in result["configs"])
+    links = ""
+    if wan:
+        shape = result["wan"]
+        links = (
+            f"; every rank through a link of its own: {shape['link']:,.0f} B/s, "
+            f"{shape['bandwidth']:,.0f} B/s per connection, {shape['latency']:g} s round trip; "
+            f"link bound = busiest rank's bytes / link"
+        )
     table.caption = (
         f"store {result['url']}; every rank is a process of its own: busiest host = busiest "
-        f"rank (up + down); vs N = bytes per rank over those with N={result['baseline_ranks']} "
+        f"rank (up + down); vs N = bytes per rank over those with N={baseline} "
         f"(expected in brackets); bytes / replica = all its ranks' (one host, if they share "
         f"one); round = first rank's start to last rank's end; worst mean error {worst:.1e}"
+        f"{links}"
     )
     return table
 
@@ -324,6 +354,9 @@ def bench_sharded_command(
         str, typer.Option(help="Every rank's exchange: gather, sharded or auto (as a run).")
     ] = "auto",
     rounds: Annotated[int, typer.Option(min=1, help="Rounds to take medians over.")] = 3,
+    bandwidth: Bandwidth = None,
+    latency: Latency = 0.04,
+    link: Link = None,
     store_url: Annotated[str | None, STORE_OPTION] = None,
     standin_name: Annotated[str | None, STANDIN_OPTION] = None,
     json_output: JsonOutput = False,
@@ -335,17 +368,22 @@ def bench_sharded_command(
     bytes (here the busiest rank's: every rank is its own process, as on a deployment where
     each rank has its own host), a replica's bytes in all, round wall time from the first
     rank starting to the last finishing, and per-rank traffic relative to the fewest ranks
-    measured (expected: about 1/N of N=1's). Each rank checks the mean it got.
+    measured (expected: about 1/N of N=1's), as is the round time. Each rank checks the mean
+    it got. With --bandwidth, every rank reaches the stand-in through its own shaped link (its
+    own host and NIC) and the round is compared with what the busiest rank's link allows.
     """
     from diloco_anywhere.bench.sharded import bench_sharded
     from diloco_anywhere.bench.sync import MODES
 
     if mode not in MODES:
         raise typer.BadParameter(f"--mode {mode!r}: this build has {', '.join(MODES)}")
+    shape = _wan_shape(bandwidth, latency, link)
     with user_errors(), ExitStack() as stack, progress_display() as status:
         url, options = _bench_target(stack, store_url, standin_name, status)
         counts = _parse_ranks(ranks)
-        result = bench_sharded(url, options, replicas, counts, size, rounds, mode, status)
+        # a rank process each: every N uses the first replicas x N
+        per_rank = _wan_options(stack, options, shape, replicas * max(counts))
+        result = bench_sharded(url, per_rank, replicas, counts, size, rounds, mode, shape, status)
     if json_output:
         print_json(result)
         return
