@@ -140,6 +140,10 @@ class TaskSection(_Section):
     )
     # Seconds the command has to call diloco_anywhere.join() before the replica fails.
     join_timeout: Annotated[float, Field(gt=0)] = 600.0
+    # A warm start: a safetensors file of the model's whole state_dict (a path relative to
+    # run.toml's folder, or a store URL: e.g. the model.safetensors `diloco export` writes)
+    # that the built-in loop loads into every replica's model before training.
+    init_from: str = ""
 
 
 class ImageSection(_Section):

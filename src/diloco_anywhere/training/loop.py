@@ -38,6 +38,7 @@ from diloco_anywhere.training.metrics import MetricsWriter, StepLine, SyncLine
 from diloco_anywhere.training.mirrors import MirrorWriter
 from diloco_anywhere.training.replica_group import ReplicaGroup, make_manager
 from diloco_anywhere.training.sharded_replica import reshard, shard_model
+from diloco_anywhere.training.warm_start import warm_start
 
 if TYPE_CHECKING:
     from diloco_anywhere.training.session import Replica
@@ -540,12 +541,15 @@ def parallelize(model: nn.Module, group: ReplicaGroup) -> nn.Module:
 
 
 def train(replica: Replica) -> TrainingResult:
-    """The built-in replica loop, on the public API (docs/api.md): build run.toml's task, then
-    train it under torchft's DiLoCo until the run's outer steps are committed."""
+    """The built-in replica loop, on the public API (docs/api.md): build run.toml's task (from
+    ``[task] init_from``'s weights, if given), then train it under torchft's DiLoCo until the
+    run's outer steps are committed."""
     task = build_task(
         replica.config.task.entrypoint,
         task_context(replica.config, replica.index, replica.group),
     )
+    if replica.config.task.init_from:
+        warm_start(task.model, replica.config.resolve(replica.config.task.init_from))
     trained = replica.parallelize(task.model)
     inner = inner_optimizer(replica.config, task.model)
     with replica.diloco(
