@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -147,18 +148,35 @@ def test_bench_sync_rejects_what_it_cannot_run(option, message):
     assert message in result.output
 
 
-def test_bench_convergence_runs_diloco_and_ddp_at_equal_tokens(tmp_path, monkeypatch):
+def test_bench_convergence_sweeps_from_a_warm_start_against_data_parallel(tmp_path, monkeypatch):
+    """Two outer learning rates at N = 1 and 2 from one warm start: four DiLoCo runs, each
+    against the data-parallel run of its N (plain AdamW at N = 1) at equal tokens, with their
+    curves in one table, one JSON and one PNG."""
     monkeypatch.chdir(tmp_path)
-    result = run("bench", "convergence", "--replicas", "2", "--sync-every", "5",
-                 "--outer-steps", "2", "--codec", "fp32", "--json")  # fmt: skip
+    result = run("bench", "convergence", "--replicas", "1,2", "--sync-every", "5",
+                 "--outer-lr", "0.5,0.7", "--steps", "10", "--warm-start", "5",
+                 "--codec", "fp32", "--plot", "study.png", "--json")  # fmt: skip
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    assert (report["inner_steps"], report["replicas"]) == (10, 2)
-    for loss in (report["diloco_eval_loss"], report["ddp_eval_loss"]):
-        assert loss > 1.0  # nats per byte: untrained is ln(256) = 5.55; near 0 would be a bug
-        assert loss < 6.0
-    # ten DDP steps of gradients against two syncs of pseudo-gradients
-    assert report["bytes_ratio"] > 3
+    assert report["warm_start_eval_loss"] < math.log(256)  # trained: below an untrained model's
+    baselines = {b["replicas"]: b for b in report["baselines"]}
+    assert [(r["replicas"], r["outer_lr"]) for r in report["runs"]] == [
+        (1, 0.5), (1, 0.7), (2, 0.5), (2, 0.7)
+    ]  # fmt: skip
+    for run_ in report["runs"]:
+        baseline = baselines[run_["replicas"]]
+        tokens = [tokens for tokens, _ in run_["curve"]]
+        assert tokens == [tokens for tokens, _ in baseline["curve"]]  # evaluated at equal tokens
+        assert run_["eval_loss"] == run_["curve"][-1][1]
+        assert run_["eval_loss_ratio"] == run_["eval_loss"] / baseline["eval_loss"]
+        assert 1.0 < run_["eval_loss"] < math.log(256)
+    assert report["runs"][0]["fewer_bytes"] is None  # one replica sends nothing to compare
+    assert report["runs"][2]["fewer_bytes"] > 3  # ten steps of gradients against two syncs
+    assert (tmp_path / "study.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    uneven = run("bench", "convergence", "--sync-every", "3", "--steps", "10")
+    assert uneven.exit_code != 0
+    assert "steps (10) must be a multiple of every H (3)" in uneven.output
 
 
 def test_bench_overlap_and_throughput_report_fractions_and_ratios(tmp_path, monkeypatch):

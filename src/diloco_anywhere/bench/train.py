@@ -1,12 +1,9 @@
-"""Training benchmarks: DiLoCo against synchronous data parallel, blocking against streaming
-syncs, and the inner loop against a plain PyTorch loop.
+"""Training benchmarks: blocking against streaming syncs, the inner loop against a plain
+PyTorch loop, and the runs every training benchmark is made of (``convergence.py`` compares
+DiLoCo with data parallel).
 
 Every DiLoCo run here is a real run: local replica processes, the replica entrypoint, a local
 store in a temporary folder, torchft's DiLoCo; its numbers come from the run's own metrics.
-The data-parallel baseline is torch DDP over gloo with the same task, the same per-replica
-batch, the same inner optimizer and as many steps, so both see the same tokens (DiLoCo paper,
-arXiv 2311.08105, section 4: the comparison at equal compute). Its traffic is the ring
-all-reduce of fp32 gradients per step (``report.py``); DiLoCo's is counted by its store.
 """
 
 from __future__ import annotations
@@ -22,10 +19,9 @@ from typing import Any
 import tomli_w
 import torch
 
-from diloco_anywhere.backends.local import LocalBackend, threads_per_replica
+from diloco_anywhere.backends.local import LocalBackend
 from diloco_anywhere.config import RunConfig, load_config, validate_config
 from diloco_anywhere.launching.launch import LaunchPlan, plan_launch, run_metrics
-from diloco_anywhere.launching.report import summarize
 from diloco_anywhere.task import Task, TaskContext, build_task
 from diloco_anywhere.training.metrics import ReplicaMetrics
 
@@ -95,75 +91,6 @@ def _train(task: Task, model: torch.nn.Module, optimizer, steps: int, timed_from
         if step == timed_from:
             started = time.perf_counter()
     return time.perf_counter() - started
-
-
-def _ddp_replica(rank: int, world: int, init: str, config: RunConfig, steps: int, results) -> None:
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    torch.set_num_threads(threads_per_replica(world))  # as the DiLoCo run's replicas get
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    task = build_task(
-        config.task.entrypoint,
-        TaskContext(rank, world, config.run.seed, torch.device("cpu"), config.task.options),
-    )
-    model = DistributedDataParallel(task.model)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.diloco.inner_lr, weight_decay=config.diloco.inner_weight_decay
-    )
-    seconds = _train(task, model, optimizer, steps, timed_from=0)
-    eval_loss = task.evaluate(task.model) if task.evaluate else float("nan")
-    parameters = sum(p.numel() for p in task.model.parameters())
-    results.put((rank, eval_loss, seconds, parameters))
-    dist.destroy_process_group()
-
-
-def run_ddp(config: RunConfig, steps: int, folder: Path) -> dict[str, float]:
-    world = config.run.replicas
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    init = str(folder / "ddp-init")
-    processes = [
-        context.Process(target=_ddp_replica, args=(r, world, init, config, steps, results))
-        for r in range(world)
-    ]
-    for process in processes:
-        process.start()
-    outcomes = sorted(results.get(timeout=3600) for _ in processes)
-    for process in processes:
-        process.join(timeout=60)
-    _, eval_loss, _, parameters = outcomes[0]
-    return {
-        "eval_loss": eval_loss,
-        "seconds": max(o[2] for o in outcomes),
-        "bytes_per_replica": 2 * (world - 1) / world * 4 * parameters * steps,
-    }
-
-
-def bench_convergence(config: RunConfig, progress: Progress) -> dict[str, Any]:
-    """DiLoCo vs DDP at equal tokens: held-out loss ratio and bytes each replica sent."""
-    steps = config.diloco.sync_every * config.diloco.outer_steps
-    with tempfile.TemporaryDirectory(prefix="diloco-bench-") as folder:
-        metrics = run_diloco(config, Path(folder), progress)
-        progress(f"data parallel: {config.run.replicas} replicas x {steps} steps (DDP, gloo)")
-        ddp = run_ddp(config, steps, Path(folder))
-    summary = summarize(metrics)
-    return {
-        "replicas": config.run.replicas,
-        "sync_every": config.diloco.sync_every,
-        "outer_steps": config.diloco.outer_steps,
-        "codec": config.diloco.codec,
-        "inner_steps": steps,
-        "tokens": summary.tokens,
-        "diloco_eval_loss": summary.eval_loss,
-        "ddp_eval_loss": ddp["eval_loss"],
-        "eval_loss_ratio": summary.eval_loss / ddp["eval_loss"],
-        "diloco_bytes_per_replica": summary.bytes_up_per_replica,
-        "ddp_bytes_per_replica": ddp["bytes_per_replica"],
-        "bytes_ratio": ddp["bytes_per_replica"] / summary.bytes_up_per_replica,
-        "diloco_seconds": statistics.fmean(map(wall_seconds, metrics.values())),
-        "ddp_seconds": ddp["seconds"],
-    }
 
 
 def bench_overlap(config: RunConfig, fragments: int, delay: int, progress: Progress) -> dict:

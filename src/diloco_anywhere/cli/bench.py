@@ -6,6 +6,7 @@ import json
 import tempfile
 from collections.abc import Callable
 from contextlib import ExitStack
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -280,15 +281,21 @@ def bench_sync_command(
     stdout.print(_sync_table(result))
 
 
+def _number_list(text: str, kind: type, low: float, high: float, what: str) -> list[Any]:
+    """``1,2,4`` -> [1, 2, 4]: comma-separated numbers of ``kind``, each ``low`` to ``high``
+    (``what`` says what they are, with an example, when they are not)."""
+    try:
+        numbers = [kind(part) for part in str(text).split(",")]
+    except ValueError:
+        numbers = []
+    if not numbers or not all(low <= n <= high for n in numbers):
+        raise typer.BadParameter(f"{text!r}: give {what}")
+    return numbers
+
+
 def _parse_ranks(text: str) -> list[int]:
     """``1,2,4`` -> [1, 2, 4]: rank counts per replica, each 1 to 64."""
-    try:
-        ranks = [int(part) for part in str(text).split(",")]
-    except ValueError:
-        ranks = []
-    if not ranks or not all(1 <= n <= 64 for n in ranks):
-        raise typer.BadParameter(f"{text!r}: give rank counts from 1 to 64, e.g. 1,2,4")
-    return ranks
+    return _number_list(text, int, 1, 64, "rank counts from 1 to 64, e.g. 1,2,4")
 
 
 def _sharded_table(result: dict[str, Any]) -> Table:
@@ -412,25 +419,81 @@ def _print_result(result: dict[str, Any], title: str, json_output: bool) -> None
 
 @bench_app.command("convergence")
 def bench_convergence_command(
-    replicas: Replicas = 4,
-    sync_every: SyncEvery = 50,
-    outer_steps: OuterSteps = 10,
+    replicas: Annotated[
+        str, typer.Option(help="Replica counts, comma-separated; 1 is the M = 1 control.")
+    ] = "4",
+    sync_every: Annotated[str, typer.Option(help="H values, comma-separated.")] = "50",
+    outer_lr: Annotated[str, typer.Option(help="Outer learning rates, comma-separated.")] = "0.7",
+    outer_momentum: Annotated[str, typer.Option(help="Outer momenta, comma-separated.")] = "0.9",
+    seeds: Annotated[str, typer.Option(help="Seeds (init and data order), comma-separated.")] = "0",
+    steps: Annotated[
+        int, typer.Option(min=1, help="Inner steps per replica: the token budget of every run.")
+    ] = 500,
+    warm_start: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Steps one model trains alone (plain AdamW) first; every run, DiLoCo "
+            "and data parallel, starts from it. 0: from scratch.",
+        ),
+    ] = 0,
     codec: Annotated[str, typer.Option(help="fp32, bf16 or int8.")] = "int8",
+    plot: Annotated[
+        Path | None, typer.Option(help="Write a PNG of held-out loss against tokens here.")
+    ] = None,
     json_output: JsonOutput = False,
 ) -> None:
-    """Compare DiLoCo with synchronous data parallel (DDP, gloo) at equal tokens.
+    """Compare DiLoCo with synchronous data parallel at equal tokens, over a sweep.
 
-    Reports the held-out loss of both, their ratio, and the bytes each replica sent.
+    Every combination of --replicas, --sync-every, --outer-lr and --outer-momentum runs for
+    every seed, each for --steps inner steps per replica, against data parallel (DDP over
+    gloo, the same per-replica batch, AdamW and steps) with as many processes and the same
+    seed; with 1 replica that baseline is plain AdamW. Reports each run's held-out loss, its
+    ratio to the baseline's, and the bytes each replica sent. Runs take minutes each on
+    2 cores: the runs multiply.
     """
-    from diloco_anywhere.bench.train import bench_config, bench_convergence
+    from diloco_anywhere.bench.convergence import Study, plot_study, run_study
+    from diloco_anywhere.bench.train import bench_config
 
+    study = Study(
+        replicas=tuple(_number_list(replicas, int, 1, 16, "replica counts, e.g. 1,4")),
+        sync_every=tuple(_number_list(sync_every, int, 1, 10**6, "H values, e.g. 25,50")),
+        outer_lr=tuple(_number_list(outer_lr, float, 1e-6, 10, "rates, e.g. 0.5,0.7")),
+        outer_momentum=tuple(_number_list(outer_momentum, float, 0, 0.999, "e.g. 0.9")),
+        seeds=tuple(_number_list(seeds, int, 0, 2**31, "seeds, e.g. 0,1")),
+        steps=steps, warm_start=warm_start, codec=codec,
+    )  # fmt: skip
     with user_errors(), progress_display() as status:
-        config = bench_config(
-            run__replicas=replicas, diloco__sync_every=sync_every,
-            diloco__outer_steps=outer_steps, diloco__codec=codec,
+        result = run_study(bench_config(), study, status)
+    if plot is not None:
+        plot_study(result, plot)
+    if json_output:
+        print_json(result)
+        return
+    stdout.print(_study_table(result))
+    if plot is not None:
+        stdout.print(f"plot: {plot}")
+
+
+def _study_table(result: dict[str, Any]) -> Table:
+    """One row per DiLoCo run, against its baseline."""
+    study = result["study"]
+    title = f"DiLoCo vs data parallel, {study['steps']} inner steps per replica"
+    if study["warm_start"]:
+        title += f", warm start {study['warm_start']} steps"
+    table = Table(title=title)
+    for column in ("N", "H", "outer lr", "momentum", "seed", "held-out loss", "data parallel",
+                   "ratio", "fewer bytes", "seconds"):  # fmt: skip
+        table.add_column(column, justify="right")
+    for run in result["runs"]:
+        fewer = f"{run['fewer_bytes']:.0f}x" if run["fewer_bytes"] else "-"
+        table.add_row(
+            str(run["replicas"]), str(run["sync_every"]), f"{run['outer_lr']:g}",
+            f"{run['outer_momentum']:g}", str(run["seed"]), f"{run['eval_loss']:.4f}",
+            f"{run['baseline_eval_loss']:.4f}", f"{run['eval_loss_ratio']:.3f}", fewer,
+            f"{run['seconds']:.0f}",
         )  # fmt: skip
-        result = bench_convergence(config, status)
-    _print_result(result, "DiLoCo vs data parallel", json_output)
+    return table
 
 
 @bench_app.command("overlap")
