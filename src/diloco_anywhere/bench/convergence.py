@@ -147,9 +147,13 @@ def run_baseline(config: RunConfig, steps: int, every: int, folder: Path) -> dic
     }
 
 
-def _warm_start(config: RunConfig, study: Study, folder: Path) -> tuple[str, float] | None:
+def _warm_start(
+    config: RunConfig, study: Study, folder: Path, progress: Progress
+) -> tuple[str, float] | None:
+    """The warm-start model's file and held-out loss (None: the study starts from scratch)."""
     if not study.warm_start:
         return None
+    progress(f"warm start: one model, {study.warm_start} steps")
     context, path = multiprocessing.get_context("spawn"), str(folder / "warm-start.safetensors")
     results = context.Queue()
     process = context.Process(target=_train_alone, args=(config, study.warm_start, path, results))
@@ -175,9 +179,7 @@ def run_study(config: RunConfig, study: Study, progress: Progress) -> dict[str, 
     result: dict[str, Any] = {"study": asdict(study), "runs": [], "baselines": []}
     with tempfile.TemporaryDirectory(prefix="diloco-study-") as name:
         folder = Path(name)
-        if study.warm_start:
-            progress(f"warm start: one model, {study.warm_start} steps")
-        warm = _warm_start(config, study, folder)
+        warm = _warm_start(config, study, folder, progress)
         if warm is not None:
             config = with_changes(config, task__init_from=warm[0])
             result["warm_start_eval_loss"] = warm[1]
