@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+import queue
 import statistics
 import tempfile
 from dataclasses import asdict, dataclass
@@ -134,17 +135,30 @@ def run_baseline(config: RunConfig, steps: int, every: int, folder: Path) -> dic
         context.Process(target=_baseline_rank, args=(r, world, init, config, steps, every, results))
         for r in range(world)
     ]
-    for process in processes:
-        process.start()
-    outcomes = sorted(results.get(timeout=3600) for _ in processes)
-    for process in processes:
-        process.join(timeout=60)
+    outcomes = sorted(_results_of(processes, results))
     _, curve, parameters = outcomes[0]
     return {
         "eval_loss": curve[-1][1] if curve else float("nan"),  # a task without evaluate
         "curve": curve,
         "bytes_per_replica": 2 * (world - 1) / world * 4 * parameters * steps,  # ring, fp32
     }
+
+
+def _results_of(processes: list[Any], results: Any) -> list[Any]:
+    """Start ``processes`` and take one result of each; a process that dies without one ends
+    the study with its exit code at once, rather than after the queue's timeout."""
+    for process in processes:
+        process.start()
+    outcomes: list[Any] = []
+    while len(outcomes) < len(processes):
+        try:
+            outcomes.append(results.get(timeout=1))
+        except queue.Empty:
+            if dead := [p for p in processes if p.exitcode not in (None, 0)]:
+                raise RuntimeError(f"a benchmark process exited {dead[0].exitcode}") from None
+    for process in processes:
+        process.join(timeout=60)
+    return outcomes
 
 
 def _warm_start(
@@ -157,9 +171,7 @@ def _warm_start(
     context, path = multiprocessing.get_context("spawn"), str(folder / "warm-start.safetensors")
     results = context.Queue()
     process = context.Process(target=_train_alone, args=(config, study.warm_start, path, results))
-    process.start()
-    eval_loss = results.get(timeout=3600)
-    process.join(timeout=60)
+    (eval_loss,) = _results_of([process], results)
     return path, eval_loss
 
 
@@ -176,7 +188,12 @@ def _diloco_curve(metrics: dict) -> Curve:
 def run_study(config: RunConfig, study: Study, progress: Progress) -> dict[str, Any]:
     """Every run of ``study``, its baselines, and how each DiLoCo run compares."""
     study.check()
-    result: dict[str, Any] = {"study": asdict(study), "runs": [], "baselines": []}
+    result: dict[str, Any] = {
+        "study": asdict(study),
+        "task": dict(config.task.options),
+        "runs": [],
+        "baselines": [],
+    }
     with tempfile.TemporaryDirectory(prefix="diloco-study-") as name:
         folder = Path(name)
         warm = _warm_start(config, study, folder, progress)

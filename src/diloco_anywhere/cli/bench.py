@@ -438,6 +438,9 @@ def bench_convergence_command(
         ),
     ] = 0,
     codec: Annotated[str, typer.Option(help="fp32, bf16 or int8.")] = "int8",
+    preset: Annotated[
+        str, typer.Option(help="The built-in GPT's size: tiny, small or base (tasks/gpt.py).")
+    ] = "tiny",
     plot: Annotated[
         Path | None, typer.Option(help="Write a PNG of held-out loss against tokens here.")
     ] = None,
@@ -454,6 +457,10 @@ def bench_convergence_command(
     """
     from diloco_anywhere.bench.convergence import Study, plot_study, run_study
     from diloco_anywhere.bench.train import bench_config
+    from diloco_anywhere.tasks.gpt import PRESETS
+
+    if preset not in PRESETS:
+        raise typer.BadParameter(f"{preset!r}: one of {', '.join(PRESETS)}", param_hint="--preset")
 
     study = Study(
         replicas=tuple(_number_list(replicas, int, 1, 16, "replica counts, e.g. 1,4")),
@@ -464,7 +471,9 @@ def bench_convergence_command(
         steps=steps, warm_start=warm_start, codec=codec,
     )  # fmt: skip
     with user_errors(), progress_display() as status:
-        result = run_study(bench_config(), study, status)
+        config = bench_config()
+        options = {**config.task.options, "preset": preset}
+        result = run_study(bench_config(task__options=options), study, status)
     if plot is not None:
         plot_study(result, plot)
     if json_output:
