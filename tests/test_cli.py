@@ -179,6 +179,20 @@ def test_bench_convergence_sweeps_from_a_warm_start_against_data_parallel(tmp_pa
     assert "steps (10) must be a multiple of every H (3)" in uneven.output
 
 
+def test_bench_convergence_studies_the_task_of_a_run_toml(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.toml").write_text(
+        '[task]\nentrypoint = "diloco_anywhere.tasks.gpt:build"\n'
+        '[task.options]\npreset = "tiny"\nbatch_size = 4\ncorpus_bytes = 200000\n'
+    )
+    result = run("bench", "convergence", "--config", "run.toml", "--replicas", "1",
+                 "--sync-every", "5", "--steps", "5", "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["task"] == {"preset": "tiny", "batch_size": 4, "corpus_bytes": 200000}
+    assert [tokens for tokens, _ in report["runs"][0]["curve"]] == [5 * 4 * 64]
+
+
 def test_bench_overlap_and_throughput_report_fractions_and_ratios(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     overlap = run("bench", "overlap", "--replicas", "2", "--sync-every", "4", "--outer-steps",

@@ -188,6 +188,8 @@ def _diloco_curve(metrics: dict) -> Curve:
 def run_study(config: RunConfig, study: Study, progress: Progress) -> dict[str, Any]:
     """Every run of ``study``, its baselines, and how each DiLoCo run compares."""
     study.check()
+    if config.task.init_from:  # every run starts in a folder of its own
+        config = with_changes(config, task__init_from=config.resolve(config.task.init_from))
     result: dict[str, Any] = {
         "study": asdict(study),
         "task": dict(config.task.options),

@@ -438,9 +438,19 @@ def bench_convergence_command(
         ),
     ] = 0,
     codec: Annotated[str, typer.Option(help="fp32, bf16 or int8.")] = "int8",
+    config_path: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            help="A run.toml whose task (entrypoint and options, inner optimizer settings) "
+            "every run trains; paths in its task options must be absolute (every run starts in "
+            "a folder of its own). Default: the built-in GPT of the embedded demo run.",
+        ),
+    ] = None,
     preset: Annotated[
-        str, typer.Option(help="The built-in GPT's size: tiny, small or base (tasks/gpt.py).")
-    ] = "tiny",
+        str | None,
+        typer.Option(help="The built-in GPT's size: tiny (default), small or base (tasks/gpt.py)."),
+    ] = None,
     plot: Annotated[
         Path | None, typer.Option(help="Write a PNG of held-out loss against tokens here.")
     ] = None,
@@ -456,10 +466,11 @@ def bench_convergence_command(
     2 cores: the runs multiply.
     """
     from diloco_anywhere.bench.convergence import Study, plot_study, run_study
-    from diloco_anywhere.bench.train import bench_config
+    from diloco_anywhere.bench.train import bench_config, with_changes
+    from diloco_anywhere.config import load_config
     from diloco_anywhere.tasks.gpt import PRESETS
 
-    if preset not in PRESETS:
+    if preset is not None and preset not in PRESETS:
         raise typer.BadParameter(f"{preset!r}: one of {', '.join(PRESETS)}", param_hint="--preset")
 
     study = Study(
@@ -471,9 +482,10 @@ def bench_convergence_command(
         steps=steps, warm_start=warm_start, codec=codec,
     )  # fmt: skip
     with user_errors(), progress_display() as status:
-        config = bench_config()
-        options = {**config.task.options, "preset": preset}
-        result = run_study(bench_config(task__options=options), study, status)
+        config = load_config(config_path) if config_path else bench_config()
+        if preset is not None:
+            config = with_changes(config, task__options={**config.task.options, "preset": preset})
+        result = run_study(config, study, status)
     if plot is not None:
         plot_study(result, plot)
     if json_output:
