@@ -37,6 +37,7 @@ from diloco_anywhere.bench.train import Progress, run_diloco, wall_seconds, with
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.launching.report import summarize
 from diloco_anywhere.task import Task, TaskContext, build_task
+from diloco_anywhere.training.loop import backward_batch, before_inner_step
 from diloco_anywhere.training.warm_start import warm_start
 
 Curve = list[tuple[int, float]]  # (tokens of all replicas, held-out loss)
@@ -80,21 +81,28 @@ def _train_alone(config: RunConfig, steps: int, path: str, results: Any) -> None
         task.model.parameters(), lr=config.diloco.inner_lr,
         weight_decay=config.diloco.inner_weight_decay,
     )  # fmt: skip
-    _steps(task, task.model, optimizer, steps, evaluate_every=0)
+    _steps(task, task.model, optimizer, config, steps, evaluate_every=0)
     save_file(task.model.state_dict(), path)
     results.put(task.evaluate(task.model) if task.evaluate else float("nan"))
 
 
 def _steps(
-    task: Task, model: torch.nn.Module, optimizer: Any, steps: int, evaluate_every: int
+    task: Task,
+    model: torch.nn.Module,
+    optimizer: Any,
+    config: RunConfig,
+    steps: int,
+    evaluate_every: int,
 ) -> list[tuple[int, float]]:
-    """``steps`` training steps; the held-out loss every ``evaluate_every`` steps (0: never),
-    by step."""
+    """``steps`` training steps as a replica's inner steps are taken (the task's
+    micro-batches, clipping and learning-rate schedule: ``loop.backward_batch`` and
+    ``before_inner_step``); the held-out loss every ``evaluate_every`` steps (0: never), by
+    step."""
     batches, curve = task.batches(0), []
     for step in range(1, steps + 1):
-        loss = task.loss(model, next(batches))
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        backward_batch(task, model, next(batches))
+        before_inner_step(task, optimizer, config.diloco.inner_lr, step - 1)
         optimizer.step()
         if evaluate_every and step % evaluate_every == 0 and task.evaluate:
             curve.append((step, task.evaluate(task.model)))
@@ -120,7 +128,7 @@ def _baseline_rank(
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.diloco.inner_lr, weight_decay=config.diloco.inner_weight_decay
     )
-    curve = _steps(task, model, optimizer, steps, every if rank == 0 else 0)
+    curve = _steps(task, model, optimizer, config, steps, every if rank == 0 else 0)
     parameters = sum(p.numel() for p in task.model.parameters())
     tokens = task.tokens_per_batch * world
     results.put((rank, [(step * tokens, loss) for step, loss in curve], parameters))
@@ -155,7 +163,9 @@ def _results_of(processes: list[Any], results: Any) -> list[Any]:
             outcomes.append(results.get(timeout=1))
         except queue.Empty:
             if dead := [p for p in processes if p.exitcode not in (None, 0)]:
-                raise RuntimeError(f"a benchmark process exited {dead[0].exitcode}") from None
+                raise RuntimeError(
+                    f"a benchmark process exited {dead[0].exitcode}: its error is printed above"
+                ) from None
     for process in processes:
         process.join(timeout=60)
     return outcomes

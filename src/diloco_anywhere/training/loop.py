@@ -557,14 +557,14 @@ def train(replica: Replica) -> TrainingResult:
     ) as training:
         for batch in training.batches(task.batches):
             inner.zero_grad(set_to_none=True)
-            loss = _backward(task, trained, batch)
-            _before_step(task, inner, replica.config.diloco.inner_lr, training.inner_steps)
+            loss = backward_batch(task, trained, batch)
+            before_inner_step(task, inner, replica.config.diloco.inner_lr, training.inner_steps)
             inner.step()  # DiLoCo's hook syncs here every sync_every / fragments steps
             training.log(loss, lr=inner.param_groups[0]["lr"])
     return training.result()
 
 
-def _backward(task: Task, model: nn.Module, batch: Batch) -> torch.Tensor:
+def backward_batch(task: Task, model: nn.Module, batch: Batch) -> torch.Tensor:
     """Forward and backward the batch (each of its micro-batches, for a task that accumulates
     gradients); the mean loss, detached."""
     parts = batch if task.micro_batches else [batch]
@@ -576,7 +576,7 @@ def _backward(task: Task, model: nn.Module, batch: Batch) -> torch.Tensor:
     return torch.stack(losses).sum()
 
 
-def _before_step(task: Task, inner: torch.optim.Optimizer, base_lr: float, step: int) -> None:
+def before_inner_step(task: Task, inner: torch.optim.Optimizer, base_lr: float, step: int) -> None:
     """The task's gradient clipping and learning-rate schedule, at the run's inner step."""
     if task.max_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(task.model.parameters(), task.max_grad_norm)
