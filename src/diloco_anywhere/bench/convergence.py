@@ -71,11 +71,21 @@ class Study:
         return [dict(zip(names, values, strict=True)) for values in product]
 
 
+def _context(config: RunConfig, rank: int, world: int, steps: int) -> TaskContext:
+    """What a benchmark's own training loop builds the task with: ``steps`` is the run's
+    length, over which a task's learning-rate schedule runs (the HF task's cosine), exactly as
+    a replica's task is told its run's inner steps."""
+    return TaskContext(
+        rank, world, config.run.seed, torch.device("cpu"), config.task.options,
+        total_steps=steps,
+    )  # fmt: skip
+
+
 def _train_alone(config: RunConfig, steps: int, path: str, results: Any) -> None:
     """The warm start: one model, plain AdamW, ``steps`` batches; saved as safetensors."""
     task = build_task(
         config.task.entrypoint,
-        TaskContext(0, 1, config.run.seed, torch.device("cpu"), config.task.options),
+        _context(config, 0, 1, steps),
     )
     optimizer = torch.optim.AdamW(
         task.model.parameters(), lr=config.diloco.inner_lr,
@@ -120,7 +130,7 @@ def _baseline_rank(
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     task = build_task(
         config.task.entrypoint,
-        TaskContext(rank, world, config.run.seed, torch.device("cpu"), config.task.options),
+        _context(config, rank, world, steps),
     )
     if config.task.init_from:
         warm_start(task.model, config.task.init_from)

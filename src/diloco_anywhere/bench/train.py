@@ -123,7 +123,9 @@ def bench_overlap(config: RunConfig, fragments: int, delay: int, progress: Progr
 def _plain_loop(config: RunConfig, steps: int, results) -> None:
     task = build_task(
         config.task.entrypoint,
-        TaskContext(0, 1, config.run.seed, torch.device("cpu"), config.task.options),
+        TaskContext(
+            0, 1, config.run.seed, torch.device("cpu"), config.task.options, total_steps=steps
+        ),
     )
     optimizer = torch.optim.AdamW(
         task.model.parameters(), lr=config.diloco.inner_lr,
