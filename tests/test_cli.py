@@ -169,7 +169,7 @@ def test_bench_convergence_sweeps_from_a_warm_start_against_data_parallel(tmp_pa
         assert tokens == [tokens for tokens, _ in baseline["curve"]]  # evaluated at equal tokens
         assert run_["eval_loss"] == run_["curve"][-1][1]
         assert run_["eval_loss_ratio"] == run_["eval_loss"] / baseline["eval_loss"]
-        assert 1.0 < run_["eval_loss"] < math.log(256)
+        assert 1.0 < run_["eval_loss"] < report["warm_start_eval_loss"]  # trained on from it
     assert report["runs"][0]["fewer_bytes"] is None  # one replica sends nothing to compare
     assert report["runs"][2]["fewer_bytes"] > 3  # ten steps of gradients against two syncs
     assert (tmp_path / "study.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
-import queue
 import statistics
 import tempfile
 from dataclasses import asdict, dataclass
@@ -33,7 +32,13 @@ import torch
 from safetensors.torch import save_file
 
 from diloco_anywhere.backends.local import threads_per_replica
-from diloco_anywhere.bench.train import Progress, run_diloco, wall_seconds, with_changes
+from diloco_anywhere.bench.train import (
+    Progress,
+    results_of,
+    run_diloco,
+    wall_seconds,
+    with_changes,
+)
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.launching.report import summarize
 from diloco_anywhere.task import Task, TaskContext, build_task
@@ -153,32 +158,13 @@ def run_baseline(config: RunConfig, steps: int, every: int, folder: Path) -> dic
         context.Process(target=_baseline_rank, args=(r, world, init, config, steps, every, results))
         for r in range(world)
     ]
-    outcomes = sorted(_results_of(processes, results))
+    outcomes = sorted(results_of(processes, results))
     _, curve, parameters = outcomes[0]
     return {
         "eval_loss": curve[-1][1] if curve else float("nan"),  # a task without evaluate
         "curve": curve,
         "bytes_per_replica": 2 * (world - 1) / world * 4 * parameters * steps,  # ring, fp32
     }
-
-
-def _results_of(processes: list[Any], results: Any) -> list[Any]:
-    """Start ``processes`` and take one result of each; a process that dies without one ends
-    the study with its exit code at once, rather than after the queue's timeout."""
-    for process in processes:
-        process.start()
-    outcomes: list[Any] = []
-    while len(outcomes) < len(processes):
-        try:
-            outcomes.append(results.get(timeout=1))
-        except queue.Empty:
-            if dead := [p for p in processes if p.exitcode not in (None, 0)]:
-                raise RuntimeError(
-                    f"a benchmark process exited {dead[0].exitcode}: its error is printed above"
-                ) from None
-    for process in processes:
-        process.join(timeout=60)
-    return outcomes
 
 
 def _warm_start(
@@ -191,7 +177,7 @@ def _warm_start(
     context, path = multiprocessing.get_context("spawn"), str(folder / "warm-start.safetensors")
     results = context.Queue()
     process = context.Process(target=_train_alone, args=(config, study.warm_start, path, results))
-    (eval_loss,) = _results_of([process], results)
+    (eval_loss,) = results_of([process], results)
     return path, eval_loss
 
 

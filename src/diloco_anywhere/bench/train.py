@@ -9,6 +9,7 @@ store in a temporary folder, torchft's DiLoCo; its numbers come from the run's o
 from __future__ import annotations
 
 import multiprocessing
+import queue
 import statistics
 import tempfile
 import time
@@ -120,6 +121,25 @@ def bench_overlap(config: RunConfig, fragments: int, delay: int, progress: Progr
     return result
 
 
+def results_of(processes: list[Any], results: Any) -> list[Any]:
+    """Start ``processes`` and take one result of each; a process that dies without one ends
+    the study with its exit code at once, rather than after the queue's timeout."""
+    for process in processes:
+        process.start()
+    outcomes: list[Any] = []
+    while len(outcomes) < len(processes):
+        try:
+            outcomes.append(results.get(timeout=1))
+        except queue.Empty:
+            if dead := [p for p in processes if p.exitcode not in (None, 0)]:
+                raise RuntimeError(
+                    f"a benchmark process exited {dead[0].exitcode}: its error is printed above"
+                ) from None
+    for process in processes:
+        process.join(timeout=60)
+    return outcomes
+
+
 def _plain_loop(config: RunConfig, steps: int, results) -> None:
     task = build_task(
         config.task.entrypoint,
@@ -140,9 +160,7 @@ def _plain_tokens_per_second(config: RunConfig, steps: int) -> float:
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     process = context.Process(target=_plain_loop, args=(config, steps, results))
-    process.start()
-    tokens_per_second = results.get(timeout=3600)
-    process.join(timeout=60)
+    (tokens_per_second,) = results_of([process], results)
     return tokens_per_second
 
 
