@@ -193,6 +193,40 @@ def test_bench_convergence_studies_the_task_of_a_run_toml(tmp_path, monkeypatch)
     assert [tokens for tokens, _ in report["runs"][0]["curve"]] == [5 * 4 * 64]
 
 
+def test_bench_convergence_studies_streaming_diloco_and_plain_sgd_outer_steps(
+    tmp_path, monkeypatch
+):
+    """Fragments are a swept setting; momentum 0 is plain SGD (Nesterov needs momentum)."""
+    monkeypatch.chdir(tmp_path)
+    result = run("bench", "convergence", "--replicas", "2", "--sync-every", "4",
+                 "--fragments", "2", "--fragment-delay", "1", "--outer-momentum", "0",
+                 "--steps", "8", "--codec", "fp32", "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["study"]["fragment_delay"] == 1
+    (streaming,) = report["runs"]
+    assert (streaming["fragments"], streaming["outer_momentum"]) == (2, 0.0)
+    (baseline,) = report["baselines"]
+    tokens = [tokens for tokens, _ in streaming["curve"]]
+    assert tokens == [tokens for tokens, _ in baseline["curve"]] == [tokens[0], 2 * tokens[0]]
+    assert 0 < streaming["eval_loss_ratio"] < 2
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (("--sync-every", "5", "--fragments", "2", "--steps", "10"),
+         "every H (5) must be a multiple of every fragments value"),
+        (("--sync-every", "4", "--fragments", "2", "--fragment-delay", "2", "--steps", "8"),
+         "fragment delay (2) must be less than H / fragments (2 at H 4, 2 fragments)"),
+    ],
+)  # fmt: skip
+def test_bench_convergence_refuses_a_streaming_schedule_diloco_cannot_run(options, message):
+    result = run("bench", "convergence", *options)
+    assert result.exit_code != 0
+    assert message in result.output
+
+
 def test_bench_overlap_and_throughput_report_fractions_and_ratios(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     overlap = run("bench", "overlap", "--replicas", "2", "--sync-every", "4", "--outer-steps",

@@ -57,6 +57,10 @@ outer_momentum = 1.5
             "[diloco]\nsync_every = 10\nfragments = 2\nfragment_sync_delay = 5",
             "fragment_sync_delay (5) must be less than sync_every / fragments (5)",
         ),
+        (
+            "[diloco]\nouter_momentum = 0",
+            "outer_nesterov = true needs outer_momentum > 0 (e.g. 0.9); for plain SGD",
+        ),
         ('[task]\nentrypoint = "no_colon"', "task.entrypoint = 'no_colon': String should match"),
         ("[sync]\nwindow = 0", "sync.window = 0: Input should be greater than or equal to 1"),
         ('[sync]\npart_size = "1KiB"', "sync.part_size = '1KiB': Input should be greater"),

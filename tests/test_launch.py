@@ -110,6 +110,37 @@ def test_a_two_replica_run_finishes_and_reports(run_toml, tmp_path):
         assert "healed from checkpoint 1: replayed 0 rounds" in replica.events[-2].detail
 
 
+def as_streaming(config: str) -> str:
+    """The run as Streaming DiLoCo: two fragments, each synced every 3 inner steps in turn,
+    evaluated at every outer step."""
+    path = Path(config)
+    text = path.read_text().replace("sync_every = 5", "sync_every = 6\nfragments = 2")
+    path.write_text(text.replace("eval_every = 2", "eval_every = 1"))
+    return config
+
+
+def evaluated_losses(config: str) -> dict[int, set[float]]:
+    """Every replica's held-out loss at each evaluated outer step."""
+    losses: dict[int, set[float]] = {}
+    for metrics in run_metrics(load_config(config)).read().values():
+        for sync in metrics.syncs:
+            if sync.eval_loss is not None:
+                losses.setdefault(sync.outer_step, set()).add(sync.eval_loss)
+    return losses
+
+
+def test_a_streaming_run_evaluates_the_weights_every_replica_agreed_on(run_toml):
+    """At a sync only the synced fragment holds the agreed weights; the other has trained on
+    locally, differently on each replica. The held-out loss is taken of every fragment's
+    agreed weights, so every replica reports the same number at every outer step."""
+    config = as_streaming(run_toml())
+    result = diloco("launch", "--config", config)
+    assert result.exit_code == 0, result.output
+    losses = evaluated_losses(config)
+    assert sorted(losses) == [1, 2]
+    assert all(len(values) == 1 for values in losses.values()), losses
+
+
 def test_a_killed_replica_leaves_the_others_to_finish(run_toml):
     """min_replicas = 2 of 3: once local-2 is SIGKILLed, the others seal without it."""
     config = run_toml(replicas=3, outer_steps=12)  # long enough that the kill lands mid-run

@@ -21,6 +21,7 @@ from diloco_anywhere.config import RunConfig
 from diloco_anywhere.launching.report import summarize
 from diloco_anywhere.launching.status import replica_statuses
 from diloco_anywhere.task import TaskContext, build_task, load_entrypoint
+from diloco_anywhere.training.global_state import FRAGMENT_KEY, GlobalState
 from diloco_anywhere.training.loop import split_fragments
 from diloco_anywhere.training.metrics import MetricsReader, MetricsWriter, StepLine, SyncLine
 
@@ -45,6 +46,30 @@ def test_fragments_balance_elements():
     model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(8)])
     sizes = [sum(p.numel() for p in f.parameters()) for f in split_fragments(model, 4)]
     assert sizes == [2 * (32 * 32 + 32)] * 4
+
+
+def _saved_state(weights: dict[str, torch.Tensor]):
+    """A fragment's save function as torchft's DiLoCo registers it: a copy of its state."""
+    return lambda: {"original_parameters": {name: w.clone() for name, w in weights.items()}}
+
+
+def test_the_global_weights_are_in_place_for_a_block_and_local_weights_return_bit_for_bit():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fragments = split_fragments(model, 2)
+    agreed = [{n: torch.randn_like(p) for n, p in f.named_parameters()} for f in fragments]
+    functions = {FRAGMENT_KEY.format(i): (None, _saved_state(w)) for i, w in enumerate(agreed)}
+    state = GlobalState(functions, fragments, [])
+    local = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    with state.global_weights_in_place():
+        for fragment, weights in zip(fragments, agreed, strict=True):
+            for name, parameter in fragment.named_parameters():
+                assert torch.equal(parameter, weights[name])
+    with pytest.raises(RuntimeError, match="evaluation failed"), state.global_weights_in_place():
+        raise RuntimeError("evaluation failed")
+    for name, parameter in model.named_parameters():
+        assert torch.equal(parameter, local[name])
 
 
 def test_one_fragment_is_the_model_and_too_many_is_an_error():

@@ -42,7 +42,7 @@ from diloco_anywhere.training.sharded_replica import (
     check_sharding,
     shard_units,
 )
-from test_launch import RUN_TOML, diloco, statuses
+from test_launch import RUN_TOML, as_streaming, diloco, evaluated_losses, statuses
 
 TWO_RANKS = "\n[backends.local]\nprocesses_per_replica = 2\n"
 FRAGMENT = "StreamingDiLoCoFragment_0"
@@ -120,6 +120,19 @@ def test_fsdp_replicas_sync_shard_by_shard_agree_and_match_ddp(tmp_path, monkeyp
     for name, expected in exported["ddp"].items():
         assert exported["fsdp"][name].shape == expected.shape
         torch.testing.assert_close(exported["fsdp"][name], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_streaming_fsdp_run_evaluates_the_agreed_weights_and_trains_on(tmp_path, monkeypatch):
+    """Each rank swaps its shards of every fragment's agreed weights in, the forward gathers
+    them, and the model is resharded before the local shards come back: every replica reports
+    one held-out loss per outer step, and the run goes on to its end."""
+    monkeypatch.chdir(tmp_path)
+    config = as_streaming(_write_run(tmp_path, "fsdp", outer_steps=2))
+    result = diloco("launch", "--config", config)
+    assert result.exit_code == 0, result.output
+    losses = evaluated_losses(config)
+    assert sorted(losses) == [1, 2]
+    assert all(len(values) == 1 for values in losses.values()), losses
 
 
 def _rank_process(launcher_pid: int, rank: int) -> int:

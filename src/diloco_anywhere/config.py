@@ -96,6 +96,16 @@ class DilocoSection(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self) -> DilocoSection:
+        """torch's SGD refuses Nesterov without momentum; say so before any replica starts."""
+        if self.outer_nesterov and self.outer_momentum == 0:
+            raise ValueError(
+                "outer_nesterov = true needs outer_momentum > 0 (e.g. 0.9); for plain SGD "
+                "outer steps set outer_nesterov = false"
+            )
+        return self
+
 
 class SyncSection(_Section):
     mode: Literal["auto", "gather", "sharded"] = "auto"

@@ -57,22 +57,33 @@ class Study:
     sync_every: tuple[int, ...] = (50,)
     outer_lr: tuple[float, ...] = (0.7,)
     outer_momentum: tuple[float, ...] = (0.9,)
+    fragments: tuple[int, ...] = (1,)
+    fragment_delay: int = 0
     seeds: tuple[int, ...] = (0,)
     steps: int = 500
     warm_start: int = 0
     codec: str = "int8"
 
     def check(self) -> None:
-        for h in self.sync_every:
+        """Every combination must be a run torchft's DiLoCo can schedule (config.py's rules)."""
+        for h, fragments in itertools.product(self.sync_every, self.fragments):
             if self.steps % h:
                 raise ValueError(f"steps ({self.steps}) must be a multiple of every H ({h})")
+            if h % fragments:
+                raise ValueError(f"every H ({h}) must be a multiple of every fragments value")
+            if self.fragment_delay >= h // fragments:
+                raise ValueError(
+                    f"fragment delay ({self.fragment_delay}) must be less than H / fragments "
+                    f"({h // fragments} at H {h}, {fragments} fragments)"
+                )
 
     def runs(self) -> list[dict[str, Any]]:
         """Every DiLoCo run's settings."""
-        names = ("replicas", "sync_every", "outer_lr", "outer_momentum", "seed")
+        names = ("replicas", "sync_every", "fragments", "outer_lr", "outer_momentum", "seed")
         product = itertools.product(
-            self.replicas, self.sync_every, self.outer_lr, self.outer_momentum, self.seeds
-        )
+            self.replicas, self.sync_every, self.fragments, self.outer_lr, self.outer_momentum,
+            self.seeds,
+        )  # fmt: skip
         return [dict(zip(names, values, strict=True)) for values in product]
 
 
@@ -227,13 +238,16 @@ def run_study(config: RunConfig, study: Study, progress: Progress) -> dict[str, 
 def _diloco_config(
     config: RunConfig, study: Study, settings: dict[str, Any], name: str
 ) -> RunConfig:
-    """One DiLoCo run of the study: its settings, evaluated at every outer step."""
-    replicas, h = settings["replicas"], settings["sync_every"]
+    """One DiLoCo run of the study: its settings, evaluated at every outer step. Momentum 0
+    is plain SGD (Nesterov needs momentum); any other keeps the run.toml's Nesterov choice."""
+    replicas, h, momentum = settings["replicas"], settings["sync_every"], settings["outer_momentum"]
     return with_changes(
         config, run__name=name, run__replicas=replicas, run__min_replicas=replicas,
         run__seed=settings["seed"], diloco__sync_every=h, diloco__outer_steps=study.steps // h,
+        diloco__fragments=settings["fragments"], diloco__fragment_sync_delay=study.fragment_delay,
         diloco__codec=study.codec, diloco__outer_lr=settings["outer_lr"],
-        diloco__outer_momentum=settings["outer_momentum"], task__eval_every=1,
+        diloco__outer_momentum=momentum,
+        diloco__outer_nesterov=config.diloco.outer_nesterov and momentum > 0, task__eval_every=1,
     )  # fmt: skip
 
 
@@ -280,8 +294,8 @@ def plot_study(result: dict[str, Any], path: Path) -> None:
     for run in result["runs"]:
         if run["curve"]:
             label = (
-                f"DiLoCo N={run['replicas']} H={run['sync_every']} lr {run['outer_lr']} "
-                f"m {run['outer_momentum']} seed {run['seed']}"
+                f"DiLoCo N={run['replicas']} H={run['sync_every']} F={run['fragments']} "
+                f"lr {run['outer_lr']} m {run['outer_momentum']} seed {run['seed']}"
             )
             axes.plot(*zip(*run["curve"], strict=True), marker=".", label=label)
     axes.set(xlabel="tokens (all replicas)", ylabel="held-out loss")

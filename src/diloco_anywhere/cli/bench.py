@@ -424,7 +424,20 @@ def bench_convergence_command(
     ] = "4",
     sync_every: Annotated[str, typer.Option(help="H values, comma-separated.")] = "50",
     outer_lr: Annotated[str, typer.Option(help="Outer learning rates, comma-separated.")] = "0.7",
-    outer_momentum: Annotated[str, typer.Option(help="Outer momenta, comma-separated.")] = "0.9",
+    outer_momentum: Annotated[
+        str,
+        typer.Option(help="Outer momenta, comma-separated; 0 is plain SGD, any other Nesterov."),
+    ] = "0.9",
+    fragments: Annotated[
+        str,
+        typer.Option(help="Fragments, comma-separated: 1 is DiLoCo, more is Streaming DiLoCo."),
+    ] = "1",
+    fragment_delay: Annotated[
+        int,
+        typer.Option(
+            min=0, help="tau: inner steps each fragment's sync overlaps (Streaming DiLoCo)."
+        ),
+    ] = 0,
     seeds: Annotated[str, typer.Option(help="Seeds (init and data order), comma-separated.")] = "0",
     steps: Annotated[
         int, typer.Option(min=1, help="Inner steps per replica: the token budget of every run.")
@@ -458,12 +471,13 @@ def bench_convergence_command(
 ) -> None:
     """Compare DiLoCo with synchronous data parallel at equal tokens, over a sweep.
 
-    Every combination of --replicas, --sync-every, --outer-lr and --outer-momentum runs for
-    every seed, each for --steps inner steps per replica, against data parallel (DDP over
-    gloo, the same per-replica batch, AdamW and steps) with as many processes and the same
-    seed; with 1 replica that baseline is plain AdamW. Reports each run's held-out loss, its
-    ratio to the baseline's, and the bytes each replica sent. Runs take minutes each on
-    2 cores: the runs multiply.
+    Every combination of --replicas, --sync-every, --fragments, --outer-lr and
+    --outer-momentum runs for every seed, each for --steps inner steps per replica, against
+    data parallel (DDP over gloo, the same per-replica batch, AdamW and steps) with as many
+    processes and the same seed; with 1 replica that baseline is plain AdamW. Reports each
+    run's held-out loss (of the agreed weights: with fragments, every fragment's), its ratio
+    to the baseline's, and the bytes each replica sent. Runs take minutes each on 2 cores:
+    the runs multiply.
     """
     from diloco_anywhere.bench.convergence import Study, plot_study, run_study
     from diloco_anywhere.bench.train import bench_config, with_changes
@@ -478,6 +492,8 @@ def bench_convergence_command(
         sync_every=tuple(_number_list(sync_every, int, 1, 10**6, "H values, e.g. 25,50")),
         outer_lr=tuple(_number_list(outer_lr, float, 1e-6, 10, "rates, e.g. 0.5,0.7")),
         outer_momentum=tuple(_number_list(outer_momentum, float, 0, 0.999, "e.g. 0.9")),
+        fragments=tuple(_number_list(fragments, int, 1, 64, "fragment counts, e.g. 1,2")),
+        fragment_delay=fragment_delay,
         seeds=tuple(_number_list(seeds, int, 0, 2**31, "seeds, e.g. 0,1")),
         steps=steps, warm_start=warm_start, codec=codec,
     )  # fmt: skip
@@ -502,14 +518,17 @@ def _study_table(result: dict[str, Any]) -> Table:
     title = f"DiLoCo vs data parallel, {study['steps']} inner steps per replica"
     if study["warm_start"]:
         title += f", warm start {study['warm_start']} steps"
+    if study["fragment_delay"]:
+        title += f", fragment delay {study['fragment_delay']} steps"
     table = Table(title=title)
-    for column in ("N", "H", "outer lr", "momentum", "seed", "held-out loss", "data parallel",
-                   "ratio", "fewer bytes", "seconds"):  # fmt: skip
+    for column in ("N", "H", "fragments", "outer lr", "momentum", "seed", "held-out loss",
+                   "data parallel", "ratio", "fewer bytes", "seconds"):  # fmt: skip
         table.add_column(column, justify="right")
     for run in result["runs"]:
         fewer = f"{run['fewer_bytes']:.0f}x" if run["fewer_bytes"] else "-"
         table.add_row(
-            str(run["replicas"]), str(run["sync_every"]), f"{run['outer_lr']:g}",
+            str(run["replicas"]), str(run["sync_every"]), str(run["fragments"]),
+            f"{run['outer_lr']:g}",
             f"{run['outer_momentum']:g}", str(run["seed"]), f"{run['eval_loss']:.4f}",
             f"{run['baseline_eval_loss']:.4f}", f"{run['eval_loss_ratio']:.3f}", fewer,
             f"{run['seconds']:.0f}",

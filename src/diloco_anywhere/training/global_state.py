@@ -19,6 +19,8 @@ as torchft's ``local_sgd.py`` does (``extract_local_tensor``, ``DTensor.from_loc
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -240,11 +242,37 @@ class GlobalState:
     def reset_local_weights(self) -> None:
         """Every parameter back to the global weights: a healed replica starts its inner steps
         from where the others are."""
+        self._put_weights([self.global_weights(index) for index in range(len(self.fragments))])
+
+    @contextmanager
+    def global_weights_in_place(self) -> Iterator[None]:
+        """The model holds every fragment's global weights inside the block, and its own local
+        weights again after it, bit for bit (they wait in host memory meanwhile).
+
+        Streaming DiLoCo (arXiv 2501.18512 section 2) syncs one fragment at a time, so at any
+        sync only that fragment's parameters are the agreed weights; the others have trained
+        on locally since their own sync. Evaluating the model as it stands would measure a mix
+        no replica agreed on, and one that differs from replica to replica."""
+        local = [
+            {
+                name: local_tensor(parameter.data).detach().to("cpu", copy=True)
+                for name, parameter in fragment.named_parameters()
+            }
+            for fragment in self.fragments
+        ]
+        self.reset_local_weights()
+        try:
+            yield
+        finally:
+            self._put_weights(local)
+
+    def _put_weights(self, weights: list[dict[str, torch.Tensor]]) -> None:
+        """Each fragment's parameters set to its ``weights`` (whole tensors, or this rank's
+        local shards of DTensor parameters), by name."""
         with torch.no_grad():
-            for index, fragment in enumerate(self.fragments):
-                weights = self.global_weights(index)
+            for fragment, values in zip(self.fragments, weights, strict=True):
                 for name, parameter in fragment.named_parameters():
-                    parameter.data.copy_(_as_parameter(weights[name], parameter))
+                    parameter.data.copy_(_as_parameter(values[name], parameter))
 
 
 def combine_fingerprints(fingerprints: list[str]) -> str:

@@ -14,6 +14,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -263,9 +264,7 @@ class Training:
         self.failed_in_a_row = 0 if committed else self.failed_in_a_row + 1
         evaluated = committed and self._evaluation_due()
         if evaluated and (self.metrics is not None or self.group.sharded):
-            self.eval_loss = self.evaluate(model)  # type: ignore[misc]
-            if self.group.sharded:
-                reshard(model)
+            self.eval_loss = self.evaluate_global_weights(model)
         if self.metrics is None:
             return
         error = self.manager.last_sync_error
@@ -292,6 +291,20 @@ class Training:
         )
         self.metrics.flush()
         self.tokens_at_sync, self.time_at_sync = self.tokens, now
+
+    def evaluate_global_weights(self, model: nn.Module) -> float:
+        """The held-out loss of the weights the replicas agreed on. With fragments > 1 the
+        model holds them only while ``GlobalState.global_weights_in_place`` swaps them in; a
+        sharded replica's model is resharded before its local weights come back (a forward
+        leaves FSDP2's root unsharded, and its unsharded parameters are what it holds then)."""
+        streaming = self.config.diloco.fragments > 1 and self.state is not None
+        swap = self.state.global_weights_in_place() if streaming else nullcontext()  # type: ignore[union-attr]
+        with swap:
+            try:
+                return self.evaluate(model)  # type: ignore[misc]
+            finally:
+                if self.group.sharded:
+                    reshard(model)
 
     def checkpoint_if_due(self, state: GlobalState) -> None:
         """Write the run's checkpoint with the round's other contributors when one is due (a
