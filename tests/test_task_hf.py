@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -59,6 +60,40 @@ def test_unknown_or_missing_options_are_named(hf_corpus):
         build(TaskContext(0, 1, 0, torch.device("cpu"), {"modle": "x", "data": "y"}))
     with pytest.raises(ValueError, match=r"need `model` .* or `config`"):
         build(TaskContext(0, 1, 0, torch.device("cpu"), {"data": str(hf_corpus[1])}))
+
+
+def test_a_model_built_from_config_takes_the_tokenizers_vocabulary_and_special_tokens(
+    hf_corpus,
+):
+    """Llama's own default is 32,000 tokens: an embedding sized for another tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_corpus[0])
+    options = {**_options(hf_corpus), "config": TINY_LLAMA}
+    task = build(TaskContext(0, 2, 7, torch.device("cpu"), options, total_steps=30))
+    config = task.model.config
+    assert task.model.get_input_embeddings().num_embeddings == config.vocab_size
+    assert config.vocab_size == len(tokenizer) < 32_000
+    assert config.eos_token_id == tokenizer.eos_token_id == 1  # </s>; Llama's default is 2
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"config": {**TINY_LLAMA, "vocab_size": 50}},
+         "embedding has 50 rows but the tokenizer has 59 tokens: set config.vocab_size to "
+         "at least 59, or leave it out"),
+        ({"seq_len": 65},
+         "seq_len = 65 is more than the model's max_position_embeddings = 64: lower seq_len"),
+        ({"tokenizer": None}, "task options need `tokenizer` (a Hub id or folder) for a model "
+                              "built from `config`"),
+    ],
+)  # fmt: skip
+def test_a_model_that_cannot_take_the_data_is_refused_before_training(hf_corpus, change, message):
+    options = {**_options(hf_corpus), **change}
+    options = {key: value for key, value in options.items() if value is not None}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build(TaskContext(0, 2, 7, torch.device("cpu"), options, total_steps=30))
 
 
 def test_two_replicas_train_it_and_export_a_save_pretrained_folder(

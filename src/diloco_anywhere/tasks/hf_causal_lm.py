@@ -4,8 +4,10 @@
 
 - ``model``: a Hub id or local folder to load (``from_pretrained``), or leave it out and give
   ``config``, a table for ``AutoConfig.for_model`` (``model_type = "llama"``, sizes...), to
-  build one from scratch with the run's seed;
-- ``tokenizer``: a Hub id or local folder (default: ``model``);
+  build one from scratch with the run's seed. Its ``vocab_size`` and its bos, eos and pad
+  token ids default to the tokenizer's (a model type's own defaults, such as Llama's 32,000
+  tokens, would size the embedding for another tokenizer);
+- ``tokenizer``: a Hub id or local folder (default: ``model``; needed with ``config``);
 - ``data``: text to train on: a local path, a store URL (``s3://``, ``gs://``, ...; fsspec), or
   a glob of them, of ``.txt`` (one document per file), ``.jsonl`` (one document per line, its
   ``text_field``) or ``.parquet`` (its ``text_field`` column) files; ``text_field`` ("text");
@@ -106,19 +108,64 @@ def inner_lr_schedule(warmup: int, total: int, min_ratio: float) -> Callable[[in
     return multiplier
 
 
-def _model(options: dict[str, Any], seed: int, device: torch.device) -> nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+def _check_model_options(options: dict[str, Any]) -> None:
     if "model" in options:
-        return AutoModelForCausalLM.from_pretrained(options["model"]).to(device)
+        return
     if not isinstance(options.get("config"), dict) or "model_type" not in options["config"]:
         raise ValueError(
             "task options need `model` (a Hub id or folder) or `config` (a table with "
             "model_type and sizes, for AutoConfig.for_model)"
         )
-    config = dict(options["config"])
+
+
+def _tokenizer(options: dict[str, Any]) -> Any:
+    from transformers import AutoTokenizer
+
+    source = options.get("tokenizer", options.get("model"))
+    if source is None:
+        raise ValueError(
+            "task options need `tokenizer` (a Hub id or folder) for a model built from "
+            "`config`, or `model`, whose tokenizer is used"
+        )
+    return AutoTokenizer.from_pretrained(source)
+
+
+def _model(options: dict[str, Any], tokenizer: Any, seed: int, device: torch.device) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if "model" in options:
+        return AutoModelForCausalLM.from_pretrained(options["model"]).to(device)
+    config = {**_tokenizer_defaults(tokenizer), **options["config"]}
     torch.manual_seed(seed)  # the same initial weights on every replica
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).to(device)
+
+
+def _tokenizer_defaults(tokenizer: Any) -> dict[str, Any]:
+    """What a model built from ``config`` takes from its tokenizer unless ``config`` says."""
+    ids = {
+        f"{name}_token_id": getattr(tokenizer, f"{name}_token_id", None)
+        for name in ("bos", "eos", "pad")
+    }
+    return {"vocab_size": len(tokenizer), **{k: v for k, v in ids.items() if v is not None}}
+
+
+def _check_fits(model: nn.Module, tokenizer: Any, seq_len: int) -> None:
+    """The model can take every token id and ``seq_len`` positions: otherwise a replica would
+    fail at its first batch with an index error (or, for position ids, train on garbage)."""
+    rows = model.get_input_embeddings().num_embeddings
+    if rows < len(tokenizer):
+        raise ValueError(
+            f"task options: the model's embedding has {rows} rows but the tokenizer has "
+            f"{len(tokenizer)} tokens: set config.vocab_size to at least {len(tokenizer)}, "
+            f"or leave it out (it defaults to the tokenizer's)"
+        )
+    for name in ("max_position_embeddings", "n_positions"):
+        positions = getattr(model.config, name, None)
+        if isinstance(positions, int) and seq_len > positions:
+            raise ValueError(
+                f"task options: seq_len = {seq_len} is more than the model's {name} = "
+                f"{positions}: lower seq_len, or raise {name} in config"
+            )
 
 
 def _random_windows(
@@ -134,13 +181,13 @@ def build(context: TaskContext) -> Task:
         raise ValueError(f"task options {unknown} unknown; hf_causal_lm takes {list(OPTIONS)}")
     if "data" not in options:
         raise ValueError("task options need `data`: the text to train on (a path, URL or glob)")
-    from transformers import AutoTokenizer
-
     seq_len, batch_size = int(options.get("seq_len", 512)), int(options.get("batch_size", 8))
     accumulation = int(options.get("grad_accumulation", 1))
     eval_batches = int(options.get("eval_batches", 8))
-    model = _model(options, context.seed, context.device)
-    tokenizer = AutoTokenizer.from_pretrained(options.get("tokenizer", options.get("model")))
+    _check_model_options(options)
+    tokenizer = _tokenizer(options)
+    model = _model(options, tokenizer, context.seed, context.device)
+    _check_fits(model, tokenizer, seq_len)
     field = options.get("text_field", "text")
     documents = read_documents(options["data"], field)
     if "eval_data" in options:
