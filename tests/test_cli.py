@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 
 import pytest
@@ -191,6 +192,37 @@ def test_bench_convergence_studies_the_task_of_a_run_toml(tmp_path, monkeypatch)
     report = json.loads(result.stdout)
     assert report["task"] == {"preset": "tiny", "batch_size": 4, "corpus_bytes": 200000}
     assert [tokens for tokens, _ in report["runs"][0]["curve"]] == [5 * 4 * 64]
+
+
+RECORDING_TASK = """
+import os
+from diloco_anywhere.tasks import gpt
+
+
+def build(context):
+    with open(os.environ["TOTAL_STEPS_LOG"], "a") as log:
+        log.write(f"{context.total_steps}\\n")
+    return gpt.build(context)
+"""
+
+
+def test_every_model_of_a_study_is_built_knowing_its_runs_length(tmp_path, monkeypatch):
+    """A task's learning-rate schedule runs over ``total_steps``: the warm start's, the
+    baseline's and the replicas' models are each told the length of their own run."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recording_task.py").write_text(RECORDING_TASK)
+    monkeypatch.syspath_prepend(str(tmp_path))  # the study's own processes (spawned)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("TOTAL_STEPS_LOG", str(tmp_path / "total_steps.log"))
+    (tmp_path / "run.toml").write_text(
+        '[task]\nentrypoint = "recording_task:build"\n'
+        '[task.options]\npreset = "tiny"\nbatch_size = 4\ncorpus_bytes = 200000\n'
+    )
+    result = run("bench", "convergence", "--config", "run.toml", "--replicas", "1",
+                 "--sync-every", "5", "--steps", "10", "--warm-start", "5", "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    logged = (tmp_path / "total_steps.log").read_text().split()
+    assert logged == ["5", "10", "10"]  # warm start, plain AdamW, the DiLoCo replica
 
 
 def test_bench_convergence_studies_streaming_diloco_and_plain_sgd_outer_steps(
