@@ -149,16 +149,21 @@ def test_bench_sync_rejects_what_it_cannot_run(option, message):
     assert message in result.output
 
 
+def study_report(*options: str) -> dict:
+    """``diloco bench convergence`` with ``options``, run to a good end: its JSON report."""
+    result = run("bench", "convergence", *options, "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
 def test_bench_convergence_sweeps_from_a_warm_start_against_data_parallel(tmp_path, monkeypatch):
     """Two outer learning rates at N = 1 and 2 from one warm start: four DiLoCo runs, each
     against the data-parallel run of its N (plain AdamW at N = 1) at equal tokens, with their
     curves in one table, one JSON and one PNG."""
     monkeypatch.chdir(tmp_path)
-    result = run("bench", "convergence", "--replicas", "1,2", "--sync-every", "5",
-                 "--outer-lr", "0.5,0.7", "--steps", "10", "--warm-start", "5",
-                 "--codec", "fp32", "--plot", "study.png", "--json")  # fmt: skip
-    assert result.exit_code == 0, result.output
-    report = json.loads(result.stdout)
+    report = study_report("--replicas", "1,2", "--sync-every", "5", "--outer-lr", "0.5,0.7",
+                          "--steps", "10", "--warm-start", "5", "--codec", "fp32",
+                          "--plot", "study.png")  # fmt: skip
     assert report["warm_start_eval_loss"] < math.log(256)  # trained: below an untrained model's
     baselines = {b["replicas"]: b for b in report["baselines"]}
     assert [(r["replicas"], r["outer_lr"]) for r in report["runs"]] == [
@@ -186,10 +191,8 @@ def test_bench_convergence_studies_the_task_of_a_run_toml(tmp_path, monkeypatch)
         '[task]\nentrypoint = "diloco_anywhere.tasks.gpt:build"\n'
         '[task.options]\npreset = "tiny"\nbatch_size = 4\ncorpus_bytes = 200000\n'
     )
-    result = run("bench", "convergence", "--config", "run.toml", "--replicas", "1",
-                 "--sync-every", "5", "--steps", "5", "--json")  # fmt: skip
-    assert result.exit_code == 0, result.output
-    report = json.loads(result.stdout)
+    report = study_report("--config", "run.toml", "--replicas", "1", "--sync-every", "5",
+                          "--steps", "5")  # fmt: skip
     assert report["task"] == {"preset": "tiny", "batch_size": 4, "corpus_bytes": 200000}
     assert [tokens for tokens, _ in report["runs"][0]["curve"]] == [5 * 4 * 64]
 
@@ -218,9 +221,8 @@ def test_every_model_of_a_study_is_built_knowing_its_runs_length(tmp_path, monke
         '[task]\nentrypoint = "recording_task:build"\n'
         '[task.options]\npreset = "tiny"\nbatch_size = 4\ncorpus_bytes = 200000\n'
     )
-    result = run("bench", "convergence", "--config", "run.toml", "--replicas", "1",
-                 "--sync-every", "5", "--steps", "10", "--warm-start", "5", "--json")  # fmt: skip
-    assert result.exit_code == 0, result.output
+    study_report("--config", "run.toml", "--replicas", "1", "--sync-every", "5", "--steps", "10",
+                 "--warm-start", "5")  # fmt: skip
     logged = (tmp_path / "total_steps.log").read_text().split()
     assert logged == ["5", "10", "10"]  # warm start, plain AdamW, the DiLoCo replica
 
@@ -230,11 +232,9 @@ def test_bench_convergence_studies_streaming_diloco_and_plain_sgd_outer_steps(
 ):
     """Fragments are a swept setting; momentum 0 is plain SGD (Nesterov needs momentum)."""
     monkeypatch.chdir(tmp_path)
-    result = run("bench", "convergence", "--replicas", "2", "--sync-every", "4",
-                 "--fragments", "2", "--fragment-delay", "1", "--outer-momentum", "0",
-                 "--steps", "8", "--codec", "fp32", "--json")  # fmt: skip
-    assert result.exit_code == 0, result.output
-    report = json.loads(result.stdout)
+    report = study_report("--replicas", "2", "--sync-every", "4", "--fragments", "2",
+                          "--fragment-delay", "1", "--outer-momentum", "0", "--steps", "8",
+                          "--codec", "fp32")  # fmt: skip
     assert report["study"]["fragment_delay"] == 1
     (streaming,) = report["runs"]
     assert (streaming["fragments"], streaming["outer_momentum"]) == (2, 0.0)
