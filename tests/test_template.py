@@ -341,7 +341,10 @@ def test_the_hf_task_answers_render_a_task_that_builds_with_their_model_and_text
 
     tokenizer_folder, data = hf_corpus
     model_folder = tmp_path / "model"
-    config = AutoConfig.for_model(**{**TINY_LLAMA, "vocab_size": 120})
+    # positions for the template's seq_len (512): the task refuses a model with fewer
+    config = AutoConfig.for_model(
+        **{**TINY_LLAMA, "vocab_size": 120, "max_position_embeddings": 512}
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(model_folder)
     AutoTokenizer.from_pretrained(tokenizer_folder).save_pretrained(model_folder)
     project = render(tmp_path, task="hf_causal_lm", hf_model=str(model_folder), hf_data=str(data))
