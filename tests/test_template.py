@@ -104,10 +104,19 @@ def test_the_defaults_render_a_local_run(tmp_path) -> None:
     assert not answers.keys() & {"bucket", "region", "modal_gpu"}  # not asked
 
 
-@pytest.mark.parametrize(("replicas", "outer_lr"), [(1, 0.5), (4, 0.7), (8, 1.0)])
-def test_the_outer_learning_rate_follows_the_replica_count(tmp_path, replicas, outer_lr) -> None:
-    """The best outer learning rate grows with the replicas (docs/tuning.md)."""
-    project = render(tmp_path, local_replicas=replicas)
+HF_ANSWERS = {"task": "hf_causal_lm", "hf_model": "org/model", "hf_data": "data.jsonl"}
+
+
+@pytest.mark.parametrize(
+    ("answers", "replicas", "outer_lr"),
+    [({}, 1, 0.5), ({}, 4, 0.7), ({}, 8, 1.0), (HF_ANSWERS, 1, 0.1), (HF_ANSWERS, 4, 0.2)],
+)
+def test_the_outer_learning_rate_follows_the_replica_count_and_the_task(
+    tmp_path, answers, replicas, outer_lr
+) -> None:
+    """The best outer learning rate grows with the replicas and is lower for a trained
+    model (docs/tuning.md)."""
+    project = render(tmp_path, local_replicas=replicas, **answers)
     config = parse_config((project / "run.toml").read_text(), "run.toml")
     assert (config.run.replicas, config.diloco.outer_lr) == (replicas, outer_lr)
     assert (config.diloco.outer_momentum, config.diloco.outer_nesterov) == (0.9, True)
