@@ -175,7 +175,8 @@ def test_bench_convergence_sweeps_from_a_warm_start_against_data_parallel(tmp_pa
         assert tokens == [tokens for tokens, _ in baseline["curve"]]  # evaluated at equal tokens
         assert run_["eval_loss"] == run_["curve"][-1][1]
         assert run_["eval_loss_ratio"] == run_["eval_loss"] / baseline["eval_loss"]
-        assert 1.0 < run_["eval_loss"] < report["warm_start_eval_loss"]  # trained on from it
+        assert run_["eval_loss"] < report["warm_start_eval_loss"]  # trained on from it
+        assert 0.8 < run_["eval_loss_ratio"] < 1.25  # near its baseline: the outer step works
     assert report["runs"][0]["fewer_bytes"] is None  # one replica sends nothing to compare
     assert report["runs"][2]["fewer_bytes"] > 3  # ten steps of gradients against two syncs
     assert (tmp_path / "study.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -248,9 +249,9 @@ def test_bench_convergence_studies_streaming_diloco_and_plain_sgd_outer_steps(
     ("options", "message"),
     [
         (("--sync-every", "5", "--fragments", "2", "--steps", "10"),
-         "every H (5) must be a multiple of every fragments value"),
+         "sync_every (5) must be a multiple of fragments (2)"),
         (("--sync-every", "4", "--fragments", "2", "--fragment-delay", "2", "--steps", "8"),
-         "fragment delay (2) must be less than H / fragments (2 at H 4, 2 fragments)"),
+         "fragment_sync_delay (2) must be less than sync_every / fragments (2)"),
     ],
 )  # fmt: skip
 def test_bench_convergence_refuses_a_streaming_schedule_diloco_cannot_run(options, message):

@@ -65,17 +65,9 @@ class Study:
     codec: str = "int8"
 
     def check(self) -> None:
-        """Every combination must be a run torchft's DiLoCo can schedule (config.py's rules)."""
-        for h, fragments in itertools.product(self.sync_every, self.fragments):
+        for h in self.sync_every:
             if self.steps % h:
                 raise ValueError(f"steps ({self.steps}) must be a multiple of every H ({h})")
-            if h % fragments:
-                raise ValueError(f"every H ({h}) must be a multiple of every fragments value")
-            if self.fragment_delay >= h // fragments:
-                raise ValueError(
-                    f"fragment delay ({self.fragment_delay}) must be less than H / fragments "
-                    f"({h // fragments} at H {h}, {fragments} fragments)"
-                )
 
     def runs(self) -> list[dict[str, Any]]:
         """Every DiLoCo run's settings."""
@@ -205,6 +197,8 @@ def _diloco_curve(metrics: dict) -> Curve:
 def run_study(config: RunConfig, study: Study, progress: Progress) -> dict[str, Any]:
     """Every run of ``study``, its baselines, and how each DiLoCo run compares."""
     study.check()
+    for index, settings in enumerate(study.runs()):  # run.toml's own rules, before any run
+        _diloco_config(config, study, settings, f"study-{index}")
     if config.task.init_from:  # every run starts in a folder of its own
         config = with_changes(config, task__init_from=config.resolve(config.task.init_from))
     result: dict[str, Any] = {
