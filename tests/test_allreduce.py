@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from diloco_anywhere.bench.store import sample_tensor
-from diloco_anywhere.bucket.layout import Participant, RunLayout
+from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig
 from diloco_anywhere.collective.mean import weighted_mean
@@ -65,7 +65,7 @@ def test_rounds_in_flight_across_processes_agree_with_the_reference(tmp_path):
 
 def test_allreduce_returns_before_the_round_ends_and_errors_reach_wait_and_future():
     store, layout = Store("memory://allreduce-async"), RunLayout("run")
-    silent = Participant("silent", claim_incarnation(store, layout, "silent"))
+    silent = claim_incarnation(store, layout, "silent")
     Heartbeat(store, layout, silent, LeasePolicy()).beat()  # a member that never contributes
     config = CollectiveConfig(round=RoundPolicy(min_replicas=2, grace=0.1, timeout=1.0))
     with BucketCollective(store, "run", "me", config) as collective:
@@ -177,7 +177,7 @@ def test_a_round_a_straggler_still_needs_is_kept():
     """The straggler's lease says it finished round 0 of fragment 0 only: rounds from 1 on stay
     (it must still read their results); round 0 goes once it is keep_rounds old."""
     store, layout = Store("memory://allreduce-straggler"), RunLayout("run")
-    straggler = Participant("slow", claim_incarnation(store, layout, "slow"))
+    straggler = claim_incarnation(store, layout, "slow")
     Heartbeat(store, layout, straggler, LeasePolicy(), progress=lambda: {0: 0}).beat()
     config = CollectiveConfig(round=RoundPolicy(grace=0.0, timeout=30.0), keep_rounds=2)
     with BucketCollective(store, "run", "fast", config) as fast:

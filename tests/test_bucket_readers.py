@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -31,7 +30,7 @@ from diloco_anywhere.bucket.record import (
 )
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import finish_round
-from diloco_anywhere.collective.membership import LeasePolicy, member_progress
+from diloco_anywhere.collective.membership import MembershipView, member_progress
 from diloco_anywhere.collective.round import Round, RoundPolicy, SealedContributionError
 from diloco_anywhere.config import ConfigError, RunConfig, load_config
 from diloco_anywhere.launching.published_config import MAX_CONFIG_BYTES, config_text, read_config
@@ -125,10 +124,10 @@ def test_an_oversized_reduced_shard_fails_the_round_naming_it(store):
 
 
 def test_an_oversized_lease_costs_its_member_progress_only(store, caplog):
-    policy, now = LeasePolicy(), time.time()
-    _plant_huge(store, RUN.lease("a", 0, policy.current(now)))
+    _plant_huge(store, RUN.lease("a", 0, 0))
+    view = MembershipView.read(store, RUN)
     with caplog.at_level(logging.WARNING):
-        outcome, fetched = _downloaded(store, lambda: member_progress(store, RUN, [A], policy, now))
+        outcome, fetched = _downloaded(store, lambda: member_progress(store, RUN, view, [A]))
     assert outcome == {"a-0": {}}
     assert "larger than a record may be" in caplog.text
     assert fetched == RECORD_READ_LIMIT

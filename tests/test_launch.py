@@ -12,11 +12,22 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from diloco_anywhere.backends.base import ReplicaHandle
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.cli import app
+from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig
+from diloco_anywhere.collective.membership import LeasePolicy
 from diloco_anywhere.config import load_config
-from diloco_anywhere.launching.launch import mark_stopped, plan_launch, run_metrics, start
+from diloco_anywhere.launching.launch import (
+    load_handles,
+    mark_stopped,
+    plan_launch,
+    run_launches,
+    run_metrics,
+    start,
+)
+from diloco_anywhere.launching.launches import Launches, LaunchTakenError
 from diloco_anywhere.launching.supervisor import Supervisor
 from diloco_anywhere.training.checkpoint import committed_rounds
 
@@ -219,7 +230,7 @@ def test_a_run_killed_whole_resumes_where_it_was_and_loses_no_round(run_toml):
 def test_the_supervisor_restarts_a_killed_replica_but_not_one_stopped_on_purpose(run_toml):
     plan = plan_launch(load_config(run_toml(replicas=2, outer_steps=200)), {"local": 2})
     supervisor = Supervisor(plan, start(plan), max_restarts=1)
-    mark_stopped(plan.run_dir, "local-1")  # what `diloco stop` records before it signals
+    mark_stopped(plan.config, ["local-1"])  # what `diloco stop` records before it signals
     try:
         for handle in supervisor.handles:
             os.killpg(handle.job["pid"], signal.SIGKILL)
@@ -288,3 +299,117 @@ def test_a_replica_stopped_before_its_first_metrics_line_shows_stopped(run_toml)
     assert diloco("launch", "--config", config, "--detach").exit_code == 0
     assert diloco("stop", "--config", config).exit_code == 0
     assert {row["state"] for row in statuses(config).values()} == {"stopped"}
+
+
+@pytest.fixture
+def elsewhere(tmp_path, monkeypatch) -> Path:
+    """Another working folder, as on a fresh CI runner: no .diloco/ of the first launch."""
+    folder = tmp_path / "elsewhere"
+    folder.mkdir()
+    monkeypatch.chdir(folder)
+    return folder
+
+
+def _pids(config: str) -> list[int]:
+    return [handle.job["pid"] for handle in load_handles(load_config(config))]
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def _wait_for_states(config: str, states: set[str], deadline: float) -> None:
+    while {row["state"] for row in statuses(config).values()} - states:
+        assert time.monotonic() < deadline, statuses(config)
+        time.sleep(0.5)
+
+
+def test_a_launch_from_another_folder_is_refused_while_the_run_goes_and_status_and_stop_work_there(
+    run_toml, elsewhere
+):
+    """The launch is recorded in the run's bucket: a second launcher that has none of the
+    first one's files (a fresh CI runner) is refused, naming the replicas that still run, and
+    `status` and `stop` work from its folder."""
+    config = run_toml(replicas=2, outer_steps=200)
+    os.chdir(elsewhere.parent)
+    assert diloco("launch", "--config", config, "--detach").exit_code == 0
+    pids = _pids(config)
+    os.chdir(elsewhere)
+    try:
+        refused = diloco("launch", "--config", config, "--detach")
+        assert refused.exit_code == 1, refused.output
+        assert "run t is still going: local-0 (local job running), local-1 (local job " in (
+            refused.output
+        )
+        assert "`diloco stop`" in refused.output
+        assert _pids(config) == pids  # nothing started, the record is the first launch's
+        assert set(statuses(config)) == {"local-0", "local-1"}
+        assert diloco("stop", "--config", config).exit_code == 0
+        _wait_for_states(config, {"stopped"}, time.monotonic() + 60)
+        assert not (elsewhere / ".diloco" / "t" / "launch.json").exists()
+    finally:
+        _kill(pids)
+
+
+def test_a_job_whose_platform_cannot_say_counts_as_running(run_toml, elsewhere):
+    """A local replica launched on another machine: its state there is unknown, which may be
+    running, so the launch is refused (docs/backends.md)."""
+    loaded = load_config(run_toml(replicas=2))
+    launches = run_launches(loaded)
+    record = launches.begin(plan_launch(loaded, {"local": 2}).specs, None, {}, time.time())
+    job = {"pid": 1, "log": "/var/log/local-0.log", "host": "another-machine"}
+    launches.started(record.number, ReplicaHandle("local-0", "local", job), 0, time.time())
+    refused = diloco("launch", "--config", str(loaded.source), "--detach")
+    assert refused.exit_code == 1
+    assert "local-0 (local job unknown, its platform cannot say)" in refused.output
+    assert statuses(str(loaded.source))["local-0"]["state"] == "unknown"
+    stop = diloco("stop", "--config", str(loaded.source))
+    assert stop.exit_code == 1
+    assert "it runs on another-machine: stop it there" in stop.output
+
+
+def test_a_replica_started_some_other_way_is_seen_by_its_lease(run_toml, elsewhere):
+    """No launch names it, but its lease advances: the launch is refused; once it has left,
+    the same launch starts (a replica that left cleanly costs no waiting)."""
+    loaded = load_config(run_toml(replicas=2, outer_steps=1))
+    config = CollectiveConfig(lease=LeasePolicy(period=0.2))
+    store = Store(loaded.store_url())
+    with BucketCollective(store, "t", "local-0", config):
+        refused = diloco("launch", "--config", str(loaded.source), "--detach")
+    assert refused.exit_code == 1
+    assert "local-0 (its lease advances)" in refused.output
+    launched = diloco("launch", "--config", str(loaded.source))
+    assert launched.exit_code == 0, launched.output
+
+
+def test_fresh_stops_the_last_launch_from_any_folder_and_starts_over(run_toml, elsewhere):
+    config = run_toml(replicas=2, outer_steps=200)
+    os.chdir(elsewhere.parent)
+    assert diloco("launch", "--config", config, "--detach").exit_code == 0
+    first = _pids(config)
+    os.chdir(elsewhere)
+    try:
+        again = diloco("launch", "--config", config, "--detach", "--fresh")
+        assert again.exit_code == 0, again.output
+        assert "--fresh: stopping the 2 replicas of the last launch first" in again.output
+        second = _pids(config)
+        assert set(second).isdisjoint(first)
+        for pid in first:  # ended (and reaped: this process started them)
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+        assert run_launches(load_config(config)).numbers() == [0]  # the run started over
+        assert diloco("stop", "--config", config).exit_code == 0
+    finally:
+        _kill(first + _pids(config))
+
+
+def test_two_launchers_cannot_take_one_launch_number(tmp_path):
+    launches = Launches(Store(str(tmp_path)), RunLayout("t"))
+    first = launches.begin((), None, {}, 1.0)
+    racing = Launches(Store(str(tmp_path)), RunLayout("t"))
+    racing.numbers = lambda: []  # it listed before the first launcher took number 0
+    with pytest.raises(LaunchTakenError, match="launch 0 of run t was taken by another"):
+        racing.begin((), None, {}, 2.0)
+    assert launches.latest().record == first

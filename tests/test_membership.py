@@ -1,50 +1,84 @@
-"""Incarnation claims, leases, liveness, and zombies left out of rounds."""
+"""Membership across clouds: incarnation claims, fencing of zombies, liveness judged on the
+reader's clock alone, and skew made visible."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
+import subprocess
+import sys
 import threading
 import time
+import uuid
+from dataclasses import replace
 
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from diloco_anywhere.bench.store import sample_tensor
 from diloco_anywhere.bucket.codec import make_codec
 from diloco_anywhere.bucket.layout import Participant, RunLayout
 from diloco_anywhere.bucket.record import encode_record
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.collective.allreduce import finish_round
+from diloco_anywhere.bucket.wire import WireFormatError
+from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig, finish_round
 from diloco_anywhere.collective.mean import weighted_mean
 from diloco_anywhere.collective.membership import (
+    SKEW_SHOWN,
     Heartbeat,
     Lease,
     LeasePolicy,
+    Liveness,
+    Membership,
+    MembershipView,
+    SupersededError,
     claim_incarnation,
-    live_members,
     member_progress,
+    newest_leases,
+    watch_live,
 )
-from diloco_anywhere.collective.round import Round, RoundPolicy
+from diloco_anywhere.collective.records import Seal
+from diloco_anywhere.collective.round import Round, RoundPolicy, RoundTimeoutError
+from diloco_anywhere.training.metrics import MetricsReader
+from diloco_anywhere.training.session import EXIT_SUPERSEDED
 
 RUN = RunLayout("run")
 POLICY = LeasePolicy(period=10.0)
+SKEWS = [-300.0, -30.0, 30.0, 300.0]  # seconds: +-30 s and +-5 min
 
 
 class Clock:
-    def __init__(self, now: float) -> None:
+    """A clock the test moves by hand: nothing in these tests sleeps through a period."""
+
+    def __init__(self, now: float = 0.0) -> None:
         self.now = now
 
     def __call__(self) -> float:
         return self.now
 
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def beating(store: Store, replica: str, skew: float = 0.0, **kwargs) -> Heartbeat:
+    """A claimed incarnation of ``replica`` whose wall clock is ``skew`` seconds off."""
+    claim = claim_incarnation(store, RUN, replica)
+    return Heartbeat(store, RUN, claim, POLICY, Clock(1.8e9 + skew), **kwargs)
+
+
+# -- claims ------------------------------------------------------------------------------------
+
 
 def test_claims_count_up_per_replica(tmp_path):
     store = Store(str(tmp_path))
-    assert [claim_incarnation(store, RUN, "a") for _ in range(3)] == [0, 1, 2]
-    assert claim_incarnation(store, RUN, "b") == 0
+    assert [claim_incarnation(store, RUN, "a").incarnation for _ in range(3)] == [0, 1, 2]
+    assert claim_incarnation(store, RUN, "b").incarnation == 0
 
 
 def _claim(url, results):
-    results.put(claim_incarnation(Store(url), RUN, "same-replica"))
+    results.put(claim_incarnation(Store(url), RUN, "same-replica").incarnation)
 
 
 def test_racing_processes_get_distinct_incarnations(tmp_path):
@@ -59,80 +93,412 @@ def test_racing_processes_get_distinct_incarnations(tmp_path):
     assert claimed == list(range(6))
 
 
-def test_a_member_is_live_for_this_and_the_last_period_only():
-    store, clock = Store("memory://live-periods"), Clock(1000.0)
-    me = Participant("a", claim_incarnation(store, RUN, "a"))
-    Heartbeat(store, RUN, me, POLICY, clock).beat()  # period 100
-    for now, live in [(1000.0, [me]), (1019.9, [me]), (1020.0, []), (990.0, [])]:
-        assert live_members(store, RUN, POLICY, now) == live, now
+# -- liveness on the reader's clock --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("skew", [0.0, *SKEWS])
+def test_a_member_is_live_while_its_beat_changes_on_the_readers_clock(skew):
+    """The writer's wall clock (skewed by up to 5 minutes) plays no part: only whether the
+    beat this reader sees has changed within ``expiry`` of the reader's own monotonic clock."""
+    store, reader_clock = Store(f"memory://live-{skew}"), Clock(50.0)
+    heartbeat = beating(store, "a", skew)
+    me = heartbeat.me
+    liveness = Liveness(POLICY, reader_clock)
+    view = lambda: MembershipView.read(store, RUN)  # noqa: E731
+    assert liveness.live(view()) == []  # claimed, no lease yet
+    heartbeat.beat()
+    assert liveness.live(view()) == [me]  # first sight: live until proven otherwise
+    reader_clock.sleep(POLICY.expiry - 0.1)
+    assert liveness.live(view()) == [me]
+    reader_clock.sleep(0.1)
+    assert liveness.live(view()) == []  # unchanged for a whole expiry: dead
+    heartbeat.beat()
+    assert liveness.live(view()) == [me]  # it beat again: live, counted from now
+    reader_clock.sleep(POLICY.expiry - 0.1)
+    assert liveness.live(view()) == [me]
 
 
 def test_only_the_newest_incarnation_is_a_member():
-    store, clock = Store("memory://live-newest"), Clock(500.0)
-    old = Participant("a", claim_incarnation(store, RUN, "a"))
-    new = Participant("a", claim_incarnation(store, RUN, "a"))
-    Heartbeat(store, RUN, old, POLICY, clock).beat()  # the zombie keeps beating
-    assert live_members(store, RUN, POLICY, 500.0) == []  # the newest has no lease yet
-    Heartbeat(store, RUN, new, POLICY, clock).beat()
-    assert live_members(store, RUN, POLICY, 500.0) == [new]
+    store = Store("memory://live-newest")
+    zombie = beating(store, "a")
+    newer = claim_incarnation(store, RUN, "a")
+    zombie.beat()  # the zombie keeps beating
+    liveness = Liveness(POLICY, Clock())
+    assert liveness.live(MembershipView.read(store, RUN)) == []  # the newest has no lease yet
+    Heartbeat(store, RUN, newer, POLICY).beat()
+    assert liveness.live(MembershipView.read(store, RUN)) == [newer.participant]
 
 
-def test_old_leases_are_deleted_by_their_owner():
-    store, clock = Store("memory://lease-gc"), Clock(0.0)
-    heartbeat = Heartbeat(store, RUN, Participant("a", 0), POLICY, clock)
-    for period in range(5):
-        clock.now = period * POLICY.period
+def test_old_leases_are_deleted_by_their_owner_and_all_of_them_when_it_leaves():
+    store = Store("memory://lease-gc")
+    heartbeat = beating(store, "a")
+    for _ in range(5):
         heartbeat.beat()
-    assert store.list_prefix(RUN.members()) == [RUN.lease("a", 0, 3), RUN.lease("a", 0, 4)]
-
-
-def test_heartbeat_thread_beats_every_period_until_stopped():
-    store = Store("memory://lease-thread")
-    me = Participant("a", claim_incarnation(store, RUN, "a"))
-    policy = LeasePolicy(period=0.2)
-    heartbeat = Heartbeat(store, RUN, me, policy).start()
-    time.sleep(0.7)
+    claim = RUN.claim("a", 0)
+    assert store.list_prefix(RUN.members()) == [claim, RUN.lease("a", 0, 3), RUN.lease("a", 0, 4)]
     heartbeat.stop()
-    assert live_members(store, RUN, policy, time.time()) == [me]
-    stopped = store.list_prefix(RUN.members())
-    assert len(stopped) >= 3  # the claim and at least two leases
-    time.sleep(0.5)
-    assert store.list_prefix(RUN.members()) == stopped
-    assert live_members(store, RUN, policy, time.time() + 0.5) == []
+    assert store.list_prefix(RUN.members()) == [claim]  # nobody waits for a replica that left
 
 
-def test_zombie_contribution_is_ignored():
-    """An old incarnation still running contributes, but only the newest is a member."""
-    store, now = Store("memory://zombie"), time.time()
-    zombie = Participant("a", claim_incarnation(store, RUN, "a"))
-    restarted = Participant("a", claim_incarnation(store, RUN, "a"))
-    other = Participant("b", claim_incarnation(store, RUN, "b"))
-    for participant in (zombie, restarted, other):
-        Heartbeat(store, RUN, participant, POLICY).beat()
-    members = live_members(store, RUN, POLICY, now)
-    assert members == [restarted, other]
-    tensors = {p: sample_tensor("gaussian", 1000, seed=i) for i, p in enumerate([*members, zombie])}
-    received = {p: tensor.clone() for p, tensor in tensors.items()}  # each receives its mean
-    results = {}
+def test_a_launcher_watching_the_run_sees_live_members_at_once_and_dead_ones_after_expiry():
+    """``watch_live`` has no earlier observation: it returns as soon as every member's lease
+    has advanced, and otherwise after one expiry with those that did."""
+    store, clock = Store("memory://watch-live"), Clock()
+    live, dead = beating(store, "live", 300.0), beating(store, "dead", -300.0)
+    live.beat()
+    dead.beat()
 
-    def replica(me: Participant) -> None:
-        round_ = Round(store, RUN, 0, 0, me, members, RoundPolicy(grace=5, timeout=30))
-        round_.contribute(received[me], 1.0, make_codec("fp32"))
-        results[me] = finish_round(round_)
+    def sleep(seconds: float) -> None:
+        clock.sleep(seconds)
+        live.beat()
 
-    # The zombie starts once the restarted replica has contributed and before the other one:
-    # it then sees exactly as many contributions as there are members, its own included.
-    threads = []
-    for participant, delay in ((restarted, 0.0), (zombie, 0.3), (other, 1.5)):
-        time.sleep(delay)
-        threads.append(threading.Thread(target=replica, args=(participant,)))
-        threads[-1].start()
+    assert watch_live(store, RUN, POLICY, clock, sleep) == [live.me]
+    assert clock.now == pytest.approx(POLICY.expiry)  # waited out the dead one's lease
+    dead.stop()  # left cleanly: its leases are gone
+    clock.now = 0.0
+    assert watch_live(store, RUN, POLICY, clock, sleep) == [live.me]
+    assert clock.now == pytest.approx(POLICY.period / 2)  # one look after the first
+
+
+@pytest.mark.parametrize("skews", [(30.0, -30.0, 0.0), (300.0, -300.0, 0.0)])
+def test_replicas_whose_clocks_disagree_complete_every_round_with_everyone(skews):
+    """Three replicas' wall clocks are up to 5 minutes apart. With an hour of grace only
+    "every live member is in" can seal, so a replica its peers judged dead (as periods of a
+    skewed wall clock made them before) would be left out of a SEAL, or the test would hang.
+    The rounds span several lease expiries of the reader's clock."""
+    store = Store(f"memory://skewed-{skews[0]}")
+    config = CollectiveConfig(
+        round=RoundPolicy(min_replicas=1, grace=3600.0, timeout=120.0),
+        lease=LeasePolicy(period=0.2, misses=20),  # 4 s: room for a loaded machine
+    )
+    collectives = [
+        BucketCollective(store, "run", f"r{i}", config, wall_clock=lambda s=skew: time.time() + s)
+        for i, skew in enumerate(skews)
+    ]
+    seals, pause = {}, threading.Event()
+
+    def replica(index: int) -> None:
+        for round_ in range(3):
+            work = collectives[index].allreduce(torch.full((4,), float(index)), round_=round_)
+            work.wait()
+            seals[index, round_] = work.result().seal.contributors
+            pause.wait(1.5 * config.lease.expiry / 2)  # rounds over more than an expiry
+
+    threads = [threading.Thread(target=replica, args=(i,)) for i in range(len(skews))]
+    for thread in threads:
+        thread.start()
     for thread in threads:
         thread.join()
-    expected = weighted_mean([(tensors[restarted], 1.0), (tensors[other], 1.0)])
-    for me, result in results.items():
-        assert result.seal.contributors == ("a-1", "b-0")
-        assert bool((received[me] == expected).all())
+    for collective in collectives:
+        collective.close()
+    assert set(seals.values()) == {("r0-0", "r1-0", "r2-0")}
+    assert len(seals) == 3 * len(skews)
+
+
+# -- skew made visible ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("skew", SKEWS)
+def test_the_heartbeat_measures_its_clock_against_the_stores_and_says_so(skew, caplog):
+    store = Store(f"memory://skew-{skew}")
+    heartbeat = Heartbeat(
+        store, RUN, claim_incarnation(store, RUN, "a"), POLICY, lambda: time.time() + skew
+    )
+    with caplog.at_level(logging.WARNING):
+        heartbeat.beat()
+    assert heartbeat.skew == pytest.approx(skew, abs=1.0)
+    assert f"{skew:+.1f} s off the store's" in caplog.text
+    heartbeat.beat()  # the next lease carries it, for `diloco status`
+    leases = newest_leases(store, RUN, MembershipView.read(store, RUN), [heartbeat.me])
+    assert leases[heartbeat.me.name].skew == pytest.approx(skew, abs=1.0)
+
+
+def test_a_clock_in_step_with_the_store_is_not_reported(caplog):
+    store = Store("memory://skew-none")
+    heartbeat = Heartbeat(store, RUN, claim_incarnation(store, RUN, "a"), POLICY, time.time)
+    with caplog.at_level(logging.WARNING):
+        heartbeat.beat()
+    assert abs(heartbeat.skew) < SKEW_SHOWN
+    assert "off the store's" not in caplog.text
+
+
+# -- fencing ---------------------------------------------------------------------------------------
+
+
+def poll_once(round_: Round) -> Seal | None:
+    """One iteration of a replica's wait for the SEAL (sealing if it is ready): the SEAL, or
+    None while there is none."""
+    round_.policy = replace(round_.policy, timeout=0.0)
+    try:
+        return round_.wait_for_seal()
+    except RoundTimeoutError:
+        return None
+
+
+def tensor(index: int) -> torch.Tensor:
+    return sample_tensor("gaussian", 3000, seed=index)
+
+
+A0, A1, B0 = Participant("a", 0), Participant("a", 1), Participant("b", 0)
+MODES = ("gather", "sharded")
+
+
+def round_of(store, me, members, mode, **changes) -> Round:
+    policy = RoundPolicy(
+        min_replicas=2, grace=0.0, timeout=60.0, mode=mode, expected_replicas=2,
+        part_elements=1024, **changes,
+    )  # fmt: skip
+    return Round(store, RUN, 0, 0, me, members, policy)
+
+
+def claimed(store, *participants: Participant) -> None:
+    for participant in participants:
+        assert claim_incarnation(store, RUN, participant.replica).incarnation == (
+            participant.incarnation
+        )
+
+
+def finish_all(rounds: dict[Participant, Round], values: dict[Participant, torch.Tensor]):
+    """Every round's exchange in parallel (sharded mode needs every owner); the results."""
+    outcomes = {}
+
+    def finish(me: Participant) -> None:
+        try:
+            outcomes[me] = finish_round(rounds[me])
+        except Exception as exc:
+            outcomes[me] = exc
+
+    threads = [threading.Thread(target=finish, args=(me,)) for me in rounds]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return outcomes
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_zombie_that_sees_its_newer_incarnation_cannot_seal_both(mode):
+    """The reported failure: zombie ``a-0``'s refreshed member list held ``a-1`` and, added
+    as "our lease was late", itself; it sealed the two without ``b``, and every replica
+    applied one replica's two copies. Now a member list with a newer incarnation of its own
+    id supersedes it before it can seal."""
+    store = Store(f"memory://zombie-seals-{mode}")
+    claimed(store, A0, B0)
+    values = {A0: tensor(0), A1: tensor(1), B0: tensor(2)}
+    received = {p: v.clone() for p, v in values.items()}
+    policy = round_of(store, B0, [B0], mode).policy
+    zombie = Round(store, RUN, 0, 0, A0, [A0, B0], policy, lambda: [A0, A1, B0], 0.0)
+    claimed(store, A1)
+    newer = round_of(store, A1, [A1, B0], mode)
+    zombie.contribute(received[A0], 1.0, make_codec("fp32"))
+    newer.contribute(received[A1], 1.0, make_codec("fp32"))
+    with pytest.raises(SupersededError, match="a-1"):
+        poll_once(zombie)  # two contributions are in and grace is over: it sealed them
+    assert poll_once(newer) is None  # a-1 alone is not enough (min_replicas = 2)
+    other = round_of(store, B0, [A1, B0], mode)
+    other.contribute(received[B0], 1.0, make_codec("fp32"))
+    outcomes = finish_all({A1: newer, B0: other}, values)
+    expected = weighted_mean([(values[A1], 1.0), (values[B0], 1.0)])
+    for me in (A1, B0):
+        assert outcomes[me].seal.contributors == ("a-1", "b-0")
+        assert outcomes[me].seal.claims == {"a": 1, "b": 0}
+        assert torch.equal(received[me], expected)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_zombie_lists_the_claims_before_it_seals(mode):
+    """The zombie's round began before ``a-1`` was claimed; its member list still says it is
+    ``a``'s member, and every member's contribution is in. The claims it lists right before
+    sealing say otherwise: it stops, and ``b`` and ``a-1`` seal without it."""
+    store = Store(f"memory://zombie-lists-{mode}")
+    claimed(store, A0, B0)
+    values = {A0: tensor(0), A1: tensor(1), B0: tensor(2)}
+    received = {p: v.clone() for p, v in values.items()}
+    zombie = round_of(store, A0, [A0, B0], mode)
+    other = round_of(store, B0, [A1, B0], mode)
+    claimed(store, A1)
+    zombie.contribute(received[A0], 1.0, make_codec("fp32"))
+    other.contribute(received[B0], 1.0, make_codec("fp32"))
+    with pytest.raises(SupersededError, match="a-1"):
+        poll_once(zombie)  # before: it sealed ("a-0", "b-0")
+    newer = round_of(store, A1, [A1, B0], mode)
+    newer.contribute(received[A1], 1.0, make_codec("fp32"))
+    outcomes = finish_all({A1: newer, B0: other}, values)
+    for me in (A1, B0):
+        assert outcomes[me].seal.contributors == ("a-1", "b-0")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_peer_with_a_stale_member_list_never_seals_a_zombie(mode):
+    """``b`` began its round when ``a-0`` was the member; ``a-1`` claimed since and the
+    zombie contributed. ``b`` lists the claims before sealing, leaves the zombie out and,
+    its member list refreshed, waits for ``a-1``."""
+    store = Store(f"memory://stale-members-{mode}")
+    claimed(store, A0, B0)
+    values = {A0: tensor(0), A1: tensor(1), B0: tensor(2)}
+    received = {p: v.clone() for p, v in values.items()}
+    zombie = round_of(store, A0, [A0, B0], mode)
+    zombie.contribute(received[A0], 1.0, make_codec("fp32"))
+    claimed(store, A1)
+    refreshed = threading.Event()
+
+    def members() -> list[Participant]:
+        refreshed.set()
+        return [A1, B0]
+
+    other = Round(store, RUN, 0, 0, B0, [A0, B0], replace(zombie.policy), members, 0.0)
+    other.contribute(received[B0], 1.0, make_codec("fp32"))
+    assert poll_once(other) is None  # before: it sealed ("a-0", "b-0")
+    assert refreshed.is_set()
+    newer = round_of(store, A1, [A1, B0], mode)
+    newer.contribute(received[A1], 1.0, make_codec("fp32"))
+    outcomes = finish_all({A1: newer, B0: other}, values)
+    for me in (A1, B0):
+        assert outcomes[me].seal.contributors == ("a-1", "b-0")
+    assert isinstance(finish_all({A0: zombie}, values)[A0], SupersededError)
+
+
+@pytest.mark.parametrize(
+    ("contributors", "claims", "problem"),
+    [
+        (("a-0", "b-0"), {"a": 1, "b": 0}, "a-0 is older than incarnation a-1"),
+        (("a-0", "a-1"), {"a": 1}, "two incarnations of replica 'a'"),
+        (("a-0", "a-1", "b-0"), {}, "two incarnations of replica 'a'"),
+    ],
+)
+def test_readers_refuse_a_seal_that_counts_a_zombie_naming_its_key(contributors, claims, problem):
+    store = Store(f"memory://bad-seal-{len(contributors)}-{len(claims)}")
+    seal = Seal.model_construct(
+        run="run", round=0, fragment=0, contributors=contributors, mode="gather",
+        sealed_by="a-0", claims=claims,
+    )  # fmt: skip
+    store.put(RUN.seal(0, 0), encode_record(seal))
+    reader = Round(store, RUN, 0, 0, B0, [], RoundPolicy())
+    with pytest.raises(WireFormatError, match=problem) as refused:
+        reader.read_seal()
+    assert RUN.seal(0, 0) in str(refused.value)
+
+
+def test_a_seal_naming_a_newer_incarnation_tells_the_zombie_reading_it():
+    store = Store("memory://seal-supersedes")
+    seal = Seal(run="run", round=0, fragment=0, contributors=("a-1",), mode="gather",
+                sealed_by="a-1", claims={"a": 1})  # fmt: skip
+    store.put(RUN.seal(0, 0), encode_record(seal))
+    with pytest.raises(SupersededError, match="a-1"):
+        Round(store, RUN, 0, 0, A0, [], RoundPolicy()).read_seal()
+
+
+PLAYERS = (A0, A1, B0, Participant("c", 0))
+Action = st.one_of(
+    st.just(("claim", A1)),
+    st.tuples(st.sampled_from(["start", "contribute", "poll"]), st.sampled_from(PLAYERS)),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(actions=st.lists(Action, min_size=1, max_size=30), mode=st.sampled_from(MODES))
+def test_no_interleaving_seals_a_zombie_or_two_incarnations(actions, mode):
+    """Zombie ``a-0`` and its restart ``a-1`` (claimed at any point), ``b`` and ``c``: each
+    starts its round with the member list it would see then, contributes and polls in any
+    order. Whatever SEAL results names one incarnation per replica, none older than a claim
+    that existed when it was put, and every reader accepts it but the zombie, which learns
+    it is superseded."""
+    store = Store(f"memory://interleavings-{uuid.uuid4().hex}")
+    claimed(store, A0, B0, PLAYERS[3])
+    rounds: dict[Participant, Round] = {}
+    contributed: set[Participant] = set()
+    claims_when_sealed = None
+    for action, who in actions:
+        newest = MembershipView.read(store, RUN).newest()
+        if action == "claim" and "a" in newest and newest["a"] == 0:
+            claimed(store, A1)
+        elif action == "start" and who not in rounds and newest.get(who.replica, -1) >= 0:
+            if newest[who.replica] == who.incarnation:  # a superseded process starts nothing
+                members = [Participant(r, i) for r, i in newest.items()]
+                rounds[who] = round_of(store, who, members, mode)
+        elif action == "contribute" and who in rounds and who not in contributed:
+            rounds[who].contribute(tensor(PLAYERS.index(who)), 1.0, make_codec("fp32"))
+            contributed.add(who)
+        elif action == "poll" and who in contributed:
+            try:
+                poll_once(rounds[who])
+            except SupersededError:
+                assert who == A0
+        if claims_when_sealed is None and store.list_prefix(RUN.seal(0, 0)):
+            claims_when_sealed = MembershipView.read(store, RUN).newest()
+    if claims_when_sealed is None:
+        return
+    seal = Round(store, RUN, 0, 0, B0, [], RoundPolicy()).read_seal()
+    replicas = [name.rpartition("-")[0] for name in seal.contributors]
+    assert len(replicas) == len(set(replicas))
+    for name in seal.contributors:
+        replica, _, incarnation = name.rpartition("-")
+        assert int(incarnation) == claims_when_sealed[replica]
+    if "a-0" in seal.contributors:
+        return  # sealed before a-1 was claimed: the zombie was then a's member
+    if claims_when_sealed.get("a") == 1:
+        with pytest.raises(SupersededError):
+            Round(store, RUN, 0, 0, A0, [], RoundPolicy()).read_seal()
+
+
+# -- a zombie ends itself ----------------------------------------------------------------------
+
+
+def test_a_zombie_learns_it_is_superseded_at_its_next_beat():
+    """Within one lease period: its heartbeat lists the claims every beat."""
+    store, ended = Store("memory://zombie-beat"), []
+    zombie = Membership(store, RUN, "a", POLICY, on_superseded=ended.append)
+    zombie.heartbeat.stop(leave=False)  # beats by hand below
+    newer = Membership(store, RUN, "a", POLICY)
+    with pytest.raises(SupersededError, match="incarnation a-1 claimed replica a"):
+        zombie.heartbeat.beat()
+    assert len(ended) == 1
+    with pytest.raises(SupersededError):
+        zombie.members()
+    with pytest.raises(SupersededError):
+        zombie.heartbeat.beat()
+    assert len(ended) == 1  # told once
+    assert newer.members() == [A1]
+    newer.leave()
+
+
+def test_a_process_whose_run_was_started_over_is_superseded():
+    """``launch --fresh`` deletes the run and a new process claims number 0 again: the old
+    one's claim is gone, or holds another nonce; either way it stops."""
+    store, ended = Store("memory://started-over"), []
+    old = Membership(store, RUN, "a", POLICY, on_superseded=ended.append)
+    old.heartbeat.stop(leave=False)
+    store.delete_prefix(RUN.run)
+    with pytest.raises(SupersededError, match="is gone"):
+        old.heartbeat.beat()
+    store2, ended2 = Store("memory://started-over-again"), []
+    old = Membership(store2, RUN, "a", POLICY, on_superseded=ended2.append)
+    old.heartbeat.stop(leave=False)
+    store2.delete_prefix(RUN.run)
+    again = Membership(store2, RUN, "a", POLICY)
+    assert again.me == old.me  # the same number, another process
+    with pytest.raises(SupersededError, match="another process claimed"):
+        old.heartbeat.beat()
+    assert len(ended2) == 1
+    assert again.members() == [A0]
+
+
+def test_a_superseded_collective_refuses_every_round_and_the_newer_one_goes_on():
+    store, ended = Store("memory://zombie-collective"), threading.Event()
+    config = CollectiveConfig(round=RoundPolicy(grace=3600.0, timeout=60.0),
+                              lease=LeasePolicy(period=0.05))  # fmt: skip
+    zombie = BucketCollective(store, "run", "a", config, on_superseded=lambda _: ended.set())
+    with BucketCollective(store, "run", "a", config) as newer:
+        assert ended.wait(timeout=60)  # a bound, not a timing assumption
+        with pytest.raises(SupersededError):
+            zombie.allreduce(torch.ones(2), round_=0)
+        work = newer.allreduce(torch.ones(2), round_=0)
+        work.wait()
+        assert work.result().seal.contributors == ("a-1",)
+    zombie.close()
+
+
+# -- readers of bucket objects ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -148,13 +514,61 @@ def test_a_lease_with_a_bad_fragment_is_unreadable_not_fatal(fragment, caplog):
     """The fragment keys of a lease's ``finished`` are JSON strings: they are checked as digits
     when the lease is read, so one bad lease costs its member's progress (which keeps every
     round), not the round of whoever collects garbage."""
-    store, layout, policy = Store(f"memory://bad-lease-{fragment}"), RunLayout("run"), LeasePolicy()
-    now = time.time()
-    member = Participant("r", 0)
-    lease = Lease.model_construct(
-        replica="r", incarnation=0, period=policy.current(now), finished={fragment: 3}
-    )
-    store.put(layout.lease("r", 0, policy.current(now)), encode_record(lease))
+    store, member = Store(f"memory://bad-lease-{fragment}"), Participant("r", 0)
+    lease = Lease.model_construct(replica="r", incarnation=0, beat=0, finished={fragment: 3})
+    store.put(RUN.claim("r", 0), b"")
+    store.put(RUN.lease("r", 0, 0), encode_record(lease))
     with caplog.at_level("WARNING"):
-        assert member_progress(store, layout, [member], policy, now) == {member.name: {}}
+        view = MembershipView.read(store, RUN)
+        assert member_progress(store, RUN, view, [member]) == {member.name: {}}
     assert "unreadable lease" in caplog.text
+
+
+ZOMBIE_RUN = """
+[run]
+name = "z"
+store = "store"
+replicas = 1
+[diloco]
+sync_every = 5
+outer_steps = 100000
+[sync]
+lease_period = 0.5
+[task]
+device = "cpu"
+[task.options]
+preset = "tiny"
+batch_size = 2
+corpus_bytes = 100000
+"""
+
+
+def test_a_replica_process_superseded_by_a_newer_incarnation_ends_itself(tmp_path):
+    """A platform restarted ``local-0`` while the first process still ran: the first sees the
+    newer claim at its next beat, records why and exits 3 (not a failure to retry), on its
+    own, while it trains."""
+    (tmp_path / "run.toml").write_text(ZOMBIE_RUN)
+    layout, store = RunLayout("z"), Store(str(tmp_path / "store"))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "diloco_anywhere.replica", "--config", "run.toml",
+         "--replica-id", "local-0"],
+        cwd=tmp_path, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not MetricsReader(store, layout).read().get("local-0", None) or not any(
+            line.event == "started"
+            for line in MetricsReader(store, layout).read()["local-0"].events
+        ):
+            assert process.poll() is None, process.stderr.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        restarted = claim_incarnation(store, layout, "local-0")  # the platform's new process
+        code = process.wait(timeout=120)
+        stderr = process.stderr.read()
+    finally:
+        process.kill()
+    assert code == EXIT_SUPERSEDED, stderr
+    assert f"incarnation local-0-{restarted.incarnation} claimed replica local-0" in stderr
+    events = MetricsReader(store, layout).read()["local-0"].events_by_incarnation[0]
+    assert events[-1].event == "superseded"

@@ -26,12 +26,13 @@ KEY = "run/rounds/0000000001/0/SEAL"
 PART = PartEntry(key="run/rounds/0000000001/0/parts/a-0/0", size=300, crc32c=7, start=0, stop=64)
 SAMPLES = [
     Seal(run="run", round=1, fragment=0, contributors=("a-0", "b-1"), mode="sharded",
-         sealed_by="a-0"),
+         sealed_by="a-0", claims={"a": 0, "b": 1}),
     Manifest(run="run", round=1, fragment=0, replica="a", incarnation=0, weight=2.0,
              fingerprint="f", codec=make_codec("int8"), numel=64, parts=(PART,)),
     ShardFailure(run="run", round=1, fragment=0, shard=3, key=PART.key, problem="checksum"),
     Claim(replica="a", incarnation=2, nonce="n", started_at=1.5),
-    Lease(replica="a", incarnation=2, period=9, finished={"0": 4, "1": 3}),
+    Lease(replica="a", incarnation=2, beat=9, written_at=3.5, skew=-0.25,
+          finished={"0": 4, "1": 3}),
     MetricsChunk(run="run", replica="a", incarnation=0, platform="local", seq=1, lines=(
         StepLine(step=1, loss=2.5, tokens=10, time=1.0),
         SyncLine(outer_step=1, committed=True, participants=2, eval_loss=None, tokens=10,

@@ -85,7 +85,7 @@ LAYOUT = RunLayout("run-1")
 def test_layout_keys_are_valid_store_keys_and_rounds_sort_numerically():
     keys = [
         LAYOUT.claim("modal-0", 3),
-        LAYOUT.lease("modal-0", 3, 1_700_000_000),
+        LAYOUT.lease("modal-0", 3, 8640),
         LAYOUT.part(12, 0, "modal-0", 3, 7),
         LAYOUT.manifest(12, 0, "modal-0", 3),
         LAYOUT.seal(12, 0),

@@ -15,7 +15,9 @@ AZURE_*), read by the store's SDK, never by us.
 Exit codes: 0 when the run's outer steps are done, 2 for a bad run.toml or arguments (nothing
 started), 1 when training failed (the reason is printed and recorded in the run's metrics), 143
 when stopped by SIGTERM (``diloco stop``, or the platform preempting or evicting the job; also
-recorded, as a ``stopped`` event).
+recorded, as a ``stopped`` event), 3 when superseded: a newer incarnation of this replica id was
+started while this process still ran, so it ended itself (a ``superseded`` event;
+docs/collective.md, "Membership").
 """
 
 from __future__ import annotations
@@ -29,11 +31,17 @@ import sys
 
 from diloco_anywhere.bucket.layout import check_name, parse_count
 from diloco_anywhere.bucket.store import Store, StoreError
+from diloco_anywhere.collective.membership import SupersededError
 from diloco_anywhere.config import ConfigError, RunConfig, load_config, validate_config
 from diloco_anywhere.launching.published_config import ENV_CONFIG_KEY, read_config
 from diloco_anywhere.training.command import ENV_CONFIG, run_command
 from diloco_anywhere.training.loop import train
-from diloco_anywhere.training.session import Replica, StopRequestedError, raise_stopped
+from diloco_anywhere.training.session import (
+    EXIT_SUPERSEDED,
+    Replica,
+    StopRequestedError,
+    raise_stopped,
+)
 
 log = logging.getLogger("diloco_anywhere.replica")
 ENV_REPLICA_ID = "DILOCO_REPLICA_ID"
@@ -172,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         # At once: the stop is recorded, and rounds in flight (their threads would hold the
         # interpreter's exit) are abandoned; the bucket's lifecycle rule expires their objects.
         os._exit(EXIT_STOPPED)
+    except SupersededError as exc:  # a newer incarnation runs: nothing to restart
+        print(f"replica {replica_id}: {exc}", file=sys.stderr)
+        return EXIT_SUPERSEDED
     except ConfigError as exc:  # e.g. a sharding unlike the run's: would only fail again
         print(f"error: replica {replica_id}: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -73,10 +74,16 @@ class LocalBackend:
                 start_new_session=True,
             )
         self._processes[process.pid] = process
-        return ReplicaHandle(spec.replica_id, self.name, {"pid": process.pid, "log": str(log_path)})
+        job = {"pid": process.pid, "log": str(log_path), "host": socket.gethostname()}
+        return ReplicaHandle(spec.replica_id, self.name, job)
 
     def state(self, handle: ReplicaHandle) -> JobState:
+        """From its process, when it runs on this machine; ``unknown`` from any other (the
+        launch record in the bucket is read everywhere, a process id means something on its
+        own machine only)."""
         pid = handle.job["pid"]
+        if _elsewhere(handle):
+            return "unknown"
         if pid in self._processes:
             code = self._processes[pid].poll()
             return "running" if code is None else ("exited" if code == 0 else "failed")
@@ -98,6 +105,8 @@ class LocalBackend:
         return None if process is None else process.poll()
 
     def logs(self, handle: ReplicaHandle) -> str:
+        if _elsewhere(handle):
+            raise RuntimeError(f"its log is on {_elsewhere(handle)}: {handle.job['log']}")
         try:
             return Path(handle.job["log"]).read_text(errors="replace")
         except FileNotFoundError:
@@ -110,6 +119,8 @@ class LocalBackend:
         (its ``Popen`` holds the pid), even before it has exec'd the replica; any other pid
         is checked to still run the replica (not a recycled pid)."""
         pid = handle.job["pid"]
+        if _elsewhere(handle):
+            raise RuntimeError(f"it runs on {_elsewhere(handle)}: stop it there (pid {pid})")
         own = pid in self._processes
         if self.state(handle) != "running" or not (own or _is_replica(pid)):
             return
@@ -119,6 +130,13 @@ class LocalBackend:
             time.sleep(0.05)
         if self.state(handle) == "running":
             _signal(pid, signal.SIGKILL)
+
+
+def _elsewhere(handle: ReplicaHandle) -> str | None:
+    """The other machine a local replica runs on (None for this one, or a handle that does
+    not say: one written before handles named their host)."""
+    host = handle.job.get("host")
+    return host if host not in (None, socket.gethostname()) else None
 
 
 def _signal(pid: int, signum: int) -> None:

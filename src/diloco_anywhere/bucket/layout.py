@@ -27,6 +27,7 @@ def check_name(name: str, what: str) -> str:
 
 MAX_COUNT = 2**63 - 1
 MAX_RANK = 4095  # processes of one replica
+MAX_LAUNCH = 999_999  # launches of one run, and starts of one replica in a launch
 DIGITS = re.compile(r"[0-9]{1,19}")
 
 
@@ -111,13 +112,14 @@ class RunLayout:
     def claim(self, replica: str, incarnation: int) -> str:
         return f"{self.incarnations(replica)}/{_check_count(incarnation, 'incarnation')}/claim"
 
-    def lease(self, replica: str, incarnation: int, period: int) -> str:
+    def lease(self, replica: str, incarnation: int, beat: int) -> str:
+        """Lease ``beat`` of an incarnation: its heartbeat's counter, never a time."""
         folder = f"{self.incarnations(replica)}/{_check_count(incarnation, 'incarnation')}"
-        return f"{folder}/lease-{_check_count(period, 'lease period')}"
+        return f"{folder}/lease-{_check_count(beat, 'lease beat')}"
 
     def parse_member_key(self, key: str) -> tuple[str, int, int | None] | None:
         """``members/{replica}/{incarnation}/claim`` -> (replica, incarnation, None);
-        ``.../lease-{period}`` -> (replica, incarnation, period); anything else -> None."""
+        ``.../lease-{beat}`` -> (replica, incarnation, beat); anything else -> None."""
         prefix = f"{self.members()}/"
         parts = key.removeprefix(prefix).split("/") if key.startswith(prefix) else []
         if len(parts) != 3 or not NAME.fullmatch(parts[0]):
@@ -129,8 +131,8 @@ class RunLayout:
             return parts[0], incarnation, None
         if not parts[2].startswith("lease-"):
             return None
-        period = parse_count(parts[2].removeprefix("lease-"))
-        return None if period is None else (parts[0], incarnation, period)
+        beat = parse_count(parts[2].removeprefix("lease-"))
+        return None if beat is None else (parts[0], incarnation, beat)
 
     # -- rounds --------------------------------------------------------------------------------
 
@@ -206,6 +208,46 @@ class RunLayout:
         parts = key.removeprefix(f"{self.checkpoints()}/").split("/")
         if key.startswith(f"{self.checkpoints()}/") and len(parts) == 2 and parts[1] == "COMMIT":
             return parse_count(parts[0])
+        return None
+
+    # -- launches (launching/launches.py) ----------------------------------------------------
+
+    def launches(self) -> str:
+        return f"{self.run}/launches"
+
+    def launch_folder(self, number: int) -> str:
+        return f"{self.launches()}/{_check_count(number, 'launch', MAX_LAUNCH):06d}"
+
+    def launch(self, number: int) -> str:
+        """Launch ``number``'s record: taking it is taking the number (create-only)."""
+        return f"{self.launch_folder(number)}/LAUNCH"
+
+    def launch_job(self, number: int, replica: str, attempt: int) -> str:
+        """The job of one start (``attempt``) of ``replica`` in launch ``number``."""
+        folder = f"{self.launch_folder(number)}/jobs/{check_name(replica, 'replica')}"
+        return f"{folder}/{_check_count(attempt, 'attempt', MAX_LAUNCH):06d}"
+
+    def launch_stopped(self, number: int, replica: str) -> str:
+        """``diloco stop`` stopped ``replica`` of launch ``number`` on purpose."""
+        return f"{self.launch_folder(number)}/stopped/{check_name(replica, 'replica')}"
+
+    def parse_launch(self, key: str) -> int | None:
+        """``launches/{number}/LAUNCH`` -> number; anything else -> None."""
+        parts = key.removeprefix(f"{self.launches()}/").split("/")
+        if key.startswith(f"{self.launches()}/") and parts[1:] == ["LAUNCH"]:
+            return parse_count(parts[0], MAX_LAUNCH)
+        return None
+
+    def parse_launch_key(self, key: str, number: int) -> tuple[str, str, int] | None:
+        """A key of launch ``number``: ``("job", replica, attempt)``, ``("stopped", replica,
+        0)``, or None for anything else."""
+        prefix = f"{self.launch_folder(number)}/"
+        parts = key.removeprefix(prefix).split("/") if key.startswith(prefix) else []
+        if len(parts) == 3 and parts[0] == "jobs" and NAME.fullmatch(parts[1]):
+            attempt = parse_count(parts[2], MAX_LAUNCH)
+            return None if attempt is None else ("job", parts[1], attempt)
+        if len(parts) == 2 and parts[0] == "stopped" and NAME.fullmatch(parts[1]):
+            return "stopped", parts[1], 0
         return None
 
     # -- metrics -------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
+from datetime import timezone
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -527,6 +528,19 @@ class Store:
         if self._is_local:
             _remove_empty_dirs(self._path(prefix))
         return len(keys)
+
+    def modified(self, key: str) -> float:
+        """When the store says ``key`` was written, in POSIX seconds of the store's own clock
+        (S3's and Azure's are whole seconds). One HEAD (a stat on a local store)."""
+
+        def attempt() -> float:
+            self._add(gets=1)
+            when = self._fs.modified(self._path(key))
+            if isinstance(when, (int, float)):
+                return float(when)
+            return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
+
+        return self._run("modified", key, attempt)
 
     def stats(self) -> StoreStats:
         return self._counters.snapshot()

@@ -23,24 +23,25 @@ from diloco_anywhere.backends.base import (
 from diloco_anywhere.bucket.layout import parse_count
 from diloco_anywhere.bucket.store import redact_url
 from diloco_anywhere.cli.common import print_json, stderr, stdout, user_errors
+from diloco_anywhere.collective.membership import SKEW_SHOWN
 from diloco_anywhere.config import RunConfig, load_config, validate_config
 from diloco_anywhere.launching.launch import (
     LaunchPlan,
     backends_for,
-    delete_run_objects,
     describe,
     dry_run_on_servers,
     job_state,
     load_handles,
     mark_stopped,
     plan_launch,
-    resume_from_mirror,
+    prepare_store,
+    recorded_launch,
     resume_plan,
     run_dir,
     run_metrics,
+    run_skews,
     start,
     stopped_replicas,
-    store_has_run,
 )
 from diloco_anywhere.launching.report import RunSummary, plot_losses, summarize
 from diloco_anywhere.launching.status import ReplicaStatus, replica_statuses
@@ -124,6 +125,10 @@ def _status_table(rows: list[ReplicaStatus], title: str) -> Table:
             state = f"[bold red]{state}, diverged {row.divergences}x[/bold red]"
         if row.mirror_failures:  # a checkpoint that did not reach a mirror
             state = f"{state}, [yellow]mirror failed {row.mirror_failures}x[/yellow]"
+        if row.superseded:  # an old incarnation that ended itself when a newer one started
+            state = f"{state}, superseded {row.superseded}x"
+        if row.clock_skew is not None and abs(row.clock_skew) >= SKEW_SHOWN:
+            state = f"{state}, [yellow]clock {row.clock_skew:+.0f}s[/yellow]"
         table.add_row(
             row.replica, row.platform, state, str(row.outer_step),
             "-" if row.loss is None else f"{row.loss:.3f}",
@@ -151,7 +156,8 @@ def _follow(plan: LaunchPlan, supervisor: Supervisor) -> int:
                 states = {h.replica_id: supervisor.state(h) for h in supervisor.handles}
                 rows = replica_statuses(reader.read(), supervisor.handles,
                                         lambda h, known=states: known[h.replica_id],
-                                        stopped_replicas(plan.run_dir))  # fmt: skip
+                                        stopped_replicas(plan.config),
+                                        skews=run_skews(plan.config))  # fmt: skip
                 live.update(_status_table(rows, title))
                 if not set(states.values()) & set(ACTIVE_STATES):
                     break
@@ -160,8 +166,9 @@ def _follow(plan: LaunchPlan, supervisor: Supervisor) -> int:
         stderr.print("interrupted: stopping every replica of this launch")
         _stop_every(plan.config, supervisor.handles, supervisor.backends)
         return 130
-    stopped = stopped_replicas(plan.run_dir)
-    rows = replica_statuses(reader.read(), supervisor.handles, supervisor.state, stopped)
+    stopped = stopped_replicas(plan.config)
+    rows = replica_statuses(reader.read(), supervisor.handles, supervisor.state, stopped,
+                            skews=run_skews(plan.config))  # fmt: skip
     stdout.print(_status_table(rows, title))
     failed = [row.replica for row in rows if row.state != "done"]
     if failed:
@@ -257,15 +264,7 @@ def launch(
         if server_dry_run:
             print_json(dry_run_on_servers(plan))
             return
-        if resume_from is not None:
-            stderr.print(resume_from_mirror(config, resume_from, fresh=fresh).describe())
-        elif store_has_run(config):
-            if fresh:
-                delete_run_objects(config)
-            else:
-                stderr.print(f"run {config.run.name} has objects in "
-                             f"{redact_url(config.run.store)}: resuming it (--fresh starts "
-                             f"over)")  # fmt: skip
+        prepare_store(plan, fresh=fresh, resume_from=resume_from, say=_say)
         started = start(plan)
     count = len(plan.specs)
     if detach:
@@ -278,18 +277,25 @@ def launch(
     raise typer.Exit(code)
 
 
+def _say(text: str) -> None:
+    stderr.print(escape(text), highlight=False, soft_wrap=True)
+
+
 def status(config_path: ConfigPath = None, json_output: JsonFlag = False) -> None:
-    """Show one row per replica: platform, state, outer step, loss, tokens/s, last seen."""
+    """Show one row per replica: platform, state, outer step, loss, tokens/s, last seen, and
+    its clock's skew when it is off. Works from any machine that reaches the run's bucket (the
+    launch is recorded there) and, for job states, its platforms."""
     with user_errors():
         config = load_config(config_path)
         reader = run_metrics(config)
-        handles = load_handles(config)
-        backends = backends_for(handles, config)
+        launch = recorded_launch(config)
+        backends = backends_for(launch.handles, config)
         rows = replica_statuses(
             reader.read(),
-            handles,
+            launch.handles,
             lambda handle: job_state(backends[handle.platform], handle),
-            stopped=stopped_replicas(run_dir(config)),
+            stopped=launch.stopped,
+            skews=run_skews(config),
         )
     if json_output:
         print_json([row.as_dict() for row in rows])
@@ -328,8 +334,7 @@ def logs(
 def _stop_every(config: RunConfig, handles: list[ReplicaHandle], backends: dict) -> bool:
     """Stop every replica (marked first: not to be restarted), carrying on past a platform
     that fails; say what happened. True if every stop was sent."""
-    for handle in handles:
-        mark_stopped(run_dir(config), handle.replica_id)
+    mark_stopped(config, [handle.replica_id for handle in handles])
     report = stop_all(handles, lambda handle: backends[handle.platform].stop(handle))
     platforms = ", ".join(sorted({handle.platform for handle in handles})) or "no platform"
     (stderr if report.left else stdout).print(
@@ -339,7 +344,8 @@ def _stop_every(config: RunConfig, handles: list[ReplicaHandle], backends: dict)
 
 
 def stop(config_path: ConfigPath = None) -> None:
-    """Stop every replica of the run's last launch, on every platform."""
+    """Stop every replica of the run's last launch, on every platform, from any machine that
+    reaches the run's bucket (the launch is recorded there) and its platforms."""
     with user_errors():
         config = load_config(config_path)
         handles = load_handles(config)

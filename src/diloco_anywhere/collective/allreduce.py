@@ -11,7 +11,9 @@ Deleting runs on its own thread after the round has returned its result: removin
 a multi-GiB pseudo-gradient takes a while, and no replica waits for it.
 
 Membership is taken at the start of each round: this process claims a fresh incarnation when
-the collective opens and keeps its lease alive with a heartbeat until it closes.
+the collective opens and keeps its lease alive with a heartbeat until it closes
+(``membership.py``). Once a newer incarnation of its replica id is claimed, it is superseded:
+every round it has in flight or starts fails with ``SupersededError``.
 """
 
 from __future__ import annotations
@@ -25,17 +27,16 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco_anywhere.bucket.codec import Codec, make_codec
-from diloco_anywhere.bucket.layout import Participant, RunLayout
+from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.collect import RoundCollector
 from diloco_anywhere.collective.flat import FlatTensors
 from diloco_anywhere.collective.gather import gather_mean
 from diloco_anywhere.collective.membership import (
-    Heartbeat,
+    Clock,
     LeasePolicy,
-    claim_incarnation,
-    live_members,
-    member_progress,
+    Membership,
+    SupersededError,
 )
 from diloco_anywhere.collective.parts import Transfers, one_intra_op_thread
 from diloco_anywhere.collective.records import Seal
@@ -134,21 +135,28 @@ class BucketCollective:
         config: CollectiveConfig | None = None,
         retained_after: Callable[[], int] | None = None,
         rank: int = 0,
+        *,
+        wall_clock: Clock = time.time,
+        on_superseded: Callable[[SupersededError], None] = lambda _: None,
     ) -> None:
         """``retained_after()``: rounds after it are never collected (healing replays them).
         ``rank``: the process of a sharded replica this collective exchanges the shard of, in
-        that rank's own membership and rounds (``RunLayout``)."""
+        that rank's own membership and rounds (``RunLayout``). ``wall_clock``: this machine's
+        clock, only written for people and compared with the store's (tests skew it).
+        ``on_superseded(error)``: called once, on the heartbeat's thread, when a newer
+        incarnation of ``replica`` is claimed (the replica process ends itself there)."""
         self.store = store
         self.config = config or CollectiveConfig()
         self.layout = RunLayout(run, rank)
-        self.me = Participant(replica, claim_incarnation(store, self.layout, replica))
         self._finished: dict[int, int] = {}  # fragment -> newest round this replica finished
         self._collector = RoundCollector(
             store, self.layout, self.config.keep_rounds, retained_after
         )
-        self._heartbeat = Heartbeat(
-            store, self.layout, self.me, self.config.lease, progress=lambda: dict(self._finished)
-        ).start()
+        self.membership = Membership(
+            store, self.layout, replica, self.config.lease, wall_clock=wall_clock,
+            progress=lambda: dict(self._finished), on_superseded=on_superseded,
+        )  # fmt: skip
+        self.me = self.membership.me
         self._executor = ThreadPoolExecutor(
             self.config.max_rounds_in_flight,
             thread_name_prefix="allreduce",
@@ -188,6 +196,7 @@ class BucketCollective:
         called on the round's thread, off the training thread; what it reads must not change
         until the round is done (DiLoCo changes its global state only after the round).
         """
+        self.membership.check()
         source = FlatTensors(tensor if isinstance(tensor, list) else [tensor])
         future = self._executor.submit(
             self._run_round, source, round_, fragment, weight, codec or self.config.codec,
@@ -210,9 +219,10 @@ class BucketCollective:
             wait([previous])
         if callable(fingerprint):
             fingerprint = fingerprint()
+        members = self.membership.members  # raises SupersededError: a zombie contributes nothing
         round_state = Round(
-            self.store, self.layout, round_, fragment, self.me, self._members(),
-            self.config.round, self._members, self.config.lease.period, self._transfers,
+            self.store, self.layout, round_, fragment, self.me, members(),
+            self.config.round, members, self.config.lease.period, self._transfers,
         )  # fmt: skip
         round_state.contribute(source, weight, codec, fingerprint)
         result = finish_round(round_state)
@@ -251,21 +261,12 @@ class BucketCollective:
             transfers=self._transfers,
         )  # fmt: skip
 
-    def _members(self) -> list[Participant]:
-        members = live_members(self.store, self.layout, self.config.lease, time.time())
-        if self.me not in members:  # our lease was late (e.g. a stalled store); we are a member
-            members = sorted([*members, self.me], key=lambda member: member.name)
-        return members
-
     def _collect_garbage(self, round_: int, fragment: int) -> None:
         """The first sealed contributor collects what no live member needs (``collect.py``);
         our own progress is current, the others' comes from their leases. Best effort: a
         failure is logged, and the next round's collection retries."""
         try:
-            members = self._members()
-            progress = member_progress(
-                self.store, self.layout, members, self.config.lease, time.time()
-            )
+            progress = self.membership.progress(self.membership.members())
             progress[self.me.name] = dict(self._finished)
             self._collector.collect(fragment, round_, progress.values())
         except Exception as exc:  # off the round's path: nobody else would see it
@@ -276,7 +277,7 @@ class BucketCollective:
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
         self._collecting.shutdown(wait=wait, cancel_futures=not wait)
         self._transfers.executor.shutdown(wait=wait, cancel_futures=not wait)
-        self._heartbeat.stop()
+        self.membership.leave()
 
     def __enter__(self) -> BucketCollective:
         return self

@@ -91,16 +91,35 @@ class Seal(Record):
     contributors: tuple[str, ...]
     mode: ExchangeMode
     sealed_by: str
+    # The newest incarnation of each contributor's replica id that the sealer saw claimed when
+    # it sealed (``membership.py``, fencing). Empty in SEALs written before fencing.
+    claims: dict[Name, Count] = Field(default_factory=dict)
 
     @field_validator("contributors")
     @classmethod
     def _sorted_contributor_names(cls, names: tuple[str, ...]) -> tuple[str, ...]:
-        """Non-empty, strictly sorted (so no one counts twice), each '<replica>-<incarnation>'."""
-        for name in names:
-            parse_contributor(name)
+        """Non-empty, strictly sorted (so no one counts twice), each '<replica>-<incarnation>',
+        one incarnation per replica (two of one replica would count it twice)."""
+        replicas = [parse_contributor(name)[0] for name in names]
         if not names or list(names) != sorted(set(names)):
             raise ValueError("contributors must be a non-empty, sorted list without repeats")
+        twice = sorted({replica for replica in replicas if replicas.count(replica) > 1})
+        if twice:
+            raise ValueError(f"contributors name two incarnations of replica {twice[0]!r}")
         return names
+
+    @model_validator(mode="after")
+    def _no_contributor_older_than_its_claims(self) -> Seal:
+        """A zombie (an incarnation older than one the sealer saw claimed) never counts."""
+        for name in self.contributors:
+            replica, incarnation = parse_contributor(name)
+            newest = self.claims.get(replica, incarnation)
+            if newest > incarnation:
+                raise ValueError(
+                    f"contributor {name} is older than incarnation {replica}-{newest}, which "
+                    f"its sealer saw claimed: only a replica's newest incarnation is a member"
+                )
+        return self
 
 
 class ShardFailure(Record):

@@ -30,6 +30,7 @@ from diloco_anywhere.bucket.layout import Participant, RunLayout, parse_contribu
 from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.flat import FlatTensors
+from diloco_anywhere.collective.membership import MembershipView, SupersededError
 from diloco_anywhere.collective.parts import MissingPartError, Part, PartIO, Transfers
 from diloco_anywhere.collective.records import ExchangeMode, Manifest, PartEntry, Seal
 from diloco_anywhere.collective.transfers import windowed
@@ -178,7 +179,8 @@ class Round:
         collective's threads and buffers (by default, ones shared by this process's rounds)."""
         self.store, self.layout, self.policy = store, layout, policy
         self.round, self.fragment, self.me = round_, fragment, me
-        self.members = {member.name: member for member in members}
+        self.claims: dict[str, int] = {}  # replica -> newest claimed incarnation, at sealing
+        self._set_members(members)
         self._refresh_members, self._refresh_every = refresh_members, refresh_every
         self.seal_key = layout.seal(round_, fragment)
         self.manifests: dict[str, Manifest] = {}  # checked manifests
@@ -370,9 +372,36 @@ class Round:
         return self.policy.exchange_mode(contributors, self._payload_bytes())
 
     def _sealable(self) -> list[str]:
-        """Checked contributions of members: a non-member (a zombie, or a replica missing
-        from the member list) never counts, not even its own contribution."""
-        return sorted(self.manifests.keys() & self.members.keys())
+        """Checked contributions of members, each the newest incarnation of its replica that
+        this replica has seen (claimed, or contributing): a non-member, or a zombie (an older
+        incarnation still running), never counts, not even its own contribution."""
+        names = self.manifests.keys() & self.members.keys()
+        newest = dict(self.claims)
+        for name in names:
+            member = self.members[name]
+            newest[member.replica] = max(newest.get(member.replica, -1), member.incarnation)
+        return sorted(
+            name for name in names
+            if self.members[name].incarnation == newest[self.members[name].replica]
+        )  # fmt: skip
+
+    def _set_members(self, members: list[Participant]) -> None:
+        """Take the member list; ``SupersededError`` if it holds a newer incarnation of ours."""
+        self.members = {member.name: member for member in members}
+        newer = [m.incarnation for m in members if m.replica == self.me.replica]
+        self._fence({**self.claims, self.me.replica: max([self.me.incarnation, *newer])})
+
+    def _fence(self, claims: dict[str, int]) -> None:
+        """Take ``claims`` (the newest claimed incarnation of every replica id, listed now);
+        ``SupersededError`` if this replica's own id has a newer one."""
+        self.claims = claims
+        newest = claims.get(self.me.replica, self.me.incarnation)
+        if newest > self.me.incarnation:
+            raise SupersededError(
+                f"round {self.round} fragment {self.fragment}: incarnation "
+                f"{self.me.replica}-{newest} has claimed replica {self.me.replica}; "
+                f"{self.me.name} stops contributing"
+            )
 
     def _ready_to_seal(self, first_seen: float | None) -> bool:
         count = len(self._sealable())
@@ -395,9 +424,13 @@ class Round:
         groups = Counter(self._foreign[name] for name in self._foreign if name in self.members)
         return bool(groups) and max(groups.values()) > len(self._sealable())
 
-    def _try_seal(self) -> bool:
-        """Put the SEAL; False when this replica declines to (it is in a minority)."""
+    def _try_seal(self, first_seen: float | None) -> bool:
+        """Put the SEAL; False when this replica declines to (it is in a minority, or the
+        claims listed right before sealing leave too few contributions)."""
         if self._in_minority():
+            return False
+        self._fence(MembershipView.read(self.store, self.layout).newest())
+        if not self._ready_to_seal(first_seen):
             return False
         contributors = tuple(self._sealable())
         mode = self._mode_for(len(contributors))
@@ -410,6 +443,11 @@ class Round:
             contributors=contributors,
             mode=mode,
             sealed_by=self.me.name,
+            claims={
+                replica: self.claims[replica]
+                for replica, _ in map(parse_contributor, contributors)
+                if replica in self.claims
+            },
         )
         with contextlib.suppress(FileExistsError):  # sealed first by another; next poll reads it
             self.store.put(self.seal_key, encode_record(seal))
@@ -425,7 +463,7 @@ class Round:
         refreshed = time.monotonic()
         while True:
             if self._refresh_members and time.monotonic() - refreshed >= self._refresh_every:
-                self.members = {member.name: member for member in self._refresh_members()}
+                self._set_members(self._refresh_members())
                 refreshed = time.monotonic()
             seen = self.manifests.keys() | self.excluded.keys()
             pending = [name for name in self.members if name not in seen]
@@ -439,7 +477,7 @@ class Round:
                     self._take(name, data, prefetch)
                     first_seen = first_seen or time.monotonic()
                     delays = self.policy.poll_delays()
-            if self._ready_to_seal(first_seen) and self._try_seal():
+            if self._ready_to_seal(first_seen) and self._try_seal(first_seen):
                 continue
             if time.monotonic() > deadline:
                 missing = sorted(self.members.keys() - self.manifests.keys())
@@ -470,6 +508,8 @@ class Round:
                 f"{self.seal_key}: the SEAL is for run {seal.run} round {seal.round} "
                 f"fragment {seal.fragment}"
             )
+        if self.me.replica in seal.claims:
+            self._fence({**self.claims, self.me.replica: seal.claims[self.me.replica]})
         for name in seal.contributors:
             if name in self.manifests:
                 continue

@@ -1,15 +1,19 @@
-"""Plan a run's replicas across backends, start them, and remember them in the run folder.
+"""Plan a run's replicas across backends, start them, and remember them in the run's bucket.
 
 The plan gives every replica an id (``{platform}-{k}``) and a data shard (0..N-1 across all
-platforms), and the environment the replica entrypoint reads (``replica.py``). The handles go
-to ``{run folder}/launch.json`` so that ``diloco status``, ``logs`` and ``stop`` find them
-from any shell. The run folder is ``.diloco/{run name}`` under the current directory.
+platforms), and the environment the replica entrypoint reads (``replica.py``). What a launch
+started goes to the bucket (``launches.py``), so that ``diloco status``, ``logs``, ``stop``
+and the next ``launch`` find it from any machine; ``{run folder}/launch.json`` keeps a copy.
+The run folder is ``.diloco/{run name}`` under the current directory (logs of local replicas,
+the report).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -19,23 +23,27 @@ from urllib.parse import urlsplit
 from diloco_anywhere import replica
 from diloco_anywhere.backends import get_backend
 from diloco_anywhere.backends.base import (
+    ACTIVE_STATES,
     Backend,
     JobState,
     ReplicaHandle,
     ReplicaSpec,
+    image_of,
     one_line,
     stop_all,
 )
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store, redact_url
+from diloco_anywhere.collective.membership import LeasePolicy, watch_live
 from diloco_anywhere.config import ConfigError, RunConfig
 from diloco_anywhere.launching import published_config
+from diloco_anywhere.launching.launches import Launches
+from diloco_anywhere.launching.status import replica_skews
 from diloco_anywhere.training.metrics import MetricsReader
 from diloco_anywhere.training.mirrors import Resumed, latest_commits, resume_from
 
 log = logging.getLogger("diloco_anywhere.launching.launch")
-STATE_FILE = "launch.json"
-STOPPED_FOLDER = "stopped"  # one empty file per replica that `diloco stop` stopped on purpose
+STATE_FILE = "launch.json"  # a copy of the newest launch's handles; the bucket holds the record
 
 
 def run_dir(config: RunConfig, root: Path | None = None) -> Path:
@@ -128,6 +136,16 @@ def run_metrics(config: RunConfig) -> MetricsReader:
     return MetricsReader(Store(config.store_url()), RunLayout(config.run.name))
 
 
+def run_skews(config: RunConfig) -> dict[str, float | None]:
+    """Each replica's clock against the store's, from its lease (``status.replica_skews``)."""
+    return replica_skews(Store(config.store_url()), RunLayout(config.run.name))
+
+
+def run_launches(config: RunConfig) -> Launches:
+    """The run's launch records in its store."""
+    return Launches(Store(config.store_url()), RunLayout(config.run.name))
+
+
 def store_has_run(config: RunConfig) -> bool:
     return bool(Store(config.store_url()).list_prefix(RunLayout(config.run.name).run))
 
@@ -165,15 +183,41 @@ def resume_from_mirror(config: RunConfig, url: str, *, fresh: bool) -> Resumed:
         return resume_from(config.resolve(url), store, RunLayout(config.run.name), fresh=fresh)
 
 
-def mark_stopped(run_folder: Path, replica_id: str) -> None:
-    """Record that ``replica_id`` is being stopped on purpose, so it is not restarted."""
-    (run_folder / STOPPED_FOLDER).mkdir(parents=True, exist_ok=True)
-    (run_folder / STOPPED_FOLDER / replica_id).touch()
+@dataclass(frozen=True)
+class RecordedLaunch:
+    """The run's newest launch: its number (None for one recorded only in the run folder, by
+    an older version), its replicas' current jobs, and those stopped on purpose."""
+
+    number: int | None
+    handles: list[ReplicaHandle]
+    stopped: frozenset[str]
 
 
-def stopped_replicas(run_folder: Path) -> set[str]:
-    """The replicas of the current launch that were stopped on purpose (see ``mark_stopped``)."""
-    return {marker.name for marker in (run_folder / STOPPED_FOLDER).glob("*")}
+def recorded_launch(config: RunConfig, run_folder: Path | None = None) -> RecordedLaunch:
+    """From the bucket, whichever machine launched; else from this machine's run folder."""
+    latest = run_launches(config).latest()
+    if latest is not None:
+        return RecordedLaunch(latest.record.number, latest.handles, latest.stopped)
+    return RecordedLaunch(None, handles_in(run_folder or run_dir(config)), frozenset())
+
+
+def load_handles(config: RunConfig, root: Path | None = None) -> list[ReplicaHandle]:
+    """The handles of the run's newest launch ([] when it was never launched)."""
+    return recorded_launch(config, run_dir(config, root)).handles
+
+
+def stopped_replicas(config: RunConfig) -> frozenset[str]:
+    """The replicas of the newest launch that were stopped on purpose (``mark_stopped``)."""
+    return recorded_launch(config).stopped
+
+
+def mark_stopped(config: RunConfig, replica_ids: list[str]) -> None:
+    """Record in the bucket that ``replica_ids`` of the newest launch are being stopped on
+    purpose, so that nothing restarts them."""
+    launches = run_launches(config)
+    numbers = launches.numbers()
+    for replica_id in replica_ids if numbers else ():
+        launches.mark_stopped(numbers[-1], replica_id)
 
 
 class LaunchError(RuntimeError):
@@ -217,46 +261,103 @@ def job_state(backend: Backend, handle: ReplicaHandle) -> JobState:
         return "unknown"
 
 
-def refuse_if_running(plan: LaunchPlan) -> None:
-    """A relaunch replaces launch.json: jobs of the last launch that still run would lose
-    their handles (and replicas with the same ids would join twice)."""
-    handles = handles_in(plan.run_dir)
-    backends = backends_for(handles, plan.config)
-    running = [h.replica_id for h in handles
-               if job_state(backends[h.platform], h) in ("pending", "running")]  # fmt: skip
+def refuse_if_live(plan: LaunchPlan, *, fresh: bool, say: Callable[[str], None]) -> None:
+    """A launch onto a run that is still going would start every replica a second time under
+    the same ids (the old ones keep billing, and are superseded). Refused when the newest
+    launch in the bucket has a job that may still run (``pending``, ``running``, or
+    ``unknown``: its platform cannot say), or a member's lease still advances (a replica
+    started some other way); with ``fresh``, the newest launch's jobs are stopped first
+    instead (its replicas lose their claims when the run's objects go, and end themselves)."""
+    config = plan.config
+    launch = recorded_launch(config, plan.run_dir)
+    backends = backends_for(launch.handles, config)
+    active = {h.replica_id: (h, state) for h in launch.handles
+              if (state := job_state(backends[h.platform], h)) in ACTIVE_STATES}  # fmt: skip
+    if fresh:
+        if active:
+            say(f"--fresh: stopping the {len(active)} replicas of the last launch first")
+            stop_the_last_launch(config, [h for h, _ in active.values()], backends)
+        return
+    lease = LeasePolicy(period=config.sync.lease_period)
+    layout = RunLayout(config.run.name)
+    with Store(config.store_url()) as store:
+        if store.list_prefix(layout.members()):
+            say(f"checking that no replica of run {config.run.name} is alive (their leases, "
+                f"up to {lease.expiry:g} s)")  # fmt: skip
+            live = {m.replica for m in watch_live(store, layout, lease)}
+        else:
+            live = set()
+    running = [f"{r} ({h.platform} job {state}{', its platform cannot say' * (state == 'unknown')})"
+               for r, (h, state) in sorted(active.items())]  # fmt: skip
+    running += [f"{r} (its lease advances)" for r in sorted(live - active.keys())]
     if running:
         raise LaunchError(
-            f"{len(running)} replicas of the last launch of run {plan.config.run.name} are "
-            f"still running ({', '.join(running)}): `diloco stop` them first"
+            f"run {config.run.name} is still going: {', '.join(running)}. Stop it first with "
+            f"`diloco stop` (from any machine that reaches its bucket and platforms), or "
+            f"start over with `diloco launch --fresh`, which stops the last launch's replicas"
         )
+
+
+def stop_the_last_launch(
+    config: RunConfig, handles: list[ReplicaHandle], backends: dict[str, Backend]
+) -> None:
+    """Stop ``handles`` on purpose (marked first, so nothing restarts them); ``LaunchError``
+    naming any whose stop failed."""
+    mark_stopped(config, [handle.replica_id for handle in handles])
+    report = stop_all(handles, lambda handle: backends[handle.platform].stop(handle))
+    if report.left:
+        raise LaunchError(f"--fresh could not stop the last launch: {report}")
+
+
+def prepare_store(
+    plan: LaunchPlan, *, fresh: bool, resume_from: str | None, say: Callable[[str], None]
+) -> None:
+    """Refuse a run that is still going (``refuse_if_live``), then put the store in the state
+    the launch starts from: a mirror's checkpoint copied in (``resume_from``), emptied
+    (``fresh``), or as it is (a run with objects resumes from its checkpoints)."""
+    refuse_if_live(plan, fresh=fresh, say=say)
+    config = plan.config
+    if resume_from is not None:
+        say(resume_from_mirror(config, resume_from, fresh=fresh).describe())
+    elif store_has_run(config):
+        if fresh:
+            delete_run_objects(config)
+        else:
+            say(f"run {config.run.name} has objects in {redact_url(config.run.store)}: "
+                f"resuming it (--fresh starts over)")  # fmt: skip
 
 
 def start(plan: LaunchPlan) -> dict[str, tuple[Backend, list[ReplicaHandle]]]:
     """Check every platform can start (SDK, credentials), publish run.toml for remote
-    replicas, then start platform by platform, saving the handles as they come. If one
-    platform fails, or the user presses Ctrl-C, the replicas already started are stopped: no
-    paid job is left orphaned. Stops recorded for an earlier launch no longer apply."""
+    replicas, take the next launch number in the bucket, then start platform by platform,
+    recording each job as it comes. If one platform fails, or the user presses Ctrl-C, the
+    replicas already started are stopped: no paid job is left orphaned."""
     for backend in plan.backends.values():
         backend.check()
-    refuse_if_running(plan)
-    if plan.config_key:
-        with Store(plan.config.store_url()) as store:
-            published_config.publish_config(store, plan.config)
-    for marker in (plan.run_dir / STOPPED_FOLDER).glob("*"):
-        marker.unlink()
-    started: dict[str, tuple[Backend, list[ReplicaHandle]]] = {}
-    for platform, backend in plan.backends.items():
-        try:
-            started[platform] = (backend, backend.launch(plan.specs_on(platform), plan.run_dir))
-            save_state(plan, [h for _, handles in started.values() for h in handles])
-        except Exception as exc:
-            own = getattr(exc, "started", [])  # this platform's jobs, already told to stop
-            others = roll_back(plan, started, own)
-            raise LaunchError(f"{platform} failed to start its replicas: {one_line(exc)}; "
-                              f"other platforms: {others}") from exc  # fmt: skip
-        except BaseException:  # Ctrl-C: nothing started may be left running
-            roll_back(plan, started, [])
-            raise
+    config = plan.config
+    with Store(config.store_url()) as store:
+        if plan.config_key:
+            published_config.publish_config(store, config)
+        launches = Launches(store, RunLayout(config.run.name))
+        images = {platform: image_of(config, backend.settings, platform)
+                  for platform, backend in plan.backends.items() if backend.remote}  # fmt: skip
+        number = launches.begin(plan.specs, plan.config_key, images, time.time()).number
+        started: dict[str, tuple[Backend, list[ReplicaHandle]]] = {}
+        for platform, backend in plan.backends.items():
+            try:
+                handles = backend.launch(plan.specs_on(platform), plan.run_dir)
+                started[platform] = (backend, handles)
+                for handle in handles:
+                    launches.started(number, handle, 0, time.time())
+                save_state(plan, [h for _, handles in started.values() for h in handles])
+            except Exception as exc:
+                own = getattr(exc, "started", [])  # this platform's jobs, already told to stop
+                others = roll_back(plan, started, own)
+                raise LaunchError(f"{platform} failed to start its replicas: {one_line(exc)}; "
+                                  f"other platforms: {others}") from exc  # fmt: skip
+            except BaseException:  # Ctrl-C: nothing started may be left running
+                roll_back(plan, started, [])
+                raise
     return started
 
 
@@ -266,16 +367,16 @@ def roll_back(
     stopped_already: list[ReplicaHandle],
 ) -> str:
     """Stop what a failed launch had started (not to be restarted), and keep every handle in
-    launch.json so that `diloco stop` can try again on any whose stop failed."""
+    the record so that `diloco stop` can try again on any whose stop failed."""
     handles = [handle for _, platform_handles in started.values() for handle in platform_handles]
-    for handle in handles + stopped_already:
-        mark_stopped(plan.run_dir, handle.replica_id)
+    mark_stopped(plan.config, [handle.replica_id for handle in handles + stopped_already])
     report = stop_all(handles, lambda handle: plan.backends[handle.platform].stop(handle))
     save_state(plan, handles + stopped_already)
     return str(report)
 
 
 def save_state(plan: LaunchPlan, handles: list[ReplicaHandle]) -> None:
+    """This machine's copy of the newest launch's handles (the bucket holds the record)."""
     plan.run_dir.mkdir(parents=True, exist_ok=True)
     state = {
         "run": plan.config.run.name,
@@ -283,11 +384,6 @@ def save_state(plan: LaunchPlan, handles: list[ReplicaHandle]) -> None:
         "replicas": [asdict(handle) for handle in handles],
     }
     (plan.run_dir / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
-
-
-def load_handles(config: RunConfig, root: Path | None = None) -> list[ReplicaHandle]:
-    """The handles of the run's last launch ([] when it was never launched from here)."""
-    return handles_in(run_dir(config, root))
 
 
 def handles_in(run_folder: Path) -> list[ReplicaHandle]:

@@ -7,10 +7,13 @@ throughput, last seen) comes from there; the backend adds whether the job is sti
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass, field
 
 from diloco_anywhere.backends.base import JobState, ReplicaHandle
+from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.collective.membership import MembershipView, newest_leases
 from diloco_anywhere.training.metrics import ReplicaMetrics
 
 
@@ -26,11 +29,13 @@ class ReplicaStatus:
     tokens_per_second: float | None
     bytes_up: int
     bytes_down: int
-    last_seen_seconds: float | None  # since its newest metrics line
+    last_seen_seconds: float | None  # since its newest metrics line, its clock's skew taken out
     restarts: int = 0  # incarnations after the first
     heals: int = 0  # times it healed from the bucket (joining late, restarted, diverged)
     divergences: int = 0  # times its global state differed from the sealed contributors'
     mirror_failures: int = 0  # checkpoints it committed that did not reach a mirror
+    superseded: int = 0  # incarnations that ended themselves when a newer one was claimed
+    clock_skew: float | None = None  # seconds its clock is ahead of the store's, last measured
     values: dict[str, float] = field(default_factory=dict)  # the script's own, latest
 
     def as_dict(self) -> dict:
@@ -58,10 +63,14 @@ def replica_statuses(
     job_state: Callable[[ReplicaHandle], JobState],
     stopped: Collection[str] = (),
     now: float | None = None,
+    skews: Mapping[str, float | None] | None = None,
 ) -> list[ReplicaStatus]:
     """Rows for every launched replica and every replica that wrote metrics, by replica id.
     ``job_state`` asks the backend that knows the job (the one that started it, if alive);
-    ``stopped`` are the replicas ``diloco stop`` stopped."""
+    ``stopped`` are the replicas ``diloco stop`` stopped; ``skews``: each replica's clock
+    against the store's, from its lease (``replica_skews``): "last seen" is counted in the
+    store's time, so a replica whose clock is off is not shown as silent or from the future."""
+    skews = skews or {}
     now = now or time.time()
     jobs = {handle.replica_id: handle for handle in handles}
     rows = []
@@ -82,12 +91,27 @@ def replica_statuses(
                 tokens_per_second=last_sync.tokens_per_second if last_sync else None,
                 bytes_up=last_sync.bytes_up if last_sync else 0,
                 bytes_down=last_sync.bytes_down if last_sync else 0,
-                last_seen_seconds=now - seen.last_seen() if seen else None,
+                last_seen_seconds=now - seen.last_seen() + (skews.get(replica) or 0.0)
+                if seen
+                else None,
                 restarts=max(0, len(seen.incarnations) - 1) if seen else 0,
                 heals=seen.count("healed") if seen else 0,
                 divergences=seen.count("diverged") if seen else 0,
                 mirror_failures=seen.count("mirror_failed") if seen else 0,
+                superseded=seen.count("superseded") if seen else 0,
+                clock_skew=skews.get(replica),
                 values=dict(last_step.values) if last_step else {},
             )
         )
     return rows
+
+
+def replica_skews(store: Store, layout: RunLayout) -> dict[str, float | None]:
+    """Each replica's clock minus the store's, as its newest incarnation last measured it and
+    wrote it in its newest lease (None where it has no lease or measured nothing)."""
+    view = MembershipView.read(store, layout)
+    leases = newest_leases(store, layout, view, view.members())
+    return {
+        member.replica: lease.skew if (lease := leases[member.name]) else None
+        for member in view.members()
+    }

@@ -13,13 +13,25 @@ are retried by their platform (``[backends.*]`` retry settings), not from here.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 from diloco_anywhere.backends.base import ACTIVE_STATES, Backend, JobState, ReplicaHandle
-from diloco_anywhere.launching.launch import LaunchPlan, job_state, save_state, stopped_replicas
-from diloco_anywhere.replica import EXIT_BAD_CONFIG, EXIT_STOPPED
+from diloco_anywhere.launching.launch import (
+    LaunchPlan,
+    job_state,
+    run_launches,
+    save_state,
+    stopped_replicas,
+)
+from diloco_anywhere.replica import EXIT_BAD_CONFIG, EXIT_STOPPED, EXIT_SUPERSEDED
 
-NOT_RESTARTED = {EXIT_BAD_CONFIG: "bad configuration", EXIT_STOPPED: "stopped", -15: "stopped"}
+NOT_RESTARTED = {
+    EXIT_BAD_CONFIG: "bad configuration",
+    EXIT_STOPPED: "stopped",
+    -15: "stopped",
+    EXIT_SUPERSEDED: "superseded by a newer incarnation",
+}
 
 
 class Supervisor:
@@ -47,6 +59,11 @@ class Supervisor:
     def remote(self) -> bool:
         return any(backend.remote for backend in self.backends.values())
 
+    def _record(self, handle: ReplicaHandle, attempt: int) -> None:
+        """The restarted job, as attempt ``attempt`` of its replica in the launch's record."""
+        launches = run_launches(self.plan.config)
+        launches.started(launches.numbers()[-1], handle, attempt, time.time())
+
     def restart_failed(self) -> list[str]:
         """Restart every failed replica that may be; one line per decision, for the user."""
         notes = []
@@ -60,11 +77,12 @@ class Supervisor:
             replica = handle.replica_id
             if code in NOT_RESTARTED or self.restarts[replica] >= self.max_restarts:
                 continue
-            if replica in stopped_replicas(self.plan.run_dir):
+            if replica in stopped_replicas(self.plan.config):
                 continue
             spec = next(spec for spec in self.plan.specs if spec.replica_id == replica)
             self.handles[position] = backend.launch([spec], self.plan.run_dir)[0]
             self.restarts[replica] += 1
+            self._record(self.handles[position], self.restarts[replica])
             notes.append(f"{replica} failed (exit {code}); restarted "
                          f"({self.restarts[replica]} of {self.max_restarts})")  # fmt: skip
         if notes:

@@ -27,7 +27,7 @@ from torchft.local_sgd import DiLoCo
 from diloco_anywhere.bucket.codec import make_codec
 from diloco_anywhere.bucket.store import scrub_secrets
 from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig
-from diloco_anywhere.collective.membership import LeasePolicy
+from diloco_anywhere.collective.membership import LeasePolicy, SupersededError
 from diloco_anywhere.collective.round import DivergedError, RoundPolicy
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.task import Batch, Task, TaskContext, build_task
@@ -252,6 +252,8 @@ class Training:
         self.record_sync(committed, model)
         if committed:
             self.checkpoint_if_due(self.state)  # type: ignore[arg-type]
+        if isinstance(manager.last_sync_error, SupersededError):  # a zombie trains no further
+            raise manager.last_sync_error
         if isinstance(manager.last_sync_error, DivergedError):  # the same on every rank
             self.after_divergence(self.state)  # type: ignore[arg-type]
             self._healed_in_step = True

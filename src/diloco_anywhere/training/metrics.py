@@ -61,7 +61,9 @@ class SyncLine(Record):
 
 class EventLine(Record):
     kind: Literal["event"] = "event"
-    event: Literal["started", "done", "failed", "stopped", "diverged", "healed", "mirror_failed"]
+    event: Literal[
+        "started", "done", "failed", "stopped", "diverged", "healed", "mirror_failed", "superseded"
+    ]
     detail: str = Field(default="", max_length=2000)
     parameters: Count = 0  # "started": the model's size, for comparisons with data parallel
     seconds: float | None = None  # "healed": how long healing took

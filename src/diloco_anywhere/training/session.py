@@ -30,6 +30,7 @@ import gc
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -43,6 +44,7 @@ from torch import nn
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store, scrub_secrets
 from diloco_anywhere.collective.allreduce import BucketCollective
+from diloco_anywhere.collective.membership import SupersededError
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.training.checkpoint import retained_after
 from diloco_anywhere.training.command import DONE, JOINED, report
@@ -58,6 +60,9 @@ from diloco_anywhere.training.replica_group import ReplicaGroup
 from diloco_anywhere.training.sharded_replica import Sharding, check_sharded, check_sharding
 
 log = logging.getLogger(__name__)
+# A newer incarnation of this replica id took its place (membership.py): not a failure of the
+# run, and a restart would only supersede the newer one in turn.
+EXIT_SUPERSEDED = 3
 
 
 class StopRequestedError(BaseException):
@@ -114,10 +119,25 @@ class Replica:
                 store, layout.run, replica_id, collective_config(config),
                 retained_after=lambda: retained_after(store, layout, keep),  # healing replays
                 rank=self.group.rank if self.group.sharded else 0,
+                on_superseded=self._superseded,
             )  # fmt: skip
         if self.group.is_leader:
             incarnation = self.collective.me.incarnation  # type: ignore[union-attr]
             self.metrics = MetricsWriter(store, layout, replica_id, incarnation, platform)
+
+    def _superseded(self, error: SupersededError) -> None:
+        """A newer incarnation of this replica is running (a platform restarted it while this
+        process lived on): end this process now, from the heartbeat's thread, whatever the
+        training thread is doing, so that it writes nothing more to the run (no round, no
+        checkpoint). Under ``torchrun`` the other ranks are torn down with it."""
+        print(f"replica {self.replica_id}: {error}", file=sys.stderr, flush=True)
+        if self.metrics is not None:
+            try:
+                self.metrics.flush()
+                self.metrics.event("superseded", str(error)[:2000])
+            except Exception as exc:  # a run started over may hold our keys: leave regardless
+                log.warning("could not record the supersession: %s", exc)
+        os._exit(EXIT_SUPERSEDED)
 
     def _sharding(self) -> Sharding:
         """What this replica exchanges, which every replica of the run must match."""
