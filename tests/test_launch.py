@@ -310,6 +310,15 @@ def elsewhere(tmp_path, monkeypatch) -> Path:
     return folder
 
 
+def _launched_from_another_folder(config: str, elsewhere: Path) -> list[int]:
+    """Launch ``config`` (detached) from the folder above ``elsewhere``, then go there; the
+    launched processes' ids."""
+    os.chdir(elsewhere.parent)
+    assert diloco("launch", "--config", config, "--detach").exit_code == 0
+    os.chdir(elsewhere)
+    return _pids(config)
+
+
 def _pids(config: str) -> list[int]:
     return [handle.job["pid"] for handle in load_handles(load_config(config))]
 
@@ -333,10 +342,7 @@ def test_a_launch_from_another_folder_is_refused_while_the_run_goes_and_status_a
     first one's files (a fresh CI runner) is refused, naming the replicas that still run, and
     `status` and `stop` work from its folder."""
     config = run_toml(replicas=2, outer_steps=200)
-    os.chdir(elsewhere.parent)
-    assert diloco("launch", "--config", config, "--detach").exit_code == 0
-    pids = _pids(config)
-    os.chdir(elsewhere)
+    pids = _launched_from_another_folder(config, elsewhere)
     try:
         refused = diloco("launch", "--config", config, "--detach")
         assert refused.exit_code == 1, refused.output
@@ -386,10 +392,7 @@ def test_a_replica_started_some_other_way_is_seen_by_its_lease(run_toml, elsewhe
 
 def test_fresh_stops_the_last_launch_from_any_folder_and_starts_over(run_toml, elsewhere):
     config = run_toml(replicas=2, outer_steps=200)
-    os.chdir(elsewhere.parent)
-    assert diloco("launch", "--config", config, "--detach").exit_code == 0
-    first = _pids(config)
-    os.chdir(elsewhere)
+    first = _launched_from_another_folder(config, elsewhere)
     try:
         again = diloco("launch", "--config", config, "--detach", "--fresh")
         assert again.exit_code == 0, again.output

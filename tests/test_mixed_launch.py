@@ -91,7 +91,7 @@ def test_a_relaunch_is_refused_while_the_last_launch_runs(tmp_path, monkeypatch,
     assert diloco("launch", "--config", config, *mix, "--detach").exit_code == 0
     again = diloco("launch", "--config", config, *mix, "--detach")
     assert again.exit_code == 1
-    assert "2 replicas of the last launch of run t are still running (local-0, hf_jobs-0)" in (
+    assert "run t is still going: hf_jobs-0 (hf_jobs job running), local-0 (local job " in (
         again.output
     )
     assert len(hub.created()) == 1  # nothing more was started

@@ -6,24 +6,33 @@ import json
 import logging
 import math
 import sys
+import time
 import uuid
 
 import pytest
 import torch
+from rich.console import Console
 from torch import nn
 
 from diloco_anywhere.backends.base import ReplicaHandle
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.cli.common import print_json
-from diloco_anywhere.cli.run import parse_backends
+from diloco_anywhere.cli.run import _status_table, parse_backends
+from diloco_anywhere.collective.membership import Heartbeat, LeasePolicy, claim_incarnation
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.launching.report import summarize
-from diloco_anywhere.launching.status import replica_statuses
+from diloco_anywhere.launching.status import replica_skews, replica_statuses
 from diloco_anywhere.task import TaskContext, build_task, load_entrypoint
 from diloco_anywhere.training.global_state import FRAGMENT_KEY, GlobalState
 from diloco_anywhere.training.loop import split_fragments
-from diloco_anywhere.training.metrics import MetricsReader, MetricsWriter, StepLine, SyncLine
+from diloco_anywhere.training.metrics import (
+    EventLine,
+    MetricsReader,
+    MetricsWriter,
+    StepLine,
+    SyncLine,
+)
 
 
 def tied_model() -> nn.Module:
@@ -261,3 +270,31 @@ def test_json_for_scripts_is_standard_json_whatever_the_floats(capsys):
     assert json.loads(text, parse_constant=refuse) == {
         "loss": None, "rows": [{"ratio": None}, [1.5, None]],
     }  # fmt: skip
+
+
+@pytest.mark.parametrize("skew", [-300.0, 31.0])
+def test_status_shows_a_replicas_clock_skew_and_counts_last_seen_in_the_stores_time(skew):
+    """A replica whose clock is off writes times off by as much; its lease says by how much,
+    and status shows it and takes it out of "last seen"."""
+    store, layout = Store(f"memory://status-skew-{skew}"), RunLayout("run")
+    heartbeat = Heartbeat(
+        store, layout, claim_incarnation(store, layout, "local-0"), LeasePolicy(),
+        lambda: time.time() + skew,
+    )  # fmt: skip
+    heartbeat.beat()  # measures
+    heartbeat.beat()  # writes it
+    writer = MetricsWriter(store, layout, "local-0", 0, "local")
+    writer.add(StepLine(step=1, loss=2.0, tokens=10, time=time.time() + skew))
+    writer.add(EventLine(event="superseded", time=time.time() + skew))
+    writer.flush()
+    skews = replica_skews(store, layout)
+    assert skews["local-0"] == pytest.approx(skew, abs=1.0)
+    [row] = replica_statuses(MetricsReader(store, layout).read(), [], lambda _: "unknown",
+                             skews=skews)  # fmt: skip
+    assert 0 <= row.last_seen_seconds < 5  # not 5 minutes, nor from the future
+    assert row.superseded == 1
+    console = Console(width=200, record=True)
+    console.print(_status_table([row], "t"))
+    shown = console.export_text()
+    assert f"clock {skew:+.0f}s" in shown
+    assert "superseded 1x" in shown

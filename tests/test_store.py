@@ -6,6 +6,7 @@ import logging
 import multiprocessing
 import os
 import threading
+import time
 
 import pytest
 
@@ -103,6 +104,17 @@ def test_delete_one_key_and_missing_keys_are_fine(backend):
     store.delete("leases/1")
     store.delete("leases/1")
     assert store.list_prefix("leases") == ["leases/2"]
+
+
+def test_the_time_a_store_records_for_a_key_is_its_clocks_and_a_missing_key_is_named(backend):
+    """``modified``: what a replica measures its clock against (the stand-ins run on this
+    machine, so their clock is ours, to within the stores' whole seconds)."""
+    store = backend.store()
+    before = time.time()
+    store.put("a/b", b"x")
+    assert before - 2.0 <= store.modified("a/b") <= time.time() + 1.0
+    with pytest.raises(FileNotFoundError, match="'a/c'"):
+        store.modified("a/c")
 
 
 def test_counters_track_requests_and_bytes(backend):

@@ -26,10 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from diloco_anywhere.backends.local import LocalBackend
 from diloco_anywhere.bench.train import Progress, local_plan, run_diloco
 from diloco_anywhere.config import RunConfig
-from diloco_anywhere.launching.launch import run_metrics
+from diloco_anywhere.launching.launch import run_metrics, start
 from diloco_anywhere.launching.supervisor import Supervisor
 from diloco_anywhere.training.metrics import ReplicaMetrics
 
@@ -70,8 +69,8 @@ def run_with_chaos(
     committed rounds, each restarted by the supervisor; return the metrics and the kills."""
     deadline = time.monotonic() + deadline_seconds
     plan = local_plan(config, folder)
-    backend = LocalBackend()
-    started = {"local": (backend, backend.launch(list(plan.specs), plan.run_dir))}
+    started = start(plan)  # as `diloco launch` starts a run: recorded in its bucket
+    backend = started["local"][0]
     supervisor = Supervisor(plan, started, max_restarts=kills + 1)
     reader, chooser, run = run_metrics(plan.config), random.Random(seed), ChaosRun({})
     last_kill_round, started_at = 0, {}  # pid -> when this loop first saw the process

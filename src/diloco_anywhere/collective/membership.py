@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated
 
 from pydantic import Field
@@ -58,6 +58,7 @@ class Lease(Record):
     replica: Name
     incarnation: Count
     beat: Count  # counts this incarnation's leases: a reader sees it change while it lives
+    every: float = Field(default=10.0, gt=0, le=86400)  # seconds between its leases
     written_at: float = 0.0  # the writer's wall clock: for people, never compared
     skew: float | None = None  # seconds the writer's clock is ahead of the store's, last measured
     # fragment -> the newest round this incarnation has finished (for garbage collection);
@@ -182,12 +183,16 @@ def watch_live(
 ) -> list[Participant]:
     """The run's members whose leases advance, watched from this process alone (a launcher,
     which has no earlier observation): returns as soon as every member's lease has advanced,
-    or once ``policy.expiry`` has passed, with those that did. Members that left cleanly have
-    no lease and cost no waiting; one that was killed costs the full expiry."""
-    liveness = Liveness(policy, clock)
+    or once an expiry has passed, with those that did. The expiry is ``policy``'s, or longer
+    where a member's lease says it beats less often. Members that left cleanly have no lease
+    and cost no waiting; one that was killed costs the full expiry."""
     view = MembershipView.read(store, layout)
-    liveness.observe(view)
     waiting = set(view.members())
+    periods = [lease.every for lease in newest_leases(store, layout, view, [*waiting]).values()
+               if lease is not None]  # fmt: skip
+    policy = replace(policy, period=max([policy.period, *periods]))
+    liveness = Liveness(policy, clock)
+    liveness.observe(view)
     deadline = clock() + policy.expiry
     while waiting and clock() < deadline:
         sleep(min(policy.period / 2, max(0.0, deadline - clock())))
@@ -292,7 +297,7 @@ class Heartbeat:
         beat = self.beats
         lease = Lease(
             replica=self.me.replica, incarnation=self.me.incarnation, beat=beat,
-            written_at=self.wall_clock(), skew=self.skew,
+            every=self.policy.period, written_at=self.wall_clock(), skew=self.skew,
             finished={str(fragment): round_ for fragment, round_ in self.progress().items()},
         )  # fmt: skip
         before = self.wall_clock()

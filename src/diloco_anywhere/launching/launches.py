@@ -80,7 +80,9 @@ class Launch:
 
     @property
     def handles(self) -> list[ReplicaHandle]:
-        return [self.jobs[replica].handle for replica in sorted(self.jobs)]
+        """The current jobs, in the launch's order of replicas (platform by platform)."""
+        planned = [replica.replica_id for replica in self.record.replicas]
+        return [self.jobs[replica].handle for replica in planned if replica in self.jobs]
 
 
 class Launches:
