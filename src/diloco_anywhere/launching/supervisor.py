@@ -3,12 +3,14 @@
 Preemptible capacity and chaos runs need replicas that come back. A replica whose job failed
 (crashed, was killed, or exited 1) is started again from its spec; the new process claims a new
 incarnation and heals from the bucket (``healing.py``), so the run loses at most the inner
-steps the dead one had not synced. Not restarted: a replica stopped on purpose (``diloco
-stop`` or Ctrl-C leave a marker in the run folder, since a torchrun replica exits 1 however it
-ends; a lone process stopped by SIGTERM exits 143 or -15) or one that refused its configuration
-(exit 2: it would only fail again), and none beyond ``max_restarts`` per replica. A torchrun
-replica torn down because one of its ranks crashed is restarted. Replicas on remote platforms
-are retried by their platform (``[backends.*]`` retry settings), not from here.
+steps the dead one had not synced. Each restart is recorded in the launch's record in the
+bucket (``launches.py``). Not restarted: a replica stopped on purpose (``diloco stop`` or
+Ctrl-C leave a marker in the launch's record, since a torchrun replica exits 1 however it ends;
+a lone process stopped by SIGTERM exits 143 or -15), one that refused its configuration (exit
+2: it would only fail again), one superseded by a newer incarnation (exit 3), and none beyond
+``max_restarts`` per replica. A torchrun replica torn down because one of its ranks crashed is
+restarted. Replicas on remote platforms are retried by their platform (``[backends.*]`` retry
+settings), not from here.
 """
 
 from __future__ import annotations
