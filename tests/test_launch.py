@@ -244,6 +244,9 @@ def test_the_supervisor_restarts_a_killed_replica_but_not_one_stopped_on_purpose
             json.loads(Path(".diloco/t/launch.json").read_text())["replicas"][0]["job"]["pid"]
             == supervisor.handles[0].job["pid"]
         )  # the new process is the one `status` follows
+        assert [h.job["pid"] for h in load_handles(plan.config)] == [
+            h.job["pid"] for h in supervisor.handles
+        ]  # and the bucket's record: attempt 1 of local-0 is its current job
         os.killpg(supervisor.handles[0].job["pid"], signal.SIGKILL)
         while supervisor.state(supervisor.handles[0]) == "running":
             time.sleep(0.1)

@@ -185,10 +185,8 @@ def resume_from_mirror(config: RunConfig, url: str, *, fresh: bool) -> Resumed:
 
 @dataclass(frozen=True)
 class RecordedLaunch:
-    """The run's newest launch: its number (None for one recorded only in the run folder, by
-    an older version), its replicas' current jobs, and those stopped on purpose."""
+    """The run's newest launch: its replicas' current jobs, and those stopped on purpose."""
 
-    number: int | None
     handles: list[ReplicaHandle]
     stopped: frozenset[str]
 
@@ -197,8 +195,8 @@ def recorded_launch(config: RunConfig, run_folder: Path | None = None) -> Record
     """From the bucket, whichever machine launched; else from this machine's run folder."""
     latest = run_launches(config).latest()
     if latest is not None:
-        return RecordedLaunch(latest.record.number, latest.handles, latest.stopped)
-    return RecordedLaunch(None, handles_in(run_folder or run_dir(config)), frozenset())
+        return RecordedLaunch(latest.handles, latest.stopped)
+    return RecordedLaunch(handles_in(run_folder or run_dir(config)), frozenset())
 
 
 def load_handles(config: RunConfig, root: Path | None = None) -> list[ReplicaHandle]:

@@ -44,13 +44,9 @@ class LaunchRecord(Record):
     started_at: float  # the launcher's wall clock: for people
     host: str  # the machine that launched, for people
     config_key: str | None  # the run.toml remote replicas read (published_config.py)
-    images: dict[Name, str]  # platform -> the image reference it starts
+    # platform -> the image reference it starts (``ref@sha256:...`` where the digest is known)
+    images: dict[Name, str]
     replicas: tuple[LaunchedReplica, ...]
-
-    @property
-    def image_digests(self) -> dict[str, str]:
-        """The digest of every image pinned by one (``ref@sha256:...``): known exactly."""
-        return {p: ref.partition("@")[2] for p, ref in self.images.items() if "@" in ref}
 
 
 class JobRecord(Record):
