@@ -179,6 +179,27 @@ def test_a_run_whose_store_is_destroyed_mid_run_resumes_from_its_mirror(tmp_path
     assert abs(resumed_loss / clean_loss - 1) < 0.02, (resumed_loss, clean_loss)
 
 
+@pytest.mark.parametrize("behind", [30.0, 300.0])
+def test_the_latest_checkpoint_is_the_mirrors_newest_whatever_its_writers_clocks(
+    tmp_path, monkeypatch, behind
+) -> None:
+    """Round 3 is committed after round 6 (an earlier run's), by a replica whose clock is
+    ``behind`` seconds slow: its COMMIT says it is older. The mirror's own time decides."""
+    layout, mirror = RunLayout("run"), Store(str(tmp_path / "mirror"))
+    write_checkpoint(mirror, 6, diloco_like_state(6))
+    time.sleep(0.01)  # the local store's times are nanoseconds: one is later
+    slow = time.time() - behind
+    monkeypatch.setattr(time, "time", lambda: slow)  # the committing replica's clock
+    write_checkpoint(mirror, 3, diloco_like_state(3))
+    monkeypatch.undo()
+    assert (
+        read_checkpoint(mirror, layout, 3).commit.time
+        < read_checkpoint(mirror, layout, 6).commit.time
+    )
+    resumed = resume_from(mirror.url, Store(str(tmp_path / "store")), layout)
+    assert (resumed.round, resumed.earlier) == (3, (6,))
+
+
 def test_resuming_takes_the_latest_intact_checkpoint(tmp_path) -> None:
     """Latest by commit time: the mirror's round 6 was committed before round 3 (an earlier run
     of the same name went further), and round 5 is damaged."""

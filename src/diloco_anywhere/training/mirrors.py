@@ -133,10 +133,11 @@ class Resumed:
 def resume_from(url: str, store: Store, layout: RunLayout, *, fresh: bool = False) -> Resumed:
     """Copy the run's latest checkpoint that reads back intact from the mirror at ``url`` into
     ``store`` (the run's store, which lost the run), so that the replicas launched next heal
-    from it. Latest by commit time, not by round: a mirror keeps checkpoints of an earlier run
-    of the same name until this run reaches their rounds. A store that still holds objects of
-    the run is refused (healing already uses them and the mirrors in run.toml) unless
-    ``fresh``, which deletes them, once the mirror's checkpoint has read back intact."""
+    from it. Latest by the time the mirror recorded for its COMMIT, not by round: a mirror
+    keeps checkpoints of an earlier run of the same name until this run reaches their rounds.
+    A store that still holds objects of the run is refused (healing already uses them and the
+    mirrors in run.toml) unless ``fresh``, which deletes them, once the mirror's checkpoint
+    has read back intact."""
     if url == store.url:
         raise ResumeError(f"--resume-from {url} is the run's store itself: name a mirror")
     if not fresh and store.list_prefix(layout.run):
@@ -159,7 +160,10 @@ def resume_from(url: str, store: Store, layout: RunLayout, *, fresh: bool = Fals
 
 def latest_commits(mirror: Store, layout: RunLayout) -> tuple[list[CheckpointCommit], list[int]]:
     """The COMMITs of the run's checkpoints in ``mirror``, the most recently committed first,
-    and the rounds whose COMMIT does not read back (logged)."""
+    and the rounds whose COMMIT does not read back (logged). Recency is the mirror's own time
+    for each COMMIT object, one clock: the ``time`` inside a COMMIT is its writer's, and the
+    replicas that commit checkpoints need not agree on the time (docs/collective.md,
+    "Membership"); a writer 5 minutes behind would make its newer checkpoint look older."""
     commits, damaged = [], []
     for round_ in committed_rounds(mirror, layout):
         try:
@@ -167,7 +171,8 @@ def latest_commits(mirror: Store, layout: RunLayout) -> tuple[list[CheckpointCom
         except CheckpointError as exc:
             log.warning("checkpoint of round %d in %s not used: %s", round_, mirror.url, exc)
             damaged.append(round_)
-    return sorted(commits, key=lambda c: (c.time, c.round), reverse=True), damaged
+    written = {c.round: mirror.modified(layout.checkpoint_commit(c.round)) for c in commits}
+    return sorted(commits, key=lambda c: (written[c.round], c.round), reverse=True), damaged
 
 
 def _first_intact(
