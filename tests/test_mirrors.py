@@ -187,7 +187,7 @@ def test_the_latest_checkpoint_is_the_mirrors_newest_whatever_its_writers_clocks
     ``behind`` seconds slow: its COMMIT says it is older. The mirror's own time decides."""
     layout, mirror = RunLayout("run"), Store(str(tmp_path / "mirror"))
     write_checkpoint(mirror, 6, diloco_like_state(6))
-    time.sleep(0.01)  # the local store's times are nanoseconds: one is later
+    time.sleep(0.05)  # beyond a filesystem clock tick (a few ms): the second COMMIT is later
     slow = time.time() - behind
     monkeypatch.setattr(time, "time", lambda: slow)  # the committing replica's clock
     write_checkpoint(mirror, 3, diloco_like_state(3))
