@@ -42,7 +42,6 @@ from diloco_anywhere.collective.membership import (
 from diloco_anywhere.collective.records import Seal
 from diloco_anywhere.collective.round import Round, RoundPolicy, RoundTimeoutError
 from diloco_anywhere.training.metrics import MetricsReader
-from diloco_anywhere.training.session import EXIT_SUPERSEDED
 
 RUN = RunLayout("run")
 POLICY = LeasePolicy(period=10.0)
@@ -585,6 +584,9 @@ def test_a_replica_process_superseded_by_a_newer_incarnation_ends_itself(tmp_pat
     """A platform restarted ``local-0`` while the first process still ran: the first sees the
     newer claim at its next beat, records why and exits 3 (not a failure to retry), on its
     own, while it trains."""
+    # here, not at the top: the processes the claim race spawns import this module
+    from diloco_anywhere.training.session import EXIT_SUPERSEDED
+
     (tmp_path / "run.toml").write_text(ZOMBIE_RUN)
     layout, store = RunLayout("z"), Store(str(tmp_path / "store"))
     process = subprocess.Popen(

@@ -41,7 +41,6 @@ from diloco_anywhere.launching.launch import (
     run_metrics,
     run_skews,
     start,
-    stopped_replicas,
 )
 from diloco_anywhere.launching.report import RunSummary, plot_losses, summarize
 from diloco_anywhere.launching.status import ReplicaStatus, replica_statuses
@@ -53,6 +52,7 @@ CONFIG_OPTION = typer.Option(
 )
 LOCAL_POLL_SECONDS = 1.0
 REMOTE_POLL_SECONDS = 10.0
+SKEW_POLL_SECONDS = 30.0  # replicas measure their clocks every 30 leases
 JSON_OPTION = typer.Option("--json", help="Print JSON instead of a table (for scripts).")
 ConfigPath = Annotated[Path | None, CONFIG_OPTION]
 JsonFlag = Annotated[bool, JSON_OPTION]
@@ -148,16 +148,18 @@ def _follow(plan: LaunchPlan, supervisor: Supervisor) -> int:
     target = plan.config.diloco.outer_steps
     title = f"run {plan.config.run.name}: {len(plan.specs)} replicas, {target} outer steps"
     interval = REMOTE_POLL_SECONDS if supervisor.remote else LOCAL_POLL_SECONDS
+    skews, skews_read = {}, -SKEW_POLL_SECONDS
     try:
         with Live(console=stderr, refresh_per_second=2) as live:
             while True:
                 for note in supervisor.restart_failed():
                     live.console.print(note)
+                if time.monotonic() - skews_read >= SKEW_POLL_SECONDS:  # they change slowly
+                    skews, skews_read = run_skews(plan.config), time.monotonic()
                 states = {h.replica_id: supervisor.state(h) for h in supervisor.handles}
                 rows = replica_statuses(reader.read(), supervisor.handles,
                                         lambda h, known=states: known[h.replica_id],
-                                        stopped_replicas(plan.config),
-                                        skews=run_skews(plan.config))  # fmt: skip
+                                        supervisor.stopped(), skews=skews)  # fmt: skip
                 live.update(_status_table(rows, title))
                 if not set(states.values()) & set(ACTIVE_STATES):
                     break
@@ -166,9 +168,8 @@ def _follow(plan: LaunchPlan, supervisor: Supervisor) -> int:
         stderr.print("interrupted: stopping every replica of this launch")
         _stop_every(plan.config, supervisor.handles, supervisor.backends)
         return 130
-    stopped = stopped_replicas(plan.config)
-    rows = replica_statuses(reader.read(), supervisor.handles, supervisor.state, stopped,
-                            skews=run_skews(plan.config))  # fmt: skip
+    rows = replica_statuses(reader.read(), supervisor.handles, supervisor.state,
+                            supervisor.stopped(), skews=run_skews(plan.config))  # fmt: skip
     stdout.print(_status_table(rows, title))
     failed = [row.replica for row in rows if row.state != "done"]
     if failed:

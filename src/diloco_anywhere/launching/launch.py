@@ -204,11 +204,6 @@ def load_handles(config: RunConfig, root: Path | None = None) -> list[ReplicaHan
     return recorded_launch(config, run_dir(config, root)).handles
 
 
-def stopped_replicas(config: RunConfig) -> frozenset[str]:
-    """The replicas of the newest launch that were stopped on purpose (``mark_stopped``)."""
-    return recorded_launch(config).stopped
-
-
 def mark_stopped(config: RunConfig, replica_ids: list[str]) -> None:
     """Record in the bucket that ``replica_ids`` of the newest launch are being stopped on
     purpose, so that nothing restarts them."""

@@ -156,6 +156,12 @@ class Launches:
         key = self.layout.launch_job(number, handle.replica_id, attempt)
         self.store.put(key, encode_record(record))
 
+    def stopped(self, number: int) -> frozenset[str]:
+        """The replicas of launch ``number`` stopped on purpose: one listing."""
+        keys = self.store.list_prefix(f"{self.layout.launch_folder(number)}/stopped")
+        parsed = (self.layout.parse_launch_key(key, number) for key in keys)
+        return frozenset(p[1] for p in parsed if p is not None and p[0] == "stopped")
+
     def mark_stopped(self, number: int, replica_id: str) -> None:
         """Record that ``replica_id`` is being stopped on purpose: not to be restarted."""
         self.store.put(self.layout.launch_stopped(number, replica_id), b"")

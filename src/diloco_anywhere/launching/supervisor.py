@@ -19,13 +19,7 @@ import time
 from collections import Counter
 
 from diloco_anywhere.backends.base import ACTIVE_STATES, Backend, JobState, ReplicaHandle
-from diloco_anywhere.launching.launch import (
-    LaunchPlan,
-    job_state,
-    run_launches,
-    save_state,
-    stopped_replicas,
-)
+from diloco_anywhere.launching.launch import LaunchPlan, job_state, run_launches, save_state
 from diloco_anywhere.replica import EXIT_BAD_CONFIG, EXIT_STOPPED, EXIT_SUPERSEDED
 
 NOT_RESTARTED = {
@@ -49,6 +43,8 @@ class Supervisor:
         self.backends = {platform: backend for platform, (backend, _) in started.items()}
         self.handles = [handle for _, handles in started.values() for handle in handles]
         self.restarts: Counter[str] = Counter()
+        self.launches = run_launches(plan.config)
+        self.number = self.launches.numbers()[-1]  # the launch that started these jobs
 
     def state(self, handle: ReplicaHandle) -> JobState:
         return job_state(self.backends[handle.platform], handle)
@@ -61,10 +57,13 @@ class Supervisor:
     def remote(self) -> bool:
         return any(backend.remote for backend in self.backends.values())
 
+    def stopped(self) -> frozenset[str]:
+        """The replicas of this launch stopped on purpose, from whichever machine."""
+        return self.launches.stopped(self.number)
+
     def _record(self, handle: ReplicaHandle, attempt: int) -> None:
         """The restarted job, as attempt ``attempt`` of its replica in the launch's record."""
-        launches = run_launches(self.plan.config)
-        launches.started(launches.numbers()[-1], handle, attempt, time.time())
+        self.launches.started(self.number, handle, attempt, time.time())
 
     def restart_failed(self) -> list[str]:
         """Restart every failed replica that may be; one line per decision, for the user."""
@@ -79,7 +78,7 @@ class Supervisor:
             replica = handle.replica_id
             if code in NOT_RESTARTED or self.restarts[replica] >= self.max_restarts:
                 continue
-            if replica in stopped_replicas(self.plan.config):
+            if replica in self.stopped():
                 continue
             spec = next(spec for spec in self.plan.specs if spec.replica_id == replica)
             self.handles[position] = backend.launch([spec], self.plan.run_dir)[0]
