@@ -280,7 +280,8 @@ class Heartbeat:
         on_view: Callable[[MembershipView], None] = lambda _: None,
     ) -> None:
         """``progress()``: the newest finished round per fragment, reported in each lease.
-        ``on_view(view)``: called with the membership listed after each beat."""
+        ``on_view(view)``: called with the membership listed at each beat, before its lease
+        is written (it raises ``SupersededError`` to end the heartbeat)."""
         self.store, self.layout, self.claim, self.policy = store, layout, claim, policy
         self.wall_clock, self.progress, self.on_view = wall_clock, progress, on_view
         self.me = claim.participant
@@ -391,9 +392,10 @@ class Membership:
             raise self.superseded
 
     def view(self) -> MembershipView:
-        """The membership listed now; ``SupersededError`` if it shows a newer claim of ours."""
+        """The membership listed now; ``SupersededError`` if this process is superseded."""
+        self.check()
         view = MembershipView.read(self.store, self.layout)
-        self._judge(view, view.superseded(self.claim))
+        self._judge(view.superseded(self.claim))
         return view
 
     def members(self) -> list[Participant]:
@@ -408,8 +410,7 @@ class Membership:
         given our number to a new process, whose claim then holds another nonce."""
         with self._lock:
             self._liveness.observe(view)
-        reason = view.superseded(self.claim) or self._claim_taken()
-        self._judge(view, reason)
+        self._judge(view.superseded(self.claim) or self._claim_taken())
 
     def _claim_taken(self) -> str | None:
         key = self.layout.claim(self.me.replica, self.me.incarnation)
@@ -421,7 +422,9 @@ class Membership:
             return f"its claim is unreadable: {exc}"
         return None if claim.nonce == self.claim.nonce else f"another process claimed {key}"
 
-    def _judge(self, view: MembershipView, reason: str | None) -> None:
+    def _judge(self, reason: str | None) -> None:
+        """Supersede this process for ``reason`` (nothing when None); tell ``on_superseded``
+        the first time, and raise."""
         if reason is None:
             return
         with self._lock:
