@@ -411,11 +411,13 @@ def test_fresh_stops_the_last_launch_from_any_folder_and_starts_over(run_toml, e
         _kill(first + _pids(config))
 
 
-def test_two_launchers_cannot_take_one_launch_number(tmp_path):
-    launches = Launches(Store(str(tmp_path)), RunLayout("t"))
-    first = launches.begin((), None, {}, 1.0)
-    racing = Launches(Store(str(tmp_path)), RunLayout("t"))
-    racing.numbers = lambda: []  # it listed before the first launcher took number 0
+def test_two_launchers_cannot_both_start_the_run(tmp_path):
+    """Each takes the number after the newest launch it checked: whichever comes second,
+    at once or after the first has started, is refused."""
+    first = Launches(Store(str(tmp_path)), RunLayout("t"))
+    second = Launches(Store(str(tmp_path)), RunLayout("t"))
+    checked = [max(launches.numbers(), default=-1) + 1 for launches in (first, second)]
+    record = first.begin((), None, {}, 1.0, checked[0])
     with pytest.raises(LaunchTakenError, match="launch 0 of run t was taken by another"):
-        racing.begin((), None, {}, 2.0)
-    assert launches.latest().record == first
+        second.begin((), None, {}, 2.0, checked[1])
+    assert first.latest().record == record

@@ -18,6 +18,7 @@ from diloco_anywhere.bucket.store import StoreError
 from diloco_anywhere.config import ConfigError
 from diloco_anywhere.launching.infra import InfraError
 from diloco_anywhere.launching.launch import LaunchError
+from diloco_anywhere.launching.launches import LaunchTakenError
 from diloco_anywhere.launching.tracking import TrackerUnavailableError
 from diloco_anywhere.standins import StandInUnavailableError
 
@@ -32,7 +33,7 @@ SIZE_UNITS = {
 MIN_BENCH_SIZE = 1024
 USER_ERRORS = (
     StoreError, StandInUnavailableError, ConfigError, ValueError, FileNotFoundError,
-    BackendUnavailableError, LaunchError, InfraError, TrackerUnavailableError,
+    BackendUnavailableError, LaunchError, LaunchTakenError, InfraError, TrackerUnavailableError,
 )  # fmt: skip
 
 

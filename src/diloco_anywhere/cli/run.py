@@ -265,8 +265,8 @@ def launch(
         if server_dry_run:
             print_json(dry_run_on_servers(plan))
             return
-        prepare_store(plan, fresh=fresh, resume_from=resume_from, say=_say)
-        started = start(plan)
+        number = prepare_store(plan, fresh=fresh, resume_from=resume_from, say=_say)
+        started = start(plan, number)
     count = len(plan.specs)
     if detach:
         stdout.print(f"started {count} replicas of run {config.run.name}; "

@@ -304,10 +304,12 @@ def stop_the_last_launch(
 
 def prepare_store(
     plan: LaunchPlan, *, fresh: bool, resume_from: str | None, say: Callable[[str], None]
-) -> None:
+) -> int:
     """Refuse a run that is still going (``refuse_if_live``), then put the store in the state
     the launch starts from: a mirror's checkpoint copied in (``resume_from``), emptied
-    (``fresh``), or as it is (a run with objects resumes from its checkpoints)."""
+    (``fresh``), or as it is (a run with objects resumes from its checkpoints). Returns the
+    launch number that follows the launches checked, for ``start`` to take."""
+    checked = run_launches(plan.config).numbers()
     refuse_if_live(plan, fresh=fresh, say=say)
     config = plan.config
     if resume_from is not None:
@@ -318,11 +320,15 @@ def prepare_store(
         else:
             say(f"run {config.run.name} has objects in {redact_url(config.run.store)}: "
                 f"resuming it (--fresh starts over)")  # fmt: skip
+    return 0 if fresh else max(checked, default=-1) + 1
 
 
-def start(plan: LaunchPlan) -> dict[str, tuple[Backend, list[ReplicaHandle]]]:
+def start(
+    plan: LaunchPlan, number: int | None = None
+) -> dict[str, tuple[Backend, list[ReplicaHandle]]]:
     """Check every platform can start (SDK, credentials), publish run.toml for remote
-    replicas, take the next launch number in the bucket, then start platform by platform,
+    replicas, take launch ``number`` in the bucket (``prepare_store``'s; by default the next
+    one), then start platform by platform,
     recording each job as it comes. If one platform fails, or the user presses Ctrl-C, the
     replicas already started are stopped: no paid job is left orphaned."""
     for backend in plan.backends.values():
@@ -334,7 +340,8 @@ def start(plan: LaunchPlan) -> dict[str, tuple[Backend, list[ReplicaHandle]]]:
         launches = Launches(store, RunLayout(config.run.name))
         images = {platform: image_of(config, backend.settings, platform)
                   for platform, backend in plan.backends.items() if backend.remote}  # fmt: skip
-        number = launches.begin(plan.specs, plan.config_key, images, time.time()).number
+        record = launches.begin(plan.specs, plan.config_key, images, time.time(), number)
+        number = record.number
         started: dict[str, tuple[Backend, list[ReplicaHandle]]] = {}
         for platform, backend in plan.backends.items():
             try:

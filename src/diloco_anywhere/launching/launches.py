@@ -125,9 +125,13 @@ class Launches:
         config_key: str | None,
         images: dict[str, str],
         started_at: float,
+        number: int | None = None,
     ) -> LaunchRecord:
-        """Take the next launch number (``LaunchTakenError`` if another launcher just did)."""
-        number = max(self.numbers(), default=-1) + 1
+        """Take launch ``number``, by default the next one; ``LaunchTakenError`` if another
+        launcher took it first. A launcher that checked the run was not going passes the
+        number that followed the newest launch it checked: a launch made elsewhere since then
+        takes that number, and this one is refused."""
+        number = max(self.numbers(), default=-1) + 1 if number is None else number
         record = LaunchRecord(
             run=self.layout.run, number=number, started_at=started_at,
             host=socket.gethostname(), config_key=config_key, images=images,
