@@ -127,8 +127,13 @@ class MembershipView:
         if newest is None or claim.incarnation not in self.claims[claim.replica]:
             return f"its claim {claim.participant.name} is gone (the run was deleted or restarted)"
         if newest > claim.incarnation:
-            return f"incarnation {claim.replica}-{newest} claimed replica {claim.replica} since"
+            return newer_claim(claim.replica, newest)
         return None
+
+
+def newer_claim(replica: str, newest: int) -> str:
+    """Why an older incarnation of ``replica`` is superseded, said alike wherever it is seen."""
+    return f"incarnation {replica}-{newest} claimed replica {replica} since"
 
 
 @dataclass

@@ -30,7 +30,11 @@ from diloco_anywhere.bucket.layout import Participant, RunLayout, parse_contribu
 from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.flat import FlatTensors
-from diloco_anywhere.collective.membership import MembershipView, SupersededError
+from diloco_anywhere.collective.membership import (
+    MembershipView,
+    SupersededError,
+    newer_claim,
+)
 from diloco_anywhere.collective.parts import MissingPartError, Part, PartIO, Transfers
 from diloco_anywhere.collective.records import ExchangeMode, Manifest, PartEntry, Seal
 from diloco_anywhere.collective.transfers import windowed
@@ -398,9 +402,8 @@ class Round:
         newest = claims.get(self.me.replica, self.me.incarnation)
         if newest > self.me.incarnation:
             raise SupersededError(
-                f"round {self.round} fragment {self.fragment}: incarnation "
-                f"{self.me.replica}-{newest} has claimed replica {self.me.replica}; "
-                f"{self.me.name} stops contributing"
+                f"round {self.round} fragment {self.fragment}: "
+                f"{newer_claim(self.me.replica, newest)}; {self.me.name} stops contributing"
             )
 
     def _ready_to_seal(self, first_seen: float | None) -> bool:

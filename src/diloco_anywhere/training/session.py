@@ -233,6 +233,8 @@ class Replica:
         """The event that says how the replica ended, and its detail."""
         if isinstance(error, StopRequestedError):
             return "stopped", str(error)
+        if isinstance(error, SupersededError):  # seen in a round before the heartbeat saw it
+            return "superseded", str(error)
         if error is not None:
             return "failed", scrub_secrets(f"{type(error).__name__}: {error}")[:2000]
         if self.training is None:
