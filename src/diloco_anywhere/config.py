@@ -164,6 +164,44 @@ class ImageSection(_Section):
     ref: str = ""  # e.g. ghcr.io/<owner>/<project>:latest; a digest pins it exactly
 
 
+class KeepSection(_Section):
+    """What ``diloco keep`` may do to keep an unattended run going (docs/backends.md,
+    "Unattended runs"). Backoff follows Kubernetes' crash-loop backoff: the wait before a
+    restart doubles with each attempt in a row that ended within ``stable_after``."""
+
+    max_restarts: Annotated[int, Field(ge=0)] = 10  # per replica, over the whole run
+    backoff: Seconds = 60.0  # wait before restarting a replica whose attempt ended quickly
+    max_backoff: Seconds = 1800.0
+    stable_after: Seconds = 600.0  # an attempt that ran this long resets the backoff
+    # A job its platform says runs, whose replica's lease has not advanced this long (or
+    # that never claimed): hung; stopped and started again.
+    hung_after: Seconds = 1800.0
+
+
+class BudgetSection(_Section):
+    """A run's spending cap, and what its estimates assume (``launching/cost.py``). Prices are
+    public list prices with their date; override them for your discounts."""
+
+    max_hours: Annotated[float, Field(ge=0)] = 0.0  # wall hours since the launch; 0: no cap
+    max_usd: Annotated[float, Field(ge=0)] = 0.0  # estimated spend; 0: no cap
+    # Seconds per inner step, for the plan and the estimate before the run has measured it.
+    step_seconds: Annotated[float, Field(gt=0)] | None = None
+    # USD per replica-hour, "platform" or "platform/hardware" -> price, over the table's.
+    hourly_usd: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
+    # USD per GB leaving a cloud ("aws", "gcp", "azure", "hf", "modal", ...), over the table's.
+    egress_usd_per_gb: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
+
+
+class AlertsSection(_Section):
+    """Where the run's events go (``launching/alerts.py``): a Slack- or Discord-compatible
+    webhook whose URL is in an environment variable (a URL is a secret: never in run.toml)."""
+
+    webhook_env: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] = (
+        "DILOCO_ALERT_WEBHOOK"
+    )
+    stalled_after: Seconds = 1800.0  # alert when no round has sealed for this long
+
+
 class RunConfig(_Section):
     run: RunSection = Field(default_factory=RunSection)
     diloco: DilocoSection = Field(default_factory=DilocoSection)
@@ -171,6 +209,9 @@ class RunConfig(_Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     task: TaskSection = Field(default_factory=TaskSection)
     image: ImageSection = Field(default_factory=ImageSection)
+    keep: KeepSection = Field(default_factory=KeepSection)
+    budget: BudgetSection = Field(default_factory=BudgetSection)
+    alerts: AlertsSection = Field(default_factory=AlertsSection)
     # Per-backend settings ([backends.modal] ...), validated by each backend when it launches.
     backends: dict[str, dict[str, Any]] = Field(default_factory=dict)
     source: Path | None = Field(default=None, exclude=True)  # where it was loaded from

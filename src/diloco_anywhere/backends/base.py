@@ -25,8 +25,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from diloco_anywhere.config import ConfigError, RunConfig, problems
 
-# pending: accepted by the platform, not yet running (queued, scheduling, pulling the image)
-JobState = Literal["pending", "running", "exited", "failed", "stopped", "unknown"]
+# pending: accepted by the platform, not yet running (queued, scheduling, pulling the image);
+# timed_out: ended by the platform's limit on one attempt (Modal's function timeout, HF Jobs'
+# timeout, SageMaker's max runtime or spot wait, a Kubernetes deadline), not by a failure or a
+# stop: the keeper starts the next attempt (docs/backends.md, "Unattended runs").
+JobState = Literal["pending", "running", "exited", "failed", "timed_out", "stopped", "unknown"]
 # The job may still be running (or its platform could not say): not to be replaced or forgotten.
 ACTIVE_STATES = ("pending", "running", "unknown")
 MAX_MESSAGE = 400
@@ -203,3 +206,13 @@ class Backend(Protocol):
 
     def stop(self, handle: ReplicaHandle) -> None:
         """Stop the replica's job; a job that has already ended is left as it is."""
+
+    def attempt_limit(self) -> float | None:
+        """Seconds after which the platform ends one attempt of a replica, as configured
+        (Modal's function timeout, HF Jobs' timeout, SageMaker's max runtime, a Kubernetes
+        deadline); None where nothing ends it. Plans when the keeper must start the next."""
+
+    def hardware(self) -> str:
+        """What one replica runs on, as the price table names it (``launching/cost.py``):
+        e.g. ``A100-80GB:2`` on Modal, ``a10g-large`` on HF Jobs, ``ml.p4d.24xlarge`` on
+        SageMaker; ``""`` where no list price applies (local processes, your own cluster)."""

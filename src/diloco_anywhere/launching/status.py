@@ -42,7 +42,7 @@ class ReplicaStatus:
         return asdict(self)
 
 
-ENDED_JOBS = ("exited", "failed", "stopped")
+ENDED_JOBS = ("exited", "failed", "timed_out", "stopped")
 
 
 def _state(metrics: ReplicaMetrics | None, job: str, stopped_on_purpose: bool) -> str:
