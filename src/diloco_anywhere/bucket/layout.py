@@ -231,6 +231,22 @@ class RunLayout:
         """``diloco stop`` stopped ``replica`` of launch ``number`` on purpose."""
         return f"{self.launch_folder(number)}/stopped/{check_name(replica, 'replica')}"
 
+    def launch_restart(self, number: int, replica: str, attempt: int) -> str:
+        """A keeper's claim to start ``attempt`` of ``replica`` (create-only: one keeper acts),
+        and why (``launching/keeper.py``)."""
+        folder = f"{self.launch_folder(number)}/restarts/{check_name(replica, 'replica')}"
+        return f"{folder}/{_check_count(attempt, 'attempt', MAX_LAUNCH):06d}"
+
+    def launch_end(self, number: int) -> str:
+        """Launch ``number`` was ended by a keeper (done, or out of budget), and why
+        (create-only: one keeper stops the replicas)."""
+        return f"{self.launch_folder(number)}/END"
+
+    def launch_alert(self, number: int, event: str) -> str:
+        """Alert ``event`` of launch ``number`` was sent (create-only: sent once, by whoever
+        observed it first; ``launching/alerts.py``)."""
+        return f"{self.launch_folder(number)}/alerts/{check_name(event, 'alert event')}"
+
     def parse_launch(self, key: str) -> int | None:
         """``launches/{number}/LAUNCH`` -> number; anything else -> None."""
         parts = key.removeprefix(f"{self.launches()}/").split("/")
@@ -239,16 +255,34 @@ class RunLayout:
         return None
 
     def parse_launch_key(self, key: str, number: int) -> tuple[str, str, int] | None:
-        """A key of launch ``number``: ``("job", replica, attempt)``, ``("stopped", replica,
-        0)``, or None for anything else."""
+        """A key of launch ``number``: ``("job", replica, attempt)``, ``("restart", replica,
+        attempt)``, ``("stopped", replica, 0)``, or None for anything else."""
         prefix = f"{self.launch_folder(number)}/"
         parts = key.removeprefix(prefix).split("/") if key.startswith(prefix) else []
         if len(parts) == 3 and parts[0] == "jobs" and NAME.fullmatch(parts[1]):
             attempt = parse_count(parts[2], MAX_LAUNCH)
             return None if attempt is None else ("job", parts[1], attempt)
+        if len(parts) == 3 and parts[0] == "restarts" and NAME.fullmatch(parts[1]):
+            attempt = parse_count(parts[2], MAX_LAUNCH)
+            return None if attempt is None else ("restart", parts[1], attempt)
         if len(parts) == 2 and parts[0] == "stopped" and NAME.fullmatch(parts[1]):
             return "stopped", parts[1], 0
         return None
+
+    # -- the status page (launching/status_page.py) ------------------------------------------
+
+    def status_page(self) -> str:
+        """The run's status as one self-contained HTML page, written by each keeper pass."""
+        return f"{self.run}/status/index.html"
+
+    def status_json(self) -> str:
+        """The same status as JSON, for scripts."""
+        return f"{self.run}/status/status.json"
+
+    def clock(self) -> str:
+        """A small object a keeper writes to read the store's time (``Store.modified``): the
+        one clock every keeper shares, whatever their own say."""
+        return f"{self.run}/status/clock"
 
     # -- metrics -------------------------------------------------------------------------------
 
