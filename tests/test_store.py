@@ -7,7 +7,9 @@ import multiprocessing
 import os
 import threading
 import time
+import urllib.request
 
+import fsspec
 import pytest
 
 from diloco_anywhere.bucket.store import Store, StoreError, check_key, redact_url, scrub_secrets
@@ -276,3 +278,76 @@ def test_a_local_store_follows_no_link_and_reads_only_regular_files(tmp_path, ca
     assert (outside / "precious").read_bytes() == b"keep me"
     assert sorted(os.listdir(outside)) == ["precious"]
     assert "skipping 'run/rounds/fifo': not a regular file" in caplog.text
+
+
+# -- overwrite and signed URLs: the status page a keeper rewrites and a person opens ------------
+
+HTML = "text/html; charset=utf-8"
+PAGE = "status/index.html"
+
+
+def test_overwrite_replaces_an_object_whole_and_leaves_create_only_keys_create_only(backend):
+    store = backend.store()
+    store.overwrite(PAGE, b"<p>first pass</p>", content_type=HTML)
+    store.overwrite(PAGE, b"<p>second</p>", content_type=HTML)
+    assert store.get(PAGE) == b"<p>second</p>"
+    assert store.list_prefix("status") == [PAGE]  # a local store leaves no temp file behind
+    store.put("status/clock", b"t")
+    if backend.exclusive_create:
+        with pytest.raises(FileExistsError, match="create-only"):
+            store.put(PAGE, b"<p>a put never overwrites</p>")
+        with pytest.raises(FileExistsError, match="create-only"):
+            store.put("status/clock", b"u")
+    assert store.stats().bytes_up == len(b"<p>first pass</p><p>second</p>t")
+
+
+def test_a_local_overwrite_never_changes_the_file_a_reader_has_open(tmp_path):
+    store = Store(str(tmp_path))
+    store.overwrite(PAGE, b"old page")
+    with open(tmp_path / PAGE, "rb") as reader:
+        store.overwrite(PAGE, b"new page")
+        assert reader.read() == b"old page"
+    assert store.get(PAGE) == b"new page"
+
+
+@pytest.mark.parametrize("name", ["path", "file", "s3", "azure", "hf"])
+def test_a_signed_url_opens_the_object_with_its_content_type(name, make_backend):
+    """What a browser is sent when it opens the link: the page, as HTML. S3 and HF buckets
+    sign with SigV4, Azure with a SAS from the account key; a local store gives its file."""
+    store = make_backend(name).store()
+    store.overwrite(PAGE, b"<p>page</p>", content_type=HTML)
+    url = store.sign(PAGE, 300)
+    if name in ("path", "file"):
+        assert url == (store_root := url.removesuffix(PAGE)) + PAGE
+        assert store_root.startswith("file:///")
+    else:
+        assert ("X-Amz-Signature=" if name != "azure" else "sig=") in url
+    with urllib.request.urlopen(url, timeout=30) as response:
+        assert response.read() == b"<p>page</p>"
+        expected = "text/html" if name in ("path", "file") else HTML  # a file's from its name
+        assert response.headers["Content-Type"] == expected
+
+
+def test_gcs_keeps_the_content_type(make_backend):
+    """The emulator has no signer, so the object's metadata is read instead; it keeps the
+    type without its charset parameter (real GCS keeps the whole value)."""
+    backend = make_backend("gcs")
+    backend.store().overwrite(PAGE, b"<p>page</p>", content_type=HTML)
+    fs, root = fsspec.url_to_fs(backend.url, **backend.storage_options)
+    assert fs.info(f"{root}/{PAGE}")["contentType"].startswith("text/html")
+
+
+@pytest.mark.parametrize("name", ["memory", "gcs"])
+def test_a_store_that_cannot_sign_says_so(name, make_backend):
+    """memory:// has no URLs; GCS signs only with a service account's key (the emulator has
+    none)."""
+    store = make_backend(name).store()
+    store.overwrite(PAGE, b"<p>page</p>", content_type=HTML)
+    with pytest.raises(StoreError, match=rf"sign '{PAGE}' in store .* failed"):
+        store.sign(PAGE, 300)
+
+
+@pytest.mark.parametrize("seconds", [0, 7 * 24 * 3600 + 1])
+def test_a_signed_url_lasts_at_most_seven_days(seconds, tmp_path):
+    with pytest.raises(ValueError, match="1 to 604800 seconds"):
+        Store(str(tmp_path)).sign(PAGE, seconds)

@@ -2,8 +2,10 @@
 
 Every byte replicas exchange passes through one ``Store``. Keys are never overwritten: a write
 either creates the key or raises ``FileExistsError``, which makes the create-only write the one
-consensus primitive the collective builds on (first writer of a SEAL wins). A reader never sees a
-partial object, on every backend:
+consensus primitive the collective builds on (first writer of a SEAL wins). The one exception is
+``overwrite``, for what a person reads in a browser and a keeper rewrites each pass (the status
+page); nothing a replica reads goes through it. A reader never sees a partial object, on every
+backend:
 
 - S3: ``PutObject`` / ``CompleteMultipartUpload`` with ``If-None-Match: *`` (s3fs ``mode="create"``;
   AWS docs, "Conditional writes"). A 409 ConditionalRequestConflict is retried.
@@ -32,6 +34,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from datetime import timezone
+from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -68,6 +71,21 @@ SDK_ATTRIBUTES: dict[str, dict[str, Any]] = {"s3": {"retries": 1}}
 # Listings must be fresh: peers create keys all the time.
 COMMON_REMOTE_DEFAULTS = {"use_listings_cache": False, "skip_instance_cache": True}
 
+# How each SDK takes an object's Content-Type: what a browser opening the object's URL is told.
+CONTENT_TYPE_ARGUMENTS: dict[str, Callable[[str], dict[str, Any]]] = {
+    "s3": lambda content_type: {"ContentType": content_type},
+    "gcs": lambda content_type: {"content_type": content_type},
+    "abfs": lambda content_type: {"content_settings": {"content_type": content_type}},
+}
+
+# What a filesystem that signs URLs needs besides the store's options. S3: SigV4, which botocore
+# does not use for presigning unless asked (its SigV2 is deprecated by AWS and refused by
+# S3-compatible stores), signed in the bucket's own region (looked up once with a HEAD; s3fs
+# skips it where the options name a region or an endpoint).
+SIGNING_OPTIONS: dict[str, dict[str, Any]] = {
+    "s3": {"config_kwargs": {"signature_version": "s3v4"}, "cache_regions": True},
+}
+MAX_SIGNED_SECONDS = 7 * 24 * 3600
 RANGE_NOT_SATISFIABLE = 416
 TEMP_PREFIX = ".tmp-"
 _MEMORY_LOCK = threading.Lock()
@@ -208,8 +226,18 @@ def _open_regular(path: str) -> int:
 
 
 def _create_local(path: str, data: Buffer) -> None:
-    """Not fsynced: a process crash loses nothing (the page cache survives it); an OS crash
-    takes the local store's replicas down with it anyway."""
+    _write_local(path, data, os.link)
+
+
+def _replace_local(path: str, data: Buffer) -> None:
+    """rename(2) over the old file: a reader opens the old file or the new, never a part."""
+    _write_local(path, data, os.replace)
+
+
+def _write_local(path: str, data: Buffer, publish: Callable[[str, str], None]) -> None:
+    """Write a temp file beside ``path``, then ``publish`` it there (link: create-only; replace:
+    overwrite). Not fsynced: a process crash loses nothing (the page cache survives it); an OS
+    crash takes the local store's replicas down with it anyway."""
     directory = os.path.dirname(path)
     try:
         os.makedirs(directory, exist_ok=True)
@@ -227,7 +255,7 @@ def _create_local(path: str, data: Buffer) -> None:
     try:
         with open(temp, "xb") as file:
             file.write(data)
-        os.link(temp, path)
+        publish(temp, path)
     except OSError as exc:
         if exc.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
             raise StoreError(
@@ -271,7 +299,9 @@ class Store:
         self._retry = retry or RetryPolicy()
         self._counters = _Counters()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="store")
-        self._fs, root = fsspec.url_to_fs(url, **_storage_options(protocols, storage_options or {}))
+        self._options = _storage_options(protocols, storage_options or {})
+        self._fs, root = fsspec.url_to_fs(url, **self._options)
+        self._fs_url, self._protocols = url, protocols  # for a filesystem that signs (``sign``)
         self._is_local = bool(protocols & LOCAL_PROTOCOLS)
         # a local root is resolved once (the user chose it); below it no link is followed
         self._root = os.path.realpath(root) if self._is_local else root.rstrip("/")
@@ -279,6 +309,7 @@ class Store:
             for attribute, value in SDK_ATTRIBUTES.get(protocol, {}).items():
                 setattr(self._fs, attribute, value)
         self._create = self._exclusive_writer(protocols)
+        self._replace = self._overwriter(protocols)
         self._strangers: set[str] = set()  # listed objects that are not keys, logged once
 
     def _exclusive_writer(self, protocols: frozenset[str]) -> Callable[[str, Buffer], None]:
@@ -293,6 +324,18 @@ class Store:
             return create_in_memory
         # bytes, not bytearray: azure-storage-blob iterates a bytearray as ints.
         return lambda path, data: self._fs.pipe_file(path, bytes(data), mode="create")
+
+    def _overwriter(self, protocols: frozenset[str]) -> Callable[[str, Buffer, str | None], None]:
+        if self._is_local:
+            return lambda path, data, _content_type: _replace_local(path, data)
+        typed = next((CONTENT_TYPE_ARGUMENTS[p] for p in protocols if p in CONTENT_TYPE_ARGUMENTS),
+                     None)  # fmt: skip
+
+        def overwrite_remote(path: str, data: Buffer, content_type: str | None) -> None:
+            extra = typed(content_type) if typed and content_type else {}
+            self._fs.pipe_file(path, bytes(data), mode="overwrite", **extra)
+
+        return overwrite_remote
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -368,6 +411,47 @@ class Store:
                     f"{self._where(key)} already exists; keys are create-only"
                 ) from None
         self._add(bytes_up=len(data))
+
+    def overwrite(self, key: str, data: Buffer, *, content_type: str | None = None) -> None:
+        """Write ``key`` holding ``data``, replacing what it held. Only for objects that one
+        writer refreshes and people read (the status page), never for what replicas exchange:
+        those are create-only (``put``). A reader sees the old object or the new one whole (S3,
+        GCS and Azure replace an object in one request; a local store renames a temp file over
+        it). ``content_type`` is kept with the object where the store keeps one (S3, GCS,
+        Azure), so that a browser opening a link to it renders it instead of downloading it; a
+        local file's type comes from its name's extension."""
+        path = self._path(key)
+
+        def attempt() -> None:
+            self._add(puts=1)
+            self._replace(path, data, content_type)
+
+        self._run("overwrite", key, attempt)
+        self._add(bytes_up=len(data))
+
+    def sign(self, key: str, expires_seconds: int) -> str:
+        """A URL that opens ``key`` in a browser: a local file's ``file://`` URL; else a URL
+        signed with this store's credentials (S3 and HF buckets: SigV4 presigned; GCS: with a
+        service account's key; Azure: a SAS from the account key), with which anyone may read
+        the object until it expires: a bearer credential, never to be logged. ``StoreError``
+        where the store cannot sign (memory://, GCS without a service account key, Azure
+        without an account key)."""
+        if not 1 <= expires_seconds <= MAX_SIGNED_SECONDS:
+            raise ValueError(
+                f"a signed URL lasts 1 to {MAX_SIGNED_SECONDS} seconds (7 days, the most S3 and "
+                f"GCS accept), not {expires_seconds}"
+            )
+        path = self._path(key)
+        if self._is_local:
+            return Path(path).as_uri()
+        return self._run("sign", key, lambda: self._signer().sign(path, expiration=expires_seconds))
+
+    def _signer(self) -> fsspec.AbstractFileSystem:
+        """The store's own filesystem, or one with ``SIGNING_OPTIONS`` for its protocol."""
+        extra = next((SIGNING_OPTIONS[p] for p in self._protocols if p in SIGNING_OPTIONS), None)
+        if extra is None:
+            return self._fs
+        return fsspec.url_to_fs(self._fs_url, **_merged(self._options, extra))[0]
 
     def put_many(self, objects: Mapping[str, Buffer]) -> None:
         """``put`` every key concurrently (a contribution's parts, an owner's reduced shards);
