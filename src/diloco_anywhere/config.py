@@ -190,6 +190,14 @@ class BudgetSection(_Section):
     hourly_usd: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
     # USD per GB leaving a cloud ("aws", "gcp", "azure", "hf", "modal", ...), over the table's.
     egress_usd_per_gb: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
+    # The model's parameter count, for the traffic estimate of a task that is not built before
+    # training (any but the built-in GPT task, whose model is counted without its weights).
+    parameters: Annotated[int, Field(ge=1)] | None = None
+    # Where a platform's replicas run, or the store ("store"), when its default is wrong for
+    # egress: e.g. {k8s = "gcp"}; default sagemaker aws, modal modal, hf_jobs hf, k8s unknown.
+    clouds: dict[str, Literal["aws", "gcp", "azure", "hf", "modal", "local", "unknown"]] = Field(
+        default_factory=dict
+    )
 
 
 class AlertsSection(_Section):
