@@ -8,7 +8,10 @@ process (``standin_jobs.ContainerProcess``) with the container's ``env``, its ``
 Secrets (decoded from base64) and ``JOB_COMPLETION_INDEX``; a failed index is retried up to
 ``backoffLimitPerIndex`` times, each attempt a new pod, unless the pod failure policy fails
 the index on that exit code (``FailIndex``, ``onExitCodes`` with ``In``); the Job's
-``completedIndexes`` / ``failedIndexes`` and conditions follow. Deleting a Job removes it at
+``completedIndexes`` / ``failedIndexes`` and conditions follow. ``activeDeadlineSeconds`` after
+its start, a Job that has not ended is failed as the Job controller does it: a FailureTarget
+condition with reason DeadlineExceeded, its running pods terminated (SIGTERM) and not retried,
+then, once they have ended, the Failed condition with that reason. Deleting a Job removes it at
 once and terminates its pods' processes (SIGTERM), as background propagation does. Every
 request is kept in ``.requests`` as (method, path with query, JSON body as sent).
 
@@ -62,6 +65,17 @@ def _ranges(indexes: set[int]) -> str | None:
     return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in parts) or None
 
 
+# The Job controller's reason and message for a Job past its activeDeadlineSeconds
+DEADLINE = {
+    "reason": "DeadlineExceeded",
+    "message": "Job was active longer than specified deadline",
+}
+
+
+def _condition(kind: str, **reason: str) -> dict[str, str]:
+    return {"type": kind, "status": "True", "lastTransitionTime": _now(), **reason}
+
+
 def _status(code: int, reason: str, message: str) -> dict[str, Any]:
     return {
         "kind": "Status",
@@ -79,13 +93,19 @@ class _Job:
     def __init__(self, api: K8sStandIn, manifest: dict[str, Any]) -> None:
         self.api, self.manifest = api, manifest
         self.deleted = False
+        self.past_deadline = False
         spec = manifest["spec"]
         self.completed: set[int] = set()
         self.failed: set[int] = set()
+        self.active = set(range(spec["completions"]))  # indexes whose pods are still coming
         self.pod_failures = 0
         manifest["status"] = {"startTime": _now()}
         for index in range(spec["completions"]):  # the Job controller, one thread per index
             threading.Thread(target=self._run_index, args=(index,), daemon=True).start()
+        if spec.get("activeDeadlineSeconds") is not None:
+            deadline = threading.Timer(spec["activeDeadlineSeconds"], self._deadline_exceeded)
+            deadline.daemon = True
+            deadline.start()
 
     @property
     def name(self) -> str:
@@ -106,10 +126,23 @@ class _Job:
                 ended = code == 0 or retries == 0 or code in self._fail_index_codes()
                 if ended:
                     (self.completed if code == 0 else self.failed).add(index)
+                if ended or self.past_deadline:  # past it: terminated, never retried
+                    self.active.discard(index)
                 self.update_status()
-            if ended:
-                return
+                if index not in self.active:
+                    return
             retries -= 1
+
+    def _deadline_exceeded(self) -> None:
+        """activeDeadlineSeconds have passed: unless the Job has ended, mark it failing and
+        terminate its running pods; ``update_status`` fails it once they have ended."""
+        with self.api.lock:
+            if self.deleted or not self.active:
+                return
+            self.past_deadline = True
+            self.manifest["status"]["conditions"] = [_condition("FailureTarget", **DEADLINE)]
+            for pod in self.api.pods_of(self):
+                pod.container.terminate()
 
     def _fail_index_codes(self) -> set[int]:
         """Exit codes the pod failure policy fails an index on at once (operator In)."""
@@ -122,19 +155,24 @@ class _Job:
         }
 
     def update_status(self) -> None:
-        """Counts, index ranges, and the terminal condition once every index has ended."""
+        """Counts, index ranges, and the terminal condition once no index runs: Failed for a
+        deadline passed, or for an index out of retries; else Complete."""
         status = self.manifest["status"]
-        ended = self.completed | self.failed
         status.update(
-            active=self.manifest["spec"]["completions"] - len(ended),
+            active=len(self.active),
             succeeded=len(self.completed),
             failed=self.pod_failures,
             completedIndexes=_ranges(self.completed),
             failedIndexes=_ranges(self.failed),
         )
-        if len(ended) == self.manifest["spec"]["completions"]:
-            kind = "Failed" if self.failed else "Complete"
-            status["conditions"] = [{"type": kind, "status": "True", "lastTransitionTime": _now()}]
+        if self.active:
+            return
+        if self.past_deadline:
+            status["conditions"] = [_condition("Failed", **DEADLINE)]
+        elif self.failed:
+            status["conditions"] = [_condition("Failed")]
+        else:
+            status["conditions"] = [_condition("Complete")]
             status["completionTime"] = _now()
 
 
@@ -207,6 +245,8 @@ class K8sStandIn(RecordingServer):
             self.pods[(job.manifest["metadata"]["namespace"], pod.name)] = pod
             if job.deleted:
                 pod.container.cancel()
+            elif job.past_deadline:  # a retry that began as the deadline passed
+                pod.container.terminate()
             return pod
 
     def end_pod(self, pod: _Pod, code: int) -> None:
@@ -214,6 +254,10 @@ class K8sStandIn(RecordingServer):
             pod.record["status"]["phase"] = "Succeeded" if code == 0 else "Failed"
             if self.jobs.get(self.job_of(pod)) is None:  # its Job was deleted: the pod goes too
                 self.pods.pop((pod.record["metadata"]["namespace"], pod.name), None)
+
+    def pods_of(self, job: _Job) -> list[_Pod]:
+        key = (job.manifest["metadata"]["namespace"], job.name)
+        return [pod for pod in self.pods.values() if self.job_of(pod) == key]
 
     @staticmethod
     def job_of(pod: _Pod) -> tuple[str, str]:
@@ -287,9 +331,8 @@ class _Handler(BaseHTTPRequestHandler):
         if method == "DELETE":
             del self.server.jobs[(namespace, name)]
             job.deleted = True
-            for pod in list(self.server.pods.values()):
-                if self.server.job_of(pod) == (namespace, name):
-                    pod.container.cancel()
+            for pod in self.server.pods_of(job):
+                pod.container.cancel()
             return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success"}
         return 405, _status(405, "MethodNotAllowed", method)
 

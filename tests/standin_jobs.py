@@ -9,6 +9,7 @@ project's sources on PYTHONPATH). This machine's Python stands in for the image,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -47,8 +48,14 @@ class ContainerProcess:
 
     def cancel(self) -> None:
         self.cancelled = True
+        self.terminate()
+
+    def terminate(self) -> None:
+        """SIGTERM, as a platform ends a container: its replica records that it stopped. The
+        process may end (and be reaped by the thread waiting on it) meanwhile."""
         if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
 
     def kill(self) -> None:
         if self.process.poll() is None:

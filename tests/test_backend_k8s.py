@@ -5,6 +5,7 @@ through the real ``kubernetes`` client against a stand-in API server that runs t
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import sys
 import time
@@ -23,8 +24,11 @@ from diloco_anywhere.backends.k8s import (
     label_value,
     parse_indexes,
 )
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import ConfigError, load_config
 from diloco_anywhere.launching.launch import plan_launch, run_metrics, start
+from diloco_anywhere.launching.published_config import publish_config
+from diloco_anywhere.replica import identity
 from diloco_anywhere.standins import StandIn, moto_s3
 
 kubernetes = pytest.importorskip("kubernetes", reason="the k8s extra is not installed")
@@ -90,6 +94,7 @@ memory = "32Gi"
     assert spec["completions"] == spec["parallelism"] == 3
     assert spec["backoffLimitPerIndex"] == 5
     assert "maxFailedIndexes" not in spec  # one replica out of retries leaves the others be
+    assert "activeDeadlineSeconds" not in spec  # no deadline unless asked for
     pod = spec["template"]["spec"]
     assert pod["restartPolicy"] == "Never"
     assert pod["serviceAccountName"] == "trainer"
@@ -104,7 +109,7 @@ memory = "32Gi"
     assert container["command"][-2:] == ["-m", "diloco_anywhere.replica"]
     assert container["envFrom"] == [{"secretRef": {"name": STORE_SECRET}}]
     env = {item["name"]: item["value"] for item in container["env"]}
-    assert env["DILOCO_REPLICA_INDEX_BASE"] == "0"
+    assert env["DILOCO_REPLICA_ID_BASE"] == env["DILOCO_REPLICA_INDEX_BASE"] == "0"
     assert env["DILOCO_PLATFORM"] == "k8s"
     assert env["DILOCO_REPLICAS"] == "3"
     assert "DILOCO_REPLICA_ID" not in env
@@ -132,6 +137,8 @@ def test_a_cpu_job_without_extras_has_no_resources_or_secret(tmp_path):
         ('secret = "Store Creds"', "backends.k8s.secret = 'Store Creds': must be a DNS-1123"),
         ('memory = "lots"', "backends.k8s.memory = 'lots': must be a Kubernetes quantity"),
         ("backoff_limit_per_index = -2", "backends.k8s.backoff_limit_per_index = -2"),
+        ("deadline_hours = 0", "backends.k8s.deadline_hours = 0: Input should be greater than 0"),
+        ("deadline_hours = 0.0001", "backends.k8s: deadline_hours = 0.0001 is under one second"),
         (
             "gpus_per_pod = 2\nprocesses_per_replica = 4",
             "processes_per_replica (4) must be at most gpus_per_pod (2)",
@@ -144,10 +151,52 @@ def test_bad_settings_are_refused_naming_the_field(tmp_path, settings, expected)
     assert expected in str(refused.value)
 
 
-def test_one_job_needs_the_replicas_k8s_0_to_n_with_consecutive_indexes(tmp_path):
+def template_env(job: dict) -> dict[str, str]:
+    [container] = job["spec"]["template"]["spec"]["containers"]
+    return {item["name"]: item["value"] for item in container["env"]}
+
+
+def test_a_job_can_start_any_consecutive_replicas_again_with_their_ids_and_shards(tmp_path):
+    """Replica k8s-1 alone (as `diloco keep` restarts it): a Job of one completion whose pod
+    derives id k8s-1 and that replica's shard, whatever platforms come before k8s."""
+    config = write_config(tmp_path, "", replicas=4)
+    plan = plan_launch(config, {"local": 1, "k8s": 3}, root=tmp_path)
+    backend, specs = plan.backends["k8s"], plan.specs_on("k8s")
+    assert [(spec.replica_id, spec.index) for spec in specs] == [
+        ("k8s-0", 1), ("k8s-1", 2), ("k8s-2", 3),
+    ]  # fmt: skip
+
+    for subset, first, base in ([specs[1]], 1, 2), (specs[1:], 1, 2), (specs, 0, 1):
+        [job] = backend.describe(subset)
+        assert job["spec"]["completions"] == job["spec"]["parallelism"] == len(subset)
+        env = template_env(job)
+        assert env["DILOCO_REPLICA_ID_BASE"] == str(first)
+        assert env["DILOCO_REPLICA_INDEX_BASE"] == str(base)
+        pods = [identity(None, None, {**env, "JOB_COMPLETION_INDEX": str(k)})
+                for k in range(len(subset))]  # fmt: skip
+        assert pods == [(spec.replica_id, spec.index) for spec in subset]
+
+
+def test_one_job_needs_consecutive_replicas_with_consecutive_indexes(tmp_path):
     plan = plan_launch(write_config(tmp_path, "", replicas=3), {"k8s": 3}, root=tmp_path)
-    with pytest.raises(ValueError, match=r"expected ids k8s-0\.\.k8s-1 .* got \[\('k8s-1', 1\)"):
-        plan.backends["k8s"].describe(list(plan.specs[1:]))
+    specs = plan.specs_on("k8s")
+    with pytest.raises(ValueError, match=r"expected consecutive ids k8s-0\.\.k8s-1 .* got"):
+        plan.backends["k8s"].describe([specs[0], specs[2]])
+    odd = dataclasses.replace(specs[0], replica_id="k8s-one")
+    with pytest.raises(ValueError, match=r"replica id 'k8s-one' is not k8s-<number>"):
+        plan.backends["k8s"].describe([odd])
+
+
+def test_a_deadline_is_the_jobs_active_deadline_and_its_attempt_limit(tmp_path):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    backend = KubernetesBackend(write_config(tmp_path, "deadline_hours = 2"))
+    plan = plan_launch(backend.config, {"k8s": 2}, root=tmp_path)
+    [job] = plan.backends["k8s"].describe(plan.specs)
+    kubernetes_validate.validate(job, kubernetes_validate.latest_version(), strict=True)
+    assert job["spec"]["activeDeadlineSeconds"] == 2 * 3600
+    assert (backend.attempt_limit(), backend.hardware()) == (2 * 3600, "")
+    no_deadline = KubernetesBackend(write_config(tmp_path, ""))
+    assert (no_deadline.attempt_limit(), no_deadline.hardware()) == (None, "")
 
 
 @pytest.mark.parametrize(
@@ -227,7 +276,7 @@ def states_of(backend: KubernetesBackend, handles: list[ReplicaHandle], seen: se
 
 
 def ended(states: list[str]) -> bool:
-    return all(state in ("exited", "failed", "stopped") for state in states)
+    return all(state in ("exited", "failed", "timed_out", "stopped") for state in states)
 
 
 def test_a_server_side_dry_run_creates_nothing(tmp_path, kube):
@@ -363,3 +412,60 @@ def test_stop_deletes_a_running_job_and_its_pods(tmp_path, kube):
     [(_, path, _)] = [r for r in kube.requests if r[0] == "DELETE" and name in r[1]]
     assert parse_qs(urlsplit(path).query)["propagationPolicy"] == ["Background"]
     assert wait_for(kube.running, lambda running: running == 0, 20) == 0
+
+
+def test_a_job_past_its_deadline_times_out_every_index_not_completed(tmp_path, kube):
+    """As the Job controller does at activeDeadlineSeconds: the running pods are terminated
+    and the Job fails with reason DeadlineExceeded; an index that had completed stays so."""
+    config = write_config(tmp_path, f"deadline_hours = {10 / 3600}")
+    plan = plan_launch(config, {"k8s": 2}, root=tmp_path)
+    backend = plan.backends["k8s"]
+    [manifest] = backend.describe(list(plan.specs))
+    assert manifest["spec"]["activeDeadlineSeconds"] == 10
+    index_1_ends = "import os, time; os.environ['JOB_COMPLETION_INDEX'] == '1' or time.sleep(300)"
+    [container] = manifest["spec"]["template"]["spec"]["containers"]
+    container["command"] = ["python", "-c", index_1_ends]
+    name = backend.submit(manifest, dry_run=False)["metadata"]["name"]
+    handles = [
+        ReplicaHandle(f"k8s-{k}", "k8s", {"namespace": "default", "name": name, "index": k})
+        for k in (0, 1)
+    ]
+
+    states = wait_for(lambda: states_of(backend, handles, set()), ended, timeout=90)
+
+    assert states == ["timed_out", "exited"]
+    job = kube.jobs[("default", name)]
+    [condition] = job.manifest["status"]["conditions"]
+    assert (condition["type"], condition["reason"]) == ("Failed", "DeadlineExceeded")
+    assert all(pod.container.exit_code() is not None for pod in kube.pods_of(job))
+    assert len(kube.pods_of(job)) == 2  # the terminated pod was not retried
+    deletes = sum(method == "DELETE" for method, _, _ in kube.requests)
+    backend.stop(handles[0])  # the Job has ended
+    assert sum(method == "DELETE" for method, _, _ in kube.requests) == deletes
+
+
+def test_replicas_started_again_one_job_each_run_with_their_ids_and_shards(tmp_path, kube):
+    """A 3-replica run whose k8s replicas each come in a Job of their own, k8s-1 first (as the
+    keeper restarts one), next to a local replica: every one trains as itself, on its shard."""
+    settings = f'secret = "{STORE_SECRET}"\ngpus_per_pod = 0'
+    config = write_config(tmp_path, settings, name="again", replicas=3)
+    plan = plan_launch(config, {"local": 1, "k8s": 2}, root=tmp_path)
+    with Store(config.store_url()) as bucket:
+        publish_config(bucket, config)
+    backend, [k8s_0, k8s_1] = plan.backends["k8s"], plan.specs_on("k8s")
+    local = plan.backends["local"].launch(plan.specs_on("local"), plan.run_dir)
+    handles = [*backend.launch([k8s_1], tmp_path), *backend.launch([k8s_0], tmp_path)]
+
+    assert [(h.replica_id, h.job["index"]) for h in handles] == [("k8s-1", 0), ("k8s-0", 0)]
+    assert handles[0].job["name"] != handles[1].job["name"]  # one Job each
+    states = wait_for(lambda: states_of(backend, handles, set()), ended, timeout=240)
+    assert states == ["exited", "exited"], backend.logs(handles[0])
+    metrics = run_metrics(config).read()
+    assert {replica: m.state() for replica, m in metrics.items()} == {
+        "local-0": "done", "k8s-0": "done", "k8s-1": "done",
+    }  # fmt: skip
+    started = {replica: [e.detail for e in m.events if e.event == "started"]
+               for replica, m in metrics.items()}  # fmt: skip
+    assert started["k8s-0"][0].startswith("shard 1 of 3")
+    assert started["k8s-1"][0].startswith("shard 2 of 3")
+    assert plan.backends["local"].state(local[0]) == "exited"

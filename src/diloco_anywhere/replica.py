@@ -6,9 +6,11 @@ Backends pass who this replica is through the environment (``DILOCO_REPLICA_ID``
 ``DILOCO_REPLICA_INDEX``, ``DILOCO_PLATFORM``) and may override the run and store
 (``DILOCO_RUN``, ``DILOCO_STORE``), so one image and one command serve every platform. A
 Kubernetes Indexed Job gives all its pods one template, so there the id is
-``{DILOCO_PLATFORM}-{JOB_COMPLETION_INDEX}`` and the shard ``DILOCO_REPLICA_INDEX_BASE`` plus
-that index. Remote replicas read run.toml from the store (``DILOCO_CONFIG_KEY``, published by
-the launcher: ``published_config.py``); local ones read the file given by ``--config``. Store
+``{DILOCO_PLATFORM}-{n}`` with ``n`` = ``DILOCO_REPLICA_ID_BASE`` plus ``JOB_COMPLETION_INDEX``,
+and the shard ``DILOCO_REPLICA_INDEX_BASE`` plus that index: a Job that starts replica
+``k8s-1`` again alone has one completion, id base 1 and that replica's shard as index base.
+Remote replicas read run.toml from the store (``DILOCO_CONFIG_KEY``, published by the launcher:
+``published_config.py``); local ones read the file given by ``--config``. Store
 credentials come from the platform's standard environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS,
 AZURE_*), read by the store's SDK, never by us.
 
@@ -51,6 +53,7 @@ ENV_RUN = "DILOCO_RUN"
 ENV_STORE = "DILOCO_STORE"
 ENV_REPLICAS = "DILOCO_REPLICAS"
 ENV_REPLICA_INDEX_BASE = "DILOCO_REPLICA_INDEX_BASE"
+ENV_REPLICA_ID_BASE = "DILOCO_REPLICA_ID_BASE"  # the number in the id of completion index 0
 ENV_COMPLETION_INDEX = "JOB_COMPLETION_INDEX"  # set by Kubernetes in an Indexed Job's pods
 EXIT_STOPPED = 128 + signal.SIGTERM  # as shells and platforms report a SIGTERM exit
 EXIT_BAD_CONFIG = 2  # run.toml or arguments refused, nothing started: a retry cannot help
@@ -79,14 +82,16 @@ def identity(
     replica_id: str | None, index: int | None, environ: dict[str, str]
 ) -> tuple[str, int | None]:
     """The replica id and, if given, its data shard: from the arguments, else the launcher's
-    variables, else an Indexed Job's completion index."""
+    variables, else an Indexed Job's completion index counted from the id number and the
+    shard of the Job's first replica (``DILOCO_REPLICA_ID_BASE``, ``DILOCO_REPLICA_INDEX_BASE``)."""
     replica_id = replica_id or environ.get(ENV_REPLICA_ID)
     if index is None and environ.get(ENV_REPLICA_INDEX):
         index = _whole_number(environ[ENV_REPLICA_INDEX], ENV_REPLICA_INDEX)
     completion = environ.get(ENV_COMPLETION_INDEX)
     if replica_id is None and completion is not None:
         offset = _whole_number(completion, ENV_COMPLETION_INDEX)
-        replica_id = f"{environ.get(ENV_PLATFORM, 'k8s')}-{offset}"
+        first = _whole_number(environ.get(ENV_REPLICA_ID_BASE, "0"), ENV_REPLICA_ID_BASE)
+        replica_id = f"{environ.get(ENV_PLATFORM, 'k8s')}-{first + offset}"
         base = _whole_number(environ.get(ENV_REPLICA_INDEX_BASE, "0"), ENV_REPLICA_INDEX_BASE)
         index = base + offset if index is None else index
     return check_name(replica_id or "", f"replica id (--replica-id or ${ENV_REPLICA_ID})"), index

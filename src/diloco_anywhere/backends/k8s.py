@@ -1,15 +1,22 @@
-"""Kubernetes: the replicas of one launch are one Indexed Job, submitted with the official client.
+"""Kubernetes: the replicas a launch starts together are one Indexed Job, submitted with the
+official client.
 
 An Indexed Job (https://kubernetes.io/docs/concepts/workloads/controllers/job/#completion-mode)
 runs ``completions`` pods from one template and gives each its index in
-``JOB_COMPLETION_INDEX``; the replica entrypoint turns that into its id (``k8s-<index>``) and
-shard (``DILOCO_REPLICA_INDEX_BASE`` + index, ``replica.py``). Retries are per index
+``JOB_COMPLETION_INDEX``; the replica entrypoint turns that into its id
+(``k8s-<DILOCO_REPLICA_ID_BASE + index>``) and shard (``DILOCO_REPLICA_INDEX_BASE`` + index,
+``replica.py``). The bases let a Job run any consecutive replicas of a run, so that one replica
+(``k8s-1`` alone: one completion, id base 1, its own shard) can be started again. Retries are
+per index
 (``backoffLimitPerIndex``, #backoff-limit-per-index: on by default since 1.29, GA in 1.33),
 so a crashing replica is restarted without touching the others. ``maxFailedIndexes`` is left
 unset on purpose: a replica that used up its retries must not take the healthy ones down,
 since DiLoCo goes on with ``run.min_replicas``. A pod failure policy (#pod-failure-policy)
 spends no retry on a pod the cluster disrupted (preemption, eviction) and none on exit 2, a
-run.toml the replica refused, which would only fail again.
+run.toml the replica refused, which would only fail again. Nothing ends a Job for its age
+unless ``deadline_hours`` is set: it becomes ``activeDeadlineSeconds``
+(#job-termination-and-cleanup), after which the Job controller terminates the Job's pods and
+marks it Failed with reason DeadlineExceeded, read here as ``timed_out``.
 
 With ``queue`` set, the Job carries Kueue's ``kueue.x-k8s.io/queue-name`` label; Kueue's webhook
 suspends it until admitted, so it is not created suspended here
@@ -48,6 +55,7 @@ from diloco_anywhere.backends.base import (
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.replica import (
     ENV_REPLICA_ID,
+    ENV_REPLICA_ID_BASE,
     ENV_REPLICA_INDEX,
     ENV_REPLICA_INDEX_BASE,
     EXIT_BAD_CONFIG,
@@ -75,6 +83,8 @@ POD_PHASES: dict[str, JobState] = {
     "Failed": "pending",  # its index is not failed yet: the Job controller starts a retry
     "Unknown": "unknown",
 }
+# The Job controller's reason on the Failed condition of a Job past activeDeadlineSeconds.
+DEADLINE_EXCEEDED = "DeadlineExceeded"
 
 
 def _k8s_name(pattern: re.Pattern[str], limit: int, rule: str) -> AfterValidator:
@@ -119,6 +129,8 @@ class Settings(BackendSettings):
     secret: Subdomain | None = None  # Secret with the store's credentials, as env variables
     service_account: Subdomain | None = None  # bucket access by IRSA / Workload Identity
     backoff_limit_per_index: Annotated[int, Field(ge=0)] = 3  # retries of each replica
+    # activeDeadlineSeconds: the Job (every replica in it) ends this long after it started
+    deadline_hours: Annotated[float, Field(gt=0)] | None = None
     context: str | None = None  # kubeconfig context; default: its current one
     cpu: Quantity | None = None  # requests
     memory: Quantity | None = None
@@ -132,6 +144,22 @@ class Settings(BackendSettings):
                 f"gpus_per_pod ({self.gpus_per_pod}): one process per GPU"
             )
         return self
+
+    @model_validator(mode="after")
+    def _whole_second_deadline(self) -> Settings:
+        """activeDeadlineSeconds is a whole number of seconds, at least 1."""
+        if self.deadline_hours is not None and self.deadline_seconds() < 1:
+            raise ValueError(
+                f"deadline_hours = {self.deadline_hours:g} is under one second; give at least "
+                f"1/3600 (one second), or leave it out for no deadline"
+            )
+        return self
+
+    def deadline_seconds(self) -> int | None:
+        """``deadline_hours`` as the Job's activeDeadlineSeconds; None: no deadline."""
+        if self.deadline_hours is None:
+            return None
+        return round(self.deadline_hours * 3600)
 
 
 @contextmanager
@@ -167,12 +195,24 @@ class KubernetesBackend:
     def describe(self, specs: list[ReplicaSpec]) -> list[dict[str, Any]]:
         return [self.manifest(specs)]
 
+    def attempt_limit(self) -> float | None:
+        """The Job's activeDeadlineSeconds; None without ``deadline_hours`` (nothing ends a Job
+        for its age)."""
+        return self.settings.deadline_seconds()
+
+    def hardware(self) -> str:
+        """Your own cluster: no list price."""
+        return ""
+
     def manifest(self, specs: list[ReplicaSpec]) -> dict[str, Any]:
-        """The Indexed Job that runs ``specs``, one index per replica, as a plain dict."""
+        """The Indexed Job that runs ``specs`` (consecutive replicas of the run), one index per
+        replica, as a plain dict."""
         env = self._template_env(specs)
         run = self.config.run.name
         labels = {RUN_LABEL: label_value(run), PLATFORM_LABEL: self.name}
         queue = {QUEUE_LABEL: self.settings.queue} if self.settings.queue else {}
+        seconds = self.settings.deadline_seconds()
+        deadline = {"activeDeadlineSeconds": seconds} if seconds is not None else {}
         return {
             "apiVersion": "batch/v1",
             "kind": "Job",
@@ -187,6 +227,7 @@ class KubernetesBackend:
                 "completions": len(specs),
                 "parallelism": len(specs),
                 "backoffLimitPerIndex": self.settings.backoff_limit_per_index,
+                **deadline,
                 "podFailurePolicy": pod_failure_policy(),
                 "template": {
                     "metadata": {"labels": labels},
@@ -197,17 +238,18 @@ class KubernetesBackend:
 
     def _template_env(self, specs: list[ReplicaSpec]) -> dict[str, str]:
         """The environment all pods share: the specs' own minus the id and index, which each
-        pod derives from its completion index. Refuses specs one template cannot serve."""
+        pod derives from its completion index and the Job's first id number and shard. Refuses
+        specs one template cannot serve."""
         if not specs:
             raise ValueError("k8s: no replicas to launch")
-        base = specs[0].index
-        expected = [(f"{self.name}-{k}", base + k) for k in range(len(specs))]
+        first, base = self._id_number(specs[0]), specs[0].index
+        expected = [(f"{self.name}-{first + k}", base + k) for k in range(len(specs))]
         if [(spec.replica_id, spec.index) for spec in specs] != expected:
             raise ValueError(
-                f"k8s runs one launch's replicas as one Indexed Job, whose pods are named by "
-                f"their completion index: expected ids {self.name}-0..{self.name}-"
-                f"{len(specs) - 1} with consecutive indexes from {base}, got "
-                f"{[(spec.replica_id, spec.index) for spec in specs]}"
+                f"k8s starts replicas together as one Indexed Job, whose pods are named by "
+                f"their completion index: expected consecutive ids {self.name}-{first}.."
+                f"{self.name}-{first + len(specs) - 1} with consecutive indexes from {base}, "
+                f"got {[(spec.replica_id, spec.index) for spec in specs]}"
             )
         shared = {(_common(spec.env), spec.args, spec.processes) for spec in specs}
         if len(shared) > 1:
@@ -215,7 +257,18 @@ class KubernetesBackend:
                 "k8s: the replicas of one launch differ beyond their id and index (environment, "
                 "arguments or processes), which one pod template cannot express"
             )
-        return {**dict(_common(specs[0].env)), ENV_REPLICA_INDEX_BASE: str(base)}
+        bases = {ENV_REPLICA_ID_BASE: str(first), ENV_REPLICA_INDEX_BASE: str(base)}
+        return {**dict(_common(specs[0].env)), **bases}
+
+    def _id_number(self, spec: ReplicaSpec) -> int:
+        """The ``n`` of a replica id ``k8s-<n>``, which a pod rebuilds from its index."""
+        found = re.fullmatch(rf"{re.escape(self.name)}-(\d+)", spec.replica_id)
+        if found is None:
+            raise ValueError(
+                f"k8s: replica id {spec.replica_id!r} is not {self.name}-<number>, which a "
+                f"pod of an Indexed Job derives from its completion index"
+            )
+        return int(found[1])
 
     def _pod_spec(self, spec: ReplicaSpec, env: dict[str, str]) -> dict[str, Any]:
         settings = self.settings
@@ -242,7 +295,8 @@ class KubernetesBackend:
         )
 
     def launch(self, specs: list[ReplicaSpec], run_dir: Path) -> list[ReplicaHandle]:
-        """One Job for all ``specs``; each handle names the Job and its replica's index."""
+        """One Job for all ``specs``, any consecutive replicas of the run (one alone, to start
+        it again); each handle names the Job and its replica's completion index in it."""
         manifest = self.manifest(specs)
         created = self.submit(manifest, dry_run=False)
         job = {"namespace": self.settings.namespace, "name": created["metadata"]["name"]}
@@ -302,8 +356,8 @@ class KubernetesBackend:
 
     @api_errors()
     def stop(self, handle: ReplicaHandle) -> None:
-        """Delete the Job unless it has ended. That ends every replica of its launch:
-        Kubernetes cannot stop one index alone, and ``diloco stop`` stops them all anyway.
+        """Delete the Job unless it has ended. That ends every replica in the Job: Kubernetes
+        cannot stop one index alone, and ``diloco stop`` stops them all anyway.
         Pods are removed in the background after their grace period, so replicas record the
         stop."""
         from kubernetes.client import BatchV1Api
@@ -384,10 +438,14 @@ def api_client(context: str | None) -> ApiClient:
 
 
 def index_state(job: V1Job, pods: list[V1Pod], index: int) -> JobState:
-    """One replica's state from its Job's status and its index's newest pod."""
+    """One replica's state from its Job's status and its index's newest pod. A Job past its
+    deadline ends every index it has not completed (the controller terminates their pods,
+    which may then count as failed): all of them read ``timed_out``."""
     status = job.status
     if index in parse_indexes(status.completed_indexes if status else None):
         return "exited"
+    if _condition(job, "Failed", DEADLINE_EXCEEDED):
+        return "timed_out"
     if index in parse_indexes(status.failed_indexes if status else None):
         return "failed"
     if _ended(job):
@@ -399,8 +457,17 @@ def index_state(job: V1Job, pods: list[V1Pod], index: int) -> JobState:
 
 def _ended(job: V1Job) -> bool:
     """Whether the Job has completed or failed as a whole."""
+    return _condition(job, "Complete") or _condition(job, "Failed")
+
+
+def _condition(job: V1Job, kind: str, reason: str | None = None) -> bool:
+    """Whether the Job's status holds condition ``kind`` (with ``reason``, if given) as True.
+    The Job controller adds Complete or Failed once the Job's pods have terminated (before,
+    it may hold SuccessCriteriaMet or FailureTarget)."""
     conditions = (job.status.conditions if job.status else None) or []
-    return any(c.type in ("Complete", "Failed") and c.status == "True" for c in conditions)
+    return any(
+        c.type == kind and c.status == "True" and reason in (None, c.reason) for c in conditions
+    )
 
 
 def parse_indexes(ranges: str | None) -> set[int]:
