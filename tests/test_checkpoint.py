@@ -44,9 +44,16 @@ def store(tmp_path) -> Store:
     return Store(str(tmp_path / "store"))
 
 
-def diloco_like_state(seed: int = 0) -> dict:
-    """What a replica checkpoints: the manager's counters, and per fragment DiLoCo's global
-    weights and outer optimizer (SGD with momentum, after one step)."""
+def counters_after(round_: int) -> dict[str, int]:
+    """The manager's counters after round ``round_`` of a run that committed every round (two
+    replicas): what a checkpoint of that round must hold."""
+    return {"step": round_ + 1, "batches_committed": 2 * (round_ + 1), "sync": round_ + 1}
+
+
+def diloco_like_state(seed: int = 0, round_: int = 3) -> dict:
+    """What a replica checkpoints after round ``round_``: the manager's counters, and per
+    fragment DiLoCo's global weights and outer optimizer (SGD with momentum, after one
+    step)."""
     generator = torch.Generator().manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
     for parameter in model.parameters():
@@ -56,7 +63,7 @@ def diloco_like_state(seed: int = 0) -> dict:
     outer.step()
     weights = {name: p.detach().clone() for name, p in model.named_parameters()}
     return {
-        "manager": {"step": 4, "batches_committed": 12, "sync": 5},
+        "manager": counters_after(round_),
         "fragments": {
             "StreamingDiLoCoFragment_0": {
                 "original_parameters": weights,
@@ -86,14 +93,17 @@ def write_checkpoint(
     store: Store, round_: int, tree: dict, writers=CONTRIBUTORS, grace=30.0, trees=None
 ):
     """Every writer in ``writers`` (of the sealed ``CONTRIBUTORS``) writes its share at once,
-    each from ``tree`` unless ``trees`` gives it another."""
+    each from ``tree`` unless ``trees`` gives it another, with the counters after ``round_``."""
     policy = CheckpointPolicy(orphan_grace=grace, poll=0.02)
-    trees = trees or {}
+    trees = {
+        name: (trees or {}).get(name, tree) | {"manager": counters_after(round_)}
+        for name in writers
+    }
     instances = {name: CheckpointWriter(store, RUN, name, policy) for name in writers}
     threads = [
         threading.Thread(
             target=writer.write,
-            args=(round_, CONTRIBUTORS, trees.get(name, tree)),
+            args=(round_, CONTRIBUTORS, trees[name]),
             kwargs={"last": True},
         )
         for name, writer in instances.items()
@@ -146,14 +156,14 @@ def test_shards_split_the_bytes_evenly_in_order() -> None:
 def test_contributors_write_shards_in_parallel_and_the_first_commits(backend) -> None:
     """On every store (S3, Azure and GCS through their stand-ins)."""
     store = backend.store()
-    state = diloco_like_state()
+    state = diloco_like_state(round_=7)
     write_checkpoint(store, 7, state)
     assert committed_rounds(store, RUN) == [7]
     checkpoint = load_checkpoint(store, RUN, 7)
     assert_same_tree(checkpoint.tree, state)
     commit = checkpoint.commit
-    assert (commit.round, commit.step, commit.sync) == (7, 4, 5)
-    assert commit.fingerprint == fingerprint(4, tree_checksum(state["fragments"]))
+    assert (commit.round, commit.step, commit.sync) == (7, 8, 8)
+    assert commit.fingerprint == fingerprint(8, tree_checksum(state["fragments"]))
     assert len(commit.shards) == 3
     # The shards are plain safetensors files: the run's weights are the user's to take.
     first = load_safetensors(store.get(commit.shards[0].key))
@@ -181,7 +191,7 @@ def test_replicas_that_commit_the_same_checkpoint_alone_agree(store, caplog) -> 
     """Replicas joining together each write their first checkpoint alone: the COMMITs differ in
     their time only, and the second writer finds the first's and leaves it."""
     caplog.set_level(logging.INFO)
-    state = diloco_like_state()
+    state = diloco_like_state(round_=5)
     for name in CONTRIBUTORS[:2]:
         writer = CheckpointWriter(store, RUN, name, CheckpointPolicy(poll=0.02))
         writer.write(5, (name,), state, last=True)

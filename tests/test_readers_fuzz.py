@@ -40,7 +40,7 @@ SAMPLES = [
                  time=2.0),
         EventLine(event="started", time=0.0),
     )),
-    CheckpointCommit(run="run", round=3, step=3, sync=4, fingerprint="f",
+    CheckpointCommit(run="run", round=3, step=3, sync=4, fingerprint="step-3-0000abcd",
                      state=StoredObject(key="run/checkpoints/3/state", size=10, crc32c=1),
                      shards=(StoredObject(key="run/checkpoints/3/shard-0", size=10, crc32c=2),)),
 ]  # fmt: skip

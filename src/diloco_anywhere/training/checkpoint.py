@@ -44,9 +44,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
-from diloco_anywhere.bucket.layout import MAX_RANK, RunLayout, parse_count
+from diloco_anywhere.bucket.layout import MAX_COUNT, MAX_RANK, MAX_ROUND, RunLayout, parse_count
 from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
 from diloco_anywhere.bucket.store import Store, StoreError, check_key
 from diloco_anywhere.bucket.wire import Count, Name, WireFormatError
@@ -59,6 +59,10 @@ from diloco_anywhere.training.global_state import (
 
 log = logging.getLogger(__name__)
 JSON_LEAVES = (bool, int, float, str, type(None))
+COUNTERS = ("step", "batches_committed", "sync")  # the manager's, as ``state_dict`` gives them
+Round = Annotated[int, Field(ge=0, le=MAX_ROUND)]  # a round that has a key (``RunLayout``)
+# ``fingerprint(step, checksum)``, or ranks' fingerprints combined: the same form
+Fingerprint = Annotated[str, Field(pattern=r"^step-[0-9]{1,19}-[0-9a-f]{8}$")]
 
 
 class CheckpointError(ValueError):
@@ -77,17 +81,17 @@ class RankPart(Record):
 
     state: StoredObject
     shards: tuple[StoredObject, ...] = Field(max_length=4096)
-    fingerprint: str = Field(max_length=128)
+    fingerprint: Fingerprint
 
 
 class CheckpointCommit(Record):
     """The last object of a checkpoint: without it, the checkpoint does not exist."""
 
     run: Name
-    round: Count  # the state after this round
+    round: Round  # the state after this round
     step: Count  # committed syncs (the manager's step)
-    sync: Count  # the next round to run
-    fingerprint: str = Field(max_length=128)
+    sync: Round  # the next round to run: round + 1
+    fingerprint: Fingerprint
     # when it was committed (seconds since the epoch, the committer's clock): the newest of a
     # mirror that also holds checkpoints of an earlier run of the same name is the latest one
     time: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
@@ -105,6 +109,24 @@ class CheckpointCommit(Record):
             and combine_fingerprints([p.fingerprint for p in self.ranks]) != self.fingerprint
         ):
             raise ValueError("the COMMIT's fingerprint is not its ranks' fingerprints combined")
+        return self
+
+    @model_validator(mode="after")
+    def _counters_agree(self) -> CheckpointCommit:
+        """The counters as the manager keeps them: a checkpoint of round r is written after
+        round r, so the next round to run is r + 1 (``last_round``), and every round commits
+        at most one step (healing would otherwise replay from a round the run never reached,
+        or join one past the live replicas)."""
+        if self.sync != self.round + 1:
+            raise ValueError(f"sync {self.sync} must be round + 1 = {self.round + 1}")
+        if self.step > self.sync:
+            raise ValueError(f"step {self.step} must be at most sync {self.sync}: one per round")
+        prefix = f"step-{self.step}-"
+        if any(not p.fingerprint.startswith(prefix) for p in (self, *self.ranks)):
+            raise ValueError(f"every fingerprint must be of step {self.step} ({prefix}...)")
+        keys = [entry.key for entry in self.entries()]
+        if len(set(keys)) != len(keys):
+            raise ValueError("the COMMIT names one object twice")
         return self
 
     @model_serializer(mode="wrap")
@@ -254,7 +276,7 @@ def _local_shard(node: dict[str, Any], tensor: torch.Tensor) -> LocalShard:
     fields = {name: node.get(name) for name in ("shape", "offset", "mesh")}
     if (
         not all(
-            isinstance(v, list) and all(type(n) is int and n >= 0 for n in v)
+            isinstance(v, list) and all(type(n) is int and 0 <= n <= MAX_COUNT for n in v)
             for v in fields.values()
         )
         or len(fields["shape"]) != tensor.dim()
@@ -267,8 +289,14 @@ def _local_shard(node: dict[str, Any], tensor: torch.Tensor) -> LocalShard:
         raise ValueError(f"dtensor node {node['tensor']}: the local shard at {fields['offset']} "
                          f"reaches past the whole shape {fields['shape']}")  # fmt: skip
     placements = node.get("placements")
-    if not (isinstance(placements, list) and all(isinstance(p, str) for p in placements)):
-        raise ValueError(f"dtensor node {node['tensor']}: placements must be a list of strings")
+    if not (
+        isinstance(placements, list)
+        and all(isinstance(p, str) for p in placements)
+        and len(placements) == len(fields["mesh"])
+        and all(fields["mesh"])
+    ):
+        raise ValueError(f"dtensor node {node['tensor']}: placements must be a list of strings, "
+                         f"one per dimension of the mesh, whose sizes are at least 1")  # fmt: skip
     return LocalShard(
         tensor, tuple(fields["shape"]), tuple(fields["offset"]), tuple(fields["mesh"]),
         tuple(placements),
@@ -280,12 +308,26 @@ def unflatten(structure: bytes, tensors: dict[str, torch.Tensor], key: str) -> A
     fit together (a tensor missing or extra, or a structure that does not parse)."""
     used: set[str] = set()
     try:
-        tree = _decode(json.loads(structure), tensors, used)
+        parsed = json.loads(structure, parse_constant=_not_finite, parse_float=_finite)
+        tree = _decode(parsed, tensors, used)
     except Exception as exc:  # bucket data: whatever it is, it is not a checkpoint to load
         raise CheckpointError(f"{key}: state structure does not parse: {exc}") from None
     if extra := sorted(tensors.keys() - used):
         raise CheckpointError(f"{key}: the shards hold tensors the structure lacks: {extra[:3]}")
     return tree
+
+
+def _finite(text: str) -> float:
+    """A JSON number of the structure, which must be finite: ``json`` reads ``1e999`` as inf."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is not finite; a checkpoint's values must be")
+    return value
+
+
+def _not_finite(text: str) -> float:
+    """``NaN`` and ``Infinity``, which ``json`` accepts by default, are no checkpoint value."""
+    raise ValueError(f"{text} is not finite; a checkpoint's values must be")
 
 
 def plan_shards(tensors: dict[str, torch.Tensor], count: int) -> list[list[str]]:
@@ -623,7 +665,7 @@ def prune_checkpoints(store: Store, layout: RunLayout, keep: int, newest: int) -
         key.removeprefix(f"{layout.checkpoints()}/").split("/")[0]
         for key in store.list_prefix(layout.checkpoints())
     }
-    rounds = (parse_count(folder) for folder in folders)  # None: not a checkpoint's folder
+    rounds = (parse_count(folder, MAX_ROUND) for folder in folders)  # None: no checkpoint's
     for round_ in sorted(r for r in rounds if r is not None and r < oldest_kept):
         store.delete_prefix(layout.checkpoint(round_))
 
@@ -696,11 +738,12 @@ def _put_checked(store: Store, objects: dict[str, bytes]) -> None:
 
 
 def committed_rounds(store: Store, layout: RunLayout) -> list[int]:
-    """Rounds with a COMMIT, newest first."""
+    """Rounds with a COMMIT, newest first (a number past ``MAX_ROUND`` in a key names none: no
+    key of that round can be built)."""
     rounds = (
         layout.parse_checkpoint_commit(key) for key in store.list_prefix(layout.checkpoints())
     )
-    return sorted((r for r in rounds if r is not None), reverse=True)
+    return sorted((r for r in rounds if r is not None and r <= MAX_ROUND), reverse=True)
 
 
 def retained_after(store: Store, layout: RunLayout, keep: int) -> int:
@@ -844,30 +887,73 @@ def _decode_part(commit: CheckpointCommit, part: RankPart, objects: dict[str, by
     part's fingerprint: objects and a COMMIT that do not belong together are refused."""
     tensors: dict[str, torch.Tensor] = {}
     for entry in part.shards:
-        try:
-            tensors.update(load_safetensors(objects[entry.key]))
-        except SafetensorError as exc:
-            raise CheckpointError(f"{entry.key}: not a safetensors file: {exc}") from None
-        except Exception as exc:  # valid safetensors torch cannot hold (e.g. a dtype it lacks)
-            raise CheckpointError(
-                f"{entry.key}: safetensors this torch cannot load: {type(exc).__name__}: {exc}"
-            ) from None
+        tensors.update(_load_shard(entry.key, objects[entry.key]))
     tree = unflatten(objects[part.state.key], tensors, part.state.key)
-    counters = tree.get("manager") if isinstance(tree, dict) else None
-    expected = {"step": commit.step, "sync": commit.sync}
-    if not (
-        isinstance(counters, dict)
-        and {name: counters.get(name) for name in expected} == expected
-        and type(counters.get("batches_committed")) is int
-        and "fragments" in tree
-    ):
-        raise CheckpointError(f"{part.state.key}: its counters {str(counters)[:200]} are not "
-                              f"its COMMIT's {expected}")  # fmt: skip
+    _check_counters(part.state.key, tree, commit)
+    _check_meshes(part.state.key, tree, len(commit.parts()))
     found = fingerprint(commit.step, tree_checksum(tree["fragments"]))
     if found != part.fingerprint:
         raise CheckpointError(f"{part.state.key}: the state fingerprints as {found}, its COMMIT "
                               f"says {part.fingerprint}")  # fmt: skip
     return tree
+
+
+def _load_shard(key: str, data: bytes) -> dict[str, torch.Tensor]:
+    """The tensors of the shard at ``key``, each checked finite."""
+    try:
+        tensors = load_safetensors(data)
+    except SafetensorError as exc:
+        raise CheckpointError(f"{key}: not a safetensors file: {exc}") from None
+    except Exception as exc:  # valid safetensors torch cannot hold (e.g. a dtype it lacks)
+        raise CheckpointError(
+            f"{key}: safetensors this torch cannot load: {type(exc).__name__}: {exc}"
+        ) from None
+    for name, tensor in tensors.items():
+        _require_finite(key, name, tensor)
+    return tensors
+
+
+def _require_finite(key: str, name: str, tensor: torch.Tensor) -> None:
+    """A NaN or inf in a checkpoint is damage, whatever its checksums say: the run never holds
+    one (every replica refuses a mean that is not finite, ``mean.py``), and a replica healed
+    from it would train on garbage, or spread it through the rounds it seals."""
+    values = torch.view_as_real(tensor) if tensor.is_complex() else tensor
+    if not values.is_floating_point():
+        return
+    if values.element_size() == 1:  # float8: no isfinite kernel on the CPU; widening is exact
+        values = values.float()
+    if bad := int((~torch.isfinite(values)).sum()):
+        raise CheckpointError(f"{key}: tensor {name} holds {bad} NaN or infinite values; a "
+                              f"checkpoint's values must be finite")  # fmt: skip
+
+
+def _check_counters(key: str, tree: Any, commit: CheckpointCommit) -> None:
+    """The state's manager counters (its ``state`` object at ``key``): exactly ``COUNTERS``,
+    whole numbers in range, step and sync the COMMIT's, and at least one batch per committed
+    step (a commit adds its round's contributors, ``BucketManager.conclude``)."""
+    counters = tree.get("manager") if isinstance(tree, dict) else None
+    if not (isinstance(counters, dict) and set(counters) == set(COUNTERS) and "fragments" in tree):
+        raise CheckpointError(f"{key}: the state must hold fragments and the manager's counters "
+                              f"{', '.join(COUNTERS)}; it holds {str(counters)[:200]}")  # fmt: skip
+    for name, value in counters.items():
+        if not (type(value) is int and 0 <= value <= MAX_COUNT):
+            raise CheckpointError(f"{key}: counter {name} is {value!r:.80}; allowed: an integer "
+                                  f"from 0 to {MAX_COUNT}")  # fmt: skip
+    expected = {"step": commit.step, "sync": commit.sync}
+    if {name: counters[name] for name in expected} != expected:
+        raise CheckpointError(f"{key}: its counters {counters} are not its COMMIT's {expected}")
+    if counters["batches_committed"] < counters["step"]:
+        raise CheckpointError(f"{key}: counter batches_committed is {counters['batches_committed']}"
+                              f"; allowed: at least step, {counters['step']}")  # fmt: skip
+
+
+def _check_meshes(key: str, tree: Any, ranks: int) -> None:
+    """Each sharded leaf's device mesh spans as many ranks as the COMMIT has parts (a sharded
+    replica's mesh is its ranks, ``sharded_replica.py``)."""
+    for leaf in tree_leaves(tree):
+        if isinstance(leaf, LocalShard) and math.prod(leaf.mesh) != ranks:
+            raise CheckpointError(f"{key}: a tensor is sharded over a mesh of {list(leaf.mesh)}; "
+                                  f"the checkpoint has {ranks} parts")  # fmt: skip
 
 
 def _decode_checkpoint(stored: StoredCheckpoint) -> list[Any]:

@@ -19,6 +19,7 @@ as torchft's ``local_sgd.py`` does (``extract_local_tensor``, ``DTensor.from_loc
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -178,31 +179,39 @@ class GlobalState:
         return tree
 
     def load_fragments_tree(self, tree: dict[str, Any]) -> None:
-        self._check_placements(tree)
+        """Load a saved state (a checkpoint's, or the leader's), checked first against this
+        replica's fragments and outer optimizers, and its hyperparameters after (torch fills
+        in the ones a state of another release lacks); ``ValueError`` naming what differs.
+        Checked because neither loader does: torchft's copies a weight of another shape by
+        broadcasting and keeps a weight the state lacks, and torch's optimizer takes momentum
+        of any shape, which then fails the outer step halfway through a replay."""
+        self._check_fits(tree)
         tree = pytree.tree_map(local_tensor, tree)  # a checkpoint's LocalShards
-        if tree.keys() != self._fns.keys():
-            raise ValueError(f"state has {sorted(tree)}; this replica has {sorted(self._fns)}")
+        before = [[dict(group) for group in o.param_groups] for o in self.outer_optimizers]
         for index, optimizer in enumerate(self.outer_optimizers):
             fragment = tree[FRAGMENT_KEY.format(index)]
             outer = _outer_state_as_parameters(optimizer, fragment["outer_optimizer"])
             tree = {**tree, FRAGMENT_KEY.format(index): {**fragment, "outer_optimizer": outer}}
         for key, (load, _) in self._fns.items():
             load(tree[key])
+        for index, optimizer in enumerate(self.outer_optimizers):
+            _check_hyperparameters(FRAGMENT_KEY.format(index), optimizer, before[index])
 
-    def _check_placements(self, tree: dict[str, Any]) -> None:
-        """A checkpoint's shards of the global weights must sit where this rank's shards of
-        the parameters do (the same shapes, offsets and mesh): a shard of the same size from
-        elsewhere in the tensor would load without complaint."""
-        for index, fragment in enumerate(self.fragments):
-            saved = tree.get(FRAGMENT_KEY.format(index), {}).get("original_parameters", {})
-            for name, parameter in fragment.named_parameters():
-                leaf = saved.get(name)
-                sharded = isinstance(leaf, LocalShard) and isinstance(parameter, DTensor)
-                if sharded and leaf.place() != placement(parameter):
-                    raise ValueError(
-                        f"the checkpoint's shard of {name} sits at {leaf.place()}; this "
-                        f"rank's is at {placement(parameter)} (shape, offset, mesh, placements)"
-                    )
+    def _check_fits(self, tree: Any) -> None:
+        """The state holds this replica's fragments, each with every global weight of its
+        parameter's (local) shape and dtype, sitting where this rank's shard of it does, and
+        its outer optimizer's state laid out as this optimizer's."""
+        if not (isinstance(tree, dict) and tree.keys() == self._fns.keys()):
+            found = sorted(map(str, tree)) if isinstance(tree, dict) else type(tree).__name__
+            raise ValueError(f"state has {found}; this replica has {sorted(self._fns)}")
+        pairs = zip(self.fragments, self.outer_optimizers, strict=True)
+        for index, (fragment, optimizer) in enumerate(pairs):
+            key = FRAGMENT_KEY.format(index)
+            saved = tree[key]
+            if not (isinstance(saved, dict) and isinstance(saved.get("original_parameters"), dict)):
+                raise ValueError(f"{key}: the state holds no original_parameters")
+            _check_weights(key, saved["original_parameters"], dict(fragment.named_parameters()))
+            _check_outer_state(key, saved.get("outer_optimizer"), optimizer)
 
     def checksum(self) -> int:
         return tree_checksum(self.fragments_tree())
@@ -273,6 +282,87 @@ class GlobalState:
             for fragment, values in zip(self.fragments, weights, strict=True):
                 for name, parameter in fragment.named_parameters():
                     parameter.data.copy_(_as_parameter(values[name], parameter))
+
+
+def _check_weights(key: str, saved: dict[Any, Any], parameters: dict[str, torch.Tensor]) -> None:
+    """Every parameter's global weights, and no others: a tensor of its local shard's shape and
+    dtype (a ``LocalShard`` sitting where this rank's shard does)."""
+    if saved.keys() != parameters.keys():
+        raise ValueError(f"{key}: the state's weights are {sorted(map(str, saved))[:5]}...; "
+                         f"this fragment's parameters {sorted(parameters)[:5]}...")  # fmt: skip
+    for name, parameter in parameters.items():
+        leaf, local = saved[name], local_tensor(parameter)
+        found = local_tensor(leaf)
+        if not (isinstance(found, torch.Tensor) and _like(found, local)):
+            what = _describe(found) if isinstance(found, torch.Tensor) else type(found).__name__
+            raise ValueError(f"{key}: weights {name} are {what}; the parameter's "
+                             f"{_describe(local)}")  # fmt: skip
+        sharded = isinstance(leaf, LocalShard) and isinstance(parameter, DTensor)
+        if sharded and leaf.place() != placement(parameter):
+            raise ValueError(
+                f"the checkpoint's shard of {name} sits at {leaf.place()}; this rank's is at "
+                f"{placement(parameter)} (shape, offset, mesh, placements)"
+            )
+
+
+def _like(tensor: torch.Tensor, parameter: torch.Tensor) -> bool:
+    return tensor.shape == parameter.shape and tensor.dtype == parameter.dtype
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    return f"{list(tensor.shape)} {tensor.dtype}"
+
+
+def _check_outer_state(key: str, saved: Any, optimizer: torch.optim.Optimizer) -> None:
+    """An outer optimizer's state as torch's ``state_dict`` writes this optimizer's: one group
+    per group, numbering the parameters 0, 1, ... in order (torch matches state to parameters
+    by that number), and per parameter a dict whose tensors are scalars (a step count) or of
+    the parameter's local shape (SGD's momentum, Adam's moments)."""
+    parameters = [local_tensor(p) for group in optimizer.param_groups for p in group["params"]]
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    state = saved.get("state") if isinstance(saved, dict) else None
+    numbers = iter(range(len(parameters)))
+    expected = [[next(numbers) for _ in group["params"]] for group in optimizer.param_groups]
+    groups = groups if isinstance(groups, list) else []
+    found = [group.get("params") if isinstance(group, dict) else group for group in groups]
+    if not (
+        isinstance(state, dict)
+        and found == expected
+        and all(type(number) is int for group in found for number in group)
+    ):
+        raise ValueError(f"{key}: the outer optimizer's state numbers its parameters "
+                         f"{str(found)[:80]}; this optimizer, {str(expected)[:80]}")  # fmt: skip
+    for number, values in state.items():
+        if not (type(number) is int and 0 <= number < len(parameters) and isinstance(values, dict)):
+            raise ValueError(f"{key}: the outer optimizer's state names {number!r:.40}, not one "
+                             f"of its {len(parameters)} parameters")  # fmt: skip
+        shape = parameters[number].shape
+        for name, value in values.items():
+            value = local_tensor(value)
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape != shape:
+                raise ValueError(f"{key}: the outer optimizer's {name} of parameter {number} "
+                                 f"is {list(value.shape)}; allowed: a scalar, or "
+                                 f"{list(shape)} as the parameter")  # fmt: skip
+
+
+def _kind(value: Any) -> str:
+    """What a hyperparameter is, as far as an optimizer's step cares."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return "finite number" if math.isfinite(value) else "number that is not finite"
+    return type(value).__name__
+
+
+def _check_hyperparameters(
+    key: str, optimizer: torch.optim.Optimizer, before: list[dict[str, Any]]
+) -> None:
+    """Each group's hyperparameters after a load are the kinds they were before it (a number,
+    a flag, None): an outer step with an ``lr`` of another kind fails halfway through."""
+    for group, old in zip(optimizer.param_groups, before, strict=True):
+        for name, value in old.items():
+            loaded = group.get(name)
+            if name != "params" and _kind(loaded) != _kind(value):
+                raise ValueError(f"{key}: the outer optimizer's {name} is {loaded!r:.40}; "
+                                 f"allowed: a {_kind(value)}, as this optimizer's")  # fmt: skip
 
 
 def combine_fingerprints(fingerprints: list[str]) -> str:

@@ -18,8 +18,8 @@ of an earlier run of the same name (started over with ``--fresh``); one of those
 fine and take the replica somewhere the run never was.
 
 Rounds are replayed as every replica decides them: a round sealed with fewer than
-``min_replicas`` contributors, or one whose sealed data cannot be read intact (every replica
-failed it alike), is skipped; every other sealed round was committed.
+``min_replicas`` contributors, or one whose SEAL or sealed data cannot be read intact (every
+replica failed it alike), is skipped; every other sealed round was committed.
 
 A sharded replica (``sharding = "fsdp"``) heals every rank at once, each its own shard: from its
 part of the checkpoint, replaying the rounds of its own exchange. Its ranks take every decision
@@ -130,10 +130,11 @@ def _examine(
         return _Verdict("error", f"round {round_} cannot be replayed: its data is gone from the "
                         f"bucket ({exc}); rounds after the oldest kept checkpoint must stay "
                         f"(checkpoint.keep)"), None  # fmt: skip
-    except SealedContributionError as exc:  # every replica failed this round alike
+    except (SealedContributionError, WireFormatError) as exc:
+        # its sealed data, or its SEAL itself (a field this release does not know, a checksum
+        # that fails), does not read back: the live replicas failed the round on the same
+        # bytes (``Round._load_seal``), and none committed it
         return _Verdict("unreadable", f"round {round_} was skipped as unreadable ({exc})"), None
-    except WireFormatError as exc:  # a SEAL or manifest of the round that does not parse
-        return _Verdict("error", f"round {round_} cannot be replayed: {exc}"), None
     if observed is None:
         return _Verdict("open"), None
     result, mean = observed
