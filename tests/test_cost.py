@@ -215,6 +215,8 @@ def test_the_parameter_setting_wins_and_other_tasks_need_it():
     count, why = parameter_count(bad)
     assert count is None
     assert "'huge' unknown" in why
+    negative = RunConfig.model_validate({"task": {"options": {"seq_len": -1}}})
+    assert parameter_count(negative)[0] is None
 
 
 # -- The estimate --------------------------------------------------------------------------

@@ -312,7 +312,7 @@ def parameter_count(config: RunConfig) -> tuple[int | None, str]:
         return None, f"{missing}; {what} is not built before training"
     try:
         return _gpt_parameters(config.task.options), "the built-in GPT task, counted on meta"
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, RuntimeError) as exc:  # what a bad option raises in torch
         return None, f"{missing}; the GPT task's [task.options] do not build: {exc}"
 
 
@@ -436,31 +436,14 @@ def estimate(
         count, config.diloco.codec, n, config.sync.mode, config.diloco.fragments,
         int(config.sync.part_size),
     )  # fmt: skip
-    unpriced = [] if count is not None else [f"egress and requests: parameters {count_source}"]
-    platforms, compute, egress_per_round = [], 0.0, 0.0
+    unpriced = [] if count is not None else [f"egress and per-round requests: {count_source}"]
+    platforms = []
     for platform, (hardware, number) in replicas.items():
-        price = hourly_price(platform, hardware, budget, prices)
-        cloud = platform_cloud(platform, budget)
-        bill = Egress(0.0)
-        if traffic is not None:
-            bill = egress(cloud, store, traffic.up, traffic.down, budget, prices)
-        platforms.append(
-            PlatformCost(
-                platform,
-                hardware,
-                number,
-                cloud,
-                price.usd,
-                price.source,
-                price.reference,
-                bill.usd,
-            )
-        )
-        compute += (price.usd or 0.0) * number
-        egress_per_round += bill.usd * number
-        if price.usd is None:
-            unpriced.append(price.source)
-        unpriced.extend(f"{platform}: {what}" for what in bill.unpriced)
+        cost, missing = _platform_cost(platform, hardware, number, traffic, store, budget, prices)
+        platforms.append(cost)
+        unpriced.extend(missing)
+    compute = sum((p.usd_per_replica_hour or 0.0) * p.replicas for p in platforms)
+    egress_per_round = sum(p.egress_usd_per_round * p.replicas for p in platforms)
     requests = _requests_per_hour(traffic, n, round_hours, config.sync.lease_period, store, prices)
     if requests is None:
         unpriced.append(f"requests to a store in {store} (no request prices)")
@@ -478,6 +461,35 @@ def estimate(
         requests_usd_per_hour=requests or 0.0,
         unpriced=tuple(unpriced),
     )
+
+
+def _platform_cost(
+    platform: str,
+    hardware: str,
+    replicas: int,
+    traffic: RoundTraffic | None,
+    store: str,
+    budget: BudgetSection,
+    prices: PriceTable,
+) -> tuple[PlatformCost, list[str]]:
+    """One platform's row of the estimate, and what in it has no price."""
+    price = hourly_price(platform, hardware, budget, prices)
+    cloud = platform_cloud(platform, budget)
+    bill = Egress(0.0)
+    if traffic is not None:
+        bill = egress(cloud, store, traffic.up, traffic.down, budget, prices)
+    cost = PlatformCost(
+        platform=platform,
+        hardware=hardware,
+        replicas=replicas,
+        cloud=cloud,
+        usd_per_replica_hour=price.usd,
+        price_source=price.source,
+        price_reference=price.reference,
+        egress_usd_per_round=bill.usd,
+    )
+    unpriced = [price.source] if price.usd is None else []
+    return cost, unpriced + [f"{platform}: {what}" for what in bill.unpriced]
 
 
 def _requests_per_hour(
