@@ -1,9 +1,9 @@
 """Chaos: replicas SIGKILLed mid-run and restarted. Does the run finish, agree, heal, and learn?
 
-A real run of local replica processes under the launch supervisor (``--restart-on-failure``);
-every ``kill_every`` committed rounds a random replica that has synced since it last started is
-SIGKILLed (no warning, as a preempted spot VM or an evicted pod), and the supervisor restarts
-it. Every figure comes from the run's own metrics in its bucket:
+A real run of local replica processes under the launch supervisor (``--restart-on-failure``,
+which runs the keeper); every ``kill_every`` committed rounds a random replica that has synced
+since it last started is SIGKILLed (no warning, as a preempted spot VM or an evicted pod), and
+the keeper restarts it. Every figure comes from the run's own metrics in its bucket:
 
 - agreement: in every round, every replica that committed it reports the same fingerprint of
   the global state it started from;
@@ -27,10 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from diloco_anywhere.bench.train import Progress, local_plan, run_diloco
-from diloco_anywhere.config import RunConfig
+from diloco_anywhere.config import RunConfig, validate_config
 from diloco_anywhere.launching.launch import run_metrics, start
 from diloco_anywhere.launching.supervisor import Supervisor
 from diloco_anywhere.training.metrics import ReplicaMetrics
+
+
+CHAOS_BACKOFF = 0.5  # seconds
 
 
 @dataclass
@@ -68,7 +71,7 @@ def run_with_chaos(
     """Run ``config`` in ``folder``, SIGKILLing ``kills`` replicas, one per ``kill_every``
     committed rounds, each restarted by the supervisor; return the metrics and the kills."""
     deadline = time.monotonic() + deadline_seconds
-    plan = local_plan(config, folder)
+    plan = local_plan(with_quick_restarts(config), folder)
     started = start(plan)  # as `diloco launch` starts a run: recorded in its bucket
     backend = started["local"][0]
     supervisor = Supervisor(plan, started, max_restarts=kills + 1)
@@ -76,7 +79,8 @@ def run_with_chaos(
     last_kill_round, started_at = 0, {}  # pid -> when this loop first saw the process
     while True:
         supervisor.restart_failed()
-        if all(supervisor.state(handle) != "running" for handle in supervisor.handles):
+        ended = all(supervisor.state(handle) != "running" for handle in supervisor.handles)
+        if ended and not supervisor.restarting:
             break
         if time.monotonic() > deadline:
             for handle in supervisor.handles:
@@ -102,6 +106,14 @@ def run_with_chaos(
         time.sleep(0.25)
     run.metrics = reader.read()
     return run
+
+
+def with_quick_restarts(config: RunConfig) -> RunConfig:
+    """``config`` restarting a killed replica after ``CHAOS_BACKOFF``: the time a replica
+    takes to return then measures healing, not the keeper's backoff (``[keep] backoff``)."""
+    data = config.model_dump()
+    data["keep"]["backoff"] = CHAOS_BACKOFF
+    return validate_config(data, f"{config.source or 'run.toml'} under chaos", config.source)
 
 
 def fingerprint_disagreements(metrics: dict[str, ReplicaMetrics]) -> dict[int, set[str]]:

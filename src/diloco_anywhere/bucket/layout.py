@@ -227,9 +227,11 @@ class RunLayout:
         folder = f"{self.launch_folder(number)}/jobs/{check_name(replica, 'replica')}"
         return f"{folder}/{_check_count(attempt, 'attempt', MAX_LAUNCH):06d}"
 
-    def launch_stopped(self, number: int, replica: str) -> str:
-        """``diloco stop`` stopped ``replica`` of launch ``number`` on purpose."""
-        return f"{self.launch_folder(number)}/stopped/{check_name(replica, 'replica')}"
+    def launch_stopped(self, number: int, replica: str, attempt: int) -> str:
+        """``diloco stop`` stopped ``attempt`` of ``replica`` of launch ``number`` on purpose:
+        not to be restarted (a later attempt, started by ``diloco replace``, is not)."""
+        folder = f"{self.launch_folder(number)}/stopped/{check_name(replica, 'replica')}"
+        return f"{folder}/{_check_count(attempt, 'attempt', MAX_LAUNCH):06d}"
 
     def launch_restart(self, number: int, replica: str, attempt: int) -> str:
         """A keeper's claim to start ``attempt`` of ``replica`` (create-only: one keeper acts),
@@ -255,18 +257,14 @@ class RunLayout:
         return None
 
     def parse_launch_key(self, key: str, number: int) -> tuple[str, str, int] | None:
-        """A key of launch ``number``: ``("job", replica, attempt)``, ``("restart", replica,
-        attempt)``, ``("stopped", replica, 0)``, or None for anything else."""
+        """A key of launch ``number``: ``(kind, replica, attempt)`` with kind ``job``,
+        ``restart`` or ``stopped``; None for anything else."""
         prefix = f"{self.launch_folder(number)}/"
         parts = key.removeprefix(prefix).split("/") if key.startswith(prefix) else []
-        if len(parts) == 3 and parts[0] == "jobs" and NAME.fullmatch(parts[1]):
+        kinds = {"jobs": "job", "restarts": "restart", "stopped": "stopped"}
+        if len(parts) == 3 and parts[0] in kinds and NAME.fullmatch(parts[1]):
             attempt = parse_count(parts[2], MAX_LAUNCH)
-            return None if attempt is None else ("job", parts[1], attempt)
-        if len(parts) == 3 and parts[0] == "restarts" and NAME.fullmatch(parts[1]):
-            attempt = parse_count(parts[2], MAX_LAUNCH)
-            return None if attempt is None else ("restart", parts[1], attempt)
-        if len(parts) == 2 and parts[0] == "stopped" and NAME.fullmatch(parts[1]):
-            return "stopped", parts[1], 0
+            return None if attempt is None else (kinds[parts[0]], parts[1], attempt)
         return None
 
     # -- the status page (launching/status_page.py) ------------------------------------------
@@ -279,10 +277,10 @@ class RunLayout:
         """The same status as JSON, for scripts."""
         return f"{self.run}/status/status.json"
 
-    def clock(self) -> str:
-        """A small object a keeper writes to read the store's time (``Store.modified``): the
-        one clock every keeper shares, whatever their own say."""
-        return f"{self.run}/status/clock"
+    def clock(self, nonce: str) -> str:
+        """A small object a keeper writes, reads the time of (``Store.modified``) and deletes:
+        the store's clock is the one every keeper shares, whatever their own say."""
+        return f"{self.run}/status/clock-{check_name(nonce, 'nonce')}"
 
     # -- metrics -------------------------------------------------------------------------------
 

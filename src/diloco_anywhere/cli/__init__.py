@@ -1,11 +1,11 @@
-"""The ``diloco`` command line: run commands (``run.py``), cloud resources (``infra.py``) and
-benchmarks (``bench.py``)."""
+"""The ``diloco`` command line: run commands (``run.py``), keeping a run going (``keep.py``),
+cloud resources (``infra.py``) and benchmarks (``bench.py``)."""
 
 from __future__ import annotations
 
 import typer
 
-from diloco_anywhere.cli import run
+from diloco_anywhere.cli import keep, run
 from diloco_anywhere.cli.bench import bench_app
 from diloco_anywhere.cli.common import parse_size
 from diloco_anywhere.cli.infra import infra_app
@@ -16,7 +16,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
-for command in (run.launch, run.status, run.logs, run.stop, run.report, run.export):
+for command in (run.launch, run.status, run.logs, run.stop, keep.keep, keep.replace, run.report,
+                run.export):  # fmt: skip
     app.command()(command)
 app.add_typer(infra_app, name="infra")
 app.add_typer(bench_app, name="bench")

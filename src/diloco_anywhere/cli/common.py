@@ -7,6 +7,8 @@ import math
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -21,6 +23,14 @@ from diloco_anywhere.launching.launch import LaunchError
 from diloco_anywhere.launching.launches import LaunchTakenError
 from diloco_anywhere.launching.tracking import TrackerUnavailableError
 from diloco_anywhere.standins import StandInUnavailableError
+
+CONFIG_OPTION = typer.Option(
+    "--config", help="run.toml of the run. Default: the embedded demo run (4 local replicas)."
+)
+JSON_OPTION = typer.Option("--json", help="Print JSON instead of a table (for scripts).")
+ConfigPath = Annotated[Path | None, CONFIG_OPTION]
+JsonFlag = Annotated[bool, JSON_OPTION]
+DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 stdout = Console()
 stderr = Console(stderr=True)
@@ -52,6 +62,18 @@ def print_json(value: object) -> None:
     """Print ``value`` as standard JSON for scripts: a NaN loss or an infinite ratio is
     ``null`` (``json.dumps`` would print ``NaN``/``-Infinity``, which JSON parsers reject)."""
     print(json.dumps(_finite_or_null(value), indent=2, allow_nan=False))
+
+
+def parse_duration(text: str, option: str, minimum: float = 0.0) -> float:
+    """``600``, ``90s``, ``10m``, ``1.5h`` or ``2d`` -> seconds (at least ``minimum``)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", str(text))
+    seconds = float(match.group(1)) * DURATION_UNITS[match.group(2)] if match else 0.0
+    if seconds < max(minimum, 1e-9):
+        raise typer.BadParameter(
+            f"{option} {text!r}: give a duration of at least {minimum:g} s, as a number "
+            f"followed by s, m, h or d (e.g. 10m)"
+        )
+    return seconds
 
 
 def parse_size(text: str) -> int:

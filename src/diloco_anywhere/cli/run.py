@@ -22,7 +22,14 @@ from diloco_anywhere.backends.base import (
 )
 from diloco_anywhere.bucket.layout import parse_count
 from diloco_anywhere.bucket.store import redact_url
-from diloco_anywhere.cli.common import print_json, stderr, stdout, user_errors
+from diloco_anywhere.cli.common import (
+    ConfigPath,
+    JsonFlag,
+    print_json,
+    stderr,
+    stdout,
+    user_errors,
+)
 from diloco_anywhere.collective.membership import SKEW_SHOWN
 from diloco_anywhere.config import RunConfig, load_config, validate_config
 from diloco_anywhere.launching.launch import (
@@ -47,15 +54,9 @@ from diloco_anywhere.launching.status import ReplicaStatus, replica_statuses
 from diloco_anywhere.launching.supervisor import Supervisor
 from diloco_anywhere.replica import ENV_STORE
 
-CONFIG_OPTION = typer.Option(
-    "--config", help="run.toml of the run. Default: the embedded demo run (4 local replicas)."
-)
 LOCAL_POLL_SECONDS = 1.0
 REMOTE_POLL_SECONDS = 10.0
 SKEW_POLL_SECONDS = 30.0  # replicas measure their clocks every 30 leases
-JSON_OPTION = typer.Option("--json", help="Print JSON instead of a table (for scripts).")
-ConfigPath = Annotated[Path | None, CONFIG_OPTION]
-JsonFlag = Annotated[bool, JSON_OPTION]
 
 
 def _shown(spec: ReplicaSpec) -> dict:
@@ -161,7 +162,7 @@ def _follow(plan: LaunchPlan, supervisor: Supervisor) -> int:
                                         lambda h, known=states: known[h.replica_id],
                                         supervisor.stopped(), skews=skews)  # fmt: skip
                 live.update(_status_table(rows, title))
-                if not set(states.values()) & set(ACTIVE_STATES):
+                if not set(states.values()) & set(ACTIVE_STATES) and not supervisor.restarting:
                     break
                 time.sleep(interval)
     except KeyboardInterrupt:
@@ -234,14 +235,20 @@ def launch(
     restart_on_failure: Annotated[
         bool,
         typer.Option(
-            help="Restart a local replica that crashes or is killed (not one stopped); it "
-            "heals from the bucket and rejoins. Remote replicas are retried by their platform "
-            "([backends.*] retry settings)."
+            help="While following the run, keep it going as `diloco keep` does: restart any "
+            "replica, on any platform, that ends before the run is done (not one stopped on "
+            "purpose); it heals from the bucket and rejoins. With --detach nothing here "
+            "follows the run: schedule `diloco keep` instead (docs/backends.md, "
+            '"Unattended runs").'
         ),
     ] = False,
     max_restarts: Annotated[
-        int, typer.Option(min=1, help="With --restart-on-failure: restarts per replica.")
-    ] = 10,
+        int | None,
+        typer.Option(
+            min=1,
+            help="With --restart-on-failure: restarts per replica (default: [keep] max_restarts).",
+        ),
+    ] = None,
 ) -> None:
     """Start a run's replicas and follow them until they finish.
 
@@ -252,6 +259,13 @@ def launch(
     Ctrl-C stops the replicas of this launch. Then prints the run summary and the loss plot.
     """
     with user_errors():
+        if detach and restart_on_failure:
+            raise ValueError(
+                "--restart-on-failure restarts replicas while this command follows the run, "
+                "and --detach returns at once: nothing would restart them. Keep a detached "
+                "run going with `diloco keep --every 10m`, or the keeper workflow, from any "
+                'machine (docs/backends.md, "Unattended runs")'
+            )
         config = load_config(config_path)
         counts = parse_backends(backend or [], config, replicas)
         config = _sized(config, sum(counts.values()))
@@ -272,7 +286,8 @@ def launch(
         stdout.print(f"started {count} replicas of run {config.run.name}; "
                      f"follow with `diloco status`, stop with `diloco stop`")  # fmt: skip
         return
-    code = _follow(plan, Supervisor(plan, started, max_restarts if restart_on_failure else 0))
+    restarts = (max_restarts or config.keep.max_restarts) if restart_on_failure else 0
+    code = _follow(plan, Supervisor(plan, started, restarts))
     if code == 0:
         _print_report(config, plan.run_dir / "report.png")
     raise typer.Exit(code)

@@ -205,12 +205,12 @@ def load_handles(config: RunConfig, root: Path | None = None) -> list[ReplicaHan
 
 
 def mark_stopped(config: RunConfig, replica_ids: list[str]) -> None:
-    """Record in the bucket that ``replica_ids`` of the newest launch are being stopped on
-    purpose, so that nothing restarts them."""
+    """Record in the bucket that the current attempts of ``replica_ids`` of the newest launch
+    are being stopped on purpose, so that nothing restarts them."""
     launches = run_launches(config)
-    numbers = launches.numbers()
-    for replica_id in replica_ids if numbers else ():
-        launches.mark_stopped(numbers[-1], replica_id)
+    latest = launches.latest()
+    for replica_id in replica_ids if latest else ():
+        launches.mark_stopped(latest.number, replica_id, latest.attempt(replica_id))
 
 
 class LaunchError(RuntimeError):

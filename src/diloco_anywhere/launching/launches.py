@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import logging
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TypeVar
 
-from pydantic import JsonValue
+from pydantic import Field, JsonValue
 
 from diloco_anywhere.backends.base import ReplicaHandle, ReplicaSpec
 from diloco_anywhere.bucket.layout import RunLayout
@@ -29,6 +30,7 @@ from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.bucket.wire import Count, Name
 
 log = logging.getLogger(__name__)
+RecordT = TypeVar("RecordT", bound=Record)
 
 
 class LaunchedReplica(Record):
@@ -61,24 +63,63 @@ class JobRecord(Record):
         return ReplicaHandle(self.replica_id, self.platform, dict(self.job))
 
 
+class RestartRecord(Record):
+    """A keeper's claim to start ``attempt`` of a replica (``keeper.py``), written before the
+    job starts: the key is create-only, so of two keepers acting at once one starts it."""
+
+    replica_id: Name
+    attempt: Count
+    reason: Name  # what ended the attempt before: failed, timed_out, stopped, hung, replaced...
+    detail: str = Field(max_length=400)  # for people: the platform's state, the exit code
+    # Restarts so far that the budget counts (``[keep] max_restarts``): a timed-out attempt
+    # ended as planned and is not counted
+    counted: Count
+    streak: Count  # attempts in a row that ended within ``[keep] stable_after``: the backoff
+    host: str  # the keeper's machine, for people
+    at: float  # the keeper's wall clock, for people
+    nonce: str  # makes racing keepers' bytes differ, so exactly one claim succeeds
+
+
+class EndRecord(Record):
+    """A keeper ended the launch: its replicas are stopped and none is restarted again."""
+
+    reason: Name  # done, budget
+    detail: str = Field(max_length=400)
+    host: str
+    at: float
+    nonce: str
+
+
 class LaunchTakenError(RuntimeError):
     """Another launcher took this launch number first: the run is being launched elsewhere."""
 
 
 @dataclass(frozen=True)
 class Launch:
-    """One launch as its keys say: the record, each replica's current job, and the replicas
-    stopped on purpose."""
+    """One launch as its keys say: the record, each replica's newest attempt (its job and the
+    keeper's claim that started it), the replicas whose current job was stopped on purpose,
+    and whether a keeper ended the launch."""
 
     record: LaunchRecord
-    jobs: dict[str, JobRecord]  # replica id -> its newest attempt
+    jobs: dict[str, JobRecord]  # replica id -> the job of its newest started attempt
     stopped: frozenset[str]
+    restarts: dict[str, RestartRecord] = field(default_factory=dict)  # replica -> newest claim
+    end: EndRecord | None = None
+
+    @property
+    def number(self) -> int:
+        return self.record.number
 
     @property
     def handles(self) -> list[ReplicaHandle]:
         """The current jobs, in the launch's order of replicas (platform by platform)."""
         planned = [replica.replica_id for replica in self.record.replicas]
         return [self.jobs[replica].handle for replica in planned if replica in self.jobs]
+
+    def attempt(self, replica_id: str) -> int:
+        """The replica's newest attempt: started (a job) or being started (a claim)."""
+        job, restart = self.jobs.get(replica_id), self.restarts.get(replica_id)
+        return max(job.attempt if job else 0, restart.attempt if restart else 0)
 
 
 class Launches:
@@ -100,23 +141,32 @@ class Launches:
     def read(self, number: int) -> Launch:
         key = self.layout.launch(number)
         record = decode_record(self.store.get(key, 0, RECORD_READ_LIMIT), LaunchRecord, key=key)
-        jobs: dict[str, tuple[int, str]] = {}
-        stopped = set()
-        for key in self.store.list_prefix(self.layout.launch_folder(number)):
+        newest: dict[tuple[str, str], tuple[int, str]] = {}  # (kind, replica) -> attempt, key
+        keys = self.store.list_prefix(self.layout.launch_folder(number))
+        for key in keys:
             parsed = self.layout.parse_launch_key(key, number)
-            if parsed is None:
-                continue
-            kind, replica, attempt = parsed
-            if kind == "stopped":
-                stopped.add(replica)
-            elif kind == "job" and attempt >= jobs.get(replica, (-1, ""))[0]:
-                jobs[replica] = (attempt, key)
-        objects = self.store.get_many([key for _, key in jobs.values()], limit=RECORD_READ_LIMIT)
+            if parsed is not None and parsed[2] >= newest.get(parsed[:2], (-1, ""))[0]:
+                newest[parsed[:2]] = (parsed[2], key)
+        end_key = self.layout.launch_end(number)
+        wanted = [key for (kind, _), (_, key) in newest.items() if kind != "stopped"]
+        objects = self.store.get_many(wanted + [end_key] * (end_key in keys),
+                                      limit=RECORD_READ_LIMIT)  # fmt: skip
+
+        def records(kind: str, model: type[RecordT]) -> dict[str, RecordT]:
+            return {replica: decode_record(objects[key], model, key=key)
+                    for (k, replica), (_, key) in newest.items()
+                    if k == kind and objects.get(key) is not None}  # fmt: skip
+
+        jobs = records("job", JobRecord)
+        stopped = {
+            replica
+            for (kind, replica), (attempt, _) in newest.items()
+            if kind == "stopped" and replica in jobs and attempt >= jobs[replica].attempt
+        }
+        end = objects.get(end_key)
         return Launch(
-            record,
-            {r: decode_record(objects[k], JobRecord, key=k) for r, (_, k) in jobs.items()
-             if objects[k] is not None},
-            frozenset(stopped),
+            record, jobs, frozenset(stopped), records("restart", RestartRecord),
+            decode_record(end, EndRecord, key=end_key) if end else None,
         )  # fmt: skip
 
     def begin(
@@ -161,11 +211,32 @@ class Launches:
         self.store.put(key, encode_record(record))
 
     def stopped(self, number: int) -> frozenset[str]:
-        """The replicas of launch ``number`` stopped on purpose: one listing."""
-        keys = self.store.list_prefix(f"{self.layout.launch_folder(number)}/stopped")
-        parsed = (self.layout.parse_launch_key(key, number) for key in keys)
-        return frozenset(p[1] for p in parsed if p is not None and p[0] == "stopped")
+        """The replicas of launch ``number`` whose current job was stopped on purpose."""
+        return self.read(number).stopped
 
-    def mark_stopped(self, number: int, replica_id: str) -> None:
-        """Record that ``replica_id`` is being stopped on purpose: not to be restarted."""
-        self.store.put(self.layout.launch_stopped(number, replica_id), b"")
+    def mark_stopped(self, number: int, replica_id: str, attempt: int) -> None:
+        """Record that ``attempt`` of ``replica_id`` is being stopped on purpose: not to be
+        restarted."""
+        self.store.put(self.layout.launch_stopped(number, replica_id, attempt), b"")
+
+    def claim_restart(self, number: int, restart: RestartRecord) -> bool:
+        """Take the right to start ``restart.attempt`` of its replica; False when another
+        keeper took it first."""
+        key = self.layout.launch_restart(number, restart.replica_id, restart.attempt)
+        try:
+            self.store.put(key, encode_record(restart))
+        except FileExistsError:
+            return False
+        return True
+
+    def release_restart(self, number: int, restart: RestartRecord) -> None:
+        """Give a claim back when its job could not be started: the next pass tries again."""
+        self.store.delete(self.layout.launch_restart(number, restart.replica_id, restart.attempt))
+
+    def end(self, number: int, end: EndRecord) -> bool:
+        """End launch ``number``; False when another keeper ended it first."""
+        try:
+            self.store.put(self.layout.launch_end(number), encode_record(end))
+        except FileExistsError:
+            return False
+        return True

@@ -1,37 +1,37 @@
-"""Restart crashed replicas (``diloco launch --restart-on-failure``).
+"""Follow a launch from the machine that started it (``diloco launch`` without ``--detach``).
 
-Preemptible capacity and chaos runs need replicas that come back. A replica whose job failed
-(crashed, was killed, or exited 1) is started again from its spec; the new process claims a new
-incarnation and heals from the bucket (``healing.py``), so the run loses at most the inner
-steps the dead one had not synced. Each restart is recorded in the launch's record in the
-bucket (``launches.py``). Not restarted: a replica stopped on purpose (``diloco stop`` or
-Ctrl-C leave a marker in the launch's record, since a torchrun replica exits 1 however it ends;
-a lone process stopped by SIGTERM exits 143 or -15), one that refused its configuration (exit
-2: it would only fail again), one superseded by a newer incarnation (exit 3), and none beyond
-``max_restarts`` per replica. A torchrun replica torn down because one of its ranks crashed is
-restarted. Replicas on remote platforms are retried by their platform (``[backends.*]`` retry
-settings), not from here.
+The supervisor keeps the launch's current jobs for the live status table. With
+``--restart-on-failure`` it runs the keeper (``keeper.py``) every few seconds, on every
+platform of the launch: the one restart logic there is, whether a scheduled ``diloco keep``
+or this follower observes an ended replica first (their create-only claims in the bucket let
+exactly one of them act). What is restarted and what is not (stopped on purpose, a refused
+run.toml, superseded, out of restarts) is the keeper's to say.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter
 
 from diloco_anywhere.backends.base import ACTIVE_STATES, Backend, JobState, ReplicaHandle
-from diloco_anywhere.launching.launch import LaunchPlan, job_state, run_launches, save_state
-from diloco_anywhere.replica import EXIT_BAD_CONFIG, EXIT_STOPPED, EXIT_SUPERSEDED
+from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.config import RunConfig, validate_config
+from diloco_anywhere.launching.keeper import Keeper, PassReport
+from diloco_anywhere.launching.launch import LaunchPlan, job_state, run_launches
 
-NOT_RESTARTED = {
-    EXIT_BAD_CONFIG: "bad configuration",
-    EXIT_STOPPED: "stopped",
-    -15: "stopped",
-    EXIT_SUPERSEDED: "superseded by a newer incarnation",
-}
+LOCAL_KEEP_SECONDS = 2.0  # a local process's end is seen at once
+REMOTE_KEEP_SECONDS = 60.0  # platform APIs throttle (SageMaker's DescribeTrainingJob)
+
+
+def with_max_restarts(config: RunConfig, max_restarts: int) -> RunConfig:
+    """``config`` with ``[keep] max_restarts`` set (``--max-restarts``)."""
+    data = config.model_dump()
+    data["keep"]["max_restarts"] = max_restarts
+    return validate_config(data, f"{config.source or 'run.toml'} with --max-restarts",
+                           config.source)  # fmt: skip
 
 
 class Supervisor:
-    """The handles of one launch, kept current as replicas are restarted."""
+    """The jobs of one launch, kept current as the keeper restarts replicas."""
 
     def __init__(
         self,
@@ -39,12 +39,19 @@ class Supervisor:
         started: dict[str, tuple[Backend, list[ReplicaHandle]]],
         max_restarts: int = 0,
     ) -> None:
-        self.plan, self.max_restarts = plan, max_restarts
+        self.plan = plan
         self.backends = {platform: backend for platform, (backend, _) in started.items()}
         self.handles = [handle for _, handles in started.values() for handle in handles]
-        self.restarts: Counter[str] = Counter()
         self.launches = run_launches(plan.config)
         self.number = self.launches.numbers()[-1]  # the launch that started these jobs
+        self.keeper = None
+        if max_restarts:
+            config = with_max_restarts(plan.config, max_restarts)
+            self.keeper = Keeper(config, Store(config.store_url()), run_folder=plan.run_dir,
+                                 backends=self.backends)  # fmt: skip
+        self.every = REMOTE_KEEP_SECONDS if self.remote else LOCAL_KEEP_SECONDS
+        self.kept_at = -self.every
+        self.last: PassReport | None = None
 
     def state(self, handle: ReplicaHandle) -> JobState:
         return job_state(self.backends[handle.platform], handle)
@@ -57,35 +64,21 @@ class Supervisor:
     def remote(self) -> bool:
         return any(backend.remote for backend in self.backends.values())
 
+    @property
+    def restarting(self) -> bool:
+        """The keeper's last pass is waiting to restart a replica, or has just restarted one."""
+        decisions = self.last.decisions.values() if self.last else ()
+        return any(decision.action in ("wait", "restart") for decision in decisions)
+
     def stopped(self) -> frozenset[str]:
         """The replicas of this launch stopped on purpose, from whichever machine."""
         return self.launches.stopped(self.number)
 
-    def _record(self, handle: ReplicaHandle, attempt: int) -> None:
-        """The restarted job, as attempt ``attempt`` of its replica in the launch's record."""
-        self.launches.started(self.number, handle, attempt, time.time())
-
     def restart_failed(self) -> list[str]:
-        """Restart every failed replica that may be; one line per decision, for the user."""
-        notes = []
-        for position, handle in enumerate(self.handles):
-            backend = self.backends[handle.platform]
-            if backend.remote:  # its platform retries it (Modal retries, HF attempts, k8s)
-                continue
-            if self.max_restarts == 0 or self.state(handle) != "failed":
-                continue
-            code = getattr(backend, "exit_code", lambda _: None)(handle)
-            replica = handle.replica_id
-            if code in NOT_RESTARTED or self.restarts[replica] >= self.max_restarts:
-                continue
-            if replica in self.stopped():
-                continue
-            spec = next(spec for spec in self.plan.specs if spec.replica_id == replica)
-            self.handles[position] = backend.launch([spec], self.plan.run_dir)[0]
-            self.restarts[replica] += 1
-            self._record(self.handles[position], self.restarts[replica])
-            notes.append(f"{replica} failed (exit {code}); restarted "
-                         f"({self.restarts[replica]} of {self.max_restarts})")  # fmt: skip
-        if notes:
-            save_state(self.plan, self.handles)
-        return notes
+        """A keeper pass when one is due; what it did, one line each, for the user."""
+        if self.keeper is None or time.monotonic() - self.kept_at < self.every:
+            return []
+        self.kept_at = time.monotonic()
+        self.last = self.keeper.pass_()
+        self.handles = self.launches.read(self.number).handles
+        return self.last.notes
