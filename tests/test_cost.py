@@ -116,6 +116,9 @@ def test_hardware_without_a_price_is_named_with_what_to_set():
     missing = hourly_price("sagemaker", "ml.p5.48xlarge", NO_OVERRIDES, PRICES)
     assert missing.usd is None
     assert 'hourly_usd."sagemaker/ml.p5.48xlarge"' in missing.source
+    cpu = hourly_price("modal", "cpu", NO_OVERRIDES, PRICES)  # Modal bills cores, not GPUs
+    assert cpu.usd is None
+    assert 'hourly_usd."modal/cpu"' in cpu.source
 
 
 # -- Traffic per outer step ------------------------------------------------------------------
