@@ -5,15 +5,22 @@ use (``/api/jobs/{namespace}[/{id}[/cancel|/logs]]``, and ``/api/whoami-v2`` for
 namespace), and those of ``create_bucket``, ``bucket_info`` and ``delete_bucket``
 (``/api/buckets/{namespace}/{name}``; a bucket's files are not modelled), with the request and
 response shapes of huggingface_hub 2.x, and runs each job's command as a local process
-(``standin_jobs.ContainerProcess``) with the job's environment and secrets. Not modelled:
-images (this Python runs every job), flavors and their hardware, timeouts, attempts (a failed
-job is not restarted), scheduling delay, authentication beyond requiring a bearer token.
+(``standin_jobs.ContainerProcess``) with the job's environment and secrets. A job still
+running ``timeoutSeconds`` after it started is ended (SIGTERM, then SIGKILL after
+``TIMEOUT_GRACE``) and, once its process has gone, reported in stage ERROR with a message
+saying it timed out (``TIMED_OUT``: huggingface_hub's JobStage has no stage of its own for
+it, and the hub documents no wording), with its running time in ``durations``. Not modelled:
+images (this Python runs every job), flavors and their hardware, attempts (a failed job is not
+restarted), scheduling delay, authentication beyond requiring a bearer token.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -24,6 +31,8 @@ from typing import Any
 from standin_jobs import ContainerProcess, RecordingServer
 
 USER = "alice"
+TIMED_OUT = "Job timed out after {seconds}s"  # the status message of a job its timeout ended
+TIMEOUT_GRACE = 10.0  # seconds between SIGTERM and SIGKILL when a job's timeout ends it
 
 
 def _timestamp() -> str:
@@ -35,14 +44,42 @@ class _Job:
     def __init__(self, job_id: str, namespace: str, spec: dict[str, Any], folder: Path) -> None:
         self.id, self.namespace, self.spec = job_id, namespace, spec
         self.created = _timestamp()
+        self.started, self.ended = time.monotonic(), None
+        self.timed_out = False
         env = {**spec.get("environment", {}), **spec.get("secrets", {})}
         self.container = ContainerProcess(spec["command"], env, folder / f"{job_id}.log")
+        timeout = spec.get("timeoutSeconds")
+        threading.Thread(target=self._watch, args=(timeout,), daemon=True).start()
+
+    def _watch(self, timeout: float | None) -> None:
+        """Wait for the job's process; end it at its timeout, as the hub does."""
+        process = self.container.process
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.timed_out = not self.container.cancelled
+            self.container.terminate()
+            try:
+                process.wait(timeout=TIMEOUT_GRACE)
+            except subprocess.TimeoutExpired:
+                self.container.kill()
+        self.ended = time.monotonic()
 
     def stage(self) -> str:
-        code = self.container.exit_code()
         if self.container.cancelled:
             return "CANCELED"
-        return "RUNNING" if code is None else ("COMPLETED" if code == 0 else "ERROR")
+        if self.ended is None:  # also while a process its timeout ended is still going
+            return "RUNNING"
+        return "COMPLETED" if self.container.exit_code() == 0 and not self.timed_out else "ERROR"
+
+    def message(self) -> str | None:
+        if self.timed_out and self.stage() == "ERROR":
+            return TIMED_OUT.format(seconds=self.spec["timeoutSeconds"])
+        return None
+
+    def durations(self) -> dict[str, int]:
+        running = round((self.ended or time.monotonic()) - self.started)
+        return {"schedulingSecs": 0, "runningSecs": running, "totalSecs": running}
 
     def info(self) -> dict[str, Any]:
         """JobInfo as the hub returns it: secrets by name only."""
@@ -57,7 +94,8 @@ class _Job:
             "flavor": self.spec["flavor"],
             "labels": self.spec.get("labels"),
             "owner": {"id": "0", "name": self.namespace, "type": "user"},
-            "status": {"stage": self.stage(), "message": None},
+            "status": {"stage": self.stage(), "message": self.message()},
+            "durations": self.durations(),
         }
 
 

@@ -12,9 +12,11 @@ import pytest
 from huggingface_hub.errors import HfHubHTTPError
 
 from diloco_anywhere.backends.base import BackendUnavailableError, ReplicaHandle
-from diloco_anywhere.backends.hf_jobs import HfJobsBackend
+from diloco_anywhere.backends.hf_jobs import HfJobsBackend, hub_api
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import ConfigError, load_config, parse_config
 from diloco_anywhere.launching.launch import plan_launch, run_metrics, start
+from diloco_anywhere.launching.published_config import publish_config
 from diloco_anywhere.standins import free_port
 from hf_jobs_standin import USER, hf_jobs_api
 from proxy import Fault, FaultProxy
@@ -41,11 +43,13 @@ def hub(monkeypatch, tmp_path):
         yield server
 
 
-def write_run(tmp_path, store: str, replicas: int = 2, outer_steps: int = 2) -> str:
+def write_run(
+    tmp_path, store: str, replicas: int = 2, outer_steps: int = 2, timeout: str = "2d"
+) -> str:
     text = RUN_TOML.format(replicas=replicas, outer_steps=outer_steps).replace(
         'store = "store"', f'store = "{store}"'
     )
-    (tmp_path / "run.toml").write_text(text + HF_JOBS)
+    (tmp_path / "run.toml").write_text(text + HF_JOBS.replace('"2d"', f'"{timeout}"'))
     return str(tmp_path / "run.toml")
 
 
@@ -110,8 +114,9 @@ def test_stop_cancels_a_running_job(tmp_path, s3_run, hub):
     wait_for(backend, [handle], {"stopped"}, seconds=30)
 
 
-def handle_of(job_id: str) -> ReplicaHandle:
-    return ReplicaHandle("hf_jobs-0", "hf_jobs", {"id": job_id, "namespace": USER, "url": ""})
+def handle_of(job_id: str, **more: float) -> ReplicaHandle:
+    job = {"id": job_id, "namespace": USER, "url": "", **more}
+    return ReplicaHandle("hf_jobs-0", "hf_jobs", job)
 
 
 def cancels(hub, job_id: str) -> int:
@@ -215,3 +220,87 @@ def test_a_secret_can_be_read_from_another_variable(tmp_path, s3_run, hub, monke
     (handle,) = start(plan)["hf_jobs"][1]
     assert hub.created()[0]["secrets"] == {"AWS_ACCESS_KEY_ID": "AKIA-REPLICA"}
     backend.stop(handle)
+
+
+@pytest.mark.parametrize(
+    ("timeout", "seconds"), [("2d", 172800), ("1.5h", 5400), ("30m", 1800), ("90s", 90), ("75", 75)]
+)
+def test_the_attempt_limit_is_the_timeout_the_hub_is_sent(tmp_path, timeout, seconds):
+    config = load_config(write_run(tmp_path, "s3://diloco", timeout=timeout))
+    backend = HfJobsBackend(config)
+    assert (backend.attempt_limit(), backend.hardware()) == (seconds, "a100-large")
+
+
+def test_a_job_its_timeout_ended_reads_timed_out(tmp_path, s3_run, hub):
+    """The hub ends the job at its timeout (the stand-in as the hub: SIGTERM, then stage
+    ERROR with a message saying so); an ended job is not cancelled."""
+    config = load_config(write_run(tmp_path, s3_run[0], outer_steps=500, timeout="4s"))
+    plan = plan_launch(config, {"hf_jobs": 1})  # 1 of min_replicas 2: it waits, running
+    backend = plan.backends["hf_jobs"]
+    (handle,) = start(plan)["hf_jobs"][1]
+    assert (hub.created()[0]["timeoutSeconds"], handle.job["timeout_s"]) == (4, 4)
+
+    wait_for(backend, [handle], {"timed_out"}, seconds=60)
+
+    job = hub_api().inspect_job(job_id=handle.job["id"], namespace=USER)
+    assert (job.status.stage, job.status.message) == ("ERROR", "Job timed out after 4s")
+    backend.stop(handle)
+    assert cancels(hub, handle.job["id"]) == 0
+
+
+def test_a_timeout_is_read_from_the_message_or_from_the_time_the_job_ran(hub):
+    """The hub documents no wording for a timeout: a message that says so is enough, and so is
+    a job that ended unfinished after running its whole timeout (kept in the handle)."""
+    backend = HfJobsBackend(parse_config("", "run.toml"))
+
+    def job(code: str, **spec: int) -> str:
+        command = ["python", "-c", f"import sys, time; {code}"]
+        return hub.create(USER, {"command": command, "flavor": "cpu-basic", **spec}).id
+
+    said = handle_of(job("time.sleep(60)", timeoutSeconds=1))  # an older handle: no timeout_s
+    ran_out = handle_of(job("time.sleep(2); sys.exit(1)"), timeout_s=1)
+    crashed = handle_of(job("sys.exit(1)"), timeout_s=60)
+    done = handle_of(job("time.sleep(2)"), timeout_s=1)
+    handles = [said, ran_out, crashed, done]
+    wait_for(backend, handles, {"timed_out", "failed", "exited"}, seconds=60)
+    assert [backend.state(handle) for handle in handles] == [
+        "timed_out", "timed_out", "failed", "exited",
+    ]  # fmt: skip
+
+
+def test_a_replica_started_again_is_a_new_job_with_its_id_and_shard(tmp_path, s3_run, hub):
+    """What `diloco keep` does: the one spec of replica hf_jobs-1, launched again after its
+    job ended, is a new job that trains as hf_jobs-1 on shard 1 (a new incarnation of it)."""
+    config = load_config(write_run(tmp_path, s3_run[0], outer_steps=500))
+    plan = plan_launch(config, {"hf_jobs": 2})  # hf_jobs-0 never starts: hf_jobs-1 waits
+    with Store(config.store_url()) as bucket:
+        publish_config(bucket, config)
+    backend, spec = plan.backends["hf_jobs"], plan.specs[1]
+    handles = []
+    for incarnation in (1, 2):
+        (handle,) = backend.launch([spec], tmp_path)
+        handles.append(handle)
+        starts = wait_for_starts(config, "hf_jobs-1", incarnation)
+        assert starts[-1].startswith("shard 1 of 2, ")
+        backend.stop(handle)
+        wait_for(backend, [handle], {"stopped"}, seconds=30)
+
+    assert [handle.replica_id for handle in handles] == ["hf_jobs-1", "hf_jobs-1"]
+    assert handles[0].job["id"] != handles[1].job["id"]
+    first, again = hub.created()
+    assert first == again  # the same job, started anew
+    assert first["environment"]["DILOCO_REPLICA_ID"] == "hf_jobs-1"
+    assert first["environment"]["DILOCO_REPLICA_INDEX"] == "1"
+    assert first["labels"]["diloco-replica"] == "hf_jobs-1"
+
+
+def wait_for_starts(config, replica: str, count: int, seconds: float = 120.0) -> list[str]:
+    """The details of ``replica``'s "started" events, once it has ``count`` of them."""
+    deadline = time.monotonic() + seconds
+    while True:
+        metrics = run_metrics(config).read().get(replica)
+        starts = [e.detail for e in metrics.events if e.event == "started"] if metrics else []
+        if len(starts) >= count:
+            return starts
+        assert time.monotonic() < deadline, starts
+        time.sleep(0.5)

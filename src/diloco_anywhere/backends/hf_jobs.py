@@ -8,6 +8,12 @@ keeps encrypted and does not show on the job page; run.toml names them
 launch, never written anywhere by us. Status is ``inspect_job``, logs ``fetch_job_logs``, stop
 ``cancel_job`` (https://huggingface.co/docs/huggingface_hub/guides/jobs).
 
+The hub stops a job at its ``timeout`` (the guide above). huggingface_hub's ``JobStage`` has no
+stage for that (COMPLETED, CANCELED, ERROR, DELETED, SCHEDULING, RUNNING) and the hub documents
+no wording for it, so a job that ended in ERROR or CANCELED reads ``timed_out`` when its status
+message speaks of a timeout, or when it ran for the whole timeout it was started with (kept in
+its handle).
+
 The hub is reached at ``$HF_ENDPOINT`` when set (read at each call, so a test's local
 stand-in applies), else huggingface.co; the token is huggingface_hub's own (``HF_TOKEN`` or
 ``hf auth login``).
@@ -45,6 +51,12 @@ STATES: dict[str, JobState] = {
     "DELETED": "stopped",
 }
 _TIMEOUT = re.compile(r"\d+(\.\d+)?[smhd]?")
+# huggingface_hub's units for a timeout given as text (``_create_job_spec``)
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+# A status message saying the job timed out ("timeout", "timed out", "time-out"...)
+_TIMED_OUT = re.compile(r"\btime[sd]?[ -]?out\b", re.IGNORECASE)
+# Stages a job its timeout ended may show: it did not complete, and was not running any more
+_UNFINISHED = ("ERROR", "CANCELED")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -81,6 +93,13 @@ class Settings(BackendSettings):
         if bad:
             raise ValueError(f"{bad}: give NAME or NAME=SOURCE, environment variable names")
         return names
+
+    def timeout_seconds(self) -> int:
+        """``timeout`` in seconds, converted as huggingface_hub sends it (``timeoutSeconds``)."""
+        unit = self.timeout[-1]
+        if unit in _UNIT_SECONDS:
+            return int(float(self.timeout[:-1]) * _UNIT_SECONDS[unit])
+        return int(float(self.timeout))
 
     def secret_sources(self) -> dict[str, str]:
         """The job's secret name -> the launcher's variable it is read from."""
@@ -131,6 +150,14 @@ class HfJobsBackend:
                 f"here; export them before launching (their values become the jobs' secrets)"
             )
 
+    def attempt_limit(self) -> float | None:
+        """The jobs' ``timeout``, after which the hub ends one."""
+        return self.settings.timeout_seconds()
+
+    def hardware(self) -> str:
+        """The flavor, as the hub prices it."""
+        return self.settings.flavor
+
     def _job(self, spec: ReplicaSpec, secrets: dict[str, str]) -> dict[str, Any]:
         """``run_job``'s arguments for one replica."""
         return {
@@ -157,20 +184,24 @@ class HfJobsBackend:
 
         def start_one(spec: ReplicaSpec) -> ReplicaHandle:
             job = api.run_job(**{**self._job(spec, secrets), "namespace": namespace})
-            reference = {"id": job.id, "namespace": namespace, "url": job.url}
+            reference = {"id": job.id, "namespace": namespace, "url": job.url,
+                         "timeout_s": self.settings.timeout_seconds()}  # fmt: skip
             return ReplicaHandle(spec.replica_id, self.name, reference)
 
         return launch_each(specs, start_one, self.stop)
 
     def state(self, handle: ReplicaHandle) -> JobState:
-        """The job's stage; a job the hub no longer knows is stopped, and one it could not
-        tell about (an HTTP error) unknown. Other errors (the hub unreachable) are raised."""
+        """The job's stage, ``timed_out`` for one its timeout ended; a job the hub no longer
+        knows is stopped, and one it could not tell about (an HTTP error) unknown. Other
+        errors (the hub unreachable) are raised."""
         from huggingface_hub.errors import HfHubHTTPError
 
         try:
             job = self._api().inspect_job(**_reference(handle))
         except HfHubHTTPError as exc:
             return "stopped" if _not_found(exc) else "unknown"
+        if _timed_out(job, handle.job.get("timeout_s")):
+            return "timed_out"
         return STATES.get(str(job.status.stage), "unknown")
 
     def logs(self, handle: ReplicaHandle) -> str:
@@ -186,6 +217,18 @@ class HfJobsBackend:
             except HfHubHTTPError as exc:
                 if not _not_found(exc):  # gone meanwhile
                     raise
+
+
+def _timed_out(job: Any, timeout: float | None) -> bool:
+    """Whether the hub ended ``job`` (a JobInfo) at its timeout: it ended unfinished, and its
+    status message says so or it ran for the whole ``timeout`` (seconds; None for a handle
+    that does not record it)."""
+    if str(job.status.stage) not in _UNFINISHED:
+        return False
+    if _TIMED_OUT.search(job.status.message or ""):
+        return True
+    ran = job.durations.running_secs if job.durations else None
+    return ran is not None and timeout is not None and ran >= timeout
 
 
 def _reference(handle: ReplicaHandle) -> dict[str, str]:
