@@ -44,6 +44,7 @@ SETTINGS = {
     "spot": True,
     "max_runtime_hours": 2,
     "max_wait_hours": 3,
+    "retries": 5,
     "checkpoint_s3_uri": "s3://diloco/checkpoints",
 }
 JOB_NAME = re.compile(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}")  # TrainingJobName in the API model
@@ -126,7 +127,9 @@ def test_describe_is_what_launch_sends(aws, tmp_path):
         sent = {key: value for key, value in body.items() if key != "TrainingJobName"}
         kept = {key: job[key] for key in sent if key in job}
         assert kept == {key: sent[key] for key in kept}
-        assert set(sent) - set(kept) == {"Environment", "Tags"}  # moto drops or keeps apart
+        # moto drops Environment and RetryStrategy, and keeps Tags apart
+        assert set(sent) - set(kept) == {"Environment", "RetryStrategy", "Tags"}
+        assert body["RetryStrategy"] == {"MaximumRetryAttempts": 5}
         tags = sagemaker().list_tags(ResourceArn=handle.job["arn"])["Tags"]
         assert tags == body["Tags"]
         assert body["Environment"] == spec.env
@@ -161,6 +164,8 @@ def test_job_names_fit_the_api_whatever_the_run_name(aws, tmp_path):
         ({"spot": True, "max_runtime_hours": 10, "max_wait_hours": 5}, "sagemaker", "max_wait"),
         ({"max_wait_hours": 5}, "backends.sagemaker", "max_wait_hours applies only with spot"),
         ({"max_runtime_hours": 700}, "max_runtime_hours", "672"),
+        ({"retries": 31}, "backends.sagemaker.retries = 31", "less than or equal to 30"),
+        ({"retries": -1}, "backends.sagemaker.retries = -1", "greater than or equal to 0"),
         ({"role_arn": "arn:aws:iam::1234:role/x"}, "role_arn", "pattern"),
         ({"role_arn": "arn:aws:iam::123456789012:user/x"}, "role_arn", "pattern"),
         ({"checkpoint_s3_uri": "/tmp/checkpoints"}, "checkpoint_s3_uri", "s3://"),
@@ -359,13 +364,64 @@ def test_a_create_that_failed_after_sagemaker_took_it_stops_that_job(
         ("Failed", "Failed", "failed"),
         ("Stopping", "Stopping", "stopped"),
         ("Stopped", "Stopped", "stopped"),
-        ("Stopped", "MaxRuntimeExceeded", "failed"),  # out of time: it did not finish
-        ("Stopped", "MaxWaitTimeExceeded", "failed"),  # spot: waited and ran too long
+        ("Stopped", "MaxRuntimeExceeded", "timed_out"),  # ended at MaxRuntimeInSeconds
+        ("Stopping", "MaxRuntimeExceeded", "timed_out"),
+        ("Stopped", "MaxWaitTimeExceeded", "timed_out"),  # spot: waited and ran too long
     ],
 )
 def test_job_states(status, secondary, state):
     """The mapping of DescribeTrainingJob answers moto cannot produce (it completes at once)."""
     assert job_state({"TrainingJobStatus": status, "SecondaryStatus": secondary}) == state
+
+
+@pytest.mark.parametrize(
+    ("reason", "state"),
+    [
+        ("ClientError: the job exceeded MaxRuntimeInSeconds while stopping", "timed_out"),
+        ("Training job exceeded the maximum allowed wait time", "timed_out"),
+        ("AlgorithmError: ExecuteUserScriptError: exit code 1", "failed"),
+        ("CapacityError: Unable to provision requested ML compute capacity", "failed"),
+    ],
+)
+def test_a_failed_job_whose_reason_names_its_time_limit_timed_out(reason, state):
+    job = {"TrainingJobStatus": "Failed", "SecondaryStatus": "Failed", "FailureReason": reason}
+    assert job_state(job) == state
+
+
+def test_retries_and_runtime_up_to_28_days_are_sent_and_the_limit_is_the_runtime(aws, tmp_path):
+    settings = {**BASE, "instance_type": "ml.p4d.24xlarge", "max_runtime_hours": 28 * 24}
+    for retries, strategy in ((0, None), (30, {"MaximumRetryAttempts": 30})):
+        launch = plan(tmp_path, aws, {**settings, "retries": retries})
+        backend = launch.backends["sagemaker"]
+        [body, _] = bodies(backend.describe(launch.specs))
+        assert body.get("RetryStrategy") == strategy
+        assert body["StoppingCondition"] == {"MaxRuntimeInSeconds": 2419200}  # SageMaker's most
+        assert (backend.attempt_limit(), backend.hardware()) == (2419200, "ml.p4d.24xlarge")
+    default = plan(tmp_path, aws, BASE).backends["sagemaker"]
+    assert default.settings.retries == 2
+    assert (default.attempt_limit(), default.hardware()) == (24 * 3600, "ml.g5.xlarge")
+
+
+def test_a_replica_started_again_is_a_new_job_of_its_own_name(aws, tmp_path):
+    """What `diloco keep` does: the one spec of replica sagemaker-1, launched again, is a new
+    training job (SageMaker never reuses a name) for that replica, id and shard."""
+    launch = plan(tmp_path, aws)
+    backend, spec = launch.backends["sagemaker"], launch.specs[1]
+    [body] = bodies(backend.describe([spec]))
+    assert body["Environment"]["DILOCO_REPLICA_ID"] == "sagemaker-1"
+    assert body["Environment"]["DILOCO_REPLICA_INDEX"] == "1"
+
+    handles = [backend.launch([spec], tmp_path)[0] for _ in range(2)]
+
+    assert [handle.replica_id for handle in handles] == ["sagemaker-1", "sagemaker-1"]
+    names = [handle.job["name"] for handle in handles]
+    assert names[0] != names[1]
+    assert all("-sagemaker-1-" in name for name in names)
+    for handle in handles:
+        job = sagemaker().describe_training_job(TrainingJobName=handle.job["name"])
+        assert job["AlgorithmSpecification"]["ContainerEntrypoint"] == spec.command("python")
+        tags = sagemaker().list_tags(ResourceArn=handle.job["arn"])["Tags"]
+        assert {"Key": "diloco:replica", "Value": "sagemaker-1"} in tags
 
 
 def test_check_without_boto3_says_how_to_install_it(aws, tmp_path, monkeypatch):

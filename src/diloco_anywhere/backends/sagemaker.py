@@ -17,7 +17,12 @@ so the image must be an ECR URI.
 
 With ``spot`` (managed spot training) SageMaker restarts an interrupted job itself, and the
 replica resumes from the run's global checkpoint in the bucket like any new replica; that is
-why ``checkpoint_s3_uri`` (where SageMaker syncs /opt/ml/checkpoints) is optional. Status is
+why ``checkpoint_s3_uri`` (where SageMaker syncs /opt/ml/checkpoints) is optional. ``retries``
+becomes the job's ``RetryStrategy``: SageMaker starts a job again, in the same job, after an
+internal error or a capacity shortage; without it SageMaker retries nothing. A job ends at
+``MaxRuntimeInSeconds`` (its attempts in total, with retries) or, with spot, at
+``MaxWaitTimeInSeconds``, stopped with SecondaryStatus MaxRuntimeExceeded or
+MaxWaitTimeExceeded (API_StoppingCondition, API_DescribeTrainingJob): ``timed_out``. Status is
 ``DescribeTrainingJob``, logs are CloudWatch Logs (group /aws/sagemaker/TrainingJobs, one stream
 per instance named ``<job>/algo-1-<epoch>``), stop is ``StopTrainingJob``.
 
@@ -70,6 +75,11 @@ ENDED: dict[str, JobState] = {
 RUNNING_PHASES = frozenset({"Training", "Uploading"})
 # SecondaryStatus of a job SageMaker stopped at its StoppingCondition: it did not finish.
 OUT_OF_TIME = frozenset({"MaxRuntimeExceeded", "MaxWaitTimeExceeded"})
+# A FailureReason naming that limit (MaxRuntimeInSeconds, "maximum allowed wait time"...): a job
+# that failed as it was being ended for its time counts as ended for its time.
+_OUT_OF_TIME_REASON = re.compile(r"max(imum)?[\s_]*(allowed[\s_]*)?(run|wait[\s_]*)time", re.I)
+# RetryStrategy.MaximumRetryAttempts: "1 to 30" (API_RetryStrategy); 0 here sends none
+MAX_RETRIES = 30
 _ECR_HOST = re.compile(
     r"(?P<registry>\d{12})\.dkr[.-]ecr(-fips)?\.(?P<region>[a-z0-9-]+)\.(amazonaws\.com(\.cn)?|on\.aws)"
 )
@@ -90,6 +100,9 @@ class Settings(BackendSettings):
     region: str | None = None  # default: boto3's (AWS_DEFAULT_REGION, ~/.aws/config)
     spot: bool = False  # managed spot training: cheaper, interruptible, restarted by SageMaker
     max_runtime_hours: Annotated[float, Field(gt=0, le=MAX_RUNTIME_HOURS)] = 24
+    # RetryStrategy.MaximumRetryAttempts: SageMaker starts the job again after an internal
+    # error or a capacity shortage (within max_runtime_hours in total); 0: no RetryStrategy
+    retries: Annotated[int, Field(ge=0, le=MAX_RETRIES)] = 2
     max_wait_hours: Annotated[float, Field(gt=0)] | None = None  # spot: waiting + running
     checkpoint_s3_uri: str | None = None  # optional: replicas resume from the bucket anyway
     output_s3_uri: str | None = None  # default: <run.store>/<run>/sagemaker-output (s3 store)
@@ -245,12 +258,15 @@ def _newest_digest(ecr: Any, where: dict[str, str]) -> str:
 
 
 def job_state(job: dict[str, Any]) -> JobState:
-    """A DescribeTrainingJob answer as a JobState."""
+    """A DescribeTrainingJob answer as a JobState: ``timed_out`` for a job SageMaker ended at
+    its StoppingCondition."""
     status, phase = job["TrainingJobStatus"], job.get("SecondaryStatus")
     if status == "InProgress":
         return "running" if phase in RUNNING_PHASES else "pending"
     if status in ("Stopping", "Stopped") and phase in OUT_OF_TIME:
-        return "failed"
+        return "timed_out"
+    if status == "Failed" and _OUT_OF_TIME_REASON.search(job.get("FailureReason", "")):
+        return "timed_out"
     return ENDED.get(status, "unknown")
 
 
@@ -346,6 +362,15 @@ class SageMakerBackend:
             self._clients[service, region] = boto3.Session().client(service, region_name=region)
         return self._clients[service, region]
 
+    def attempt_limit(self) -> float | None:
+        """MaxRuntimeInSeconds: the running time SageMaker gives a job, its retries included
+        (a spot job may also wait for capacity, up to MaxWaitTimeInSeconds in all)."""
+        return self._stopping_condition()["MaxRuntimeInSeconds"]
+
+    def hardware(self) -> str:
+        """The instance type (one instance per job), as SageMaker prices it."""
+        return self.settings.instance_type
+
     def _stopping_condition(self) -> dict[str, int]:
         condition = {"MaxRuntimeInSeconds": round(self.settings.max_runtime_hours * 3600)}
         if self.settings.spot:
@@ -386,6 +411,8 @@ class SageMakerBackend:
                 {"Key": "diloco:replica", "Value": spec.replica_id},
             ],
         }
+        if settings.retries:
+            request["RetryStrategy"] = {"MaximumRetryAttempts": settings.retries}
         if settings.checkpoint_s3_uri:
             request["CheckpointConfig"] = {"S3Uri": settings.checkpoint_s3_uri}
         return request
