@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from grpclib import GRPCError, Status
@@ -227,7 +228,7 @@ HANDLE = ReplicaHandle("modal-0", "modal", {"app": "diloco-t", "call_id": "fc-1"
         (2, "failed"),  # run_replica returned a refused run.toml's code
         (ReplicaExitError("`python -m diloco_anywhere.replica` exited with code 1"), "failed"),
         (FileNotFoundError("python"), "failed"),  # raised by the call, in the container
-        (modal.exception.FunctionTimeoutError("timed out after 6h"), "failed"),
+        (modal.exception.FunctionTimeoutError("timed out after 6h"), "timed_out"),
         (modal.exception.InternalFailure("the input failed"), "failed"),
         (modal.exception.RemoteError("container crashed"), "failed"),
         (modal.exception.RemoteError(""), "stopped"),  # a cancelled call
@@ -241,7 +242,7 @@ HANDLE = ReplicaHandle("modal-0", "modal", {"app": "diloco-t", "call_id": "fc-1"
         (StreamTerminatedError("reset"), "unknown"),
     ],
 )
-def test_state_is_failed_only_when_the_call_itself_failed(monkeypatch, result, state):
+def test_state_is_failed_only_when_the_call_itself_failed_or_timed_out(monkeypatch, result, state):
     polled(monkeypatch, result)
     assert ModalBackend(parse_config(IMAGE, "run.toml")).state(HANDLE) == state
 
@@ -293,6 +294,38 @@ def test_a_cancelled_call_gives_the_replica_sigterm(tmp_path):
     finally:
         signal.signal(signal.SIGUSR1, previous)
     assert stopped.exists()
+
+
+def test_the_attempt_limit_is_the_function_timeout_and_the_hardware_its_gpus(tmp_path):
+    backend = ModalBackend(load_config(write_run(tmp_path, "s3://diloco")))
+    assert (backend.attempt_limit(), backend.hardware()) == (6 * 3600, "A100-80GB:2")
+    cpu = ModalBackend(parse_config("[backends.modal]\ntimeout_hours = 0.5\n", "run.toml"))
+    assert (cpu.attempt_limit(), cpu.hardware()) == (1800, "cpu")
+
+
+def test_a_replica_started_again_is_one_new_call_with_its_spec(tmp_path, monkeypatch):
+    """What `diloco keep` does: launching the one spec of replica modal-1 again spawns one
+    call of that replica, with its id and shard. Modal's servers are not here: deploy and
+    spawn are recorded where the App and its Function would send them."""
+    plan = plan_launch(load_config(write_run(tmp_path, "s3://diloco", replicas=3)), {"modal": 3})
+    backend, spec = plan.backends["modal"], plan.specs[1]
+    deployed, spawned = [], []
+    monkeypatch.setattr(modal.App, "deploy", lambda app, **_: deployed.append(app.name))
+
+    def spawn(function, env, command):
+        spawned.append((env, command))
+        return SimpleNamespace(object_id=f"fc-{len(spawned)}")  # a FunctionCall's id
+
+    monkeypatch.setattr(modal.Function, "spawn", spawn)
+
+    handles = [backend.launch([spec], tmp_path)[0] for _ in range(2)]
+
+    assert deployed == ["diloco-t", "diloco-t"]  # the App again: a relaunch updates it
+    assert spawned == [(spec.env, spec.command("python"))] * 2
+    assert (spec.env["DILOCO_REPLICA_ID"], spec.env["DILOCO_REPLICA_INDEX"]) == ("modal-1", "1")
+    assert [(h.replica_id, h.job["call_id"]) for h in handles] == [
+        ("modal-1", "fc-1"), ("modal-1", "fc-2"),
+    ]  # fmt: skip
 
 
 CHECK = """

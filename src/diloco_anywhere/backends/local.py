@@ -51,6 +51,14 @@ class LocalBackend:
         return [{"replica": spec.replica_id, "command": spec.command(sys.executable)}
                 for spec in specs]  # fmt: skip
 
+    def attempt_limit(self) -> float | None:
+        """Nothing ends a local process for its age."""
+        return None
+
+    def hardware(self) -> str:
+        """This machine: no list price."""
+        return ""
+
     def launch(self, specs: list[ReplicaSpec], run_dir: Path) -> list[ReplicaHandle]:
         """Start ``specs``; a later call (a restart) gives its replicas the thread count of
         the first, so a restarted replica computes exactly as the one it replaces."""

@@ -10,8 +10,10 @@ logs and stop work from any shell through ``FunctionCall.from_id``. A call runs 
 entrypoint as a subprocess (under ``torchrun`` for several GPUs) and raises if it fails, so
 Modal's retries start it again, except when the replica refused its run.toml (exit 2), which
 would only fail again; a preempted GPU container is restarted on the same input
-(https://modal.com/docs/guide/preemption). Modal ends a call after at most 24 hours
-(https://modal.com/docs/guide/timeouts), and attaches at most 8 GPUs to a container
+(https://modal.com/docs/guide/preemption). Modal ends each attempt of a call at the function's
+timeout, at most 24 hours (https://modal.com/docs/guide/timeouts), a timeout using up a retry; a
+call whose last attempt timed out raises ``FunctionTimeoutError``, read as ``timed_out``. Modal
+attaches at most 8 GPUs to a container
 (https://modal.com/docs/guide/gpu). The launcher's token is the SDK's own: ``modal token new``,
 or ``MODAL_TOKEN_ID`` and ``MODAL_TOKEN_SECRET``.
 """
@@ -160,6 +162,10 @@ class Settings(BackendSettings):
             _check_object_name(name, "Secret")
         return name
 
+    def timeout_seconds(self) -> int:
+        """``timeout_hours`` as the Function's ``timeout`` (whole seconds)."""
+        return round(self.timeout_hours * 3600)
+
     @model_validator(mode="after")
     def _one_process_per_gpu(self) -> Settings:
         gpus = parse_gpu(self.gpu)[1] if self.gpu else None
@@ -194,6 +200,14 @@ class ModalBackend:
                 "and MODAL_TOKEN_SECRET (in GitHub Actions, from the repository's secrets)"
             )
 
+    def attempt_limit(self) -> float | None:
+        """The function's timeout, which Modal applies to each attempt of a call."""
+        return self.settings.timeout_seconds()
+
+    def hardware(self) -> str:
+        """The GPU spec as Modal prices it (``A100-80GB:2``), or ``cpu``."""
+        return self.settings.gpu or "cpu"
+
     def function_options(self) -> dict[str, Any]:
         """The Function's settings, JSON-able: what ``describe`` shows and ``build_app``
         gives Modal. Secrets by name: their values stay with Modal."""
@@ -203,7 +217,7 @@ class ModalBackend:
             "registry_secret": settings.registry_secret,
             "gpu": settings.gpu,
             "secrets": list(settings.secrets),
-            "timeout": round(settings.timeout_hours * 3600),
+            "timeout": settings.timeout_seconds(),
             "retries": {
                 "max_retries": settings.retries,
                 "initial_delay": RETRY_DELAY,
@@ -267,9 +281,10 @@ class ModalBackend:
 
     def state(self, handle: ReplicaHandle) -> JobState:
         """From the call's result, polled without waiting. Modal's public API does not tell a
-        queued call from a running one: both are "running" here. Only the call's own end is
-        "failed"; Modal failing to answer (credentials, an outage, an expired result) is
-        "unknown"."""
+        queued call from a running one: both are "running" here. A call ended by the function's
+        timeout (``modal._utils.function_utils._process_result`` raises FunctionTimeoutError for
+        a result with status TIMEOUT) is "timed_out"; only the call's own end is "failed";
+        Modal failing to answer (credentials, an outage, an expired result) is "unknown"."""
         import modal
         from grpclib import GRPCError
         from grpclib.exceptions import StreamTerminatedError
@@ -284,7 +299,9 @@ class ModalBackend:
             # sends it so: modal/_runtime/container_io_manager.py), which the SDK raises as an
             # empty RemoteError; a failure that has no exception object carries its message.
             return "failed" if str(exc) else "stopped"
-        except (FunctionTimeoutError, InternalFailure):  # the call's result: it ended so
+        except FunctionTimeoutError:  # its last attempt ran out of time
+            return "timed_out"
+        except InternalFailure:  # the call's result: Modal lost it (preemptions are retried)
             return "failed"
         except (Error, GRPCError, StreamTerminatedError):  # Modal could not say
             return "unknown"
