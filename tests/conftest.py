@@ -135,3 +135,20 @@ def hf_corpus(tmp_path_factory):
     )
     wrapped.save_pretrained(folder / "tokenizer")
     return folder / "tokenizer", folder / "data.jsonl"
+
+
+@pytest.fixture
+def run_toml(tmp_path, monkeypatch):
+    """A small run of local replicas (test_launch.RUN_TOML) in an empty folder, which is also
+    the current directory: ``run_toml(replicas, outer_steps)`` writes it, returns its path."""
+    from test_launch import RUN_TOML
+
+    monkeypatch.chdir(tmp_path)
+
+    def write(replicas: int = 2, outer_steps: int = 2) -> str:
+        (tmp_path / "run.toml").write_text(
+            RUN_TOML.format(replicas=replicas, outer_steps=outer_steps)
+        )
+        return str(tmp_path / "run.toml")
+
+    return write

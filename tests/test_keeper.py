@@ -11,10 +11,9 @@ import signal
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
-from test_launch import diloco, run_toml, statuses  # noqa: F401 - run_toml is a fixture
-from webhook_standin import WebhookServer
 
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
@@ -26,6 +25,8 @@ from diloco_anywhere.launching.keeper import LAUNCH_GRACE, Keeper, Observed, dec
 from diloco_anywhere.launching.launch import load_handles, plan_launch, run_launches, start
 from diloco_anywhere.launching.launches import JobRecord, RestartRecord
 from diloco_anywhere.training.metrics import EventLine, ReplicaMetrics
+from test_launch import diloco, statuses
+from webhook_standin import WebhookServer
 
 KEEP = KeepSection(max_restarts=3, backoff=60, max_backoff=300, stable_after=600, hung_after=900)
 NOW = 100_000.0
@@ -243,7 +244,38 @@ def test_keep_ends_a_done_run_and_says_so_every_pass(run_toml):
         assert result.exit_code == 0, result.output
         assert "launch 0 has ended (done: the last outer step is committed)" in result.output
     launch = run_launches(load_config(config)).latest()
-    assert launch is not None and launch.end is not None and launch.restarts == {}
+    assert launch is not None
+    assert launch.end is not None
+    assert launch.restarts == {}
+    result = diloco("status", "--config", config, "--markdown")
+    assert result.exit_code == 0, result.output
+    assert "| local-0 | local | done | 2 |" in result.output
+    assert "launch ended (done): the last outer step is committed" in result.output
+    page = diloco("status", "--config", config, "--url")
+    assert page.exit_code == 0, page.output
+    assert page.stdout.strip().startswith("file://")
+    html = Path(page.stdout.strip().removeprefix("file://")).read_text()
+    assert "launch ended: done" in html  # the keeper's page
+    assert "local-1" in html
+
+
+def test_a_budget_below_the_runs_cost_ends_it_with_the_reason_in_status(run_toml, tmp_path):
+    config = run_toml(replicas=2, outer_steps=200)
+    plan = plan_launch(load_config(config), {"local": 2})
+    started = start(plan)
+    try:
+        with (tmp_path / "run.toml").open("a") as file:
+            file.write("[budget]\nmax_hours = 1e-9\n")  # reached at once
+        result = diloco("keep", "--config", config)
+        assert result.exit_code == 0, result.output
+        assert "launch 0 has ended (budget: " in result.output
+        assert "[budget] max_hours" in result.output
+        states = {row["state"] for row in statuses(config).values()}
+        assert states == {"stopped"}, states
+        shown = diloco("status", "--config", config).output
+        assert "launch ended (budget)" in shown
+    finally:
+        _kill(started["local"][1])
 
 
 def test_replace_refuses_a_live_replica_and_force_starts_it_again(run_toml):
@@ -291,7 +323,8 @@ def test_keep_dry_run_decides_and_records_nothing(run_toml):
         decisions = json.loads(result.stdout)["decisions"]
         assert {d["action"] for d in decisions.values()} <= {"restart", "wait"}
         launch = run_launches(plan.config).latest()
-        assert launch.restarts == {} and launch.end is None
+        assert launch.restarts == {}
+        assert launch.end is None
         assert statuses(config)["local-0"]["state"] in ("failed", "starting", "exited")
     finally:
         _kill(started["local"][1])

@@ -58,20 +58,6 @@ corpus_bytes = 300000
 """
 
 
-@pytest.fixture
-def run_toml(tmp_path, monkeypatch):
-    """A small run in an empty folder, which is also the current directory."""
-    monkeypatch.chdir(tmp_path)
-
-    def write(replicas: int = 2, outer_steps: int = 2) -> str:
-        (tmp_path / "run.toml").write_text(
-            RUN_TOML.format(replicas=replicas, outer_steps=outer_steps)
-        )
-        return str(tmp_path / "run.toml")
-
-    return write
-
-
 def diloco(*args: str):
     return CliRunner().invoke(app, list(args))
 

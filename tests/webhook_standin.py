@@ -30,7 +30,7 @@ class WebhookServer(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     server: WebhookServer
 
-    def do_POST(self) -> None:  # noqa: N802 - the http.server hook's name
+    def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers["Content-Length"]))
         with self.server.lock:
             refused = self.server.refuse > 0

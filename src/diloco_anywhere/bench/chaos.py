@@ -32,7 +32,6 @@ from diloco_anywhere.launching.launch import run_metrics, start
 from diloco_anywhere.launching.supervisor import Supervisor
 from diloco_anywhere.training.metrics import ReplicaMetrics
 
-
 CHAOS_BACKOFF = 0.5  # seconds
 
 

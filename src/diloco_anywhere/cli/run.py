@@ -20,8 +20,8 @@ from diloco_anywhere.backends.base import (
     one_line,
     stop_all,
 )
-from diloco_anywhere.bucket.layout import parse_count
-from diloco_anywhere.bucket.store import redact_url
+from diloco_anywhere.bucket.layout import RunLayout, parse_count
+from diloco_anywhere.bucket.store import Store, redact_url
 from diloco_anywhere.cli.common import (
     ConfigPath,
     JsonFlag,
@@ -51,6 +51,7 @@ from diloco_anywhere.launching.launch import (
 )
 from diloco_anywhere.launching.report import RunSummary, plot_losses, summarize
 from diloco_anywhere.launching.status import ReplicaStatus, replica_statuses
+from diloco_anywhere.launching.status_page import page_url
 from diloco_anywhere.launching.supervisor import Supervisor
 from diloco_anywhere.replica import ENV_STORE
 
@@ -297,12 +298,31 @@ def _say(text: str) -> None:
     stderr.print(escape(text), highlight=False, soft_wrap=True)
 
 
-def status(config_path: ConfigPath = None, json_output: JsonFlag = False) -> None:
+def status(
+    config_path: ConfigPath = None,
+    json_output: JsonFlag = False,
+    markdown: Annotated[
+        bool, typer.Option(help="Print a Markdown table (a CI job summary, an issue).")
+    ] = False,
+    url: Annotated[
+        bool,
+        typer.Option(
+            help="Print a link to the status page the keeper writes into the run's bucket "
+            "(signed with your credentials for the bucket, valid 24 h: anyone holding it can "
+            "read the page), and contact no platform."
+        ),
+    ] = False,
+) -> None:
     """Show one row per replica: platform, state, outer step, loss, tokens/s, last seen, and
-    its clock's skew when it is off. Works from any machine that reaches the run's bucket (the
-    launch is recorded there) and, for job states, its platforms."""
+    its clock's skew when it is off; then how the launch ended, if a keeper ended it. Works
+    from any machine that reaches the run's bucket (the launch is recorded there) and, for
+    job states, its platforms."""
     with user_errors():
         config = load_config(config_path)
+        if url:
+            with Store(config.store_url()) as store:
+                stdout.print(page_url(store, RunLayout(config.run.name)), soft_wrap=True)
+            return
         reader = run_metrics(config)
         launch = recorded_launch(config)
         backends = backends_for(launch.handles, config)
@@ -315,10 +335,29 @@ def status(config_path: ConfigPath = None, json_output: JsonFlag = False) -> Non
         )
     if json_output:
         print_json([row.as_dict() for row in rows])
+        return
+    if markdown:
+        print(markdown_table(rows, f"run {config.run.name}"))
     elif not rows:
         stdout.print(f"run {config.run.name}: no replicas launched or reporting yet")
     else:
         stdout.print(_status_table(rows, f"run {config.run.name}"))
+    if launch.end is not None:
+        print(f"\nlaunch ended ({launch.end.reason}): {launch.end.detail}")
+
+
+def markdown_table(rows: list[ReplicaStatus], title: str) -> str:
+    """The status table in GitHub-flavoured Markdown: a job summary, an issue comment."""
+    lines = [f"### {title}", "", "| replica | platform | state | step | loss | eval | seen |",
+             "|---|---|---|--:|--:|--:|--:|"]  # fmt: skip
+    for row in rows:
+        seen = row.last_seen_seconds
+        cells = (row.replica, row.platform, row.state, str(row.outer_step),
+                 "-" if row.loss is None else f"{row.loss:.3f}",
+                 "-" if row.eval_loss is None else f"{row.eval_loss:.3f}",
+                 "-" if seen is None else f"{seen:.0f}s ago")  # fmt: skip
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(lines)
 
 
 def logs(

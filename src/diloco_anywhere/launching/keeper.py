@@ -34,6 +34,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from pathlib import Path
 
 from diloco_anywhere.backends import get_backend
@@ -44,6 +45,7 @@ from diloco_anywhere.collective.membership import LeasePolicy, MembershipView
 from diloco_anywhere.config import ConfigError, KeepSection, RunConfig
 from diloco_anywhere.launching import published_config
 from diloco_anywhere.launching.alerts import Alert, Alerts
+from diloco_anywhere.launching.cost import Spend, over_budget
 from diloco_anywhere.launching.health import health_alerts
 from diloco_anywhere.launching.launch import job_state, plan_launch, run_dir
 from diloco_anywhere.launching.launches import (
@@ -53,6 +55,9 @@ from diloco_anywhere.launching.launches import (
     Launches,
     RestartRecord,
 )
+from diloco_anywhere.launching.spending import launch_spend, spend_shown
+from diloco_anywhere.launching.status import replica_statuses
+from diloco_anywhere.launching.status_page import publish, render_page, status_document
 from diloco_anywhere.replica import EXIT_BAD_CONFIG, EXIT_SUPERSEDED
 from diloco_anywhere.training.checkpoint import CheckpointError, committed_rounds, read_commit
 from diloco_anywhere.training.metrics import MetricsReader, ReplicaMetrics
@@ -61,6 +66,7 @@ log = logging.getLogger(__name__)
 # A keeper claimed an attempt but its job is not recorded: it is still being started (SageMaker
 # takes a minute), or the keeper died meanwhile. Past this, the attempt counts as lost.
 LAUNCH_GRACE = 600.0
+PAGE_ALERTS = 20  # the newest alerts the status page lists
 
 
 @dataclass(frozen=True)
@@ -184,13 +190,13 @@ class PassReport:
     decisions: dict[str, Decision]
     notes: list[str]
     ended: str | None  # the launch's end, if it has one
+    spend: Spend | None = None  # so far (an estimate: launching/cost.py)
 
 
 class Keeper:
     """One run's keeper: ``pass_()`` reconciles once. ``run_folder``: where local replicas'
     logs go (``.diloco/<run>`` here); ``backends``: launchers already made (a follower's,
-    which remember the processes they started); ``over_budget``: the reason to end the run
-    for its spend, or None."""
+    which remember the processes they started)."""
 
     def __init__(
         self,
@@ -199,7 +205,6 @@ class Keeper:
         *,
         run_folder: Path | None = None,
         backends: dict[str, Backend] | None = None,
-        over_budget: Callable[[Launch], str | None] | None = None,
         say: Callable[[str], None] = log.info,
     ) -> None:
         self.config, self.store, self.say = config, store, say
@@ -208,11 +213,10 @@ class Keeper:
         self.metrics = MetricsReader(store, self.layout)
         self.run_folder = run_folder or run_dir(config)
         self.backends: dict[str, Backend] = dict(backends or {})
-        self.over_budget = over_budget or (lambda _launch: None)
 
     def pass_(self, *, dry_run: bool = False) -> PassReport:
-        """Reconcile once; ``dry_run``: decide, and act on nothing (no restart, no stop, no
-        record, no alert)."""
+        """Reconcile once, then write the status page; ``dry_run``: decide, and act on
+        nothing (no restart, no stop, no record, no alert, no page)."""
         numbers = self.launches.numbers()
         if not numbers:
             return PassReport(None, {}, [f"run {self.config.run.name} was never launched"], None)
@@ -221,22 +225,72 @@ class Keeper:
         now = store_time(self.store, self.layout)
         metrics = self.metrics.read()
         observed = self._observe(launch, metrics)
+        spent = self._spend(launch, observed, metrics)
         end = launch.end
         if end is None and not dry_run:
-            end = self._end_if_due(launch, alerts)
+            hours = (now - self.store.modified(self.layout.launch(launch.number))) / 3600
+            end = self._end_if_due(launch, alerts, over_budget(self.config.budget, spent, hours))
         if end is not None:
             notes = [] if dry_run else self._stop_all(launch, observed)
-            return PassReport(launch.number, {}, notes, f"{end.reason}: {end.detail}")
+            report = PassReport(launch.number, {}, notes, f"{end.reason}: {end.detail}", spent)
+        elif dry_run:
+            decisions = {r.replica_id: decide(r, now, self.config.keep) for r in observed}
+            return PassReport(launch.number, decisions, [], None, spent)
+        else:
+            report = self._reconcile(launch, observed, metrics, now, alerts, spent)
+        if not dry_run:
+            self._publish(launch, report, metrics, alerts)
+        return report
+
+    def _reconcile(
+        self,
+        launch: Launch,
+        observed: list[Observed],
+        metrics: dict[str, ReplicaMetrics],
+        now: float,
+        alerts: Alerts,
+        spent: Spend,
+    ) -> PassReport:
+        """Act on every replica's decision, then on the run's health."""
         decisions = {r.replica_id: decide(r, now, self.config.keep) for r in observed}
-        if dry_run:
-            return PassReport(launch.number, decisions, [], None)
         notes = []
         for replica in observed:
             notes += self._act(launch, replica, decisions[replica.replica_id], alerts)
         for alert in self._health(observed, metrics, now):
             if alerts.send(alert):
                 notes.append(alert.text)
-        return PassReport(launch.number, decisions, notes, None)
+        return PassReport(launch.number, decisions, notes, None, spent)
+
+    def _spend(
+        self, launch: Launch, observed: list[Observed], metrics: dict[str, ReplicaMetrics]
+    ) -> Spend:
+        running = {r.replica_id for r in observed if r.state in ACTIVE_STATES}
+        return launch_spend(self.store, self.config, launch, metrics, running.__contains__,
+                            lambda platform: self._backend(platform).hardware())  # fmt: skip
+
+    def _publish(
+        self,
+        launch: Launch,
+        report: PassReport,
+        metrics: dict[str, ReplicaMetrics],
+        alerts: Alerts,
+    ) -> None:
+        """The status page and status.json in the run's prefix, for anyone with the bucket."""
+        launch = self.launches.read(launch.number)  # with this pass's restarts
+        rows = replica_statuses(metrics, launch.handles,
+                                lambda h: job_state(self._backend(h.platform), h),
+                                launch.stopped)  # fmt: skip
+        recent = [f"{a.event}: {a.text}" for a in alerts.recorded()[-PAGE_ALERTS:]]
+        notes = ([f"launch ended: {report.ended}"] if report.ended else []) + recent
+        spend = spend_shown(report.spend, self.config) if report.spend else {}
+        facts = dict(title=self.config.run.name, written_at=datetime.now(UTC),
+                     host=socket.gethostname(), outer_steps=self.config.diloco.outer_steps,
+                     notes=notes, spend=spend)  # fmt: skip
+        try:
+            publish(self.store, self.layout, render_page(rows, metrics, **facts),
+                    status_document(rows, **facts))  # fmt: skip
+        except Exception as exc:  # the page is for people: it never stops a keeper
+            log.warning("status page not written: %s", one_line(exc))
 
     def replace(self, replica_ids: list[str], *, force: bool) -> list[Restarted]:
         """Start ``replica_ids`` again (same id and shard, a new incarnation), whatever the
@@ -409,12 +463,14 @@ class Keeper:
 
     # -- ending --------------------------------------------------------------------------------
 
-    def _end_if_due(self, launch: Launch, alerts: Alerts) -> EndRecord | None:
+    def _end_if_due(
+        self, launch: Launch, alerts: Alerts, over_budget: str | None
+    ) -> EndRecord | None:
         """End the launch when the run is done or over budget (one keeper writes ``END``)."""
         if run_done(self.store, self.layout, self.config):
             reason, detail = "done", "the last outer step is committed"
-        elif (over := self.over_budget(launch)) is not None:
-            reason, detail = "budget", over
+        elif over_budget is not None:
+            reason, detail = "budget", over_budget
         else:
             return None
         end = EndRecord(reason=reason, detail=detail, host=socket.gethostname(),

@@ -37,7 +37,7 @@ from diloco_anywhere.bucket.store import Store, redact_url
 from diloco_anywhere.collective.membership import LeasePolicy, watch_live
 from diloco_anywhere.config import ConfigError, RunConfig
 from diloco_anywhere.launching import published_config
-from diloco_anywhere.launching.launches import Launches
+from diloco_anywhere.launching.launches import EndRecord, Launches
 from diloco_anywhere.launching.status import replica_skews
 from diloco_anywhere.training.metrics import MetricsReader
 from diloco_anywhere.training.mirrors import Resumed, latest_commits, resume_from
@@ -185,17 +185,19 @@ def resume_from_mirror(config: RunConfig, url: str, *, fresh: bool) -> Resumed:
 
 @dataclass(frozen=True)
 class RecordedLaunch:
-    """The run's newest launch: its replicas' current jobs, and those stopped on purpose."""
+    """The run's newest launch: its replicas' current jobs, those stopped on purpose, and how
+    a keeper ended it (None while it goes on)."""
 
     handles: list[ReplicaHandle]
     stopped: frozenset[str]
+    end: EndRecord | None = None
 
 
 def recorded_launch(config: RunConfig, run_folder: Path | None = None) -> RecordedLaunch:
     """From the bucket, whichever machine launched; else from this machine's run folder."""
     latest = run_launches(config).latest()
     if latest is not None:
-        return RecordedLaunch(latest.handles, latest.stopped)
+        return RecordedLaunch(latest.handles, latest.stopped, latest.end)
     return RecordedLaunch(handles_in(run_folder or run_dir(config)), frozenset())
 
 
