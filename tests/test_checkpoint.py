@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import struct
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -303,17 +305,34 @@ def _crafted_safetensors(dtype: str, nbytes: int) -> bytes:
     return struct.pack("<Q", len(header)) + header.encode() + b"\x01" * nbytes
 
 
+def assert_falls_back(store: Store, caplog, key: str, said: str) -> None:
+    """Round 6's checkpoint is refused with a ``CheckpointError`` naming ``key`` and saying
+    ``said``, and round 3's is used in its place, the refusal logged."""
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint(store, RUN, 6)
+    assert str(refused.value).startswith(f"{key}: ")
+    assert said in str(refused.value)
+    [used] = list(newest_checkpoints(store, RUN))[:1]
+    assert used.commit.round == 3
+    assert f"checkpoint of round 6 not used: {key}: " in caplog.text
+
+
+COMMIT_DEFECTS = {
+    "a counter out of range": {"round": 2**64},
+    "an object named twice": {"shards": "twice"},
+    "a fingerprint of another step": {"fingerprint": "step-99-0000abcd"},
+}
+
+
 @pytest.mark.parametrize(
-    "defect",
-    ["a dtype torch lacks", "a shard size no file has", "a counter out of range"],
+    "defect", ["a dtype torch lacks", "a shard size no file has", *COMMIT_DEFECTS]
 )
 def test_any_defect_of_a_checkpoint_falls_back_to_the_previous_one(store, caplog, defect) -> None:
     """A COMMIT that checks out (its CRCs match what it names) can still name bytes that are
     no checkpoint: healing falls back, naming the key and why, never an exception."""
     caplog.set_level(logging.WARNING)
-    older, newer = diloco_like_state(0), diloco_like_state(1)
-    write_checkpoint(store, 3, older)
-    write_checkpoint(store, 6, newer)
+    write_checkpoint(store, 3, diloco_like_state(0))
+    write_checkpoint(store, 6, diloco_like_state(1))
     commit_key = RUN.checkpoint_commit(6)
     commit = load_checkpoint(store, RUN, 6).commit
     entry = commit.shards[1]
@@ -327,14 +346,133 @@ def test_any_defect_of_a_checkpoint_falls_back_to_the_previous_one(store, caplog
         entry = entry.model_copy(update={"size": 2**62})
         commit = commit.model_copy(update={"shards": (commit.shards[0], entry, *commit.shards[2:])})
     else:
-        commit = commit.model_construct(**{**dict(commit), "round": 2**64})
+        fields = COMMIT_DEFECTS[defect]
+        if fields.get("shards") == "twice":
+            fields = {"shards": (*commit.shards, commit.shards[0])}
+        commit = commit.model_construct(**{**dict(commit), **fields})
     store.delete(commit_key)
     store.put(commit_key, encode_record(commit))
-    with pytest.raises(CheckpointError, match=commit_key if "counter" in defect else entry.key):
-        load_checkpoint(store, RUN, 6)
-    [used] = list(newest_checkpoints(store, RUN))[:1]
-    assert used.commit.round == 3
-    assert "checkpoint of round 6 not used" in caplog.text
+    assert_falls_back(store, caplog, commit_key if defect in COMMIT_DEFECTS else entry.key, "")
+
+
+def rewrite_counters(store: Store, layout: RunLayout, round_: int, **counters) -> str:
+    """Give the committed checkpoint of ``round_`` other manager counters, in its state and in
+    its COMMIT alike, with the COMMIT's sizes, CRC32Cs and fingerprint made right again and
+    its own checks bypassed (as another program writing the bucket could): a reader meets
+    the values, not a checksum that fails. A counter given as None is dropped. The COMMIT's
+    key."""
+    key = layout.checkpoint_commit(round_)
+    commit = decode_record(store.get(key), CheckpointCommit, key=key)
+    nodes = dict(json.loads(store.get(commit.state.key))["dict"])
+    manager = {name: node["value"] for name, node in nodes["manager"]["dict"]} | counters
+    nodes["manager"] = {"dict": [[k, {"value": v}] for k, v in manager.items() if v is not None]}
+    state = json.dumps({"dict": [[name, node] for name, node in nodes.items()]}).encode()
+    fields = {k: counters[k] for k in ("step", "sync") if counters.get(k) is not None}
+    checksum = commit.fingerprint.rpartition("-")[2]
+    changed = commit.model_construct(**{
+        **dict(commit), **fields,
+        "fingerprint": f"step-{fields.get('step', commit.step)}-{checksum}",
+        "state": commit.state.model_copy(update={"size": len(state), "crc32c": crc32c(state)}),
+    })  # fmt: skip
+    for name, data in ((commit.state.key, state), (key, encode_record(changed))):
+        store.delete(name)
+        store.put(name, data)
+    return key
+
+
+@pytest.mark.parametrize(
+    ("counters", "where", "said"),
+    [
+        ({"sync": 10**10}, "COMMIT", "field sync: Input should be less than or equal to"),
+        ({"sync": 6}, "COMMIT", "sync 6 must be round + 1 = 7"),
+        ({"sync": 8}, "COMMIT", "sync 8 must be round + 1 = 7"),
+        ({"step": 8}, "COMMIT", "step 8 must be at most sync 7"),
+        ({"step": 2**63}, "COMMIT", "field step: Input should be less than or equal to"),
+        ({"batches_committed": -1}, "state", "batches_committed is -1; allowed: an integer"),
+        ({"batches_committed": 2**64}, "state", f"batches_committed is {2**64}; allowed"),
+        ({"batches_committed": 14.0}, "state", "batches_committed is 14.0; allowed"),
+        ({"batches_committed": True}, "state", "batches_committed is True; allowed"),
+        ({"batches_committed": 6}, "state", "batches_committed is 6; allowed: at least step, 7"),
+        ({"batches_committed": None}, "state", "counters step, batches_committed, sync"),
+        ({"epoch": 1}, "state", "counters step, batches_committed, sync"),
+    ],
+)
+def test_counters_that_no_manager_holds_are_damage_naming_the_counter(
+    store, caplog, counters, where, said
+) -> None:
+    """Counters the state and its COMMIT agree on, out of range or unlike any the manager
+    keeps (round 6's checkpoint holds step 7, sync 7): the checkpoint is refused naming its
+    key and the counter, and the previous one is used. Before, sync 10**10 loaded, and
+    healing then raised a ValueError building the key of round 10**10."""
+    caplog.set_level(logging.WARNING)
+    write_checkpoint(store, 3, diloco_like_state(0))
+    write_checkpoint(store, 6, diloco_like_state(1))
+    rewrite_counters(store, RUN, 6, **counters)
+    key = RUN.checkpoint_commit(6) if where == "COMMIT" else RUN.checkpoint_state(6)
+    assert_falls_back(store, caplog, key, said)
+
+
+WEIGHTS = "['fragments']['StreamingDiLoCoFragment_0']['original_parameters']"
+OUTER = "['fragments']['StreamingDiLoCoFragment_0']['outer_optimizer']"
+
+
+def _fragment(tree: dict) -> dict:
+    return tree["fragments"]["StreamingDiLoCoFragment_0"]
+
+
+@pytest.mark.parametrize(
+    ("damage", "tensor"),
+    [
+        (lambda t: _fragment(t)["original_parameters"]["0.weight"][2, 3].fill_(torch.nan),
+         f"{WEIGHTS}['0.weight']"),
+        (lambda t: _fragment(t)["outer_optimizer"]["state"][1]["momentum_buffer"][0].fill_(
+            torch.inf), f"{OUTER}['state'][1]['momentum_buffer']"),
+        (lambda t: _fragment(t)["original_parameters"].update(
+            {"1.bias": torch.full((4,), -torch.inf, dtype=torch.bfloat16)}),
+         f"{WEIGHTS}['1.bias']"),
+        (lambda t: _fragment(t)["original_parameters"].update(
+            {"1.bias": torch.full((4,), torch.nan).to(torch.float8_e4m3fn)}),
+         f"{WEIGHTS}['1.bias']"),
+    ],
+    ids=["nan weight", "inf momentum", "-inf bfloat16 weight", "nan float8 weight"],
+)  # fmt: skip
+def test_a_tensor_value_that_is_not_finite_is_damage_naming_it(store, caplog, damage, tensor):
+    """NaN or inf in the global weights or the outer momentum, written by the real writer: its
+    CRC32Cs and fingerprint agree with its bytes. No run holds such a state (every replica
+    refuses a mean that is not finite), so the checkpoint is damaged: refused naming its
+    shard's key and the tensor, and the previous one used."""
+    caplog.set_level(logging.WARNING)
+    write_checkpoint(store, 3, diloco_like_state(0))
+    newer = diloco_like_state(1)
+    damage(newer)
+    write_checkpoint(store, 6, newer)
+    commit = read_commit(store, RUN, 6)[0]
+    [key] = [e.key for e in commit.shards if tensor in load_safetensors(store.get(e.key))]
+    assert_falls_back(store, caplog, key, f"tensor {tensor} holds ")
+
+
+@pytest.mark.parametrize("value", [torch.nan, torch.inf, -torch.inf])
+def test_a_number_in_the_structure_that_is_not_finite_is_damage(store, caplog, value) -> None:
+    """The state's JSON (the optimizer's hyperparameters): ``json`` writes and reads NaN and
+    Infinity; a reader refuses them."""
+    caplog.set_level(logging.WARNING)
+    write_checkpoint(store, 3, diloco_like_state(0))
+    newer = diloco_like_state(1)
+    _fragment(newer)["outer_optimizer"]["param_groups"][0]["lr"] = value
+    write_checkpoint(store, 6, newer)
+    assert_falls_back(store, caplog, RUN.checkpoint_state(6), "is not finite")
+
+
+def test_a_commit_key_past_the_last_round_names_no_checkpoint(store) -> None:
+    """A round of 11 digits has no key this code can build: listing and pruning pass it over
+    (before, loading it raised a ValueError out of healing)."""
+    write_checkpoint(store, 3, diloco_like_state(0))
+    store.put(f"{RUN.checkpoints()}/{10**10}/COMMIT", encode_record(read_commit(store, RUN, 3)[0]))
+    assert committed_rounds(store, RUN) == [3]
+    assert [c.commit.round for c in newest_checkpoints(store, RUN)] == [3]
+    for round_ in (5, 8):  # each commit prunes
+        write_checkpoint(store, round_, diloco_like_state(round_))
+    assert committed_rounds(store, RUN) == [8, 5]
 
 
 # -- a sharded replica's checkpoint: one part per rank --------------------------------------
@@ -465,6 +603,33 @@ def test_a_one_rank_fsdp_checkpoint_loads_whole_and_an_unsharded_commit_is_as_be
     writer.close()
     assert_same_tree(load_checkpoint(store, RUN, 3).tree, tree)
     assert b'"ranks"' not in read_commit(store, RUN, 3)[1]
+
+
+@pytest.mark.parametrize(
+    ("mesh", "placements", "said"),
+    [
+        ((2,), ("Shard(dim=0)",), "a tensor is sharded over a mesh of [2]; the checkpoint has 1"),
+        ((1, 1), ("Shard(dim=0)",), "one per dimension of the mesh"),
+        ((0,), ("Shard(dim=0)",), "whose sizes are at least 1"),
+    ],
+)
+def test_a_part_placed_on_a_mesh_unlike_its_checkpoints_ranks_is_damage(
+    store, mesh, placements, said
+) -> None:
+    """A one-rank FSDP replica's part whose shards say they sit on another mesh: never put
+    together or healed from."""
+    part = split_in_ranks(diloco_like_state(), 1)[0]
+    placed = torch.utils._pytree.tree_map(
+        lambda leaf: replace(leaf, mesh=mesh, placements=placements)
+        if isinstance(leaf, LocalShard) else leaf,
+        part,
+    )  # fmt: skip
+    writer = CheckpointWriter(store, RUN, "a", CheckpointPolicy(), shard=ShardOf(0, 1))
+    writer.write(3, ("a",), placed, last=False)
+    writer.close()
+    for shard in (ShardOf(0, 1), None):
+        with pytest.raises(CheckpointError, match=re.escape(said)):
+            load_checkpoint(store, RUN, 3, shard=shard)
 
 
 @pytest.mark.parametrize(

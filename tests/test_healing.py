@@ -7,17 +7,23 @@ state of the run's final checkpoint, whichever way it gets there.
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from crc32c import crc32c
 
 from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.record import RECORD_MAGIC, encode_record
 from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.bucket.wire import PREFIX, VERSION
 from diloco_anywhere.collective.allreduce import BucketCollective
+from diloco_anywhere.collective.records import Seal
 from diloco_anywhere.collective.round import DivergedError
 from diloco_anywhere.config import load_config
 from diloco_anywhere.replica import run_replica
@@ -42,6 +48,7 @@ from diloco_anywhere.training.loop import (
 from diloco_anywhere.training.metrics import MetricsReader, MetricsWriter
 from diloco_anywhere.training.replica_group import ReplicaGroup
 from proxy import Fault, FaultProxy
+from test_checkpoint import rewrite_counters
 
 OUTER_STEPS = 6
 RUN_TOML = f"""
@@ -82,10 +89,8 @@ def _replica(config_path: str, index: int) -> None:
     run_replica(load_config(config_path), f"local-{index}", index, "local")
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory) -> Path:
-    """The folder of a finished two-replica run: run.toml and its store."""
-    folder = tmp_path_factory.mktemp("healing")
+def train(folder: Path) -> Path:
+    """Train a two-replica run in ``folder`` (run.toml and its store) to its end."""
     (folder / "run.toml").write_text(RUN_TOML.format(seed=0))
     context = multiprocessing.get_context("spawn")
     processes = [
@@ -98,6 +103,12 @@ def finished_run(tmp_path_factory) -> Path:
         process.join(180)
     assert [process.exitcode for process in processes] == [0, 0]
     return folder
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """The folder of a finished two-replica run: run.toml and its store."""
+    return train(tmp_path_factory.mktemp("healing"))
 
 
 @pytest.fixture
@@ -353,3 +364,162 @@ def test_a_mirrors_checkpoint_from_an_earlier_run_of_the_same_name_is_not_used(r
     assert_holds_the_runs_final_state(state, parts, final)
     assert "round 4 was sealed from state step-4-" in caplog.text
     assert "it is from an earlier run of the same name" in caplog.text
+
+
+# -- damage that must never stop a heal -----------------------------------------------------
+
+
+def rewrite_checkpoint(folder: Path, round_: int, change: Callable[[dict], None]) -> None:
+    """Write the checkpoint of ``round_`` again, by the real writer, from its own state as
+    ``change`` leaves it: its CRC32Cs and fingerprint agree with its bytes, whatever they hold."""
+    store = Store(str(folder / "store"))
+    tree = load_checkpoint(store, LAYOUT, round_).tree
+    change(tree)
+    store.delete_prefix(LAYOUT.checkpoint(round_))
+    writer = CheckpointWriter(store, LAYOUT, "x-0", CheckpointPolicy())
+    writer.write(round_, ("x-0",), tree, last=True)
+    writer.close()
+
+
+def assert_healed_past_the_final_checkpoint(folder: Path, final, caplog, said: str) -> None:
+    """A newcomer passes over the final checkpoint (logging ``said``), loads the first and
+    replays every round after it to the run's final state."""
+    report, state, parts = newcomer(folder, from_initial=False)
+    assert (report.checkpoint, report.replayed) == (0, OUTER_STEPS - 1)
+    assert_holds_the_runs_final_state(state, parts, final)
+    assert f"checkpoint of round {OUTER_STEPS - 1} not used: {said}" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("counters", "said"),
+    [
+        ({"sync": 10**10}, "COMMIT: CheckpointCommit field sync: Input should be less than"),
+        ({"step": OUTER_STEPS + 1}, f"step {OUTER_STEPS + 1} must be at most sync {OUTER_STEPS}"),
+        ({"batches_committed": -1}, "state: counter batches_committed is -1; allowed"),
+    ],
+)
+def test_a_checkpoint_whose_counters_no_manager_holds_is_passed_over(
+    run, caplog, counters, said
+) -> None:
+    """The final checkpoint's state and COMMIT agree on counters out of range or unlike the
+    manager's: it is refused naming its key and the counter, and the first one is healed
+    from. Before, sync 10**10 loaded and the replay raised a ValueError out of ``heal``."""
+    caplog.set_level(logging.WARNING)
+    final = final_checkpoint(run)
+    rewrite_counters(Store(str(run / "store")), LAYOUT, OUTER_STEPS - 1, **counters)
+    assert_healed_past_the_final_checkpoint(run, final, caplog, "h/checkpoints/0000000005/")
+    assert said in caplog.text
+
+
+FRAGMENT = "['fragments']['StreamingDiLoCoFragment_0']"
+
+
+@pytest.mark.parametrize("value", [torch.nan, -torch.inf])
+def test_a_checkpoint_whose_weights_are_not_finite_is_passed_over(run, caplog, value) -> None:
+    """NaN or inf in the final checkpoint's global weights, its CRC32Cs and fingerprint
+    consistent: refused as damaged, naming the shard's key and the tensor. Before, a newcomer
+    healed to NaN weights."""
+    caplog.set_level(logging.WARNING)
+    final = final_checkpoint(run)
+    weights = final.tree["fragments"]["StreamingDiLoCoFragment_0"]["original_parameters"]
+    name = next(iter(weights))
+
+    def poison(tree: dict) -> None:
+        tree["fragments"]["StreamingDiLoCoFragment_0"]["original_parameters"][name][0] = value
+
+    rewrite_checkpoint(run, OUTER_STEPS - 1, poison)
+    tensor = f"{FRAGMENT}['original_parameters']['{name}']"
+    key = LAYOUT.checkpoint_shard(OUTER_STEPS - 1, 0)
+    assert_healed_past_the_final_checkpoint(run, final, caplog, f"{key}: tensor {tensor} holds")
+
+
+def test_a_checkpoint_whose_momentum_is_shaped_unlike_its_parameter_is_passed_over(
+    run, caplog
+) -> None:
+    """The final checkpoint's outer momentum of the first parameter flattened: the same bytes,
+    so the same fingerprint, and torch's optimizer loads it without a word (then fails the
+    outer step of a replay). Refused before anything is loaded, and the first one healed
+    from."""
+    caplog.set_level(logging.WARNING)
+    final = final_checkpoint(run)
+
+    def flatten_momentum(tree: dict) -> None:
+        state = tree["fragments"]["StreamingDiLoCoFragment_0"]["outer_optimizer"]["state"][0]
+        state["momentum_buffer"] = state["momentum_buffer"].reshape(-1)
+
+    rewrite_checkpoint(run, OUTER_STEPS - 1, flatten_momentum)
+    assert_healed_past_the_final_checkpoint(run, final, caplog, "it does not fit this replica")
+    assert "StreamingDiLoCoFragment_0: the outer optimizer's momentum_buffer of parameter 0" in (
+        caplog.text
+    )
+
+
+def test_a_commit_key_past_the_last_round_is_no_checkpoint_to_heal_from(run) -> None:
+    """An object at the COMMIT key of round 10**10 (11 digits): healing passes over it."""
+    final, store = final_checkpoint(run), Store(str(run / "store"))
+    store.put(f"{LAYOUT.checkpoints()}/{10**10}/COMMIT", store.get(LAYOUT.checkpoint_commit(0)))
+    report, state, parts = newcomer(run)
+    assert report.checkpoint == OUTER_STEPS - 1
+    assert_holds_the_runs_final_state(state, parts, final)
+
+
+def _record(body: dict) -> bytes:
+    """A record holding ``body``, its checksum right: it reaches the reader's validation."""
+    data = json.dumps(body).encode()
+    return PREFIX.pack(RECORD_MAGIC, VERSION, bytes(3), len(data), crc32c(data)) + data
+
+
+def _seal(round_: int) -> Seal:
+    contributors = ("local-0-0", "local-1-0")
+    return Seal(run="h", round=round_, fragment=0, contributors=contributors, mode="gather",
+                sealed_by="local-0-0")  # fmt: skip
+
+
+def unreadable_seals() -> dict[int, bytes]:
+    """SEALs no replica can read, by round: each put before the run starts, so the live
+    replicas meet it, fail that round alike and commit none of them."""
+    corrupt = bytearray(encode_record(_seal(4)))
+    corrupt[-2] ^= 0x01
+    return {
+        2: _record(_seal(2).model_dump() | {"quorum": 2}),  # a field this release lacks
+        4: bytes(corrupt),  # a checksum that fails
+        5: encode_record(_seal(4)),  # another round's
+        7: _record(_seal(7).model_dump() | {"contributors": ["local-1-0", "local-0-0"]}),
+    }
+
+
+@pytest.fixture(scope="module")
+def run_past_unreadable_seals(tmp_path_factory) -> Path:
+    """A finished two-replica run that met an unreadable SEAL in four of its rounds."""
+    folder = tmp_path_factory.mktemp("unreadable-seals")
+    store = Store(str(folder / "store"))
+    for round_, data in unreadable_seals().items():
+        store.put(LAYOUT.seal(round_, 0), data)
+    return train(folder)
+
+
+@pytest.mark.parametrize("checkpoint", [0, None])
+def test_a_newcomer_skips_the_rounds_whose_seal_the_live_replicas_could_not_read(
+    run_past_unreadable_seals, tmp_path, caplog, checkpoint
+) -> None:
+    """The live replicas failed every round with an unreadable SEAL and went on; a newcomer
+    replaying those rounds (after the first checkpoint, or from its initial state) skips them
+    alike and holds the live replicas' final state. Before, a SEAL with a field it did not
+    know stopped the heal."""
+    caplog.set_level(logging.WARNING)
+    folder = Path(shutil.copytree(run_past_unreadable_seals, tmp_path / "run"))
+    skipped = len(unreadable_seals())
+    last = OUTER_STEPS - 1 + skipped
+    assert committed_rounds(Store(str(folder / "store")), LAYOUT) == [last, 0]
+    final = final_checkpoint(folder)
+    assert final.commit.step == OUTER_STEPS  # the live replicas committed none of those rounds
+    for round_ in (last, 0) if checkpoint is None else (last,):
+        drop_checkpoint(folder, round_)
+    report, state, parts = newcomer(folder, from_initial=checkpoint is None)
+    first = 0 if checkpoint is None else 1
+    assert (report.checkpoint, report.replayed) == (checkpoint, OUTER_STEPS - first)
+    assert (report.skipped, report.sync) == (skipped, last + 1)
+    assert_holds_the_runs_final_state(state, parts, final)
+    for round_ in unreadable_seals():
+        assert f"round {round_} was skipped as unreadable (" in caplog.text
+    assert f"{LAYOUT.seal(2, 0)}: Seal field quorum: Extra inputs are not permitted" in caplog.text

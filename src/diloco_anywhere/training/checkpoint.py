@@ -828,9 +828,12 @@ def read_commit(store: Store, layout: RunLayout, round_: int) -> tuple[Checkpoin
     key = layout.checkpoint_commit(round_)
     try:
         data = store.get(key, 0, RECORD_READ_LIMIT)
+    except FileNotFoundError:
+        raise CheckpointError(f"{key}: missing") from None
+    try:
         commit = decode_record(data, CheckpointCommit, key=key)
-    except (FileNotFoundError, WireFormatError) as exc:
-        raise CheckpointError(f"{key}: {exc}") from None
+    except WireFormatError as exc:  # names the key
+        raise CheckpointError(str(exc)) from None
     if (commit.run, commit.round) != (layout.run, round_):
         raise CheckpointError(f"{key}: the COMMIT is for run {commit.run} round {commit.round}")
     return commit, data
