@@ -273,6 +273,29 @@ def test_dry_run_prints_each_replica_spec_and_starts_nothing(run_toml, tmp_path)
     assert specs[0]["args"] == ["--config", config]
     assert not (tmp_path / ".diloco").exists()
     assert not (tmp_path / "store").exists()
+    ahead = json.loads(result.stdout)["forecast"]  # also said to the user, on stderr
+    assert [(p["platform"], p["attempts"]) for p in ahead["limits"]["platforms"]] == [("local", 1)]
+    assert ahead["cost"]["unpriced"]  # local processes have no list price, and it is said
+    assert "local: no attempt limit; one attempt" in result.output
+    assert "cost estimate at list prices" in result.output
+
+
+def test_a_platform_time_limit_shorter_than_the_run_is_planned_with_the_keeper(run_toml, tmp_path):
+    """The dry run says when HF Jobs' timeout ends each attempt and who starts the next."""
+    config = run_toml(replicas=2, outer_steps=100)  # 500 inner steps
+    with (tmp_path / "run.toml").open("a") as file:
+        file.write('[budget]\nstep_seconds = 36.0\n[backends.hf_jobs]\ntimeout = "2h"\n'
+                   '[image]\nref = "ghcr.io/o/p:1"\n')  # fmt: skip
+    text = (tmp_path / "run.toml").read_text().replace('store = "store"', 'store = "s3://b/r"')
+    (tmp_path / "run.toml").write_text(text)
+    result = diloco("launch", "--config", config, "--backend", "hf_jobs", "--dry-run")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)["forecast"]["limits"]
+    assert plan["run_hours"] == 5.0
+    assert [(p["attempts"], p["attempt_ends_hours"]) for p in plan["platforms"]] == [
+        (3, [2.0, 4.0, 5.0])
+    ]
+    assert "the keeper (`diloco keep`) starts the next attempt" in result.output
 
 
 def test_stop_ends_the_replicas_and_they_say_so(run_toml):

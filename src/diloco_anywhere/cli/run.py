@@ -32,6 +32,7 @@ from diloco_anywhere.cli.common import (
 )
 from diloco_anywhere.collective.membership import SKEW_SHOWN
 from diloco_anywhere.config import RunConfig, load_config, validate_config
+from diloco_anywhere.launching.forecast import forecast
 from diloco_anywhere.launching.launch import (
     LaunchPlan,
     backends_for,
@@ -271,8 +272,12 @@ def launch(
         counts = parse_backends(backend or [], config, replicas)
         config = _sized(config, sum(counts.values()))
         plan = plan_launch(config, counts)
+        ahead = forecast(plan)
+        for line in ahead.lines():
+            _say(line)
         if dry_run:
-            shown = {"replicas": [_shown(spec) for spec in plan.specs], "submit": describe(plan)}
+            shown = {"replicas": [_shown(spec) for spec in plan.specs], "submit": describe(plan),
+                     "forecast": ahead.as_dict()}  # fmt: skip
             if resume_from is not None:
                 shown["resume_from"] = resume_plan(config, resume_from, fresh=fresh)
             print_json(shown)

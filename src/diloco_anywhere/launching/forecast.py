@@ -1,0 +1,33 @@
+"""What a launch will take before it starts: when each platform's limits end an attempt (and
+that the keeper starts the next), and what the run costs at list prices. ``diloco launch``
+says it, and ``--dry-run`` prints it with the requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from diloco_anywhere.launching.cost import Estimate, estimate
+from diloco_anywhere.launching.launch import LaunchPlan
+from diloco_anywhere.launching.limits import LimitPlan, plan_for
+
+
+@dataclass(frozen=True)
+class Forecast:
+    limits: LimitPlan
+    cost: Estimate
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"limits": self.limits.as_dict(), "cost": self.cost.as_dict()}
+
+    def lines(self) -> list[str]:
+        return [*self.limits.lines(), "", *self.cost.lines()]
+
+
+def forecast(plan: LaunchPlan) -> Forecast:
+    """The launch's limits and cost, from each platform's settings (``attempt_limit``,
+    ``hardware``) and ``[budget]``; contacts nothing."""
+    limits = plan_for(plan.config, {p: b.attempt_limit() for p, b in plan.backends.items()})
+    replicas = {platform: (backend.hardware(), len(plan.specs_on(platform)))
+                for platform, backend in plan.backends.items()}  # fmt: skip
+    return Forecast(limits, estimate(plan.config, replicas, step=limits.step))
