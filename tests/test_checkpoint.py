@@ -15,8 +15,9 @@ from crc32c import crc32c
 from safetensors.torch import load as load_safetensors
 
 from diloco_anywhere.bucket.layout import RunLayout
-from diloco_anywhere.bucket.record import decode_record, encode_record
+from diloco_anywhere.bucket.record import RECORD_MAGIC, decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.bucket.wire import PREFIX, VERSION
 from diloco_anywhere.training.checkpoint import (
     CheckpointCommit,
     CheckpointError,
@@ -355,12 +356,16 @@ def test_any_defect_of_a_checkpoint_falls_back_to_the_previous_one(store, caplog
     assert_falls_back(store, caplog, commit_key if defect in COMMIT_DEFECTS else entry.key, "")
 
 
+def record_bytes(body: bytes) -> bytes:
+    """A record holding ``body``, its checksum right: it reaches the reader's validation."""
+    return PREFIX.pack(RECORD_MAGIC, VERSION, bytes(3), len(body), crc32c(body)) + body
+
+
 def rewrite_counters(store: Store, layout: RunLayout, round_: int, **counters) -> str:
     """Give the committed checkpoint of ``round_`` other manager counters, in its state and in
-    its COMMIT alike, with the COMMIT's sizes, CRC32Cs and fingerprint made right again and
-    its own checks bypassed (as another program writing the bucket could): a reader meets
-    the values, not a checksum that fails. A counter given as None is dropped. The COMMIT's
-    key."""
+    its COMMIT alike, with the COMMIT's sizes, CRC32Cs and fingerprint made right again (as
+    another program writing the bucket could): a reader meets the values, not a checksum
+    that fails. A counter given as None is dropped. The COMMIT's key."""
     key = layout.checkpoint_commit(round_)
     commit = decode_record(store.get(key), CheckpointCommit, key=key)
     nodes = dict(json.loads(store.get(commit.state.key))["dict"])
@@ -368,13 +373,10 @@ def rewrite_counters(store: Store, layout: RunLayout, round_: int, **counters) -
     nodes["manager"] = {"dict": [[k, {"value": v}] for k, v in manager.items() if v is not None]}
     state = json.dumps({"dict": [[name, node] for name, node in nodes.items()]}).encode()
     fields = {k: counters[k] for k in ("step", "sync") if counters.get(k) is not None}
-    checksum = commit.fingerprint.rpartition("-")[2]
-    changed = commit.model_construct(**{
-        **dict(commit), **fields,
-        "fingerprint": f"step-{fields.get('step', commit.step)}-{checksum}",
-        "state": commit.state.model_copy(update={"size": len(state), "crc32c": crc32c(state)}),
-    })  # fmt: skip
-    for name, data in ((commit.state.key, state), (key, encode_record(changed))):
+    body = json.loads(store.get(key)[PREFIX.size :]) | fields
+    body["fingerprint"] = f"step-{fields.get('step', commit.step)}-{body['fingerprint'][-8:]}"
+    body["state"] |= {"size": len(state), "crc32c": crc32c(state)}
+    for name, data in ((commit.state.key, state), (key, record_bytes(json.dumps(body).encode()))):
         store.delete(name)
         store.put(name, data)
     return key
@@ -388,6 +390,7 @@ def rewrite_counters(store: Store, layout: RunLayout, round_: int, **counters) -
         ({"sync": 8}, "COMMIT", "sync 8 must be round + 1 = 7"),
         ({"step": 8}, "COMMIT", "step 8 must be at most sync 7"),
         ({"step": 2**63}, "COMMIT", "field step: Input should be less than or equal to"),
+        ({"step": True}, "COMMIT", "field step: Input should be a valid integer"),
         ({"batches_committed": -1}, "state", "batches_committed is -1; allowed: an integer"),
         ({"batches_committed": 2**64}, "state", f"batches_committed is {2**64}; allowed"),
         ({"batches_committed": 14.0}, "state", "batches_committed is 14.0; allowed"),

@@ -16,12 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from crc32c import crc32c
 
 from diloco_anywhere.bucket.layout import RunLayout
-from diloco_anywhere.bucket.record import RECORD_MAGIC, encode_record
+from diloco_anywhere.bucket.record import encode_record
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.bucket.wire import PREFIX, VERSION
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.records import Seal
 from diloco_anywhere.collective.round import DivergedError
@@ -48,7 +46,7 @@ from diloco_anywhere.training.loop import (
 from diloco_anywhere.training.metrics import MetricsReader, MetricsWriter
 from diloco_anywhere.training.replica_group import ReplicaGroup
 from proxy import Fault, FaultProxy
-from test_checkpoint import rewrite_counters
+from test_checkpoint import record_bytes, rewrite_counters
 
 OUTER_STEPS = 6
 RUN_TOML = f"""
@@ -463,16 +461,15 @@ def test_a_commit_key_past_the_last_round_is_no_checkpoint_to_heal_from(run) -> 
     assert_holds_the_runs_final_state(state, parts, final)
 
 
-def _record(body: dict) -> bytes:
-    """A record holding ``body``, its checksum right: it reaches the reader's validation."""
-    data = json.dumps(body).encode()
-    return PREFIX.pack(RECORD_MAGIC, VERSION, bytes(3), len(data), crc32c(data)) + data
-
-
 def _seal(round_: int) -> Seal:
     contributors = ("local-0-0", "local-1-0")
     return Seal(run="h", round=round_, fragment=0, contributors=contributors, mode="gather",
                 sealed_by="local-0-0")  # fmt: skip
+
+
+def _record(seal: Seal, **changed) -> bytes:
+    """``seal`` with fields ``changed``, its checksum right."""
+    return record_bytes(json.dumps(json.loads(seal.model_dump_json()) | changed).encode())
 
 
 def unreadable_seals() -> dict[int, bytes]:
@@ -481,10 +478,10 @@ def unreadable_seals() -> dict[int, bytes]:
     corrupt = bytearray(encode_record(_seal(4)))
     corrupt[-2] ^= 0x01
     return {
-        2: _record(_seal(2).model_dump() | {"quorum": 2}),  # a field this release lacks
+        2: _record(_seal(2), quorum=2),  # a field this release lacks
         4: bytes(corrupt),  # a checksum that fails
         5: encode_record(_seal(4)),  # another round's
-        7: _record(_seal(7).model_dump() | {"contributors": ["local-1-0", "local-0-0"]}),
+        7: _record(_seal(7), contributors=["local-1-0", "local-0-0"]),
     }
 
 

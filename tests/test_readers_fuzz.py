@@ -6,9 +6,10 @@ a valid result; never another exception. Fast by design (small objects, few hund
 from __future__ import annotations
 
 import json
+import math
+import uuid
 from collections.abc import Callable
 
-import crc32c
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,11 +17,22 @@ from hypothesis import strategies as st
 
 from diloco_anywhere.bucket import wire
 from diloco_anywhere.bucket.codec import make_codec
-from diloco_anywhere.bucket.record import RECORD_MAGIC, decode_record, encode_record
+from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.record import decode_record, encode_record
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.membership import Claim, Lease
 from diloco_anywhere.collective.records import Manifest, PartEntry, Seal, ShardFailure
-from diloco_anywhere.training.checkpoint import CheckpointCommit, StoredObject
+from diloco_anywhere.training.checkpoint import (
+    Checkpoint,
+    CheckpointCommit,
+    CheckpointError,
+    CheckpointPolicy,
+    CheckpointWriter,
+    StoredObject,
+    load_checkpoint,
+)
 from diloco_anywhere.training.metrics import EventLine, MetricsChunk, StepLine, SyncLine
+from test_checkpoint import counters_after, diloco_like_state, record_bytes, rewrite_counters
 
 KEY = "run/rounds/0000000001/0/SEAL"
 PART = PartEntry(key="run/rounds/0000000001/0/parts/a-0/0", size=300, crc32c=7, start=0, stop=64)
@@ -54,12 +66,6 @@ JSON_VALUES = st.recursive(
 )  # fmt: skip
 
 
-def _record_bytes(body: bytes) -> bytes:
-    """A record whose checksum is right for ``body``: it reaches the model's validation."""
-    prefix = wire.PREFIX.pack(RECORD_MAGIC, wire.VERSION, bytes(3), len(body), crc32c.crc32c(body))
-    return prefix + body
-
-
 def _outcome(read: Callable[[], object]) -> object:
     """What ``read`` returned, or the ``WireFormatError`` it raised (anything else fails)."""
     try:
@@ -89,7 +95,7 @@ def test_a_record_with_a_field_changed(sample, data):
     body = json.loads(encode_record(sample)[wire.PREFIX.size :])
     field = data.draw(st.sampled_from(sorted(body)))
     body[field] = data.draw(JSON_VALUES)
-    _read_or_refuse(_record_bytes(json.dumps(body).encode()), type(sample))
+    _read_or_refuse(record_bytes(json.dumps(body).encode()), type(sample))
 
 
 @settings(max_examples=200, deadline=None)
@@ -98,7 +104,7 @@ def test_a_record_with_bytes_changed_and_its_checksum_made_right(sample, data):
     body = bytearray(encode_record(sample)[wire.PREFIX.size :])
     for _ in range(data.draw(st.integers(1, 4))):
         body[data.draw(st.integers(0, len(body) - 1))] = data.draw(st.integers(0, 255))
-    _read_or_refuse(_record_bytes(bytes(body)), type(sample))
+    _read_or_refuse(record_bytes(bytes(body)), type(sample))
 
 
 META = wire.ObjectMeta(run="run", round=1, replica="a", incarnation=0, shard=0)
@@ -122,3 +128,76 @@ def test_a_wire_object_with_bytes_changed_is_refused_or_exact(codec, data):
 def test_arbitrary_bytes_at_a_part_key(data):
     outcome = _outcome(lambda: wire.decode(data, key=KEY))
     assert _refused_here(outcome) or isinstance(outcome, wire.Decoded), outcome
+
+
+# -- a checkpoint's values: every one untrusted -----------------------------------------------
+
+CHECKPOINT_RUN = RunLayout("run")
+
+
+def _checkpoint_objects(tree: dict, round_: int = 6) -> dict[str, bytes]:
+    """The objects of ``tree``'s checkpoint of ``round_``, as the real writer commits them."""
+    with Store(f"memory://fuzz-{uuid.uuid4().hex[:12]}") as store:
+        writer = CheckpointWriter(store, CHECKPOINT_RUN, "a-0", CheckpointPolicy())
+        writer.write(round_, ("a-0",), tree | {"manager": counters_after(round_)}, last=True)
+        writer.close()
+        return {key: store.get(key) for key in store.list_prefix(CHECKPOINT_RUN.checkpoints())}
+
+
+def _load_changed(objects: dict[str, bytes], change: Callable[[Store], None]) -> object:
+    """Round 6's checkpoint of ``objects`` once ``change`` has rewritten it: what loading it
+    returns, or the ``CheckpointError`` it raises (anything else fails)."""
+    with Store(f"memory://fuzz-{uuid.uuid4().hex[:12]}") as store:
+        store.put_many(objects)
+        change(store)
+        try:
+            return load_checkpoint(store, CHECKPOINT_RUN, 6)
+        except CheckpointError as exc:
+            return exc
+
+
+def _refused_naming_a_key(outcome: object) -> bool:
+    prefix = f"{CHECKPOINT_RUN.checkpoint(6)}/"
+    return isinstance(outcome, CheckpointError) and str(outcome).startswith(prefix)
+
+
+COUNTER_VALUES = JSON_VALUES | st.integers(-3, 10) | st.sampled_from([10**10, 2**63, 2**64])
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_a_checkpoint_with_counters_changed_holds_a_managers_counters_or_is_refused(data):
+    """Counters the state and its COMMIT agree on (checksums and fingerprint made right): the
+    checkpoint loads only with counters a manager can hold, which healing can replay from."""
+    names = data.draw(st.lists(st.sampled_from(["step", "sync", "batches_committed"]), min_size=1))
+    counters = {name: data.draw(COUNTER_VALUES) for name in names}
+    objects = _checkpoint_objects(diloco_like_state())
+    outcome = _load_changed(
+        objects, lambda store: rewrite_counters(store, CHECKPOINT_RUN, 6, **counters)
+    )
+    if _refused_naming_a_key(outcome):
+        return
+    held = outcome.tree["manager"]
+    assert all(type(value) is int for value in held.values()), held
+    assert held["sync"] == 7, held
+    assert held["step"] <= held["sync"], held
+    assert held["step"] <= held["batches_committed"] <= 2**63 - 1, held
+
+
+FLOATS = st.floats(width=32) | st.sampled_from([math.nan, math.inf, -math.inf])
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=st.lists(FLOATS, min_size=4, max_size=4))
+def test_a_checkpoint_with_weights_of_any_value_loads_them_finite_or_is_refused(values):
+    """Whatever values the writer was given (its checksums and fingerprint agree with them),
+    a reader loads only finite ones."""
+    tree = diloco_like_state()
+    tree["fragments"]["StreamingDiLoCoFragment_0"]["original_parameters"]["1.bias"] = torch.tensor(
+        values, dtype=torch.float32
+    )
+    outcome = _load_changed(_checkpoint_objects(tree), lambda store: None)
+    if all(math.isfinite(value) for value in values):
+        assert isinstance(outcome, Checkpoint), outcome
+    else:
+        assert _refused_naming_a_key(outcome), outcome
