@@ -322,6 +322,7 @@ COMMIT_DEFECTS = {
     "a counter out of range": {"round": 2**64},
     "an object named twice": {"shards": "twice"},
     "a fingerprint of another step": {"fingerprint": "step-99-0000abcd"},
+    "a commit time past year 9999": {"time": 1e300},
 }
 
 

@@ -482,12 +482,13 @@ def unreadable_seals() -> dict[int, bytes]:
         4: bytes(corrupt),  # a checksum that fails
         5: encode_record(_seal(4)),  # another round's
         7: _record(_seal(7), contributors=["local-1-0", "local-0-0"]),
+        8: _record(_seal(8), sealed_by="../local-0-0"),  # a name no replica has
     }
 
 
 @pytest.fixture(scope="module")
 def run_past_unreadable_seals(tmp_path_factory) -> Path:
-    """A finished two-replica run that met an unreadable SEAL in four of its rounds."""
+    """A finished two-replica run that met an unreadable SEAL in five of its rounds."""
     folder = tmp_path_factory.mktemp("unreadable-seals")
     store = Store(str(folder / "store"))
     for round_, data in unreadable_seals().items():

@@ -95,6 +95,14 @@ class Seal(Record):
     # it sealed (``membership.py``, fencing). Empty in SEALs written before fencing.
     claims: dict[Name, Count] = Field(default_factory=dict)
 
+    @field_validator("sealed_by")
+    @classmethod
+    def _a_contributor_name(cls, name: str) -> str:
+        """'<replica>-<incarnation>', as this code writes it: a name read from a bucket is
+        checked however it is used."""
+        parse_contributor(name)
+        return name
+
     @field_validator("contributors")
     @classmethod
     def _sorted_contributor_names(cls, names: tuple[str, ...]) -> tuple[str, ...]:

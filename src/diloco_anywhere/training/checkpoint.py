@@ -92,9 +92,9 @@ class CheckpointCommit(Record):
     step: Count  # committed syncs (the manager's step)
     sync: Round  # the next round to run: round + 1
     fingerprint: Fingerprint
-    # when it was committed (seconds since the epoch, the committer's clock): the newest of a
-    # mirror that also holds checkpoints of an earlier run of the same name is the latest one
-    time: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    # when it was committed (seconds since the epoch, the committer's clock), at most the
+    # last second of year 9999, the last a ``datetime`` can show (``diloco launch`` does)
+    time: Annotated[float, Field(ge=0, le=253_402_300_799, allow_inf_nan=False)] = 0.0
     state: StoredObject | None = None  # unsharded: the structure ...
     shards: tuple[StoredObject, ...] = Field(default=(), max_length=4096)  # ... and tensors
     ranks: tuple[RankPart, ...] = Field(default=(), max_length=MAX_RANK + 1)  # sharded
