@@ -104,11 +104,19 @@ def test_replicas_run_as_jobs_and_the_hub_gets_what_describe_said(tmp_path, s3_r
     assert not [path for method, path, _ in hub.requests if path.endswith("/cancel")]
 
 
+def launch_one_of_two(config, tmp_path) -> tuple[HfJobsBackend, ReplicaHandle]:
+    """Replica hf_jobs-0 of a 2-replica run alone, run.toml published: it trains, then waits
+    at its first sync for a quorum that never comes."""
+    plan = plan_launch(config, {"hf_jobs": 2})
+    with Store(config.store_url()) as bucket:
+        publish_config(bucket, config)
+    backend = plan.backends["hf_jobs"]
+    return backend, backend.launch([plan.specs[0]], tmp_path)[0]
+
+
 def test_stop_cancels_a_running_job(tmp_path, s3_run, hub):
     config = load_config(write_run(tmp_path, s3_run[0], replicas=2, outer_steps=500))
-    plan = plan_launch(config, {"hf_jobs": 1})  # 1 of min_replicas 2: it waits, running
-    backend = plan.backends["hf_jobs"]
-    (handle,) = start(plan)["hf_jobs"][1]
+    backend, handle = launch_one_of_two(config, tmp_path)
     assert backend.state(handle) == "running"
     backend.stop(handle)
     wait_for(backend, [handle], {"stopped"}, seconds=30)
@@ -235,15 +243,14 @@ def test_a_job_its_timeout_ended_reads_timed_out(tmp_path, s3_run, hub):
     """The hub ends the job at its timeout (the stand-in as the hub: SIGTERM, then stage
     ERROR with a message saying so); an ended job is not cancelled."""
     config = load_config(write_run(tmp_path, s3_run[0], outer_steps=500, timeout="4s"))
-    plan = plan_launch(config, {"hf_jobs": 1})  # 1 of min_replicas 2: it waits, running
-    backend = plan.backends["hf_jobs"]
-    (handle,) = start(plan)["hf_jobs"][1]
+    backend, handle = launch_one_of_two(config, tmp_path)
     assert (hub.created()[0]["timeoutSeconds"], handle.job["timeout_s"]) == (4, 4)
 
     wait_for(backend, [handle], {"timed_out"}, seconds=60)
 
     job = hub_api().inspect_job(job_id=handle.job["id"], namespace=USER)
     assert (job.status.stage, job.status.message) == ("ERROR", "Job timed out after 4s")
+    assert "error:" not in backend.logs(handle)  # it ran until the hub ended it
     backend.stop(handle)
     assert cancels(hub, handle.job["id"]) == 0
 
