@@ -204,9 +204,7 @@ class AlertsSection(_Section):
     """Where the run's events go (``launching/alerts.py``): a Slack- or Discord-compatible
     webhook whose URL is in an environment variable (a URL is a secret: never in run.toml)."""
 
-    webhook_env: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] = (
-        "DILOCO_ALERT_WEBHOOK"
-    )
+    webhook_env: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] = "DILOCO_ALERT_WEBHOOK"
     stalled_after: Seconds = 1800.0  # alert when no round has sealed for this long
 
 

@@ -231,7 +231,7 @@ class Keeper:
             hours = (now - self.store.modified(self.layout.launch(launch.number))) / 3600
             end = self._end_if_due(launch, alerts, over_budget(self.config.budget, spent, hours))
         if end is not None:
-            notes = [] if dry_run else self._stop_all(launch, observed)
+            notes = [] if dry_run else self._stop_all(launch, observed, end, now)
             report = PassReport(launch.number, {}, notes, f"{end.reason}: {end.detail}", spent)
         elif dry_run:
             decisions = {r.replica_id: decide(r, now, self.config.keep) for r in observed}
@@ -329,9 +329,12 @@ class Keeper:
 
     def _live(self, replica: Observed, now: float) -> bool:
         """Its job is pending or running, or its lease advanced within the lease expiry."""
+        return replica.state in ("pending", "running") or self._leasing(replica, now)
+
+    def _leasing(self, replica: Observed, now: float) -> bool:
+        """Its newest incarnation's lease advanced within the lease expiry (store time)."""
         expiry = LeasePolicy(period=self.config.sync.lease_period).expiry
-        fresh = replica.active_at is not None and now - replica.active_at <= expiry
-        return replica.state in ("pending", "running") or fresh
+        return replica.active_at is not None and now - replica.active_at <= expiry
 
     def _health(
         self, observed: list[Observed], metrics: dict[str, ReplicaMetrics], now: float
@@ -479,9 +482,14 @@ class Keeper:
         alerts.send(Alert(f"end.{reason}", f"run {self.config.run.name} ended: {detail}"))
         return self.launches.read(launch.number).end or end
 
-    def _stop_all(self, launch: Launch, observed: list[Observed]) -> list[str]:
-        """Stop every replica whose job may still run (marked first: never restarted)."""
-        going = [r for r in observed if r.job is not None and r.state in ACTIVE_STATES]
+    def _stop_all(
+        self, launch: Launch, observed: list[Observed], end: EndRecord, now: float
+    ) -> list[str]:
+        """Stop every replica whose job may still run (marked first: never restarted). When
+        the run is done, a replica still leasing is finishing by itself (its last metrics, its
+        checkpoint's mirrors) and is left to; a later pass stops it if it does not end."""
+        going = [r for r in observed if r.job is not None and r.state in ACTIVE_STATES
+                 and not (end.reason == "done" and self._leasing(r, now))]  # fmt: skip
         notes = []
         for replica in going:
             assert replica.job is not None
