@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import tomli_w
 
 from diloco_anywhere.config import ConfigError, load_config, parse_config
 from diloco_anywhere.replica import replica_index, with_overrides
@@ -157,3 +158,11 @@ def test_each_mirror_is_a_store_of_its_own(mirrors, store, refused):
     text = f'[run]\nstore = "{store}"\n[checkpoint]\nmirrors = {mirrors}\n'.replace("'", '"')
     with pytest.raises(ConfigError, match=re.escape(refused)):
         parse_config(text, "run.toml")
+
+
+def test_every_setting_dumps_to_toml_and_loads_back_the_same():
+    """TOML has no null: a setting defaulting to None would make every config written out by a
+    launcher, a benchmark or a user's script (``tomli_w.dumps(config.model_dump())``) fail."""
+    config = load_config()
+    text = tomli_w.dumps(config.model_dump())
+    assert parse_config(text, "dumped") == config

@@ -349,7 +349,7 @@ def test_budget_fields_are_checked_on_load():
     config = parse_config('[budget]\nparameters = 10\nclouds = { k8s = "gcp" }\n', "run.toml")
     assert (config.budget.parameters, config.budget.clouds) == (10, {"k8s": "gcp"})
     with pytest.raises(ConfigError) as error:
-        parse_config('[budget]\nparameters = 0\nclouds = { k8s = "ibm" }\n', "run.toml")
+        parse_config('[budget]\nparameters = -1\nclouds = { k8s = "ibm" }\n', "run.toml")
     lines = str(error.value).splitlines()
-    assert any(line.startswith("run.toml: budget.parameters = 0") for line in lines)
+    assert any(line.startswith("run.toml: budget.parameters = -1") for line in lines)
     assert any(line.startswith("run.toml: budget.clouds.k8s = 'ibm'") for line in lines)

@@ -184,15 +184,17 @@ class BudgetSection(_Section):
 
     max_hours: Annotated[float, Field(ge=0)] = 0.0  # wall hours since the launch; 0: no cap
     max_usd: Annotated[float, Field(ge=0)] = 0.0  # estimated spend; 0: no cap
-    # Seconds per inner step, for the plan and the estimate before the run has measured it.
-    step_seconds: Annotated[float, Field(gt=0)] | None = None
+    # Seconds per inner step, for the plan and the estimate before the run has measured it;
+    # 0: measured, else assumed. (No field of run.toml is None: TOML has no null, and a
+    # config dumped to TOML must load back.)
+    step_seconds: Annotated[float, Field(ge=0)] = 0.0
     # USD per replica-hour, "platform" or "platform/hardware" -> price, over the table's.
     hourly_usd: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
     # USD per GB leaving a cloud ("aws", "gcp", "azure", "hf", "modal", ...), over the table's.
     egress_usd_per_gb: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
     # The model's parameter count, for the traffic estimate of a task that is not built before
     # training (any but the built-in GPT task, whose model is counted without its weights).
-    parameters: Annotated[int, Field(ge=1)] | None = None
+    parameters: Annotated[int, Field(ge=0)] = 0  # 0: counted where the task allows
     # Where a platform's replicas run, or the store ("store"), when its default is wrong for
     # egress: e.g. {k8s = "gcp"}; default sagemaker aws, modal modal, hf_jobs hf, k8s unknown.
     clouds: dict[str, Literal["aws", "gcp", "azure", "hf", "modal", "local", "unknown"]] = Field(

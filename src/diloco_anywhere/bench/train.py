@@ -45,7 +45,7 @@ def bench_config(**changes: Any) -> RunConfig:
 
 def local_plan(config: RunConfig, folder: Path) -> LaunchPlan:
     """``config`` as a run.toml in ``folder`` with its store there, planned on local processes."""
-    data = config.model_dump(exclude_none=True)  # TOML has no null: an absent field is None
+    data = config.model_dump()
     data["run"]["store"] = str(folder / "store")
     path = folder / f"{config.run.name}.toml"
     path.write_text(tomli_w.dumps(data))

@@ -308,6 +308,10 @@ class Store:
         for protocol in protocols:
             for attribute, value in SDK_ATTRIBUTES.get(protocol, {}).items():
                 setattr(self._fs, attribute, value)
+        # memory:// is one dict per process, which a listing iterates: every change to it and
+        # every listing holds one lock (a put during a listing raised "dictionary changed size")
+        memory = protocols & MEMORY_PROTOCOLS
+        self._one_at_a_time = _MEMORY_LOCK if memory else contextlib.nullcontext()
         self._create = self._exclusive_writer(protocols)
         self._replace = self._overwriter(protocols)
         self._strangers: set[str] = set()  # listed objects that are not keys, logged once
@@ -318,7 +322,7 @@ class Store:
         if protocols & MEMORY_PROTOCOLS:
 
             def create_in_memory(path: str, data: Buffer) -> None:
-                with _MEMORY_LOCK:  # memory:// is one filesystem per process
+                with self._one_at_a_time:
                     self._fs.pipe_file(path, bytes(data), mode="create")
 
             return create_in_memory
@@ -333,7 +337,8 @@ class Store:
 
         def overwrite_remote(path: str, data: Buffer, content_type: str | None) -> None:
             extra = typed(content_type) if typed and content_type else {}
-            self._fs.pipe_file(path, bytes(data), mode="overwrite", **extra)
+            with self._one_at_a_time:
+                self._fs.pipe_file(path, bytes(data), mode="overwrite", **extra)
 
         return overwrite_remote
 
@@ -550,7 +555,8 @@ class Store:
 
         def attempt() -> list[str]:
             self._add(lists=1)
-            return self._fs.find(base)
+            with self._one_at_a_time:
+                return self._fs.find(base)
 
         try:
             paths = self._run("list", prefix, attempt)
@@ -588,7 +594,8 @@ class Store:
 
         def attempt() -> None:
             self._add(deletes=1)
-            self._fs.rm_file(path)
+            with self._one_at_a_time:
+                self._fs.rm_file(path)
 
         with contextlib.suppress(FileNotFoundError):
             self._run("delete", key, attempt)
@@ -601,7 +608,8 @@ class Store:
 
         def attempt() -> None:
             self._add(deletes=1)
-            self._fs.rm(paths)
+            with self._one_at_a_time:
+                self._fs.rm(paths)
 
         if paths:
             try:

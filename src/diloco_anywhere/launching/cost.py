@@ -304,7 +304,7 @@ def parameter_count(config: RunConfig) -> tuple[int | None, str]:
     """(parameters, where the number came from): ``[budget] parameters``; else the built-in
     GPT task counted on the meta device; else None, saying what to set. Other tasks are not
     built here: building one may download weights or data (the Hugging Face task does)."""
-    if config.budget.parameters is not None:
+    if config.budget.parameters:
         return config.budget.parameters, "[budget] parameters"
     missing = "unknown: set [budget] parameters (the model's parameter count)"
     if config.task.command or config.task.entrypoint != GPT_ENTRYPOINT:
@@ -426,7 +426,7 @@ def estimate(
     measured one); ``parameters`` to ``parameter_count(config)``."""
     prices = prices or load_prices()
     budget = config.budget
-    step = step or step_time(budget.step_seconds)
+    step = step or step_time(budget.step_seconds or None)
     count, count_source = parameters or parameter_count(config)
     n = sum(number for _, number in replicas.values())
     rounds = config.diloco.outer_steps

@@ -486,10 +486,14 @@ class Keeper:
         self, launch: Launch, observed: list[Observed], end: EndRecord, now: float
     ) -> list[str]:
         """Stop every replica whose job may still run (marked first: never restarted). When
-        the run is done, a replica still leasing is finishing by itself (its last metrics, its
-        checkpoint's mirrors) and is left to; a later pass stops it if it does not end."""
+        the run is done, a running replica that said so, or showed a sign of life within
+        ``[keep] hung_after``, is finishing by itself (its last metrics, its checkpoint's
+        mirrors, torchrun's teardown) and is left to; a later pass stops one that does not."""
+        hung_after = self.config.keep.hung_after
+        finishing = {r.replica_id for r in observed if r.state == "running" and (
+            r.done or now - max(r.started_at, r.active_at or 0.0) < hung_after)}  # fmt: skip
         going = [r for r in observed if r.job is not None and r.state in ACTIVE_STATES
-                 and not (end.reason == "done" and self._leasing(r, now))]  # fmt: skip
+                 and not (end.reason == "done" and r.replica_id in finishing)]  # fmt: skip
         notes = []
         for replica in going:
             assert replica.job is not None

@@ -223,7 +223,7 @@ def plan_for(
     measured = measured_step_seconds(metrics) if metrics else None
     return plan_limits(
         config.diloco.outer_steps * config.diloco.sync_every,
-        step_time(config.budget.step_seconds, measured),
+        step_time(config.budget.step_seconds or None, measured),
         limits,
         spot_wait_seconds(config),
     )

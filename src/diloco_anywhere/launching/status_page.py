@@ -185,7 +185,7 @@ def render_page(
         _footer(refresh_seconds),
     ])  # fmt: skip
     return PAGE.format(
-        title=_e(f"run {title}: {headline.text()}"), refresh=refresh, narrow=NARROW, body=body
+        title=_e(f"run {title}: {headline.text()}"), refresh=refresh, style=STYLE, body=body
     )
 
 
@@ -316,54 +316,59 @@ lets anyone who holds it read this page until it expires; after that the store a
 error: ask for a new link.</p></footer>"""
 
 
+# Plain CSS (no format braces: the template renders this file, and an f-string's would read
+# as Jinja); NARROW is put in below.
+STYLE = """
+:root { color-scheme: light; --ok: #1a7f37; --info: #0969da; --warn: #9a6700; --bad: #cf222e;
+  --quiet: #59636e; --line: #d1d9e0; }
+body { font: 16px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 0 auto;
+  max-width: 72rem; padding: 1rem; color: #1f2328; background: #fff; }
+h1 { font-size: 1.5rem; margin: 0 0 .2rem; overflow-wrap: anywhere; }
+h2 { font-size: 1.1rem; margin: 1.6rem 0 .5rem; }
+.written { color: var(--quiet); margin: 0; overflow-wrap: anywhere; }
+.headline { font-size: 1.15rem; font-weight: 600; margin: .6rem 0 0; }
+table.replicas { border-collapse: collapse; width: 100%; font-variant-numeric: tabular-nums; }
+.replicas th, .replicas td { padding: .35rem .6rem; border-bottom: 1px solid var(--line);
+  text-align: right; white-space: nowrap; }
+.replicas th { background: #f6f8fa; font-weight: 600; }
+.replicas td:nth-child(-n+3), .replicas th:nth-child(-n+3) { text-align: left; }
+.replicas td:nth-child(3) { white-space: normal; }
+.state { font-weight: 600; }
+.flag { display: inline-block; font-size: .85em; padding: 0 .4em; border-radius: .6em;
+  border: 1px solid currentColor; margin: .1em 0; }
+.ok { color: var(--ok); } .info { color: var(--info); } .warn { color: var(--warn); }
+.bad { color: var(--bad); } .quiet { color: var(--quiet); }
+.notes li { overflow-wrap: anywhere; }
+.spend { display: grid; grid-template-columns: max-content auto; gap: .2rem 1rem; }
+.spend dt { color: var(--quiet); } .spend dd { margin: 0; font-weight: 600; }
+img.plot { max-width: 100%; height: auto; border: 1px solid var(--line); }
+code { background: #f6f8fa; padding: 0 .25em; border-radius: 4px; }
+footer { margin-top: 2rem; border-top: 1px solid var(--line); color: #393f46; }
+@media NARROW {
+  body { padding: .75rem; }
+  .replicas thead { display: none; }
+  .replicas, .replicas tbody { display: block; }
+  .replicas tr { display: grid; grid-template-columns: 1fr 1fr; grid-auto-flow: dense;
+    column-gap: 1rem; border: 1px solid var(--line); border-radius: 6px; margin: 0 0 .75rem;
+    padding: .2rem .6rem; }
+  .replicas td { display: flex; justify-content: space-between; gap: .5rem;
+    border-bottom: 0; padding: .2rem 0; white-space: normal; font-size: .95rem; }
+  .replicas td::before { content: attr(data-label); color: var(--quiet); white-space: nowrap; }
+  .replicas td:nth-child(-n+3) { text-align: right; grid-column: 1 / -1; }
+  .replicas td:first-child { font-weight: 600; font-size: 1.05rem;
+    border-bottom: 1px solid var(--line); }
+  .replicas td:first-child::before { content: none; }
+  .replicas td:nth-child(2) { grid-column: auto; }
+}
+""".replace("NARROW", NARROW)
+
 PAGE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <meta name="referrer" content="no-referrer"><meta name="robots" content="noindex">
 {refresh}<title>{title}</title>
 <style>
-:root {{ color-scheme: light; --ok: #1a7f37; --info: #0969da; --warn: #9a6700; --bad: #cf222e;
-  --quiet: #59636e; --line: #d1d9e0; }}
-body {{ font: 16px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 0 auto;
-  max-width: 72rem; padding: 1rem; color: #1f2328; background: #fff; }}
-h1 {{ font-size: 1.5rem; margin: 0 0 .2rem; overflow-wrap: anywhere; }}
-h2 {{ font-size: 1.1rem; margin: 1.6rem 0 .5rem; }}
-.written {{ color: var(--quiet); margin: 0; overflow-wrap: anywhere; }}
-.headline {{ font-size: 1.15rem; font-weight: 600; margin: .6rem 0 0; }}
-table.replicas {{ border-collapse: collapse; width: 100%; font-variant-numeric: tabular-nums; }}
-.replicas th, .replicas td {{ padding: .35rem .6rem; border-bottom: 1px solid var(--line);
-  text-align: right; white-space: nowrap; }}
-.replicas th {{ background: #f6f8fa; font-weight: 600; }}
-.replicas td:nth-child(-n+3), .replicas th:nth-child(-n+3) {{ text-align: left; }}
-.replicas td:nth-child(3) {{ white-space: normal; }}
-.state {{ font-weight: 600; }}
-.flag {{ display: inline-block; font-size: .85em; padding: 0 .4em; border-radius: .6em;
-  border: 1px solid currentColor; margin: .1em 0; }}
-.ok {{ color: var(--ok); }} .info {{ color: var(--info); }} .warn {{ color: var(--warn); }}
-.bad {{ color: var(--bad); }} .quiet {{ color: var(--quiet); }}
-.notes li {{ overflow-wrap: anywhere; }}
-.spend {{ display: grid; grid-template-columns: max-content auto; gap: .2rem 1rem; }}
-.spend dt {{ color: var(--quiet); }} .spend dd {{ margin: 0; font-weight: 600; }}
-img.plot {{ max-width: 100%; height: auto; border: 1px solid var(--line); }}
-code {{ background: #f6f8fa; padding: 0 .25em; border-radius: 4px; }}
-footer {{ margin-top: 2rem; border-top: 1px solid var(--line); color: #393f46; }}
-@media {narrow} {{
-  body {{ padding: .75rem; }}
-  .replicas thead {{ display: none; }}
-  .replicas, .replicas tbody {{ display: block; }}
-  .replicas tr {{ display: grid; grid-template-columns: 1fr 1fr; grid-auto-flow: dense;
-    column-gap: 1rem; border: 1px solid var(--line); border-radius: 6px; margin: 0 0 .75rem;
-    padding: .2rem .6rem; }}
-  .replicas td {{ display: flex; justify-content: space-between; gap: .5rem;
-    border-bottom: 0; padding: .2rem 0; white-space: normal; font-size: .95rem; }}
-  .replicas td::before {{ content: attr(data-label); color: var(--quiet); white-space: nowrap; }}
-  .replicas td:nth-child(-n+3) {{ text-align: right; grid-column: 1 / -1; }}
-  .replicas td:first-child {{ font-weight: 600; font-size: 1.05rem;
-    border-bottom: 1px solid var(--line); }}
-  .replicas td:first-child::before {{ content: none; }}
-  .replicas td:nth-child(2) {{ grid-column: auto; }}
-}}
-</style></head>
+{style}</style></head>
 <body>
 {body}
 </body></html>
