@@ -23,6 +23,7 @@ from diloco_anywhere.backends.k8s import (
     generate_name,
     label_value,
     parse_indexes,
+    pod_failure_policy,
 )
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import ConfigError, load_config
@@ -373,6 +374,18 @@ def test_a_replica_that_refuses_its_config_fails_without_retries(tmp_path, kube)
     assert status["failedIndexes"] == "0-1"
     assert status["failed"] == 2  # one pod per index
     assert "broken/configs/" in backend.logs(handles[1])  # its error: not found
+
+
+def test_no_retry_is_spent_on_an_end_a_retry_cannot_help():
+    """Exit 2 (a refused run.toml, as the stand-in test above shows) and exit 3 (superseded:
+    `diloco keep` or `replace` started a newer incarnation, which a retry would supersede)
+    fail the index at once; a disruption spends no retry."""
+    rules = pod_failure_policy()["rules"]
+    assert rules[0] == {
+        "action": "FailIndex",
+        "onExitCodes": {"containerName": "replica", "operator": "In", "values": [2, 3]},
+    }
+    assert rules[1]["action"] == "Ignore"
 
 
 def test_a_crashing_replica_is_retried_alone_then_failed(tmp_path, kube):

@@ -188,11 +188,14 @@ def test_a_failing_replica_raises_without_its_environment_in_the_message():
     assert "bucket-name-here" not in str(error.value)
 
 
-def test_a_replica_that_refuses_its_config_returns_its_code_so_modal_does_not_retry():
-    """Exit 2: the replica refused its run.toml, which a retry would refuse again. Returned,
-    not raised, so Modal counts the call as done; ``state`` reads the code as failed."""
+@pytest.mark.parametrize("code", [2, 3])
+def test_a_replica_a_retry_cannot_help_returns_its_code_so_modal_does_not_retry(code):
+    """Exit 2: the replica refused its run.toml, which a retry would refuse again; exit 3: a
+    newer incarnation runs, which a retry would supersede. Returned, not raised, so Modal
+    counts the call as done; ``state`` reads the code as failed."""
     _, function = ModalBackend(parse_config(IMAGE, "run.toml")).build_app()
-    assert function.local({}, [sys.executable, "-c", "import sys; sys.exit(2)"]) == 2
+    exit_with = f"import sys; sys.exit({code})"
+    assert function.local({}, [sys.executable, "-c", exit_with]) == code
 
 
 class Call:

@@ -57,6 +57,9 @@ ENV_REPLICA_ID_BASE = "DILOCO_REPLICA_ID_BASE"  # the number in the id of comple
 ENV_COMPLETION_INDEX = "JOB_COMPLETION_INDEX"  # set by Kubernetes in an Indexed Job's pods
 EXIT_STOPPED = 128 + signal.SIGTERM  # as shells and platforms report a SIGTERM exit
 EXIT_BAD_CONFIG = 2  # run.toml or arguments refused, nothing started: a retry cannot help
+# Ends a platform's retry cannot help: a refused run.toml, or a newer incarnation of this id
+# running (a retry would supersede it, and be superseded in turn).
+NOT_RETRIED = (EXIT_BAD_CONFIG, EXIT_SUPERSEDED)
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:

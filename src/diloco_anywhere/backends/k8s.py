@@ -13,7 +13,8 @@ so a crashing replica is restarted without touching the others. ``maxFailedIndex
 unset on purpose: a replica that used up its retries must not take the healthy ones down,
 since DiLoCo goes on with ``run.min_replicas``. A pod failure policy (#pod-failure-policy)
 spends no retry on a pod the cluster disrupted (preemption, eviction) and none on exit 2, a
-run.toml the replica refused, which would only fail again. Nothing ends a Job for its age
+run.toml the replica refused, which would only fail again, or exit 3, a replica superseded by
+a newer incarnation (``diloco keep`` or ``replace`` started one). Nothing ends a Job for its age
 unless ``deadline_hours`` is set: it becomes ``activeDeadlineSeconds``
 (#job-termination-and-cleanup), after which the Job controller terminates the Job's pods and
 marks it Failed with reason DeadlineExceeded, read here as ``timed_out``.
@@ -58,7 +59,7 @@ from diloco_anywhere.replica import (
     ENV_REPLICA_ID_BASE,
     ENV_REPLICA_INDEX,
     ENV_REPLICA_INDEX_BASE,
-    EXIT_BAD_CONFIG,
+    NOT_RETRIED,
 )
 
 if TYPE_CHECKING:
@@ -403,13 +404,14 @@ class KubernetesBackend:
 
 
 def pod_failure_policy() -> dict[str, Any]:
-    """No retry for a refused run.toml (exit 2: it would fail again) and none spent on a pod
+    """No retry for a refused run.toml (exit 2: it would fail again) or a superseded replica
+    (exit 3: a newer incarnation runs, which a retry would supersede), and none spent on a pod
     the cluster disrupted (preemption, eviction, node drain), which is simply started again."""
-    bad_config = {"containerName": CONTAINER, "operator": "In", "values": [EXIT_BAD_CONFIG]}
+    not_retried = {"containerName": CONTAINER, "operator": "In", "values": list(NOT_RETRIED)}
     disrupted = [{"type": "DisruptionTarget", "status": "True"}]
     return {
         "rules": [
-            {"action": "FailIndex", "onExitCodes": bad_config},
+            {"action": "FailIndex", "onExitCodes": not_retried},
             {"action": "Ignore", "onPodConditions": disrupted},
         ]
     }

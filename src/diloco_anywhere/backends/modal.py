@@ -43,7 +43,7 @@ from diloco_anywhere.backends.base import (
 )
 from diloco_anywhere.bucket.layout import parse_count
 from diloco_anywhere.config import RunConfig
-from diloco_anywhere.replica import EXIT_BAD_CONFIG
+from diloco_anywhere.replica import NOT_RETRIED
 
 if TYPE_CHECKING:
     import modal
@@ -65,8 +65,8 @@ LOG_ENTRIES = 2000
 
 
 class ReplicaExitError(RuntimeError):
-    """The replica command exited non-zero (and not 2): raised so that Modal counts the call
-    as failed and retries it."""
+    """The replica command exited non-zero (and not in ``NOT_RETRIED``): raised so that Modal
+    counts the call as failed and retries it."""
 
 
 def run_replica(env: dict[str, str], command: list[str]) -> int:
@@ -77,15 +77,16 @@ def run_replica(env: dict[str, str], command: list[str]) -> int:
     exception; the replica then gets SIGTERM, so it records that it stopped before the
     container goes. Its output goes to the container's, which is the call's log.
 
-    A replica that refused its run.toml (exit 2) would refuse it again: its code is returned,
-    not raised, so that Modal does not retry it; ``state`` reads it as failed."""
+    A replica that refused its run.toml (exit 2) would refuse it again, and one superseded by
+    a newer incarnation (exit 3) would supersede that one: its code is returned, not raised,
+    so that Modal does not retry it; ``state`` reads it as failed."""
     child = subprocess.Popen(command, env={**os.environ, **env})
     try:
         code = child.wait()
     except BaseException:
         _terminate(child)
         raise
-    if code not in (0, EXIT_BAD_CONFIG):  # the message names the command, never the env
+    if code not in (0, *NOT_RETRIED):  # the message names the command, never the env
         raise ReplicaExitError(f"`{shlex.join(command)}` exited with code {code}")
     return code
 
