@@ -3,9 +3,15 @@ that trains as that replica, on its shard; nothing limits an attempt's time here
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
-from diloco_anywhere.backends.local import LocalBackend
+import pytest
+
+from diloco_anywhere.backends.local import LocalBackend, _zombie
 from diloco_anywhere.config import load_config
 from diloco_anywhere.launching.launch import plan_launch, run_metrics
 from test_launch import RUN_TOML
@@ -48,3 +54,17 @@ def test_a_replica_started_again_is_a_new_process_with_its_id_and_shard(tmp_path
     assert [handle.replica_id for handle in handles] == ["local-1", "local-1"]
     assert handles[0].job["pid"] != handles[1].job["pid"]
     assert set(run_metrics(config).read()) == {"local-1"}  # no other replica was started
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_an_ended_process_nobody_reaped_reads_as_ended_not_running():
+    """A replica a keeper process started outlives it; where nothing reaps orphans it stays a
+    zombie, which ``kill(pid, 0)`` still finds: /proc says it ended."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 60
+    while not _zombie(child.pid):  # ended, and not reaped: this test is its parent
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert not _zombie(os.getpid())
+    child.wait()
+    assert not _zombie(child.pid)  # reaped: gone

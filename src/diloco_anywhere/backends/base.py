@@ -187,6 +187,10 @@ class Backend(Protocol):
     # True: the replica runs the project image elsewhere and reads run.toml from the store
     # (the launcher publishes it there); False: a process here, reading the local file.
     remote: bool
+    # Whether ``stop`` ends one replica alone (False on Kubernetes, where one launch's replicas
+    # are one Job): a keeper replacing a hung replica stops its job first only where it can,
+    # and elsewhere leaves the new incarnation's claim to fence the old process off.
+    stops_one_replica: bool
 
     def check(self) -> None:
         """Raise ``BackendUnavailableError`` (one line) if the SDK or credentials are missing.

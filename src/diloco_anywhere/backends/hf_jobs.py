@@ -128,6 +128,7 @@ def hub_api() -> Any:
 class HfJobsBackend:
     name = "hf_jobs"
     remote = True
+    stops_one_replica = True
 
     def __init__(self, config: RunConfig) -> None:
         self.config = config

@@ -183,6 +183,7 @@ def api_errors() -> Iterator[None]:
 class KubernetesBackend:
     name = "k8s"
     remote = True
+    stops_one_replica = False  # deleting the Job ends every replica of its launch
 
     def __init__(self, config: RunConfig) -> None:
         self.config = config

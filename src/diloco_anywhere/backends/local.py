@@ -37,6 +37,7 @@ STOP_GRACE = 15.0
 class LocalBackend:
     name = "local"
     remote = False
+    stops_one_replica = True
 
     def __init__(self, config: RunConfig | None = None) -> None:
         self.settings = backend_settings(config or RunConfig(), self.name, BackendSettings)
@@ -106,7 +107,7 @@ class LocalBackend:
             return "exited"
         except PermissionError:
             return "unknown"
-        return "running"
+        return "exited" if _zombie(pid) else "running"
 
     def exit_code(self, handle: ReplicaHandle) -> int | None:
         process = self._processes.get(handle.job["pid"])
@@ -160,6 +161,18 @@ def _signal(pid: int, signum: int) -> None:
 def threads_per_replica(processes: int) -> int:
     """Intra-op threads per process when ``processes`` share this machine's cores."""
     return max(1, (os.cpu_count() or 1) // processes)
+
+
+def _zombie(pid: int) -> bool:
+    """Whether ``pid`` has ended but not been reaped: a replica a keeper process started (from
+    cron) outlives that process, and where nothing reaps orphans (a container's first process
+    may not) it stays a zombie, which ``kill(pid, 0)`` still finds. /proc tells, where there is
+    one."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] == ["Z"]
 
 
 def _is_replica(pid: int) -> bool:

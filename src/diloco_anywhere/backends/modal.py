@@ -182,6 +182,7 @@ class Settings(BackendSettings):
 class ModalBackend:
     name = "modal"
     remote = True
+    stops_one_replica = True
 
     def __init__(self, config: RunConfig) -> None:
         self.config = config

@@ -297,6 +297,7 @@ def default_output(config: RunConfig) -> str:
 class SageMakerBackend:
     name = "sagemaker"
     remote = True
+    stops_one_replica = True
 
     def __init__(self, config: RunConfig) -> None:
         """Settings only: ``diloco status``, ``logs`` and ``stop`` build the backend from the

@@ -107,8 +107,9 @@ def replace(
     force: Annotated[
         bool,
         typer.Option(
-            help="Replace a replica that still runs: its job is stopped first, and the new "
-            "incarnation's claim fences the old process off in any case."
+            help="Replace a replica that still runs: its job is stopped first (where its "
+            "platform stops one replica alone: not Kubernetes), and the new incarnation's "
+            "claim fences the old process off in any case."
         ),
     ] = False,
 ) -> None:

@@ -419,7 +419,7 @@ class Keeper:
         if not self.launches.claim_restart(launch.number, claim):
             return Restarted(False, f"{name}: another keeper is restarting it")
         backend = self._backend(replica.platform)
-        if decision.stop_first and replica.job is not None:
+        if decision.stop_first and replica.job is not None and backend.stops_one_replica:
             try:
                 backend.stop(replica.job.handle)
             except Exception as exc:  # it is superseded once the new incarnation claims
