@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import random
@@ -12,8 +13,12 @@ from typing import Any
 
 import pytest
 
+from diloco_anywhere.backends.k8s import api_client
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.standins import GCS_EMULATOR_ENV, StandIn, StandInUnavailableError, standin
+from hf_jobs_standin import hf_jobs_api
+from k8s_standin import k8s_api
+from webhook_standin import WebhookServer
 
 # gcsfs reads this once, at its first import, which a test module may do at collection time.
 os.environ.update(GCS_EMULATOR_ENV)
@@ -152,3 +157,36 @@ def run_toml(tmp_path, monkeypatch):
         return str(tmp_path / "run.toml")
 
     return write
+
+
+# -- platform and chat stand-ins shared by the launch, keeper and unattended tests ----------
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    with hf_jobs_api() as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setenv("HF_TOKEN", "hf_standin_token")
+        yield server
+
+
+@pytest.fixture
+def cluster(monkeypatch, s3_run):
+    """The Kubernetes stand-in as the current cluster, the bucket's credentials in a Secret."""
+    with k8s_api() as api:
+        monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
+        data = {name: base64.b64encode(value.encode()).decode()
+                for name, value in s3_run[1].items()}  # fmt: skip
+        kubernetes = pytest.importorskip("kubernetes")
+        kubernetes.client.CoreV1Api(api_client(None)).create_namespaced_secret(
+            "default", {"metadata": {"name": "store"}, "data": data}
+        )
+        yield api
+
+
+@pytest.fixture
+def webhook(monkeypatch):
+    server = WebhookServer()
+    monkeypatch.setenv("DILOCO_ALERT_WEBHOOK", server.url)
+    yield server
+    server.shutdown()

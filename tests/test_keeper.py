@@ -26,7 +26,6 @@ from diloco_anywhere.launching.launch import load_handles, plan_launch, run_laun
 from diloco_anywhere.launching.launches import JobRecord, RestartRecord
 from diloco_anywhere.training.metrics import EventLine, ReplicaMetrics
 from test_launch import diloco, statuses
-from webhook_standin import WebhookServer
 
 KEEP = KeepSection(max_restarts=3, backoff=60, max_backoff=300, stable_after=600, hung_after=900)
 NOW = 100_000.0
@@ -126,14 +125,6 @@ def test_a_replica_that_refused_its_run_toml_is_not_restarted():
 
 
 # -- alerts -----------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def webhook(monkeypatch):
-    server = WebhookServer()
-    monkeypatch.setenv("DILOCO_ALERT_WEBHOOK", server.url)
-    yield server
-    server.shutdown()
 
 
 def test_an_alert_observed_by_several_is_sent_once(tmp_path, webhook):

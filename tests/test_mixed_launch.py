@@ -5,41 +5,13 @@ Jobs and Kubernetes APIs), whose jobs run here as processes against moto's S3.""
 
 from __future__ import annotations
 
-import base64
 import json
 
-import pytest
-
-from diloco_anywhere.backends.k8s import api_client
 from diloco_anywhere.config import load_config
 from diloco_anywhere.launching.launch import load_handles, run_metrics
 from hf_jobs_standin import hf_jobs_api
-from k8s_standin import k8s_api
 from test_backend_hf_jobs import write_run
 from test_launch import diloco, statuses
-
-
-@pytest.fixture
-def hub(monkeypatch):
-    with hf_jobs_api() as server:
-        monkeypatch.setenv("HF_ENDPOINT", server.url)
-        monkeypatch.setenv("HF_TOKEN", "hf_standin_token")
-        yield server
-
-
-@pytest.fixture
-def cluster(monkeypatch, s3_run):
-    """The Kubernetes stand-in as the current cluster, the bucket's credentials in a Secret."""
-    with k8s_api() as api:
-        monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
-        data = {name: base64.b64encode(value.encode()).decode()
-                for name, value in s3_run[1].items()}  # fmt: skip
-        kubernetes = pytest.importorskip("kubernetes")
-        kubernetes.client.CoreV1Api(api_client(None)).create_namespaced_secret(
-            "default", {"metadata": {"name": "store"}, "data": data}
-        )
-        yield api
-
 
 K8S = '\n[backends.k8s]\nsecret = "store"\ngpus_per_pod = 0\n'
 
