@@ -82,9 +82,9 @@ def test_a_detached_run_left_to_the_keeper_completes(
     tmp_path, monkeypatch, s3_run, hub, cluster, webhook
 ):
     monkeypatch.chdir(tmp_path)
-    path = write_run(tmp_path, s3_run[0], replicas=3, outer_steps=70, timeout="25s")
+    path = write_run(tmp_path, s3_run[0], replicas=3, outer_steps=55, timeout="20s")
     text = (tmp_path / "run.toml").read_text().replace("[keep]\nbackoff = 0.5\n", "")
-    text += K8S + "deadline_hours = 0.025\n" + UNATTENDED  # HF Jobs: 25 s, k8s: 90 s
+    text += K8S + "deadline_hours = 0.025\n" + UNATTENDED  # HF Jobs: 20 s, k8s: 90 s
     (tmp_path / "run.toml").write_text(text)
     mix = ("--backend", "local=1", "--backend", "hf_jobs=1", "--backend", "k8s=1")
     result = diloco("launch", "--config", path, *mix, "--detach")
@@ -104,7 +104,7 @@ def test_a_detached_run_left_to_the_keeper_completes(
             if frozen and launch.attempt("k8s-0") > frozen[1]:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(frozen[0], signal.SIGCONT)  # a zombie: its replica runs anew
-            for at_round, replica in ((15, "local-0"), (30, "hf_jobs-0")):  # preempted
+            for at_round, replica in ((15, "local-0"), (25, "hf_jobs-0")):  # preempted
                 if newest >= at_round and replica not in killed:
                     with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
                         os.killpg(_current_pid(config, replica, hub, cluster), signal.SIGKILL)
