@@ -14,24 +14,13 @@ import pytest
 from diloco_anywhere.backends.local import LocalBackend, _zombie
 from diloco_anywhere.config import load_config
 from diloco_anywhere.launching.launch import plan_launch, run_metrics
+from test_backend_hf_jobs import wait_for_starts
 from test_launch import RUN_TOML
 
 
 def test_nothing_ends_a_local_attempt_and_it_has_no_list_price():
     backend = LocalBackend()
     assert (backend.attempt_limit(), backend.hardware()) == (None, "")
-
-
-def starts_of(config, replica: str, count: int, seconds: float = 120.0) -> list[str]:
-    """The details of ``replica``'s "started" events, once it has ``count`` of them."""
-    deadline = time.monotonic() + seconds
-    while True:
-        metrics = run_metrics(config).read().get(replica)
-        starts = [e.detail for e in metrics.events if e.event == "started"] if metrics else []
-        if len(starts) >= count:
-            return starts
-        assert time.monotonic() < deadline, starts
-        time.sleep(0.5)
 
 
 def test_a_replica_started_again_is_a_new_process_with_its_id_and_shard(tmp_path):
@@ -46,7 +35,7 @@ def test_a_replica_started_again_is_a_new_process_with_its_id_and_shard(tmp_path
     for incarnation in (1, 2):
         (handle,) = backend.launch([spec], plan.run_dir)
         handles.append(handle)
-        starts = starts_of(config, "local-1", incarnation)
+        starts = wait_for_starts(config, "local-1", incarnation)
         assert [start.split(",")[0] for start in starts] == ["shard 1 of 3"] * incarnation
         backend.stop(handle)
         assert backend.state(handle) != "running"

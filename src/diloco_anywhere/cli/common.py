@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,6 +20,7 @@ from diloco_anywhere.config import ConfigError
 from diloco_anywhere.launching.infra import InfraError
 from diloco_anywhere.launching.launch import LaunchError
 from diloco_anywhere.launching.launches import LaunchTakenError
+from diloco_anywhere.launching.status import finite_or_null
 from diloco_anywhere.launching.tracking import TrackerUnavailableError
 from diloco_anywhere.standins import StandInUnavailableError
 
@@ -47,21 +47,10 @@ USER_ERRORS = (
 )  # fmt: skip
 
 
-def _finite_or_null(value: object) -> object:
-    """``value`` with every NaN or infinity (anywhere inside) as ``None``."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: _finite_or_null(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite_or_null(item) for item in value]
-    return value
-
-
 def print_json(value: object) -> None:
     """Print ``value`` as standard JSON for scripts: a NaN loss or an infinite ratio is
     ``null`` (``json.dumps`` would print ``NaN``/``-Infinity``, which JSON parsers reject)."""
-    print(json.dumps(_finite_or_null(value), indent=2, allow_nan=False))
+    print(json.dumps(finite_or_null(value), indent=2, allow_nan=False))
 
 
 def parse_duration(text: str, option: str, minimum: float = 0.0) -> float:

@@ -6,6 +6,7 @@ throughput, last seen) comes from there; the backend adds whether the job is sti
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass, field
@@ -43,6 +44,18 @@ class ReplicaStatus:
 
 
 ENDED_JOBS = ("exited", "failed", "timed_out", "stopped")
+
+
+def finite_or_null(value: object) -> object:
+    """``value`` with every NaN or infinity (anywhere inside) as ``None``: standard JSON for
+    scripts and the status page (``json.dumps`` would write ``NaN``, which parsers reject)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_or_null(item) for item in value]
+    return value
 
 
 def _state(metrics: ReplicaMetrics | None, job: str, stopped_on_purpose: bool) -> str:

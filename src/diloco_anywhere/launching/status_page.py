@@ -17,7 +17,6 @@ from __future__ import annotations
 import base64
 import html
 import json
-import math
 import tempfile
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -29,7 +28,7 @@ from urllib.parse import urlsplit
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store, StoreError
 from diloco_anywhere.collective.membership import SKEW_SHOWN
-from diloco_anywhere.launching.status import ReplicaStatus
+from diloco_anywhere.launching.status import ReplicaStatus, finite_or_null
 from diloco_anywhere.training.metrics import ReplicaMetrics
 
 HTML_TYPE = "text/html; charset=utf-8"  # with the charset, or a browser may guess another
@@ -120,7 +119,7 @@ def status_document(
     and infinity as null, which JSON has no words for), the headline's facts and text, the
     notes, and when and where it was written (ISO 8601, UTC)."""
     headline = Headline.of(rows, outer_steps, spend)
-    return _finite_or_null(
+    return finite_or_null(
         {
             "format": DOCUMENT_FORMAT,
             "run": title,
@@ -131,16 +130,6 @@ def status_document(
             "notes": list(notes),
         }
     )
-
-
-def _finite_or_null(value: object) -> object:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: _finite_or_null(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite_or_null(item) for item in value]
-    return value
 
 
 def _utc(moment: datetime) -> datetime:
