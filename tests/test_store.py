@@ -280,6 +280,14 @@ def test_a_local_store_follows_no_link_and_reads_only_regular_files(tmp_path, ca
     assert "skipping 'run/rounds/fifo': not a regular file" in caplog.text
 
 
+def test_a_key_deleted_between_a_listing_and_its_check_is_gone_not_a_stranger(tmp_path, caplog):
+    """A heartbeat deletes its old leases while a keeper lists them: what a listing found and
+    is gone by the time it is checked is skipped quietly, not logged as a foreign file."""
+    store = Store(str(tmp_path))
+    assert not store._is_key("run/members/local-0/0/lease-2")  # listed, then deleted
+    assert "skipping" not in caplog.text
+
+
 # -- overwrite and signed URLs: the status page a keeper rewrites and a person opens ------------
 
 HTML = "text/html; charset=utf-8"

@@ -578,6 +578,8 @@ class Store:
         except ValueError:
             problem = "not a key this tool writes"
         path = f"{self._root}/{name}"
+        if problem is None and self._is_local and not os.path.lexists(path):
+            return False  # deleted since the listing (an old lease, a collected round): gone
         if problem is None and self._is_local and self._through_link(path):
             problem = "a symbolic link is on its path; a local store follows none"
         elif problem is None and self._is_local and not os.path.isfile(path):
