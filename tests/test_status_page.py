@@ -24,6 +24,8 @@ from diloco_anywhere.launching.status import ReplicaStatus, replica_statuses
 from diloco_anywhere.launching.status_page import (
     HTML_TYPE,
     JSON_TYPE,
+    REFRESH_SECONDS,
+    PageFacts,
     console_location,
     page_url,
     publish,
@@ -92,16 +94,16 @@ def rows(metrics) -> list[ReplicaStatus]:
     return [*found, hostile]
 
 
-def _page(rows, metrics, **overrides) -> str:
-    arguments = {"title": RUN, "written_at": WRITTEN, "host": "runner-7", "outer_steps": 10,
-                 "notes": NOTES, "spend": SPEND} | overrides  # fmt: skip
-    return render_page(rows, metrics, **arguments)
+FACTS = PageFacts(title=RUN, written_at=WRITTEN, host="runner-7", outer_steps=10, notes=NOTES,
+                  spend=SPEND)  # fmt: skip
+
+
+def _page(rows, metrics, refresh_seconds: int = REFRESH_SECONDS, **overrides) -> str:
+    return render_page(rows, metrics, dataclasses.replace(FACTS, **overrides), refresh_seconds)
 
 
 def _document(rows, **overrides) -> dict:
-    arguments = {"title": RUN, "written_at": WRITTEN, "host": "runner-7", "outer_steps": 10,
-                 "notes": NOTES, "spend": SPEND} | overrides  # fmt: skip
-    return status_document(rows, **arguments)
+    return status_document(rows, dataclasses.replace(FACTS, **overrides))
 
 
 class _Page(HTMLParser):

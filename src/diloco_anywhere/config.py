@@ -274,6 +274,17 @@ def validate_config(data: dict[str, Any], where: str, source: Path | None = None
         raise ConfigError(problems(exc, where)) from None
 
 
+def with_changes(config: RunConfig, **changes: Any) -> RunConfig:
+    """``config`` with ``section__field=value`` changes (``keep__max_restarts=3``), validated
+    as a file is, from the same file (relative paths still read from its folder)."""
+    data = config.model_dump()
+    for path, value in changes.items():
+        section, _, name = path.partition("__")
+        data[section][name] = value
+    where = f"{config.source or 'the embedded run'} with {', '.join(changes)}"
+    return validate_config(data, where, config.source)
+
+
 def parse_config(text: str, where: str, source: Path | None = None) -> RunConfig:
     """Every way ``text`` can fail to be a run config is one ``ConfigError`` line: the CLI
     prints it and exits 2, never a traceback (a TOML nested thousands of levels deep exhausts

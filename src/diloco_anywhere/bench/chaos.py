@@ -27,12 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from diloco_anywhere.bench.train import Progress, local_plan, run_diloco
-from diloco_anywhere.config import RunConfig, validate_config
+from diloco_anywhere.config import RunConfig, with_changes
 from diloco_anywhere.launching.launch import run_metrics, start
 from diloco_anywhere.launching.supervisor import Supervisor
 from diloco_anywhere.training.metrics import ReplicaMetrics
 
-CHAOS_BACKOFF = 0.5  # seconds
+# [keep] backoff, seconds: the time a replica takes to return measures healing, not the wait
+CHAOS_BACKOFF = 0.5
 
 
 @dataclass
@@ -70,7 +71,7 @@ def run_with_chaos(
     """Run ``config`` in ``folder``, SIGKILLing ``kills`` replicas, one per ``kill_every``
     committed rounds, each restarted by the supervisor; return the metrics and the kills."""
     deadline = time.monotonic() + deadline_seconds
-    plan = local_plan(with_quick_restarts(config), folder)
+    plan = local_plan(with_changes(config, keep__backoff=CHAOS_BACKOFF), folder)
     started = start(plan)  # as `diloco launch` starts a run: recorded in its bucket
     backend = started["local"][0]
     supervisor = Supervisor(plan, started, max_restarts=kills + 1)
@@ -105,14 +106,6 @@ def run_with_chaos(
         time.sleep(0.25)
     run.metrics = reader.read()
     return run
-
-
-def with_quick_restarts(config: RunConfig) -> RunConfig:
-    """``config`` restarting a killed replica after ``CHAOS_BACKOFF``: the time a replica
-    takes to return then measures healing, not the keeper's backoff (``[keep] backoff``)."""
-    data = config.model_dump()
-    data["keep"]["backoff"] = CHAOS_BACKOFF
-    return validate_config(data, f"{config.source or 'run.toml'} under chaos", config.source)
 
 
 def fingerprint_disagreements(metrics: dict[str, ReplicaMetrics]) -> dict[int, set[str]]:

@@ -37,9 +37,8 @@ from diloco_anywhere.bench.train import (
     results_of,
     run_diloco,
     wall_seconds,
-    with_changes,
 )
-from diloco_anywhere.config import RunConfig
+from diloco_anywhere.config import RunConfig, with_changes
 from diloco_anywhere.launching.report import summarize
 from diloco_anywhere.task import Task, TaskContext, build_task
 from diloco_anywhere.training.loop import backward_batch, before_inner_step

@@ -21,21 +21,12 @@ import tomli_w
 import torch
 
 from diloco_anywhere.backends.local import LocalBackend
-from diloco_anywhere.config import RunConfig, load_config, validate_config
+from diloco_anywhere.config import RunConfig, load_config, validate_config, with_changes
 from diloco_anywhere.launching.launch import LaunchPlan, plan_launch, run_metrics
 from diloco_anywhere.task import Task, TaskContext, build_task
 from diloco_anywhere.training.metrics import ReplicaMetrics
 
 Progress = Callable[[str], None]
-
-
-def with_changes(config: RunConfig, **changes: Any) -> RunConfig:
-    """``config`` with ``section__field=value`` changes, validated (``diloco__sync_every=50``)."""
-    data = config.model_dump()
-    for path, value in changes.items():
-        section, _, name = path.partition("__")
-        data[section][name] = value
-    return validate_config(data, "benchmark run")
 
 
 def bench_config(**changes: Any) -> RunConfig:

@@ -480,8 +480,8 @@ def bench_convergence_command(
     the runs multiply.
     """
     from diloco_anywhere.bench.convergence import Study, plot_study, run_study
-    from diloco_anywhere.bench.train import bench_config, with_changes
-    from diloco_anywhere.config import load_config
+    from diloco_anywhere.bench.train import bench_config
+    from diloco_anywhere.config import load_config, with_changes
     from diloco_anywhere.tasks.gpt import PRESETS
 
     if preset is not None and preset not in PRESETS:

@@ -19,9 +19,8 @@ from diloco_anywhere.cli.common import (
     stdout,
     user_errors,
 )
-from diloco_anywhere.config import load_config
+from diloco_anywhere.config import load_config, with_changes
 from diloco_anywhere.launching.keeper import Keeper, PassReport
-from diloco_anywhere.launching.supervisor import with_max_restarts
 
 MIN_EVERY = 60.0  # seconds: faster passes only add API calls (platforms throttle)
 
@@ -89,7 +88,7 @@ def keep(
     with user_errors():
         config = load_config(config_path)
         if max_restarts is not None:
-            config = with_max_restarts(config, max_restarts)
+            config = with_changes(config, keep__max_restarts=max_restarts)
         seconds = parse_duration(every, "--every", minimum=MIN_EVERY) if every else None
         with Store(config.store_url()) as store:
             keeper = Keeper(config, store, say=lambda text: stderr.print(escape(text)))

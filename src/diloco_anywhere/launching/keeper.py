@@ -38,7 +38,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from diloco_anywhere.backends import get_backend
-from diloco_anywhere.backends.base import ACTIVE_STATES, Backend, JobState, ReplicaSpec, one_line
+from diloco_anywhere.backends.base import (
+    ACTIVE_STATES,
+    Backend,
+    JobState,
+    ReplicaHandle,
+    ReplicaSpec,
+    one_line,
+)
 from diloco_anywhere.bucket.layout import Participant, RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.membership import LeasePolicy, MembershipView
@@ -57,7 +64,12 @@ from diloco_anywhere.launching.launches import (
 )
 from diloco_anywhere.launching.spending import launch_spend, spend_shown
 from diloco_anywhere.launching.status import replica_statuses
-from diloco_anywhere.launching.status_page import publish, render_page, status_document
+from diloco_anywhere.launching.status_page import (
+    PageFacts,
+    publish,
+    render_page,
+    status_document,
+)
 from diloco_anywhere.replica import EXIT_BAD_CONFIG, EXIT_SUPERSEDED
 from diloco_anywhere.training.checkpoint import CheckpointError, committed_rounds, read_commit
 from diloco_anywhere.training.metrics import MetricsReader, ReplicaMetrics
@@ -85,6 +97,11 @@ class Observed:
     started_at: float  # when its current attempt began: its job record, else the launch
     active_at: float | None  # its newest incarnation's last sign of life: lease, else claim
     done: bool  # its newest incarnation said the run is done
+
+    @property
+    def last_alive(self) -> float:
+        """Its current attempt's last sign of life: its newest lease, else when it started."""
+        return max(self.started_at, self.active_at or self.started_at)
 
 
 @dataclass(frozen=True)
@@ -128,7 +145,7 @@ def decide(replica: Observed, now: float, keep: KeepSection) -> Decision:
         return Decision("leave", "stopped on purpose")
     if replica.done:
         return Decision("leave", "done")
-    silent = now - max(replica.started_at, replica.active_at or replica.started_at)
+    silent = now - replica.last_alive
     ended = _ended(replica, now)
     if ended is None:
         if replica.state != "running" or silent < keep.hung_after:
@@ -140,14 +157,14 @@ def decide(replica: Observed, now: float, keep: KeepSection) -> Decision:
                         f"again; fix it, then `diloco replace {replica.replica_id}`")  # fmt: skip
     if replica.exit_code == EXIT_SUPERSEDED:
         return Decision("leave", "superseded by a newer incarnation started elsewhere")
-    ran = max(0.0, (replica.active_at or 0.0) - replica.started_at)
+    ran = replica.last_alive - replica.started_at
     previous = replica.claim
     streak = (previous.streak if previous else 0) + 1 if ran < keep.stable_after else 0
     counted = (previous.counted if previous else 0) + (reason != "timed_out")
     if counted > keep.max_restarts:
         return Decision("give_up", reason, f"{detail}; out of restarts ([keep] max_restarts = "
                         f"{keep.max_restarts})")  # fmt: skip
-    wait = backoff(keep, streak) - (now - max(replica.started_at, replica.active_at or 0.0))
+    wait = backoff(keep, streak) - silent
     if wait > 0:
         said = f"{detail}; restarting in {wait:.0f} s (backoff)"
         return Decision("wait", reason, said, counted, streak)
@@ -223,72 +240,81 @@ class Keeper:
         launch = self.launches.read(numbers[-1])
         alerts = Alerts(self.store, self.layout, launch.number, self.config.alerts)
         now = store_time(self.store, self.layout)
+        launched_at = self.store.modified(self.layout.launch(launch.number))
         metrics = self.metrics.read()
-        observed = self._observe(launch, metrics)
+        observed = self._observe(launch, metrics, launched_at)
         spent = self._spend(launch, observed, metrics)
         end = launch.end
         if end is None and not dry_run:
-            hours = (now - self.store.modified(self.layout.launch(launch.number))) / 3600
+            hours = (now - launched_at) / 3600
             end = self._end_if_due(launch, alerts, over_budget(self.config.budget, spent, hours))
         if end is not None:
             notes = [] if dry_run else self._stop_all(launch, observed, end, now)
             report = PassReport(launch.number, {}, notes, f"{end.reason}: {end.detail}", spent)
-        elif dry_run:
-            decisions = {r.replica_id: decide(r, now, self.config.keep) for r in observed}
-            return PassReport(launch.number, decisions, [], None, spent)
         else:
-            report = self._reconcile(launch, observed, metrics, now, alerts, spent)
+            decisions = {r.replica_id: decide(r, now, self.config.keep) for r in observed}
+            if dry_run:
+                return PassReport(launch.number, decisions, [], None, spent)
+            notes = self._reconcile(launch, observed, decisions, metrics, now, alerts)
+            report = PassReport(launch.number, decisions, notes, None, spent)
         if not dry_run:
-            self._publish(launch, report, metrics, alerts)
+            self._publish(launch, observed, report, metrics, alerts)
         return report
 
     def _reconcile(
         self,
         launch: Launch,
         observed: list[Observed],
+        decisions: dict[str, Decision],
         metrics: dict[str, ReplicaMetrics],
         now: float,
         alerts: Alerts,
-        spent: Spend,
-    ) -> PassReport:
-        """Act on every replica's decision, then on the run's health."""
-        decisions = {r.replica_id: decide(r, now, self.config.keep) for r in observed}
+    ) -> list[str]:
+        """Act on every replica's decision, then on the run's health; what was said."""
         notes = []
         for replica in observed:
             notes += self._act(launch, replica, decisions[replica.replica_id], alerts)
         for alert in self._health(observed, metrics, now):
             if alerts.send(alert):
                 notes.append(alert.text)
-        return PassReport(launch.number, decisions, notes, None, spent)
+        return notes
 
     def _spend(
         self, launch: Launch, observed: list[Observed], metrics: dict[str, ReplicaMetrics]
     ) -> Spend:
         running = {r.replica_id for r in observed if r.state in ACTIVE_STATES}
-        return launch_spend(self.store, self.config, launch, metrics, running.__contains__,
+        return launch_spend(self.launches, self.config, launch, metrics, running.__contains__,
                             lambda platform: self._backend(platform).hardware())  # fmt: skip
 
     def _publish(
         self,
         launch: Launch,
+        observed: list[Observed],
         report: PassReport,
         metrics: dict[str, ReplicaMetrics],
         alerts: Alerts,
     ) -> None:
-        """The status page and status.json in the run's prefix, for anyone with the bucket."""
-        launch = self.launches.read(launch.number)  # with this pass's restarts
-        rows = replica_statuses(metrics, launch.handles,
-                                lambda h: job_state(self._backend(h.platform), h),
-                                launch.stopped)  # fmt: skip
+        """The status page and status.json in the run's prefix, for anyone with the bucket.
+        Job states are this pass's; only a job it started is asked about again."""
+        restarted = any(d.action == "restart" for d in report.decisions.values())
+        launch = self.launches.read(launch.number) if restarted else launch
+        seen = {(r.replica_id, r.job.attempt): r.state for r in observed if r.job}
+
+        def state(handle: ReplicaHandle) -> JobState:
+            known = seen.get((handle.replica_id, launch.jobs[handle.replica_id].attempt))
+            return known or job_state(self._backend(handle.platform), handle)
+
+        rows = replica_statuses(metrics, launch.handles, state, launch.stopped)
         recent = [f"{a.event}: {a.text}" for a in alerts.recorded()[-PAGE_ALERTS:]]
-        notes = ([f"launch ended: {report.ended}"] if report.ended else []) + recent
-        spend = spend_shown(report.spend, self.config) if report.spend else {}
-        facts = dict(title=self.config.run.name, written_at=datetime.now(UTC),
-                     host=socket.gethostname(), outer_steps=self.config.diloco.outer_steps,
-                     notes=notes, spend=spend)  # fmt: skip
+        facts = PageFacts(
+            title=self.config.run.name, written_at=datetime.now(UTC), host=socket.gethostname(),
+            outer_steps=self.config.diloco.outer_steps,
+            notes=([f"launch ended: {report.ended}"] if report.ended else []) + recent,
+            spend=spend_shown(report.spend, self.config) if report.spend else {},
+        )  # fmt: skip
         try:
-            publish(self.store, self.layout, render_page(rows, metrics, **facts),
-                    status_document(rows, **facts))  # fmt: skip
+            page = render_page(rows, metrics, facts)
+            publish(self.store, self.layout, page, status_document(rows, facts))
         except Exception as exc:  # the page is for people: it never stops a keeper
             log.warning("status page not written: %s", one_line(exc))
 
@@ -309,9 +335,9 @@ class Keeper:
             raise ValueError(f"no replica {', '.join(unknown)} in launch {launch.number}; "
                              f"its replicas: {', '.join(known)}")  # fmt: skip
         now = store_time(self.store, self.layout)
-        chosen = [
-            r for r in self._observe(launch, self.metrics.read()) if r.replica_id in replica_ids
-        ]
+        launched_at = self.store.modified(self.layout.launch(launch.number))
+        observed = self._observe(launch, self.metrics.read(), launched_at)
+        chosen = [replica for replica in observed if replica.replica_id in replica_ids]
         live = [r.replica_id for r in chosen if self._live(r, now)]
         if live and not force:
             raise ValueError(
@@ -346,9 +372,12 @@ class Keeper:
 
     # -- seeing --------------------------------------------------------------------------------
 
-    def _observe(self, launch: Launch, metrics: dict[str, ReplicaMetrics]) -> list[Observed]:
+    def _observe(
+        self, launch: Launch, metrics: dict[str, ReplicaMetrics], launched_at: float
+    ) -> list[Observed]:
+        """Every planned replica as its records, its platform and its lease say (times: the
+        store's; ``launched_at``: when the store took the launch record)."""
         view = MembershipView.read(self.store, self.layout)
-        launched_at = self.store.modified(self.layout.launch(launch.number))
         observed = []
         for planned in launch.record.replicas:
             replica = planned.replica_id
@@ -489,11 +518,12 @@ class Keeper:
         the run is done, a running replica that said so, or showed a sign of life within
         ``[keep] hung_after``, is finishing by itself (its last metrics, its checkpoint's
         mirrors, torchrun's teardown) and is left to; a later pass stops one that does not."""
-        hung_after = self.config.keep.hung_after
-        finishing = {r.replica_id for r in observed if r.state == "running" and (
-            r.done or now - max(r.started_at, r.active_at or 0.0) < hung_after)}  # fmt: skip
-        going = [r for r in observed if r.job is not None and r.state in ACTIVE_STATES
-                 and not (end.reason == "done" and r.replica_id in finishing)]  # fmt: skip
+
+        def finishing(r: Observed) -> bool:
+            alive = r.done or now - r.last_alive < self.config.keep.hung_after
+            return end.reason == "done" and r.state == "running" and alive
+
+        going = [r for r in observed if r.job and r.state in ACTIVE_STATES and not finishing(r)]
         notes = []
         for replica in going:
             assert replica.job is not None

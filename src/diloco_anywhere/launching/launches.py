@@ -105,6 +105,8 @@ class Launch:
     stopped: frozenset[str]
     restarts: dict[str, RestartRecord] = field(default_factory=dict)  # replica -> newest claim
     end: EndRecord | None = None
+    # replica -> the keys of all its job records, oldest attempt first (read on demand)
+    job_keys: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def number(self) -> int:
@@ -142,11 +144,17 @@ class Launches:
         key = self.layout.launch(number)
         record = decode_record(self.store.get(key, 0, RECORD_READ_LIMIT), LaunchRecord, key=key)
         newest: dict[tuple[str, str], tuple[int, str]] = {}  # (kind, replica) -> attempt, key
+        job_keys: dict[str, list[tuple[int, str]]] = {}
         keys = self.store.list_prefix(self.layout.launch_folder(number))
         for key in keys:
             parsed = self.layout.parse_launch_key(key, number)
-            if parsed is not None and parsed[2] >= newest.get(parsed[:2], (-1, ""))[0]:
-                newest[parsed[:2]] = (parsed[2], key)
+            if parsed is None:
+                continue
+            kind, replica, attempt = parsed
+            if kind == "job":
+                job_keys.setdefault(replica, []).append((attempt, key))
+            if attempt >= newest.get((kind, replica), (-1, ""))[0]:
+                newest[kind, replica] = (attempt, key)
         end_key = self.layout.launch_end(number)
         wanted = [key for (kind, _), (_, key) in newest.items() if kind != "stopped"]
         objects = self.store.get_many(wanted + [end_key] * (end_key in keys),
@@ -164,10 +172,20 @@ class Launches:
             if kind == "stopped" and replica in jobs and attempt >= jobs[replica].attempt
         }
         end = objects.get(end_key)
+        oldest_first = {replica: tuple(key for _, key in sorted(found))
+                        for replica, found in job_keys.items()}  # fmt: skip
         return Launch(
             record, jobs, frozenset(stopped), records("restart", RestartRecord),
-            decode_record(end, EndRecord, key=end_key) if end else None,
+            decode_record(end, EndRecord, key=end_key) if end else None, oldest_first,
         )  # fmt: skip
+
+    def job_records(self, launch: Launch) -> dict[str, list[JobRecord]]:
+        """Every job record of ``launch`` (every attempt), by replica, oldest first."""
+        keys = [key for replica_keys in launch.job_keys.values() for key in replica_keys]
+        objects = self.store.get_many(keys, limit=RECORD_READ_LIMIT)
+        return {replica: [decode_record(objects[key], JobRecord, key=key)
+                          for key in replica_keys if objects[key] is not None]
+                for replica, replica_keys in launch.job_keys.items()}  # fmt: skip
 
     def begin(
         self,

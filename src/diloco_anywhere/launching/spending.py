@@ -11,30 +11,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
-from diloco_anywhere.bucket.layout import RunLayout
-from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, decode_record
-from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.launching.cost import Attempt, Spend, spend, traffic_so_far
-from diloco_anywhere.launching.launches import JobRecord, Launch
+from diloco_anywhere.launching.launches import Launch, Launches
 from diloco_anywhere.training.metrics import ReplicaMetrics
 
 
-def attempts_of(store: Store, launch: Launch) -> dict[str, list[JobRecord]]:
-    """Every job record of the launch, by replica, oldest attempt first."""
-    folder = RunLayout(launch.record.run).launch_folder(launch.number)
-    keys = store.list_prefix(f"{folder}/jobs")
-    records = [decode_record(data, JobRecord, key=key)
-               for key, data in store.get_many(keys, limit=RECORD_READ_LIMIT).items()
-               if data is not None]  # fmt: skip
-    by_replica: dict[str, list[JobRecord]] = {}
-    for record in sorted(records, key=lambda record: record.attempt):
-        by_replica.setdefault(record.replica_id, []).append(record)
-    return by_replica
-
-
 def launch_spend(
-    store: Store,
+    launches: Launches,
     config: RunConfig,
     launch: Launch,
     metrics: Mapping[str, ReplicaMetrics],
@@ -46,7 +30,7 @@ def launch_spend(
     ``hardware(platform)``: what a replica there runs on (``Backend.hardware``)."""
     now = now or time.time()
     attempts = []
-    for replica, jobs in attempts_of(store, launch).items():
+    for replica, jobs in launches.job_records(launch).items():
         seen = metrics.get(replica)
         for job, following in zip(jobs, [*jobs[1:], None], strict=True):
             end = following.started_at if following else None

@@ -105,35 +105,44 @@ class Headline:
 # -- status.json --------------------------------------------------------------------------------
 
 
-def status_document(
-    rows: Sequence[ReplicaStatus],
-    *,
-    title: str,
-    written_at: datetime,
-    host: str,
-    outer_steps: int | None = None,
-    notes: Sequence[str] = (),
-    spend: Mapping[str, str] | None = None,
-) -> dict:
+@dataclass(frozen=True)
+class PageFacts:
+    """What the page and status.json say besides the rows: the run's name, when and on which
+    host they were written (an aware time: a naive one would be read in the writer's zone,
+    which a reader elsewhere cannot know), the run's outer steps, the keeper's notes (actions,
+    alerts) and the spend (label -> value, as given)."""
+
+    title: str
+    written_at: datetime
+    host: str
+    outer_steps: int | None = None
+    notes: Sequence[str] = ()
+    spend: Mapping[str, str] = field(default_factory=dict)
+
+    def headline(self, rows: Sequence[ReplicaStatus]) -> Headline:
+        return Headline.of(rows, self.outer_steps, self.spend)
+
+
+def status_document(rows: Sequence[ReplicaStatus], facts: PageFacts) -> dict:
     """What the page shows, for scripts: the rows as ``diloco status --json`` gives them (NaN
     and infinity as null, which JSON has no words for), the headline's facts and text, the
     notes, and when and where it was written (ISO 8601, UTC)."""
-    headline = Headline.of(rows, outer_steps, spend)
+    headline = facts.headline(rows)
     return finite_or_null(
         {
             "format": DOCUMENT_FORMAT,
-            "run": title,
-            "written_at": _utc(written_at).isoformat(),
-            "written_by": host,
+            "run": facts.title,
+            "written_at": _utc(facts.written_at).isoformat(),
+            "written_by": facts.host,
             "headline": asdict(headline) | {"text": headline.text()},
             "replicas": [row.as_dict() for row in rows],
-            "notes": list(notes),
+            "notes": list(facts.notes),
         }
     )
 
 
 def _utc(moment: datetime) -> datetime:
-    """A naive time would be read in the writer's zone, which a reader elsewhere cannot know."""
+    """``moment`` in UTC; a naive one is refused (``PageFacts``)."""
     if moment.tzinfo is None:
         raise ValueError(f"written_at {moment} has no time zone; give an aware datetime (UTC)")
     return moment.astimezone(timezone.utc)
@@ -145,30 +154,24 @@ def _utc(moment: datetime) -> datetime:
 def render_page(
     rows: Sequence[ReplicaStatus],
     metrics: Mapping[str, ReplicaMetrics],
-    *,
-    title: str,
-    written_at: datetime,
-    host: str,
-    outer_steps: int | None = None,
-    notes: Sequence[str] = (),
-    spend: Mapping[str, str] | None = None,
+    facts: PageFacts,
     refresh_seconds: int = REFRESH_SECONDS,
 ) -> str:
-    """The page: ``title`` (the run's name), when and where it was written, the headline, one
-    row per replica (``diloco status``'s columns), the keeper's ``notes`` (actions, alerts),
-    spend against budget, the loss plot (``report.plot_losses`` of ``metrics``) and how to act.
+    """The page: the run's name, when and where it was written, the headline, one row per
+    replica (``diloco status``'s columns), the keeper's notes (actions, alerts), spend
+    against budget, the loss plot (``report.plot_losses`` of ``metrics``) and how to act.
     ``refresh_seconds``: how often an open page reloads itself (0: never)."""
-    headline = Headline.of(rows, outer_steps, spend)
-    written = _utc(written_at).strftime("%Y-%m-%d %H:%M UTC")
+    headline, title = facts.headline(rows), facts.title
+    written = _utc(facts.written_at).strftime("%Y-%m-%d %H:%M UTC")
     refresh = (
         f'<meta http-equiv="refresh" content="{int(refresh_seconds)}">' if refresh_seconds else ""
     )
     body = "\n".join([
         f"<header><h1>run {_e(title)}</h1>",
-        f'<p class="written">written {written} by the keeper on {_e(host)}</p>',
+        f'<p class="written">written {written} by the keeper on {_e(facts.host)}</p>',
         f'<p class="headline">{_e(headline.text())}</p></header>',
         _replica_table(rows),
-        _notes_section(notes),
+        _notes_section(facts.notes),
         _spend_section(headline.spend),
         _plot_section(metrics, title),
         _footer(refresh_seconds),

@@ -14,20 +14,12 @@ import time
 
 from diloco_anywhere.backends.base import ACTIVE_STATES, Backend, JobState, ReplicaHandle
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.config import RunConfig, validate_config
+from diloco_anywhere.config import with_changes
 from diloco_anywhere.launching.keeper import Keeper, PassReport
 from diloco_anywhere.launching.launch import LaunchPlan, job_state, run_launches
 
 LOCAL_KEEP_SECONDS = 2.0  # a local process's end is seen at once
 REMOTE_KEEP_SECONDS = 60.0  # platform APIs throttle (SageMaker's DescribeTrainingJob)
-
-
-def with_max_restarts(config: RunConfig, max_restarts: int) -> RunConfig:
-    """``config`` with ``[keep] max_restarts`` set (``--max-restarts``)."""
-    data = config.model_dump()
-    data["keep"]["max_restarts"] = max_restarts
-    return validate_config(data, f"{config.source or 'run.toml'} with --max-restarts",
-                           config.source)  # fmt: skip
 
 
 class Supervisor:
@@ -46,7 +38,7 @@ class Supervisor:
         self.number = self.launches.numbers()[-1]  # the launch that started these jobs
         self.keeper = None
         if max_restarts:
-            config = with_max_restarts(plan.config, max_restarts)
+            config = with_changes(plan.config, keep__max_restarts=max_restarts)
             self.keeper = Keeper(config, Store(config.store_url()), run_folder=plan.run_dir,
                                  backends=self.backends)  # fmt: skip
         self.every = REMOTE_KEEP_SECONDS if self.remote else LOCAL_KEEP_SECONDS
