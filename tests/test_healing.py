@@ -22,7 +22,7 @@ from diloco_anywhere.bucket.record import encode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.records import Seal
-from diloco_anywhere.collective.round import DivergedError
+from diloco_anywhere.collective.round import DivergedError, ModelMismatchError
 from diloco_anywhere.config import load_config
 from diloco_anywhere.replica import run_replica
 from diloco_anywhere.task import build_task
@@ -521,3 +521,19 @@ def test_a_newcomer_skips_the_rounds_whose_seal_the_live_replicas_could_not_read
     for round_ in unreadable_seals():
         assert f"round {round_} was skipped as unreadable (" in caplog.text
     assert f"{LAYOUT.seal(2, 0)}: Seal field quorum: Extra inputs are not permitted" in caplog.text
+
+
+def test_a_round_of_another_size_is_refused_before_its_size_is_allocated(run) -> None:
+    """The sealed manifest's size is checked against this model's before a buffer of that
+    size exists: a round of another model names both sizes instead of allocating its size."""
+    weights = final_checkpoint(run).tree["fragments"]["StreamingDiLoCoFragment_0"]
+    numel = sum(t.numel() for t in weights["original_parameters"].values())
+    collective = BucketCollective(Store(str(run / "store")), "h", "observer")
+    try:
+        result, mean = collective.observe(0, numel)
+        assert (mean.numel(), result.seal.round) == (numel, 0)
+        with pytest.raises(ModelMismatchError, match=rf"round 0 does not apply to this model: "
+                           rf"its result has {numel} values, the fragment 7$"):  # fmt: skip
+            collective.observe(0, 7)
+    finally:
+        collective.close()

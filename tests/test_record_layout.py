@@ -186,6 +186,9 @@ def test_keys_with_numbers_no_writer_makes_are_not_ours(bad):
     assert layout.parse_seal(f"run/rounds/{bad}/0/SEAL") is None
     assert layout.parse_seal(f"run/rounds/0000000001/{bad}/SEAL") is None
     assert layout.parse_seal(layout.seal(12, 1)) == 12
+    past_the_last_round = str(10**10)  # 11 digits: no key of that round can be built
+    assert layout.parse_seal(f"run/rounds/{past_the_last_round}/0/SEAL") is None
+    assert layout.parse_checkpoint_commit(f"run/checkpoints/{past_the_last_round}/COMMIT") is None
     assert layout.parse_seal(layout.manifest(12, 1, "r", 0)) is None
     with pytest.raises(ValueError, match="is not '<replica>-<incarnation>'"):
         parse_contributor(f"r-{bad}")

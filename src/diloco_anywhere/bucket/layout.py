@@ -204,10 +204,11 @@ class RunLayout:
         return f"{self.checkpoint(round_)}/COMMIT"
 
     def parse_checkpoint_commit(self, key: str) -> int | None:
-        """``checkpoints/{round}/COMMIT`` -> round; anything else -> None."""
+        """``checkpoints/{round}/COMMIT`` -> round; anything else (a number past ``MAX_ROUND``
+        included: no key of that round can be built) -> None."""
         parts = key.removeprefix(f"{self.checkpoints()}/").split("/")
         if key.startswith(f"{self.checkpoints()}/") and len(parts) == 2 and parts[1] == "COMMIT":
-            return parse_count(parts[0])
+            return parse_count(parts[0], MAX_ROUND)
         return None
 
     # -- launches (launching/launches.py) ----------------------------------------------------

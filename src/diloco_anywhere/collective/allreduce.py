@@ -40,7 +40,7 @@ from diloco_anywhere.collective.membership import (
 )
 from diloco_anywhere.collective.parts import Transfers, one_intra_op_thread
 from diloco_anywhere.collective.records import Seal
-from diloco_anywhere.collective.round import Round, RoundPolicy
+from diloco_anywhere.collective.round import ModelMismatchError, Round, RoundPolicy
 from diloco_anywhere.collective.sharded import sharded_mean
 
 EXCHANGES = {"gather": gather_mean, "sharded": sharded_mean}
@@ -231,16 +231,25 @@ class BucketCollective:
             self._collecting.submit(self._collect_garbage, round_, fragment)
         return result
 
-    def observe(self, round_: int, fragment: int = 0) -> tuple[RoundResult, torch.Tensor] | None:
+    def observe(
+        self, round_: int, numel: int, fragment: int = 0
+    ) -> tuple[RoundResult, torch.Tensor] | None:
         """The result and the flat mean of a round sealed without us (None while it has no
         SEAL), read as any replica reads it: a replica catching up replays it
-        (``healing.py``)."""
+        (``healing.py``). ``numel`` is the size of this replica's fragment: a round of another
+        size is refused before anything of its size is allocated."""
         observer = self._observer(round_, fragment)
         try:
             seal = observer.read_seal()
             if seal is None:
                 return None
-            mean = torch.empty(observer.sealed_manifests(seal)[0].numel)
+            sealed = observer.sealed_manifests(seal)[0].numel
+            if sealed != numel:
+                raise ModelMismatchError(
+                    f"round {round_} does not apply to this model: its result has {sealed} "
+                    f"values, the fragment {numel}"
+                )
+            mean = torch.empty(numel)
             return _exchange(observer, seal, FlatTensors([mean])), mean
         finally:
             observer.release()

@@ -125,6 +125,11 @@ class DivergedError(SealedContributionError):
     """This replica's global state differs from the sealed contributors': it must heal."""
 
 
+class ModelMismatchError(RuntimeError):
+    """A sealed round is intact but of another size than this replica's model: applying it
+    would be wrong on every replica that holds this model, so nothing is skipped or healed."""
+
+
 def release(part: Part | Exception) -> None:
     """Give a fetched part's buffer back (an error holds none)."""
     if isinstance(part, Part):

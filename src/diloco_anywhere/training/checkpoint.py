@@ -738,12 +738,11 @@ def _put_checked(store: Store, objects: dict[str, bytes]) -> None:
 
 
 def committed_rounds(store: Store, layout: RunLayout) -> list[int]:
-    """Rounds with a COMMIT, newest first (a number past ``MAX_ROUND`` in a key names none: no
-    key of that round can be built)."""
+    """Rounds with a COMMIT, newest first."""
     rounds = (
         layout.parse_checkpoint_commit(key) for key in store.list_prefix(layout.checkpoints())
     )
-    return sorted((r for r in rounds if r is not None and r <= MAX_ROUND), reverse=True)
+    return sorted((r for r in rounds if r is not None), reverse=True)
 
 
 def retained_after(store: Store, layout: RunLayout, keep: int) -> int:

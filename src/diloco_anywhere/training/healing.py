@@ -40,7 +40,11 @@ import torch
 from diloco_anywhere.bucket.store import Store, StoreError
 from diloco_anywhere.bucket.wire import WireFormatError
 from diloco_anywhere.collective.allreduce import BucketCollective
-from diloco_anywhere.collective.round import RoundDataMissingError, SealedContributionError
+from diloco_anywhere.collective.round import (
+    ModelMismatchError,
+    RoundDataMissingError,
+    SealedContributionError,
+)
 from diloco_anywhere.training.checkpoint import (
     WHOLE,
     Checkpoint,
@@ -124,8 +128,12 @@ def _examine(
 ) -> tuple[_Verdict, torch.Tensor | None]:
     """This rank's verdict on the round the manager is at, and its mean when it applies."""
     round_ = counters["sync"]
+    fragment = state.fragments[counters["step"] % len(state.fragments)]
+    numel = sum(local_tensor(p).numel() for p in fragment.parameters())
     try:
-        observed = collective.observe(round_)
+        observed = collective.observe(round_, numel)
+    except ModelMismatchError as exc:
+        return _Verdict("error", str(exc)), None
     except RoundDataMissingError as exc:
         return _Verdict("error", f"round {round_} cannot be replayed: its data is gone from the "
                         f"bucket ({exc}); rounds after the oldest kept checkpoint must stay "
@@ -152,11 +160,6 @@ def _examine(
             f"was sealed"
             for skip in unreadable
         )), None  # fmt: skip
-    fragment = state.fragments[counters["step"] % len(state.fragments)]
-    expected = sum(local_tensor(p).numel() for p in fragment.parameters())
-    if mean.numel() != expected:
-        return _Verdict("error", f"round {round_} does not apply to this model: its result "
-                        f"has {mean.numel()} values, the fragment {expected}"), None  # fmt: skip
     return _Verdict("apply", contributors=len(result.seal.contributors)), mean
 
 
