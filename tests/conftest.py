@@ -16,9 +16,9 @@ import pytest
 from diloco_anywhere.backends.k8s import api_client
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.standins import GCS_EMULATOR_ENV, StandIn, StandInUnavailableError, standin
-from hf_jobs_standin import hf_jobs_api
-from k8s_standin import k8s_api
-from webhook_standin import WebhookServer
+from diloco_anywhere.standins.hf_jobs import hf_jobs_api
+from diloco_anywhere.standins.kubernetes import k8s_api
+from diloco_anywhere.standins.webhook import WebhookServer
 
 # gcsfs reads this once, at its first import, which a test module may do at collection time.
 os.environ.update(GCS_EMULATOR_ENV)

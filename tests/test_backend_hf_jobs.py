@@ -1,5 +1,5 @@
 """The HF Jobs launcher with the real huggingface_hub client, against a local Jobs API that
-runs each job's command as a process (``hf_jobs_standin.py``)."""
+runs each job's command as a process (``diloco_anywhere.standins.hf_jobs``)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from diloco_anywhere.config import ConfigError, load_config, parse_config
 from diloco_anywhere.launching.launch import plan_launch, run_metrics, start
 from diloco_anywhere.launching.published_config import publish_config
 from diloco_anywhere.standins import free_port
-from hf_jobs_standin import USER, hf_jobs_api
+from diloco_anywhere.standins.hf_jobs import USER, hf_jobs_api
 from proxy import Fault, FaultProxy
 from test_launch import RUN_TOML
 

@@ -1,6 +1,6 @@
 """The Kubernetes backend: rendered Indexed Jobs checked against the API's schemas, and launches
 through the real ``kubernetes`` client against a stand-in API server that runs the pods here
-(``k8s_standin.py``)."""
+(``diloco_anywhere.standins.kubernetes``)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from diloco_anywhere.replica import identity
 from diloco_anywhere.standins import StandIn, moto_s3
 
 kubernetes = pytest.importorskip("kubernetes", reason="the k8s extra is not installed")
-from k8s_standin import K8sStandIn, k8s_api  # noqa: E402
+from diloco_anywhere.standins.kubernetes import K8sStandIn, k8s_api  # noqa: E402
 from test_launch import RUN_TOML  # noqa: E402
 
 K8S = """

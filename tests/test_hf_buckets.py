@@ -18,7 +18,7 @@ from diloco_anywhere.bucket.hf_buckets import (
 from diloco_anywhere.bucket.store import Store, check_store_url
 from diloco_anywhere.config import ConfigError, parse_config
 from diloco_anywhere.standins import hf_gateway
-from hf_jobs_standin import hf_jobs_api
+from diloco_anywhere.standins.hf_jobs import hf_jobs_api
 from test_launch import RUN_TOML, diloco, statuses
 from test_template import render
 

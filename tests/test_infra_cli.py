@@ -12,7 +12,7 @@ import pytest
 
 from diloco_anywhere.config import load_config
 from diloco_anywhere.launching.infra import image_in, secrets_to_set
-from hf_jobs_standin import hf_jobs_api
+from diloco_anywhere.standins.hf_jobs import hf_jobs_api
 from test_launch import diloco
 
 ROOT = Path(__file__).resolve().parents[1]

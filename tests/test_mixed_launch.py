@@ -9,7 +9,7 @@ import json
 
 from diloco_anywhere.config import load_config
 from diloco_anywhere.launching.launch import load_handles, run_metrics
-from hf_jobs_standin import hf_jobs_api
+from diloco_anywhere.standins.hf_jobs import hf_jobs_api
 from test_backend_hf_jobs import write_run
 from test_launch import diloco, statuses
 

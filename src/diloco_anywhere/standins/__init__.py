@@ -9,6 +9,11 @@
 
 Each yields a ``StandIn``: the store URL of a fresh bucket and the ``storage_options`` (endpoint,
 well-known dummy credentials) that reach it. Tests and ``diloco bench store --standin`` use them.
+
+Platforms have stand-ins here too, servers for their real clients whose jobs run as local
+processes (``containers.py``): Hugging Face Jobs (``hf_jobs.py``) and Kubernetes
+(``kubernetes.py``); and a chat webhook (``webhook.py``). Tests and ``diloco bench unattended``
+use them.
 """
 
 from __future__ import annotations

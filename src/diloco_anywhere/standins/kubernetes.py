@@ -4,7 +4,7 @@ client.
 It serves what the k8s backend and its tests use: batch/v1 Jobs (create, honouring
 ``?dryRun=All`` and ``generateName``; read; delete), core/v1 Secrets (create), Pods (list by
 equality label selector) and a pod's log. Each index of an Indexed Job is run as a local
-process (``standin_jobs.ContainerProcess``) with the container's ``env``, its ``envFrom``
+process (``containers.ContainerProcess``) with the container's ``env``, its ``envFrom``
 Secrets (decoded from base64) and ``JOB_COMPLETION_INDEX``; a failed index is retried up to
 ``backoffLimitPerIndex`` times, each attempt a new pod, unless the pod failure policy fails
 the index on that exit code (``FailIndex``, ``onExitCodes`` with ``In``); the Job's
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from standin_jobs import ContainerProcess, RecordingServer
+from diloco_anywhere.standins.containers import ContainerProcess, RecordingServer
 
 TOKEN = "standin-token"
 JOBS = re.compile(r"/apis/batch/v1/namespaces/(?P<ns>[^/]+)/jobs(/(?P<name>[^/]+))?")

@@ -5,7 +5,7 @@ use (``/api/jobs/{namespace}[/{id}[/cancel|/logs]]``, and ``/api/whoami-v2`` for
 namespace), and those of ``create_bucket``, ``bucket_info`` and ``delete_bucket``
 (``/api/buckets/{namespace}/{name}``; a bucket's files are not modelled), with the request and
 response shapes of huggingface_hub 2.x, and runs each job's command as a local process
-(``standin_jobs.ContainerProcess``) with the job's environment and secrets. A job still
+(``containers.ContainerProcess``) with the job's environment and secrets. A job still
 running ``timeoutSeconds`` after it started is ended (SIGTERM, then SIGKILL after
 ``TIMEOUT_GRACE``) and, once its process has gone, reported in stage ERROR with a message
 saying it timed out (``TIMED_OUT``: huggingface_hub's JobStage has no stage of its own for
@@ -28,7 +28,7 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
-from standin_jobs import ContainerProcess, RecordingServer
+from diloco_anywhere.standins.containers import ContainerProcess, RecordingServer
 
 USER = "alice"
 TIMED_OUT = "Job timed out after {seconds}s"  # the status message of a job its timeout ended
