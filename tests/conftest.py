@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import random
@@ -13,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from diloco_anywhere.backends.k8s import api_client
+from diloco_anywhere.bench.unattended import store_secret
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.standins import GCS_EMULATOR_ENV, StandIn, StandInUnavailableError, standin
 from diloco_anywhere.standins.hf_jobs import hf_jobs_api
@@ -175,12 +174,7 @@ def cluster(monkeypatch, s3_run):
     """The Kubernetes stand-in as the current cluster, the bucket's credentials in a Secret."""
     with k8s_api() as api:
         monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
-        data = {name: base64.b64encode(value.encode()).decode()
-                for name, value in s3_run[1].items()}  # fmt: skip
-        kubernetes = pytest.importorskip("kubernetes")
-        kubernetes.client.CoreV1Api(api_client(None)).create_namespaced_secret(
-            "default", {"metadata": {"name": "store"}, "data": data}
-        )
+        store_secret("store", s3_run[1])
         yield api
 
 

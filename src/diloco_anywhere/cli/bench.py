@@ -603,3 +603,31 @@ def bench_chaos_command(
         )  # fmt: skip
         result = bench_chaos(config, kills, kill_every, seed, status)
     _print_result(result, "Chaos: kills, restarts and healing", json_output)
+
+
+@bench_app.command("unattended")
+def bench_unattended_command(
+    outer_steps: OuterSteps = 55,
+    hf_jobs_timeout: Annotated[
+        str, typer.Option(help="HF Jobs' timeout: each HF Jobs attempt ends after it.")
+    ] = "20s",
+    k8s_deadline: Annotated[
+        int, typer.Option(min=10, help="Kubernetes' activeDeadlineSeconds for each Job.")
+    ] = 90,
+    keep_every: Annotated[
+        float, typer.Option(min=0.5, help="Seconds between keeper passes (cron's minutes).")
+    ] = 3.0,
+    json_output: JsonOutput = False,
+) -> None:
+    """A run launched with --detach on local, HF Jobs and Kubernetes stand-ins and left to
+    `diloco keep` alone, while platform time limits end attempts, replicas are SIGKILLed
+    and one is frozen until the keeper replaces it (a zombie).
+
+    Reports restarts by reason, passes and seconds for an ended replica to return, goodput
+    (a lower bound), fingerprint agreement and the alerts sent. Takes a few minutes.
+    """
+    from diloco_anywhere.bench.unattended import bench_unattended
+
+    with user_errors(), progress_display() as status:
+        result = bench_unattended(outer_steps, hf_jobs_timeout, k8s_deadline, keep_every, status)
+    _print_result(result, "Unattended: the keeper alone, on three platforms", json_output)
