@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import signal
 import time
@@ -11,6 +10,7 @@ import time
 import pytest
 import torch
 
+from diloco_anywhere.bench.processes import worker_context
 from diloco_anywhere.bench.store import sample_tensor
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
@@ -43,7 +43,7 @@ def _replica(url, index, barrier, results):
 
 
 def test_rounds_in_flight_across_processes_agree_with_the_reference(tmp_path):
-    context = multiprocessing.get_context("spawn")
+    context = worker_context()
     barrier, results = context.Barrier(3), context.Queue()
     processes = [
         context.Process(target=_replica, args=(str(tmp_path), i, barrier, results))
@@ -131,7 +131,7 @@ def _member(url, index, barrier, doomed, results):
 def test_survivors_of_a_sigkilled_member_seal_without_it(tmp_path):
     """r2 dies holding a live lease: round 0 seals after the grace window; once its lease
     lapses, later rounds no longer wait for it."""
-    context = multiprocessing.get_context("spawn")
+    context = worker_context()
     barrier, doomed, results = context.Barrier(3), context.Event(), context.Queue()
     processes = [
         context.Process(target=_member, args=(str(tmp_path), i, barrier, doomed, results))

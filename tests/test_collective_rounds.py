@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import threading
@@ -14,6 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from diloco_anywhere.bench.processes import worker_context
 from diloco_anywhere.bench.store import sample_tensor
 from diloco_anywhere.bucket import wire
 from diloco_anywhere.bucket.codec import make_codec
@@ -82,7 +82,7 @@ def _replica(url, options, index, members, policy_fields, codec, delay, late, di
 
 def run_replicas(backend, indices, members, policy, codec="fp32", delays=None, late=(), dying=()):
     """Run replica ``indices`` as processes; return {replica: (mean or error, seal, excluded)}."""
-    context = multiprocessing.get_context("spawn")
+    context = worker_context()
     results = context.Queue()
     delays = delays or {}
     shared = (backend.url, backend.storage_options)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from diloco_anywhere.bench.processes import worker_context
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.record import encode_record
 from diloco_anywhere.bucket.store import Store
@@ -90,7 +90,7 @@ def _replica(config_path: str, index: int) -> None:
 def train(folder: Path) -> Path:
     """Train a two-replica run in ``folder`` (run.toml and its store) to its end."""
     (folder / "run.toml").write_text(RUN_TOML.format(seed=0))
-    context = multiprocessing.get_context("spawn")
+    context = worker_context()
     processes = [
         context.Process(target=_replica, args=(str(folder / "run.toml"), index))
         for index in range(2)

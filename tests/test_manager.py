@@ -6,13 +6,13 @@ CPU) and once with ours over a local store (fp32 codec), must end with the same 
 
 from __future__ import annotations
 
-import multiprocessing
 from datetime import timedelta
 
 import pytest
 import torch
 from torch import nn
 
+from diloco_anywhere.bench.processes import worker_context
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig
 from diloco_anywhere.collective.round import RoundPolicy
@@ -89,7 +89,7 @@ def _torchft(lighthouse, replica, fragments, delay, bucketize, barrier, results)
 
 
 def run_pair(target, where, fragments, delay, bucketize) -> list[dict[str, torch.Tensor]]:
-    context = multiprocessing.get_context("spawn")
+    context = worker_context()
     barrier, results = context.Barrier(2), context.Queue()
     processes = [
         context.Process(

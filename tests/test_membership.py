@@ -4,7 +4,6 @@ reader's clock alone, and skew made visible."""
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from diloco_anywhere.bench.processes import worker_context
 from diloco_anywhere.bench.store import sample_tensor
 from diloco_anywhere.bucket.codec import make_codec
 from diloco_anywhere.bucket.layout import Participant, RunLayout
@@ -81,7 +81,7 @@ def _claim(url, results):
 
 
 def test_racing_processes_get_distinct_incarnations(tmp_path):
-    context = multiprocessing.get_context("spawn")
+    context = worker_context()
     results = context.Queue()
     processes = [context.Process(target=_claim, args=(str(tmp_path), results)) for _ in range(6)]
     for process in processes:

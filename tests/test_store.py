@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import threading
 import time
@@ -12,6 +11,7 @@ import urllib.request
 import fsspec
 import pytest
 
+from diloco_anywhere.bench.processes import worker_context
 from diloco_anywhere.bucket.store import Store, StoreError, check_key, redact_url, scrub_secrets
 
 
@@ -208,7 +208,7 @@ def _race(url, options, key, racer, barrier, results):
 @pytest.mark.parametrize("name", ["path", "s3", "azure"])
 def test_racing_creates_have_exactly_one_winner(name, make_backend):
     backend = make_backend(name)
-    context = multiprocessing.get_context("spawn")
+    context = worker_context()
     barrier, results = context.Barrier(RACERS), context.Queue()
     processes = [
         context.Process(

@@ -21,7 +21,6 @@ number in the result is measured in this one invocation.
 from __future__ import annotations
 
 import itertools
-import multiprocessing
 import statistics
 import tempfile
 from dataclasses import asdict, dataclass
@@ -32,6 +31,7 @@ import torch
 from safetensors.torch import save_file
 
 from diloco_anywhere.backends.local import threads_per_replica
+from diloco_anywhere.bench.processes import worker_context
 from diloco_anywhere.bench.train import (
     Progress,
     results_of,
@@ -154,7 +154,7 @@ def _baseline_rank(
 
 def run_baseline(config: RunConfig, steps: int, every: int, folder: Path) -> dict[str, Any]:
     """Data parallel over ``config.run.replicas`` processes at ``steps`` steps each."""
-    world, context = config.run.replicas, multiprocessing.get_context("spawn")
+    world, context = config.run.replicas, worker_context()
     results, init = context.Queue(), str(folder / f"ddp-init-{world}-{config.run.seed}")
     processes = [
         context.Process(target=_baseline_rank, args=(r, world, init, config, steps, every, results))
@@ -176,7 +176,7 @@ def _warm_start(
     if not study.warm_start:
         return None
     progress(f"warm start: one model, {study.warm_start} steps")
-    context, path = multiprocessing.get_context("spawn"), str(folder / "warm-start.safetensors")
+    context, path = worker_context(), str(folder / "warm-start.safetensors")
     results = context.Queue()
     process = context.Process(target=_train_alone, args=(config, study.warm_start, path, results))
     (eval_loss,) = results_of([process], results)

@@ -28,7 +28,6 @@ link allows, ``(its bytes up + down) / link``, and with the round of the fewest 
 
 from __future__ import annotations
 
-import multiprocessing
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -36,6 +35,7 @@ from typing import Any
 
 import torch
 
+from diloco_anywhere.bench.processes import worker_context
 from diloco_anywhere.bench.sync import SyncBench, traffic_bound
 from diloco_anywhere.bench.wan import WanShape
 from diloco_anywhere.bucket.codec import make_codec
@@ -137,7 +137,7 @@ def _run_ranks(
 ) -> list[list[RankRound]]:
     """Per rank process (replica by replica, rank by rank), its ``RankRound`` of every round;
     process ``j * ranks + r`` reaches the store with ``options[j * ranks + r]``."""
-    context = multiprocessing.get_context("spawn")
+    context = worker_context()
     processes = bench.replicas * bench.ranks
     barrier, results = context.Barrier(processes), context.Queue()
     workers = [

@@ -25,7 +25,6 @@ the requests of the replicas that wait are reported, priced at S3's list prices.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import statistics
 import tempfile
@@ -40,6 +39,7 @@ import numpy as np
 import torch
 
 from diloco_anywhere.bench.memory import PeakMemory, resident_bytes
+from diloco_anywhere.bench.processes import worker_context
 from diloco_anywhere.bench.store import BENCH_META
 from diloco_anywhere.bench.wan import WanShape
 from diloco_anywhere.bucket import wire
@@ -125,7 +125,7 @@ def _replica(url, options, index, bench: SyncBench, barrier, results) -> None:
 
 def _run_replicas(url, options: list[dict[str, Any]], bench: SyncBench, progress) -> list:
     """Per replica (in index order), its ``RoundMeasure`` of every round."""
-    context = multiprocessing.get_context("spawn")
+    context = worker_context()
     barrier, results = context.Barrier(bench.replicas), context.Queue()
     processes = [
         context.Process(target=_replica, args=(url, options[i], i, bench, barrier, results))
