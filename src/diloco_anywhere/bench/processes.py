@@ -7,6 +7,10 @@ a parent that runs threads (executors, stand-in servers), which POSIX leaves und
 once and runs no threads (Python's multiprocessing docs, "Contexts and start methods"); like
 ``spawn``, targets and arguments are pickled, so code written for one runs under the other.
 
+Not for a benchmark that measures a worker's memory or speed (``bench sync``, ``bench
+throughput``): a forked worker's resident set starts without the library pages the server
+imported, and faulting them in lands in what it measures; those spawn a fresh interpreter.
+
 One difference is closed here: a forkserver's workers inherit the server's environment, fixed
 when it started, where a spawned worker gets its parent's environment of the moment. Each
 worker here takes its parent's environment as it was when the worker was created.

@@ -25,6 +25,7 @@ the requests of the replicas that wait are reported, priced at S3's list prices.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import statistics
 import tempfile
@@ -39,7 +40,6 @@ import numpy as np
 import torch
 
 from diloco_anywhere.bench.memory import PeakMemory, resident_bytes
-from diloco_anywhere.bench.processes import worker_context
 from diloco_anywhere.bench.store import BENCH_META
 from diloco_anywhere.bench.wan import WanShape
 from diloco_anywhere.bucket import wire
@@ -125,7 +125,7 @@ def _replica(url, options, index, bench: SyncBench, barrier, results) -> None:
 
 def _run_replicas(url, options: list[dict[str, Any]], bench: SyncBench, progress) -> list:
     """Per replica (in index order), its ``RoundMeasure`` of every round."""
-    context = worker_context()
+    context = multiprocessing.get_context("spawn")  # measured from a fresh start: processes.py
     barrier, results = context.Barrier(bench.replicas), context.Queue()
     processes = [
         context.Process(target=_replica, args=(url, options[i], i, bench, barrier, results))

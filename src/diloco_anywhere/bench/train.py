@@ -8,6 +8,7 @@ store in a temporary folder, torchft's DiLoCo; its numbers come from the run's o
 
 from __future__ import annotations
 
+import multiprocessing
 import queue
 import statistics
 import tempfile
@@ -20,7 +21,6 @@ import tomli_w
 import torch
 
 from diloco_anywhere.backends.local import LocalBackend
-from diloco_anywhere.bench.processes import worker_context
 from diloco_anywhere.config import RunConfig, load_config, validate_config, with_changes
 from diloco_anywhere.launching.launch import LaunchPlan, plan_launch, run_metrics
 from diloco_anywhere.task import Task, TaskContext, build_task
@@ -148,7 +148,7 @@ def _plain_loop(config: RunConfig, steps: int, results) -> None:
 
 
 def _plain_tokens_per_second(config: RunConfig, steps: int) -> float:
-    context = worker_context()
+    context = multiprocessing.get_context("spawn")  # measured from a fresh start: processes.py
     results = context.Queue()
     process = context.Process(target=_plain_loop, args=(config, steps, results))
     (tokens_per_second,) = results_of([process], results)
