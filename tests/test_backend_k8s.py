@@ -27,9 +27,9 @@ from diloco_anywhere.backends.k8s import (
 )
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import ConfigError, load_config
+from diloco_anywhere.contract import identity
 from diloco_anywhere.launching.launch import plan_launch, run_metrics, start
-from diloco_anywhere.launching.published_config import publish_config
-from diloco_anywhere.replica import identity
+from diloco_anywhere.published_config import publish_config
 from diloco_anywhere.standins import StandIn, moto_s3
 
 kubernetes = pytest.importorskip("kubernetes", reason="the k8s extra is not installed")

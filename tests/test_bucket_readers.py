@@ -33,7 +33,7 @@ from diloco_anywhere.collective.allreduce import finish_round
 from diloco_anywhere.collective.membership import MembershipView, member_progress
 from diloco_anywhere.collective.round import Round, RoundPolicy, SealedContributionError
 from diloco_anywhere.config import ConfigError, RunConfig, load_config
-from diloco_anywhere.launching.published_config import MAX_CONFIG_BYTES, config_text, read_config
+from diloco_anywhere.published_config import MAX_CONFIG_BYTES, config_text, read_config
 from diloco_anywhere.training.checkpoint import (
     Checkpoint,
     CheckpointCommit,

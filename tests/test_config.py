@@ -9,7 +9,7 @@ import pytest
 import tomli_w
 
 from diloco_anywhere.config import ConfigError, load_config, parse_config
-from diloco_anywhere.replica import replica_index, with_overrides
+from diloco_anywhere.contract import replica_index, with_overrides
 from diloco_anywhere.training.loop import collective_config
 
 

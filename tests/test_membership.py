@@ -585,7 +585,7 @@ def test_a_replica_process_superseded_by_a_newer_incarnation_ends_itself(tmp_pat
     newer claim at its next beat, records why and exits 3 (not a failure to retry), on its
     own, while it trains."""
     # here, not at the top: the processes the claim race spawns import this module
-    from diloco_anywhere.training.session import EXIT_SUPERSEDED
+    from diloco_anywhere.contract import EXIT_SUPERSEDED
 
     (tmp_path / "run.toml").write_text(ZOMBIE_RUN)
     layout, store = RunLayout("z"), Store(str(tmp_path / "store"))

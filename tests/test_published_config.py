@@ -9,8 +9,8 @@ import pytest
 
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import ConfigError, RunConfig, parse_config
-from diloco_anywhere.launching.published_config import config_key, publish_config, read_config
-from diloco_anywhere.replica import configuration, identity
+from diloco_anywhere.contract import configuration, identity
+from diloco_anywhere.published_config import config_key, publish_config, read_config
 
 RUN = '[run]\nname = "pub"\nstore = "s3://bucket/runs"\n[diloco]\nouter_steps = 7\n'
 

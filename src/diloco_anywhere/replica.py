@@ -10,9 +10,10 @@ Kubernetes Indexed Job gives all its pods one template, so there the id is
 and the shard ``DILOCO_REPLICA_INDEX_BASE`` plus that index: a Job that starts replica
 ``k8s-1`` again alone has one completion, id base 1 and that replica's shard as index base.
 Remote replicas read run.toml from the store (``DILOCO_CONFIG_KEY``, published by the launcher:
-``published_config.py``); local ones read the file given by ``--config``. Store
-credentials come from the platform's standard environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS,
-AZURE_*), read by the store's SDK, never by us.
+``published_config.py``); local ones read the file given by ``--config``. The names, exit codes
+and identity rules are the launcher's contract (``contract.py``). Store credentials come from
+the platform's standard environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS, AZURE_*), read by
+the store's SDK, never by us.
 
 Exit codes: 0 when the run's outer steps are done, 2 for a bad run.toml or arguments (nothing
 started), 1 when training failed (the reason is printed and recorded in the run's metrics), 143
@@ -27,39 +28,29 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import signal
 import sys
 
-from diloco_anywhere.bucket.layout import check_name, parse_count
-from diloco_anywhere.bucket.store import Store, StoreError
+from diloco_anywhere.bucket.store import StoreError
 from diloco_anywhere.collective.membership import SupersededError
-from diloco_anywhere.config import ConfigError, RunConfig, load_config, validate_config
-from diloco_anywhere.launching.published_config import ENV_CONFIG_KEY, read_config
-from diloco_anywhere.training.command import ENV_CONFIG, run_command
-from diloco_anywhere.training.loop import train
-from diloco_anywhere.training.session import (
+from diloco_anywhere.config import ConfigError, RunConfig
+from diloco_anywhere.contract import (
+    ENV_CONFIG_KEY,
+    ENV_PLATFORM,
+    ENV_REPLICA_ID,
+    ENV_REPLICA_INDEX,
+    EXIT_BAD_CONFIG,
+    EXIT_STOPPED,
     EXIT_SUPERSEDED,
-    Replica,
-    StopRequestedError,
-    raise_stopped,
+    configuration,
+    identity,
+    replica_index,
 )
+from diloco_anywhere.training.command import run_command
+from diloco_anywhere.training.loop import train
+from diloco_anywhere.training.session import Replica, StopRequestedError, raise_stopped
 
 log = logging.getLogger("diloco_anywhere.replica")
-ENV_REPLICA_ID = "DILOCO_REPLICA_ID"
-ENV_REPLICA_INDEX = "DILOCO_REPLICA_INDEX"
-ENV_PLATFORM = "DILOCO_PLATFORM"
-ENV_RUN = "DILOCO_RUN"
-ENV_STORE = "DILOCO_STORE"
-ENV_REPLICAS = "DILOCO_REPLICAS"
-ENV_REPLICA_INDEX_BASE = "DILOCO_REPLICA_INDEX_BASE"
-ENV_REPLICA_ID_BASE = "DILOCO_REPLICA_ID_BASE"  # the number in the id of completion index 0
-ENV_COMPLETION_INDEX = "JOB_COMPLETION_INDEX"  # set by Kubernetes in an Indexed Job's pods
-EXIT_STOPPED = 128 + signal.SIGTERM  # as shells and platforms report a SIGTERM exit
-EXIT_BAD_CONFIG = 2  # run.toml or arguments refused, nothing started: a retry cannot help
-# Ends a platform's retry cannot help: a refused run.toml, or a newer incarnation of this id
-# running (a retry would supersede it, and be superseded in turn).
-NOT_RETRIED = (EXIT_BAD_CONFIG, EXIT_SUPERSEDED)
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -79,77 +70,6 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
         help=f"data shard, 0..replicas-1 (or ${ENV_REPLICA_INDEX}; default: the id's number)",
     )
     return parser.parse_args(argv)
-
-
-def identity(
-    replica_id: str | None, index: int | None, environ: dict[str, str]
-) -> tuple[str, int | None]:
-    """The replica id and, if given, its data shard: from the arguments, else the launcher's
-    variables, else an Indexed Job's completion index counted from the id number and the
-    shard of the Job's first replica (``DILOCO_REPLICA_ID_BASE``, ``DILOCO_REPLICA_INDEX_BASE``)."""
-    replica_id = replica_id or environ.get(ENV_REPLICA_ID)
-    if index is None and environ.get(ENV_REPLICA_INDEX):
-        index = _whole_number(environ[ENV_REPLICA_INDEX], ENV_REPLICA_INDEX)
-    completion = environ.get(ENV_COMPLETION_INDEX)
-    if replica_id is None and completion is not None:
-        offset = _whole_number(completion, ENV_COMPLETION_INDEX)
-        first = _whole_number(environ.get(ENV_REPLICA_ID_BASE, "0"), ENV_REPLICA_ID_BASE)
-        replica_id = f"{environ.get(ENV_PLATFORM, 'k8s')}-{first + offset}"
-        base = _whole_number(environ.get(ENV_REPLICA_INDEX_BASE, "0"), ENV_REPLICA_INDEX_BASE)
-        index = base + offset if index is None else index
-    return check_name(replica_id or "", f"replica id (--replica-id or ${ENV_REPLICA_ID})"), index
-
-
-def _whole_number(value: str, name: str) -> int:
-    number = parse_count(value)
-    if number is None:
-        raise ValueError(f"${name} = {value!r}: expected a whole number >= 0")
-    return number
-
-
-def configuration(path: str | None, environ: dict[str, str]) -> RunConfig:
-    """run.toml: the file given, else the one the entrypoint gave a ``[task] command``
-    (``$DILOCO_CONFIG``), else the launcher's published copy, else the embedded run; then the
-    launcher's overrides."""
-    path = path or environ.get(ENV_CONFIG)
-    if path is None and environ.get(ENV_CONFIG_KEY):
-        if not environ.get(ENV_STORE):
-            raise ConfigError(f"${ENV_CONFIG_KEY} is set but ${ENV_STORE} is not")
-        with Store(environ[ENV_STORE]) as store:
-            config = read_config(store, environ[ENV_CONFIG_KEY])
-    else:
-        config = load_config(path)
-    return with_overrides(config, environ)
-
-
-def replica_index(replica_id: str, given: int | None, replicas: int) -> int:
-    """The data shard: given, else the trailing number of the id (``modal-3`` -> 3)."""
-    if given is None:
-        match = re.search(r"(\d+)$", replica_id)
-        if match is None:
-            raise ValueError(
-                f"replica {replica_id!r} has no trailing number: give --replica-index "
-                f"or ${ENV_REPLICA_INDEX}"
-            )
-        given = int(match.group(1))
-    if not 0 <= given < replicas:
-        raise ValueError(f"replica index {given} is not in 0..{replicas - 1} (run.replicas)")
-    return given
-
-
-OVERRIDES = {"name": ENV_RUN, "store": ENV_STORE, "replicas": ENV_REPLICAS}
-
-
-def with_overrides(config: RunConfig, environ: dict[str, str]) -> RunConfig:
-    """``DILOCO_RUN`` / ``DILOCO_STORE`` / ``DILOCO_REPLICAS`` replace run.name / run.store /
-    run.replicas (launchers set them), validated like the file itself."""
-    changes = {key: environ[env] for key, env in OVERRIDES.items() if environ.get(env)}
-    if not changes:
-        return config
-    where = f"{config.source or 'run.toml'} with ${' $'.join(OVERRIDES[k] for k in changes)}"
-    data = config.model_dump()
-    data["run"].update(changes)
-    return validate_config(data, where, config.source)
 
 
 def run_replica(config: RunConfig, replica_id: str, index: int, platform: str) -> int:

@@ -54,7 +54,7 @@ from diloco_anywhere.backends.base import (
     one_line,
 )
 from diloco_anywhere.config import RunConfig
-from diloco_anywhere.replica import (
+from diloco_anywhere.contract import (
     ENV_REPLICA_ID,
     ENV_REPLICA_ID_BASE,
     ENV_REPLICA_INDEX,

@@ -43,7 +43,7 @@ from diloco_anywhere.backends.base import (
 )
 from diloco_anywhere.bucket.layout import parse_count
 from diloco_anywhere.config import RunConfig
-from diloco_anywhere.replica import NOT_RETRIED
+from diloco_anywhere.contract import NOT_RETRIED
 
 if TYPE_CHECKING:
     import modal

@@ -32,6 +32,7 @@ from diloco_anywhere.cli.common import (
 )
 from diloco_anywhere.collective.membership import SKEW_SHOWN
 from diloco_anywhere.config import RunConfig, load_config, validate_config
+from diloco_anywhere.contract import ENV_STORE
 from diloco_anywhere.launching.forecast import forecast
 from diloco_anywhere.launching.launch import (
     LaunchPlan,
@@ -54,7 +55,6 @@ from diloco_anywhere.launching.report import RunSummary, plot_losses, summarize
 from diloco_anywhere.launching.status import ReplicaStatus, replica_statuses
 from diloco_anywhere.launching.status_page import page_url
 from diloco_anywhere.launching.supervisor import Supervisor
-from diloco_anywhere.replica import ENV_STORE
 
 LOCAL_POLL_SECONDS = 1.0
 REMOTE_POLL_SECONDS = 10.0

@@ -29,8 +29,8 @@ from safetensors.torch import save as save_safetensors
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import RunConfig
-from diloco_anywhere.launching.published_config import config_text
 from diloco_anywhere.launching.report import RunSummary, summarize
+from diloco_anywhere.published_config import config_text
 from diloco_anywhere.task import Task, TaskContext, build_task
 from diloco_anywhere.training.checkpoint import (
     Checkpoint,

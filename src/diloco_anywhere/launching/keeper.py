@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+from diloco_anywhere import published_config
 from diloco_anywhere.backends import get_backend
 from diloco_anywhere.backends.base import (
     ACTIVE_STATES,
@@ -50,7 +51,7 @@ from diloco_anywhere.bucket.layout import Participant, RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.membership import LeasePolicy, MembershipView
 from diloco_anywhere.config import ConfigError, KeepSection, RunConfig
-from diloco_anywhere.launching import published_config
+from diloco_anywhere.contract import EXIT_BAD_CONFIG, EXIT_SUPERSEDED
 from diloco_anywhere.launching.alerts import Alert, Alerts
 from diloco_anywhere.launching.cost import Spend, over_budget
 from diloco_anywhere.launching.health import health_alerts
@@ -70,7 +71,6 @@ from diloco_anywhere.launching.status_page import (
     render_page,
     status_document,
 )
-from diloco_anywhere.replica import EXIT_BAD_CONFIG, EXIT_SUPERSEDED
 from diloco_anywhere.training.checkpoint import CheckpointError, committed_rounds, read_commit
 from diloco_anywhere.training.metrics import MetricsReader, ReplicaMetrics
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from diloco_anywhere import replica
+from diloco_anywhere import contract, published_config
 from diloco_anywhere.backends import get_backend
 from diloco_anywhere.backends.base import (
     ACTIVE_STATES,
@@ -36,7 +36,6 @@ from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store, redact_url
 from diloco_anywhere.collective.membership import LeasePolicy, watch_live
 from diloco_anywhere.config import ConfigError, RunConfig
-from diloco_anywhere.launching import published_config
 from diloco_anywhere.launching.launches import EndRecord, Launches
 from diloco_anywhere.launching.status import replica_skews
 from diloco_anywhere.training.metrics import MetricsReader
@@ -74,9 +73,9 @@ def plan_launch(config: RunConfig, counts: dict[str, int], root: Path | None = N
     config_key = published_config.config_key(config) if remote else None
     local_args = ("--config", str(config.source)) if config.source else ()
     common = {
-        replica.ENV_RUN: config.run.name,
-        replica.ENV_STORE: config.store_url(),
-        replica.ENV_REPLICAS: str(sum(counts.values())),
+        contract.ENV_RUN: config.run.name,
+        contract.ENV_STORE: config.store_url(),
+        contract.ENV_REPLICAS: str(sum(counts.values())),
     }
     specs, index = [], 0
     for platform, count in counts.items():
@@ -89,9 +88,9 @@ def plan_launch(config: RunConfig, counts: dict[str, int], root: Path | None = N
             env = {
                 **common,
                 **published,
-                replica.ENV_REPLICA_ID: replica_id,
-                replica.ENV_REPLICA_INDEX: str(index),
-                replica.ENV_PLATFORM: platform,
+                contract.ENV_REPLICA_ID: replica_id,
+                contract.ENV_REPLICA_INDEX: str(index),
+                contract.ENV_PLATFORM: platform,
             }
             specs.append(ReplicaSpec(replica_id, index, platform, env, args, processes))
             index += 1

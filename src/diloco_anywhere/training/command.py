@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 from diloco_anywhere.config import RunConfig
+from diloco_anywhere.contract import ENV_CONFIG
 
-ENV_CONFIG = "DILOCO_CONFIG"  # run.toml's path, for replicas on this machine
 ENV_JOINED = "DILOCO_JOINED"  # the file the script's join() reports to
 JOINED, DONE = "joined", "done"
 STOP_GRACE = 30.0  # seconds a stopped script has to record its stop and exit

@@ -41,6 +41,7 @@ from types import TracebackType
 import torch
 from torch import nn
 
+from diloco_anywhere import contract
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store, scrub_secrets
 from diloco_anywhere.collective.allreduce import BucketCollective
@@ -60,9 +61,6 @@ from diloco_anywhere.training.replica_group import ReplicaGroup
 from diloco_anywhere.training.sharded_replica import Sharding, check_sharded, check_sharding
 
 log = logging.getLogger(__name__)
-# A newer incarnation of this replica id took its place (membership.py): not a failure of the
-# run, and a restart would only supersede the newer one in turn.
-EXIT_SUPERSEDED = 3
 
 
 class StopRequestedError(BaseException):
@@ -137,7 +135,7 @@ class Replica:
                 self.metrics.event("superseded", str(error)[:2000])
             except Exception as exc:  # a run started over may hold our keys: leave regardless
                 log.warning("could not record the supersession: %s", exc)
-        os._exit(EXIT_SUPERSEDED)
+        os._exit(contract.EXIT_SUPERSEDED)
 
     def _sharding(self) -> Sharding:
         """What this replica exchanges, which every replica of the run must match."""
@@ -258,16 +256,14 @@ def join(
     the environment (``DILOCO_REPLICA_ID``, ``DILOCO_REPLICA_INDEX``, ``DILOCO_PLATFORM``, the
     published run.toml), else run.toml is the file ``config`` names and the data shard the
     id's trailing number. Errors say what is missing and where to give it."""
-    from diloco_anywhere import replica as entrypoint  # the launcher's contract lives there
-
     environ = dict(os.environ)
     if isinstance(config, RunConfig):
-        loaded = entrypoint.with_overrides(config, environ)
+        loaded = contract.with_overrides(config, environ)
     else:
-        loaded = entrypoint.configuration(None if config is None else str(config), environ)
-    name, given = entrypoint.identity(replica_id, replica_index, environ)
-    index = entrypoint.replica_index(name, given, loaded.run.replicas)
-    platform = platform or environ.get(entrypoint.ENV_PLATFORM, "local")
+        loaded = contract.configuration(None if config is None else str(config), environ)
+    name, given = contract.identity(replica_id, replica_index, environ)
+    index = contract.replica_index(name, given, loaded.run.replicas)
+    platform = platform or environ.get(contract.ENV_PLATFORM, "local")
     replica = Replica(loaded, name, index, platform)
     _stops_are_errors()
     report(JOINED)  # to the entrypoint that started this script, if one did
