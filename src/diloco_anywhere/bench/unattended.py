@@ -18,6 +18,7 @@ own metrics in its bucket:
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
 import json
@@ -330,9 +331,7 @@ def sent_alerts(config: RunConfig, launch_number: int) -> list[str]:
 def store_secret(name: str, values: dict[str, str]) -> None:
     """A Secret in the current cluster's default namespace, through the real client (the
     Kubernetes backend's pods read the bucket's credentials from it)."""
-    import base64
-
-    import kubernetes
+    import kubernetes  # the k8s extra
 
     from diloco_anywhere.backends.k8s import api_client
 
