@@ -34,7 +34,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 from diloco_anywhere import published_config
@@ -307,7 +307,8 @@ class Keeper:
         rows = replica_statuses(metrics, launch.handles, state, launch.stopped)
         recent = [f"{a.event}: {a.text}" for a in alerts.recorded()[-PAGE_ALERTS:]]
         facts = PageFacts(
-            title=self.config.run.name, written_at=datetime.now(UTC), host=socket.gethostname(),
+            title=self.config.run.name, written_at=datetime.now(timezone.utc),
+            host=socket.gethostname(),
             outer_steps=self.config.diloco.outer_steps,
             notes=([f"launch ended: {report.ended}"] if report.ended else []) + recent,
             spend=spend_shown(report.spend, self.config) if report.spend else {},

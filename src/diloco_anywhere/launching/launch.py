@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -165,7 +165,8 @@ def resume_plan(config: RunConfig, url: str, *, fresh: bool) -> dict[str, Any]:
         return {
             "mirror": mirror.url,
             "checkpoints": [
-                {"round": c.round, "committed": datetime.fromtimestamp(c.time, UTC).isoformat()}
+                {"round": c.round,
+                 "committed": datetime.fromtimestamp(c.time, timezone.utc).isoformat()}
                 for c in latest
             ],
             "damaged": damaged,
