@@ -104,9 +104,24 @@ def plot_losses(metrics: dict[str, ReplicaMetrics], path: Path, title: str) -> P
             if points:
                 panel.plot(*zip(*points, strict=True), lw=1, label=replica)
         panel.set(xlabel="tokens per replica", ylabel=name)
+        limits = constant_limits([s.values[name] for m in metrics.values() for s in m.steps
+                                  if name in s.values])  # fmt: skip
+        if limits:
+            panel.set_ylim(*limits)
         panel.grid(alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     pyplot.close(figure)
     return path
+
+
+def constant_limits(values: list[float]) -> tuple[float, float] | None:
+    """Y limits for a series that never changes (a constant learning rate): its value in the
+    middle of an axis as wide as the value itself, instead of matplotlib's few percent, whose
+    ticks read as variation. None for a series that changes."""
+    if not values or min(values) != max(values):
+        return None
+    value = values[0]
+    half = abs(value) or 1.0
+    return value - half, value + half
