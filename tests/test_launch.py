@@ -74,6 +74,7 @@ def test_a_two_replica_run_finishes_and_reports(run_toml, tmp_path):
     assert result.exit_code == 0, result.output
     assert "Run summary" in result.stdout
     assert "loss plot:" in result.stdout
+    assert result.output.count("run t: 2 replicas, 2 outer steps") == 1  # the live one went
     rows = statuses(config)
     assert {row["state"] for row in rows.values()} == {"done"}
     assert {row["outer_step"] for row in rows.values()} == {2}

@@ -22,7 +22,7 @@ from diloco_anywhere.cli.run import _status_table, parse_backends
 from diloco_anywhere.collective.membership import Heartbeat, LeasePolicy, claim_incarnation
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.launching.report import summarize
-from diloco_anywhere.launching.status import replica_skews, replica_statuses
+from diloco_anywhere.launching.status import ReplicaStatus, replica_skews, replica_statuses
 from diloco_anywhere.task import TaskContext, build_task, load_entrypoint
 from diloco_anywhere.training.global_state import FRAGMENT_KEY, GlobalState
 from diloco_anywhere.training.loop import split_fragments
@@ -298,3 +298,31 @@ def test_status_shows_a_replicas_clock_skew_and_counts_last_seen_in_the_stores_t
     shown = console.export_text()
     assert f"clock {skew:+.0f}s" in shown
     assert "superseded 1x" in shown
+
+
+def _row(replica: str, platform: str, state: str) -> ReplicaStatus:
+    return ReplicaStatus(
+        replica=replica, platform=platform, state=state, outer_step=312, loss=2.4567,
+        eval_loss=2.5012, tokens=10**7, tokens_per_second=123456.0, bytes_up=0, bytes_down=0,
+        last_seen_seconds=12.0, restarts=2, heals=2, divergences=0, mirror_failures=0,
+        superseded=0, clock_skew=None, values={},
+    )  # fmt: skip
+
+
+def test_the_status_table_fits_80_columns_with_whole_headers_and_numbers():
+    """Eight platforms' worth of ids, a timed_out state: nothing cut with an ellipsis; the
+    platform column shows only when an id does not already name its platform."""
+    rows = [_row("sagemaker-0", "sagemaker", "running"), _row("hf_jobs-1", "hf_jobs", "timed_out"),
+            _row("k8s-2", "k8s", "starting")]  # fmt: skip
+    console = Console(width=80, record=True)
+    console.print(_status_table(rows, "t"))
+    shown = console.export_text()
+    assert "…" not in shown
+    header = next(line for line in shown.splitlines() if "replica" in line)
+    assert header.split() == ["replica", "state", "step", "loss", "eval", "tokens/s",
+                              "restarts/heals", "seen"]  # fmt: skip
+    assert "timed_out   312  2.457  2.501   123,456" in shown
+    assert "12s ago" in shown
+    console = Console(width=80, record=True)
+    console.print(_status_table([_row("trainer-a", "k8s", "running")], "t"))
+    assert "platform" in console.export_text()

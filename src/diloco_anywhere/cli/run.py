@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich import box
 from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
@@ -112,35 +113,45 @@ def _sized(config: RunConfig, replicas: int) -> RunConfig:
 
 
 def _status_table(rows: list[ReplicaStatus], title: str) -> Table:
-    table = Table(title=title)
-    # short headers: nine columns fit an 80-column terminal
-    columns = ("replica", "platform", "state", "step", "loss", "eval", "tokens/s", "restarts/heals",
-               "seen")  # fmt: skip
-    widest = max((len(row.replica) for row in rows), default=0)
-    for column in columns:
-        left = column in columns[:3]
-        # replica ids are kept whole; numbers give way first on a narrow terminal
-        table.add_column(column, justify="left" if left else "right",
-                         min_width=widest if column == "replica" else None)  # fmt: skip
-    for row in rows:
-        state = row.state
-        if row.divergences:  # loud: a replica whose weights differed from the others'
-            state = f"[bold red]{state}, diverged {row.divergences}x[/bold red]"
-        if row.mirror_failures:  # a checkpoint that did not reach a mirror
-            state = f"{state}, [yellow]mirror failed {row.mirror_failures}x[/yellow]"
-        if row.superseded:  # an old incarnation that ended itself when a newer one started
-            state = f"{state}, superseded {row.superseded}x"
-        if row.clock_skew is not None and abs(row.clock_skew) >= SKEW_SHOWN:
-            state = f"{state}, [yellow]clock {row.clock_skew:+.0f}s[/yellow]"
-        table.add_row(
-            row.replica, row.platform, state, str(row.outer_step),
-            "-" if row.loss is None else f"{row.loss:.3f}",
-            "-" if row.eval_loss is None else f"{row.eval_loss:.3f}",
-            "-" if row.tokens_per_second is None else f"{row.tokens_per_second:,.0f}",
-            f"{row.restarts}/{row.heals}",
-            "-" if row.last_seen_seconds is None else f"{row.last_seen_seconds:.0f}s ago",
-        )  # fmt: skip
+    """One row per replica. Fits an 80-column terminal with every header and number whole: no
+    vertical rules, one space between columns, and no platform column when every replica id
+    already starts with its platform (``k8s-0``: ids the launcher gives); only the state, which
+    may carry notes, folds onto a second line."""
+    table = Table(title=title, box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)
+    platforms = any(not row.replica.startswith(f"{row.platform}-") for row in rows)
+    columns = ("replica", *(("platform",) if platforms else ()), "state", "step", "loss", "eval",
+               "tokens/s", "restarts/heals", "seen")  # fmt: skip
+    cells = [_status_cells(row, platforms) for row in rows]
+    for number, column in enumerate(columns):
+        widest = max([len(column), *(len(row[number]) for row in cells)])
+        if column == "state":
+            table.add_column(column, min_width=len("timed_out"), overflow="fold")
+        else:
+            table.add_column(column, justify="left" if number == 0 or column == "platform"
+                             else "right", min_width=widest, no_wrap=True)  # fmt: skip
+    for row in cells:
+        table.add_row(*row)
     return table
+
+
+def _status_cells(row: ReplicaStatus, platform: bool) -> list[str]:
+    state = row.state
+    if row.divergences:  # loud: a replica whose weights differed from the others'
+        state = f"[bold red]{state}, diverged {row.divergences}x[/bold red]"
+    if row.mirror_failures:  # a checkpoint that did not reach a mirror
+        state = f"{state}, [yellow]mirror failed {row.mirror_failures}x[/yellow]"
+    if row.superseded:  # an old incarnation that ended itself when a newer one started
+        state = f"{state}, superseded {row.superseded}x"
+    if row.clock_skew is not None and abs(row.clock_skew) >= SKEW_SHOWN:
+        state = f"{state}, [yellow]clock {row.clock_skew:+.0f}s[/yellow]"
+    return [
+        row.replica, *((row.platform,) if platform else ()), state, str(row.outer_step),
+        "-" if row.loss is None else f"{row.loss:.3f}",
+        "-" if row.eval_loss is None else f"{row.eval_loss:.3f}",
+        "-" if row.tokens_per_second is None else f"{row.tokens_per_second:,.0f}",
+        f"{row.restarts}/{row.heals}",
+        "-" if row.last_seen_seconds is None else f"{row.last_seen_seconds:.0f}s ago",
+    ]  # fmt: skip
 
 
 def _follow(plan: LaunchPlan, supervisor: Supervisor) -> int:
@@ -153,7 +164,8 @@ def _follow(plan: LaunchPlan, supervisor: Supervisor) -> int:
     interval = REMOTE_POLL_SECONDS if supervisor.remote else LOCAL_POLL_SECONDS
     skews, skews_read = {}, -SKEW_POLL_SECONDS
     try:
-        with Live(console=stderr, refresh_per_second=2) as live:
+        # transient: the live frame goes when it ends; the final table is printed once, below
+        with Live(console=stderr, refresh_per_second=2, transient=True) as live:
             while True:
                 for note in supervisor.restart_failed():
                     live.console.print(note)
