@@ -28,6 +28,7 @@ ENV_REPLICAS = "DILOCO_REPLICAS"
 ENV_REPLICA_INDEX_BASE = "DILOCO_REPLICA_INDEX_BASE"
 ENV_REPLICA_ID_BASE = "DILOCO_REPLICA_ID_BASE"  # the number in the id of completion index 0
 ENV_COMPLETION_INDEX = "JOB_COMPLETION_INDEX"  # set by Kubernetes in an Indexed Job's pods
+ENV_CONFIG = "DILOCO_CONFIG"  # run.toml's path, for replicas on this machine
 EXIT_STOPPED = 128 + signal.SIGTERM  # as shells and platforms report a SIGTERM exit
 EXIT_BAD_CONFIG = 2  # run.toml or arguments refused, nothing started: a retry cannot help
 # A newer incarnation of this replica id took its place (membership.py): not a failure of the
@@ -36,7 +37,6 @@ EXIT_SUPERSEDED = 3
 # Ends a platform's retry cannot help: a refused run.toml, or a newer incarnation of this id
 # running (a retry would supersede it, and be superseded in turn).
 NOT_RETRIED = (EXIT_BAD_CONFIG, EXIT_SUPERSEDED)
-ENV_CONFIG = "DILOCO_CONFIG"  # run.toml's path, for replicas on this machine
 
 
 def identity(
