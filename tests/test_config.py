@@ -10,7 +10,7 @@ import tomli_w
 
 from diloco_anywhere.config import ConfigError, load_config, parse_config
 from diloco_anywhere.contract import replica_index, with_overrides
-from diloco_anywhere.training.loop import collective_config
+from diloco_anywhere.training.builders import collective_config
 
 
 def test_the_embedded_default_is_a_complete_local_run(monkeypatch, tmp_path):

@@ -26,6 +26,12 @@ from diloco_anywhere.collective.round import DivergedError, ModelMismatchError
 from diloco_anywhere.config import load_config
 from diloco_anywhere.replica import run_replica
 from diloco_anywhere.task import build_task
+from diloco_anywhere.training.builders import (
+    build_parts,
+    collective_config,
+    inner_optimizer,
+    task_context,
+)
 from diloco_anywhere.training.checkpoint import (
     CheckpointPolicy,
     CheckpointWriter,
@@ -36,15 +42,9 @@ from diloco_anywhere.training.checkpoint import (
 )
 from diloco_anywhere.training.global_state import fingerprint
 from diloco_anywhere.training.healing import HealError, heal
-from diloco_anywhere.training.loop import (
-    Training,
-    build_parts,
-    collective_config,
-    inner_optimizer,
-    task_context,
-)
 from diloco_anywhere.training.metrics import MetricsReader, MetricsWriter
 from diloco_anywhere.training.replica_group import ReplicaGroup
+from diloco_anywhere.training.training import Training
 from proxy import Fault, FaultProxy
 from test_checkpoint import record_bytes, rewrite_counters
 

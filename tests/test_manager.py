@@ -16,7 +16,7 @@ from diloco_anywhere.bench.processes import worker_context
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig
 from diloco_anywhere.collective.round import RoundPolicy
-from diloco_anywhere.training.manager import BucketManager
+from diloco_anywhere.training.managers.bucket import BucketManager
 
 SYNC_EVERY = 4  # inner steps per outer step (H)
 OUTER_STEPS = 4

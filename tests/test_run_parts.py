@@ -24,8 +24,8 @@ from diloco_anywhere.config import RunConfig
 from diloco_anywhere.launching.report import summarize
 from diloco_anywhere.launching.status import ReplicaStatus, replica_skews, replica_statuses
 from diloco_anywhere.task import TaskContext, build_task, load_entrypoint
+from diloco_anywhere.training.builders import split_fragments
 from diloco_anywhere.training.global_state import FRAGMENT_KEY, GlobalState
-from diloco_anywhere.training.loop import split_fragments
 from diloco_anywhere.training.metrics import (
     EventLine,
     MetricsReader,

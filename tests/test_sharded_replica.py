@@ -36,7 +36,7 @@ from diloco_anywhere.training.checkpoint import (
     read_commit,
 )
 from diloco_anywhere.training.healing import _together, _Verdict
-from diloco_anywhere.training.sharded_replica import (
+from diloco_anywhere.training.sharding import (
     Sharding,
     ShardingMismatchError,
     check_sharding,

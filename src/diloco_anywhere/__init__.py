@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr__ below
     from diloco_anywhere.collective.plain import Collective
-    from diloco_anywhere.training.loop import Training
-    from diloco_anywhere.training.session import Replica, join
+    from diloco_anywhere.training.replica import Replica, join
+    from diloco_anywhere.training.training import Training
 
 __version__ = version("diloco-anywhere")
 __all__ = ["Collective", "Replica", "Training", "__version__", "join"]
 _EXPORTS = {
     "Collective": "diloco_anywhere.collective.plain",
-    "Replica": "diloco_anywhere.training.session",
-    "Training": "diloco_anywhere.training.loop",
-    "join": "diloco_anywhere.training.session",
+    "Replica": "diloco_anywhere.training.replica",
+    "Training": "diloco_anywhere.training.training",
+    "join": "diloco_anywhere.training.replica",
 }
 
 

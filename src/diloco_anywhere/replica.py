@@ -48,7 +48,7 @@ from diloco_anywhere.contract import (
 )
 from diloco_anywhere.training.command import run_command
 from diloco_anywhere.training.loop import train
-from diloco_anywhere.training.session import Replica, StopRequestedError, raise_stopped
+from diloco_anywhere.training.replica import Replica, StopRequestedError, raise_stopped
 
 log = logging.getLogger("diloco_anywhere.replica")
 

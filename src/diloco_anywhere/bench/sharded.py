@@ -3,7 +3,7 @@
 With ``[run] sharding = "fsdp"`` and ``processes_per_replica = N``, rank r of every replica
 holds shard r of the model and exchanges only that shard, 1/N of the pseudo-gradient, in a
 round namespace of its own (``{run}/ranks/{r}/``), in parallel with the other ranks
-(``training/sharded_replica.py``). The claim to check: each rank moves about 1/N of what an
+(``training/sharding.py``). The claim to check: each rank moves about 1/N of what an
 unsharded replica moves, so the bytes through any one host fall by N when every rank has a
 host (and a NIC) of its own, while a replica's bytes in all stay the same.
 

@@ -98,7 +98,7 @@ class RunLayout:
 
     def sharding(self) -> str:
         """How the run's replicas hold the model: the first replica's record, which every
-        later one must match (``sharded_replica.check_sharding``)."""
+        later one must match (``training.sharding.check_sharding``)."""
         return f"{self.run}/sharding"
 
     # -- membership ------------------------------------------------------------------------

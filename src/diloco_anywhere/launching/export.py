@@ -32,6 +32,7 @@ from diloco_anywhere.config import RunConfig
 from diloco_anywhere.launching.report import RunSummary, summarize
 from diloco_anywhere.published_config import config_text
 from diloco_anywhere.task import Task, TaskContext, build_task
+from diloco_anywhere.training.builders import split_fragments
 from diloco_anywhere.training.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -39,7 +40,6 @@ from diloco_anywhere.training.checkpoint import (
     newest_checkpoints,
 )
 from diloco_anywhere.training.global_state import FRAGMENT_KEY
-from diloco_anywhere.training.loop import split_fragments
 from diloco_anywhere.training.metrics import MetricsReader
 
 MODEL_FILE, CARD_FILE, CONFIG_FILE, SAVED_FOLDER = (

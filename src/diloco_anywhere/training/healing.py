@@ -56,7 +56,7 @@ from diloco_anywhere.training.checkpoint import (
     newest_checkpoints,
 )
 from diloco_anywhere.training.global_state import GlobalState, fingerprint, local_tensor
-from diloco_anywhere.training.manager import BucketManager
+from diloco_anywhere.training.managers.bucket import BucketManager
 from diloco_anywhere.training.replica_group import ReplicaGroup
 
 ALONE = ReplicaGroup()

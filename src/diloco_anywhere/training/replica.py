@@ -14,14 +14,14 @@
                 training.log(loss)
 
 ``join`` reads what the launcher gives every replica (its id, data shard, platform, run.toml:
-``replica.py``) or takes them as arguments; the replica then claims its membership in the
+``contract.py``) or takes them as arguments; the replica then claims its membership in the
 bucket, and its metrics (``started``, ``done``, ``failed``, ``stopped`` events) go to the run's
 store. ``diloco`` wraps torchft's own ``DiLoCo`` over the bucket-backed manager, with the
 fragments, outer optimizers, codec and checkpoints run.toml gives, heals the replica to the
 run's state first, and says where its data resumes. The built-in loop (``loop.train``) is
 written on this API. Under ``torchrun`` (a replica of several processes), rank 0 alone talks
 to the bucket (``replica_group.py``), or, with ``sharding = "fsdp"``, every rank for its own
-shard (``sharded_replica.py``); ``replica.parallelize(model)`` wraps the model to match.
+shard (``sharding.py``); ``replica.parallelize(model)`` wraps the model to match.
 """
 
 from __future__ import annotations
@@ -47,18 +47,18 @@ from diloco_anywhere.bucket.store import Store, scrub_secrets
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.membership import SupersededError
 from diloco_anywhere.config import RunConfig
-from diloco_anywhere.training.checkpoint import retained_after
-from diloco_anywhere.training.command import DONE, JOINED, report
-from diloco_anywhere.training.loop import (
-    Training,
+from diloco_anywhere.training.builders import (
     build_parts,
     collective_config,
     parallelize,
     resolve_device,
 )
+from diloco_anywhere.training.checkpoint import retained_after
+from diloco_anywhere.training.command import DONE, JOINED, report
 from diloco_anywhere.training.metrics import MetricsWriter
 from diloco_anywhere.training.replica_group import ReplicaGroup
-from diloco_anywhere.training.sharded_replica import Sharding, check_sharded, check_sharding
+from diloco_anywhere.training.sharding import Sharding, check_sharded, check_sharding
+from diloco_anywhere.training.training import Training
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,250 @@
+"""``Training``: one replica training under torchft's DiLoCo, as ``Replica.diloco`` yields it.
+
+The training loop is a plain PyTorch loop; DiLoCo hooks the inner optimizer's ``step`` and
+syncs a fragment every ``sync_every / fragments`` inner steps (arXiv 2311.08105 algorithm 1;
+Streaming DiLoCo, arXiv 2501.18512, for fragments > 1). After each sync the replica records a
+``sync`` line (and the held-out loss at the new global weights when the sync committed), so a
+run's metrics live in its bucket whatever platform ran it; checkpoints and healing are the
+other after-sync steps (``after_sync.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from diloco_anywhere.bucket.store import scrub_secrets
+from diloco_anywhere.collective.allreduce import BucketCollective
+from diloco_anywhere.collective.membership import SupersededError
+from diloco_anywhere.collective.round import DivergedError
+from diloco_anywhere.task import Batch
+from diloco_anywhere.training.after_sync import GlobalCheckpoints, heal_replica
+from diloco_anywhere.training.builders import ReplicaParts
+from diloco_anywhere.training.global_state import GlobalState
+from diloco_anywhere.training.metrics import MetricsWriter, StepLine, SyncLine
+from diloco_anywhere.training.replica_group import ReplicaGroup
+from diloco_anywhere.training.sharding import reshard
+
+log = logging.getLogger(__name__)
+
+MAX_FAILED_SYNCS = 5  # in a row; then the replica stops with the last error
+
+
+class SyncFailedError(RuntimeError):
+    """Syncs kept failing; the message carries the last error."""
+
+
+@dataclass
+class TrainingResult:
+    outer_steps: int
+    inner_steps: int
+    tokens: int
+    final_loss: float
+    eval_loss: float | None
+
+
+class Training:
+    """One replica training under torchft's DiLoCo (``Replica.diloco`` yields it): where its
+    data resumes, and what it does after each sync, which DiLoCo runs inside the inner
+    optimizer's ``step``: metrics, global checkpoints, healing after a divergence, giving up
+    after failed syncs in a row (the leader's part, the other ranks sharing its results; or,
+    in a sharded replica, every rank's for its own shard, decided together).
+
+    A training loop needs three things from it: ``batches(open_at)`` (the data from where the
+    run is, reopened after a heal), ``log(loss)`` after each inner step, and nothing else;
+    ``done`` says when the run's outer steps are committed."""
+
+    def __init__(
+        self,
+        parts: ReplicaParts,
+        collective: BucketCollective | None,
+        metrics: MetricsWriter | None,
+        group: ReplicaGroup,
+    ) -> None:
+        self.config, self.manager, self.evaluate = parts.config, parts.manager, parts.evaluate
+        self.parts, self.collective, self.metrics, self.group = parts, collective, metrics, group
+        self.inner_steps = self.tokens = self.failed_in_a_row = 0
+        self.start_step = 0  # the inner step the data resumes at: set by every heal
+        self.heals = 0
+        self.state: GlobalState | None = None  # once DiLoCo is built
+        self._syncs_seen = self._step_seen = 0
+        self._healed_in_step = False
+        self.loss = float("nan")
+        self.eval_loss: float | None = None
+        self.tokens_at_sync, self.time_at_sync = 0, time.perf_counter()
+        self.checkpoints = GlobalCheckpoints(self.config, collective, group, self._report)
+
+    def _report(self, detail: str) -> None:
+        """A mirror that failed, into the run's metrics (``diloco status`` shows it)."""
+        if self.metrics is not None:
+            self.metrics.event("mirror_failed", detail[:2000])
+
+    def _evaluation_due(self) -> bool:
+        """Every ``eval_every`` outer steps (all fragments synced), and at the last one."""
+        every, fragments = self.config.task.eval_every, self.config.diloco.fragments
+        step, last = self.manager.current_step(), self.config.diloco.outer_steps * fragments
+        return bool(self.evaluate and every) and (step % (every * fragments) == 0 or step == last)
+
+    @property
+    def done(self) -> bool:
+        """Every fragment has committed the run's ``outer_steps`` syncs."""
+        last_step = self.config.diloco.outer_steps * self.config.diloco.fragments
+        return self.manager.current_step() >= last_step
+
+    def batches(self, open_at: Callable[[int], Iterator[Batch]]) -> Iterator[Batch]:
+        """Batches from ``open_at(start_step)``, reopened where the run is after each heal,
+        until ``done``: every replica trains ``sync_every / fragments`` batches per round, so a
+        replica that heals resumes its data at its round, never replaying the batches before."""
+        opened_at, batches = -1, iter(())
+        while not self.done:
+            if opened_at != self.heals:
+                opened_at, batches = self.heals, open_at(self.start_step)
+            try:
+                batch = next(batches)
+            except StopIteration:
+                raise ValueError(
+                    f"the data ran out at inner step {self.inner_steps} of the run's "
+                    f"{self.config.diloco.outer_steps * self.config.diloco.sync_every}: "
+                    f"open_at(start) must go on until the run ends (loop over epochs)"
+                ) from None
+            yield batch
+
+    def log(self, loss: torch.Tensor | float, **values: torch.Tensor | float) -> None:
+        """The inner step's loss and any numbers of the script's own (``lr=...``), into the
+        run's metrics every ``task.log_every`` steps (``diloco status``, ``diloco report``).
+        Names as run names are written; at most ``metrics.MAX_VALUES`` of them. The loss of
+        a step whose sync healed the replica is not recorded: its step count is the healed
+        position's, not the step's."""
+        healed, self._healed_in_step = self._healed_in_step, False
+        if healed:
+            return
+        if self.metrics is not None and self.inner_steps % self.config.task.log_every == 0:
+            self.loss = float(loss)
+            self.metrics.add(StepLine(
+                step=self.inner_steps, loss=self.loss, tokens=self.tokens, time=time.time(),
+                values={name: float(value) for name, value in values.items()},
+            ))  # fmt: skip
+
+    def after_inner_step(self, model: nn.Module) -> None:
+        """Count the step; after a sync (DiLoCo's step hook ran one), record it, write the
+        checkpoint when due, heal after a divergence and give up after too many failures."""
+        self.inner_steps += 1
+        self.tokens += self.parts.tokens_per_step * self.group.world_size
+        manager = self.manager
+        if manager.syncs_attempted == self._syncs_seen:
+            return
+        committed = manager.current_step() > self._step_seen
+        self._syncs_seen, self._step_seen = manager.syncs_attempted, manager.current_step()
+        self.record_sync(committed, model)
+        if committed:
+            self.checkpoints.write_if_due(self.manager, self.state)  # type: ignore[arg-type]
+        if isinstance(manager.last_sync_error, SupersededError):  # a zombie trains no further
+            raise manager.last_sync_error
+        if isinstance(manager.last_sync_error, DivergedError):  # the same on every rank
+            self.after_divergence(self.state)  # type: ignore[arg-type]
+            self._healed_in_step = True
+        self.stop_if_failing()
+
+    def record_sync(self, committed: bool, model: nn.Module) -> None:
+        """The sync's line in the metrics (rank 0), with the held-out loss when due: every rank
+        of a sharded replica evaluates (each forward gathers the shards of all), rank 0 alone
+        of any other."""
+        self.failed_in_a_row = 0 if committed else self.failed_in_a_row + 1
+        evaluated = committed and self._evaluation_due()
+        if evaluated and (self.metrics is not None or self.group.sharded):
+            self.eval_loss = self.evaluate_global_weights(model)
+        if self.metrics is None:
+            return
+        error = self.manager.last_sync_error
+        now, (bytes_up, bytes_down) = time.perf_counter(), self.manager.traffic()
+        self.metrics.add(
+            SyncLine(
+                outer_step=self.manager.current_step() // self.config.diloco.fragments,
+                round=self.manager.last_round(),
+                committed=committed,
+                contributed=committed and self.manager.contributed(),
+                fingerprint=self.manager.last_fingerprint,
+                participants=self.manager.num_participants(),
+                eval_loss=self.eval_loss if evaluated else None,  # measured at this sync only
+                tokens=self.tokens,
+                tokens_per_second=(self.tokens - self.tokens_at_sync) / (now - self.time_at_sync),
+                sync_exposed_seconds=self.manager.exposed_seconds,
+                bytes_up=bytes_up,
+                bytes_down=bytes_down,
+                error=None
+                if error is None
+                else scrub_secrets(f"{type(error).__name__}: {error}")[:2000],
+                time=time.time(),
+            )
+        )
+        self.metrics.flush()
+        self.tokens_at_sync, self.time_at_sync = self.tokens, now
+
+    def evaluate_global_weights(self, model: nn.Module) -> float:
+        """The held-out loss of the weights the replicas agreed on. With fragments > 1 the
+        model holds them only while ``GlobalState.global_weights_in_place`` swaps them in; a
+        sharded replica's model is resharded before its local weights come back (a forward
+        leaves FSDP2's root unsharded, and its unsharded parameters are what it holds then)."""
+        streaming = self.config.diloco.fragments > 1 and self.state is not None
+        swap = self.state.global_weights_in_place() if streaming else nullcontext()  # type: ignore[union-attr]
+        with swap:
+            try:
+                return self.evaluate(model)  # type: ignore[misc]
+            finally:
+                if self.group.sharded:
+                    reshard(model)
+
+    def heal(self, state: GlobalState, *, from_initial: bool) -> int:
+        """Bring the global state to the run's newest sealed round (``after_sync.heal_replica``);
+        the inner step the data resumes at (``start_step``): every replica trains
+        ``batches_per_round`` per round."""
+        heal_replica(
+            self.collective, state, self.manager, self.group, self.checkpoints, self.metrics,
+            min_replicas=self.config.run.min_replicas, from_initial=from_initial,
+        )  # fmt: skip
+        self.parts.apply_outer_hyperparameters()
+        self.inner_steps = self.manager.state_dict()["sync"] * self.parts.batches_per_round
+        self.tokens = self.inner_steps * self.parts.tokens_per_step * self.group.world_size
+        self.tokens_at_sync, self.time_at_sync = self.tokens, time.perf_counter()
+        self._syncs_seen = self.manager.syncs_attempted
+        self._step_seen = self.manager.current_step()
+        self.start_step, self.heals = self.inner_steps, self.heals + 1
+        return self.start_step
+
+    def after_divergence(self, state: GlobalState) -> int:
+        """Say so loudly (log, metrics, ``diloco status``), then heal from the bucket. The
+        diverged sync still counts as failed: a replica that diverges every time (it computes
+        unlike the others) stops after ``MAX_FAILED_SYNCS``, saying why."""
+        error = self.manager.last_sync_error
+        log.error("%s", error)
+        if self.metrics is not None:
+            self.metrics.event("diverged", str(error)[:2000])
+        return self.heal(state, from_initial=False)
+
+    def stop_if_failing(self) -> None:
+        """Give up after ``MAX_FAILED_SYNCS`` failed syncs in a row, with the last error."""
+        if self.failed_in_a_row >= MAX_FAILED_SYNCS:
+            raise SyncFailedError(
+                f"{self.failed_in_a_row} syncs in a row failed; last: "
+                f"{self.manager.last_sync_error}. See the other replicas with `diloco status` "
+                f"and `diloco logs`"
+            )
+
+    def result(self) -> TrainingResult:
+        return TrainingResult(
+            outer_steps=self.manager.current_step() // self.config.diloco.fragments,
+            inner_steps=self.inner_steps,
+            tokens=self.tokens,
+            final_loss=self.loss,
+            eval_loss=self.eval_loss,
+        )
+
+    def close(self) -> None:
+        """The last checkpoint is committed before the replica reports done."""
+        self.checkpoints.close()
