@@ -26,7 +26,7 @@ from typing import TypeVar
 import crc32c
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from diloco_anywhere.bucket.wire import (
+from diloco_anywhere.bucket.framing import (
     PREFIX,
     VERSION,
     WireFormatError,

@@ -27,45 +27,38 @@ checksum of each chunk fused while it is in cache.
 from __future__ import annotations
 
 import math
-import struct
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Annotated, Literal, get_args
+from typing import Literal, get_args
 
 import crc32c
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from diloco_anywhere.bucket.codec import CPU, Codec, CodecDataError, require_finite
-from diloco_anywhere.bucket.layout import NAME
+from diloco_anywhere.bucket.framing import (
+    MAGIC,
+    MAX_HEADER_BYTES,
+    PREFIX,
+    VERSION,
+    Count,
+    Name,
+    WireFormatError,
+    check_prefix,
+    checksum_error,
+    field_errors,
+    prefix_fields,
+)
 
 if sys.byteorder != "little":  # every platform we target is little-endian; say so if not
     raise ImportError("diloco_anywhere.bucket.wire supports little-endian machines only")
 
-MAGIC = b"DLAW"
-KINDS = {MAGIC: "diloco-anywhere wire object", b"DLAR": "diloco-anywhere record"}
-VERSION = 1
-PREFIX = struct.Struct("<4sB3sII")
-MAX_HEADER_BYTES = 64 * 1024
 CHUNK_BYTES = 1 << 20  # float32 bytes per fused step on the CPU (``chunk_elements``)
 MAX_DIMS = 8
 MAX_NUMEL = 2**63 - 1
 DtypeName = Literal["float32", "bfloat16", "float16", "float64"]
 DTYPES = {name: getattr(torch, name) for name in get_args(DtypeName)}
-
-Count = Annotated[int, Field(ge=0, le=2**63 - 1)]
-# Run and replica names end up as store key segments.
-Name = Annotated[str, Field(pattern=rf"^{NAME.pattern}$")]
-
-
-class WireFormatError(ValueError):
-    """Bytes that are not a valid wire object. ``key`` names the object, ``problem`` says why."""
-
-    def __init__(self, key: str, problem: str) -> None:
-        super().__init__(f"{key}: {problem}")
-        self.key = key
-        self.problem = problem
 
 
 class ObjectMeta(BaseModel):
@@ -104,13 +97,6 @@ class Header(ObjectMeta):
 class Decoded:
     header: Header
     tensor: torch.Tensor
-
-
-def stored_checksum(data: bytes | bytearray | memoryview) -> int:
-    """The CRC32C in an object's prefix (unchecked: ``decode`` verifies it)."""
-    if len(data) < PREFIX.size:
-        return 0
-    return PREFIX.unpack_from(data)[4]
 
 
 def _dtype_name(tensor: torch.Tensor) -> str:
@@ -200,56 +186,6 @@ def encode_values(
     return buffer
 
 
-def _field_error(error: dict, what: str) -> str:
-    field = ".".join(map(str, error["loc"]))
-    got = "" if error["type"] == "missing" else f" (got {error['input']!r:.80})"
-    return f"{what}{' field ' + field if field else ''}: {error['msg']}{got}"
-
-
-def field_errors(exc: ValidationError, what: str = "header") -> str:
-    """One '<what> field <path>: <problem> (got <value>)' per bad field, joined by '; '."""
-    return "; ".join(_field_error(e, what) for e in exc.errors(include_url=False))
-
-
-def _prefix_fields(
-    view: memoryview, key: str, magic: bytes, max_length: int = MAX_HEADER_BYTES
-) -> tuple[int, int]:
-    """Validate the fixed prefix's fields; return (header length, stored checksum)."""
-    if len(view) < PREFIX.size:
-        raise WireFormatError(key, f"{len(view)} bytes, shorter than the {PREFIX.size}-byte prefix")
-    found, version, reserved, header_length, checksum = PREFIX.unpack_from(view)
-    if found != magic:
-        raise WireFormatError(key, f"magic {found!r} is not {magic!r}: not a {KINDS[magic]}")
-    if version != VERSION:
-        raise WireFormatError(key, f"format version {version}; this build reads {VERSION}")
-    if reserved != bytes(3):
-        raise WireFormatError(key, f"reserved prefix bytes {reserved!r} must be zero")
-    if header_length > min(max_length, len(view) - PREFIX.size):
-        raise WireFormatError(
-            key,
-            f"header length {header_length} exceeds the object ({len(view)} bytes) "
-            f"or the {max_length}-byte cap",
-        )
-    return header_length, checksum
-
-
-def _checksum_error(key: str, stored: int, actual: int) -> WireFormatError:
-    return WireFormatError(
-        key, f"checksum mismatch (stored {stored:#010x}, computed {actual:#010x}): corrupt"
-    )
-
-
-def check_prefix(
-    view: memoryview, key: str, magic: bytes = MAGIC, max_length: int = MAX_HEADER_BYTES
-) -> int:
-    """Validate the fixed prefix and the checksum; return the header length."""
-    header_length, stored = _prefix_fields(view, key, magic, max_length)
-    actual = crc32c.crc32c(view[PREFIX.size :])
-    if actual != stored:
-        raise _checksum_error(key, stored, actual)
-    return header_length
-
-
 def _byte_view(data: bytes | bytearray | memoryview) -> memoryview:
     view = memoryview(data)
     if not view.c_contiguous:
@@ -272,7 +208,7 @@ class WireReader:
     def __init__(self, data: bytes | bytearray | memoryview, key: str = "<bytes>") -> None:
         self.key = key
         self._view = _byte_view(data)
-        header_length, self._stored = _prefix_fields(self._view, key, MAGIC)
+        header_length, self._stored = prefix_fields(self._view, key, MAGIC)
         payload_start = PREFIX.size + header_length
         try:
             self.header = Header.model_validate_json(bytes(self._view[PREFIX.size : payload_start]))
@@ -290,13 +226,13 @@ class WireReader:
     def _error(self, problem: str) -> WireFormatError:
         actual = crc32c.crc32c(self._view[PREFIX.size :])
         if actual != self._stored:
-            return _checksum_error(self.key, self._stored, actual)
+            return checksum_error(self.key, self._stored, actual)
         return WireFormatError(self.key, problem)
 
     def verify_checksum(self) -> None:
         actual = crc32c.crc32c(self._view[PREFIX.size :])
         if actual != self._stored:
-            raise _checksum_error(self.key, self._stored, actual)
+            raise checksum_error(self.key, self._stored, actual)
 
     def chunks(
         self,
@@ -327,7 +263,7 @@ class WireReader:
                     raise self._error(str(exc)) from None
             yield start, values
         if stream_checksum and checksum != self._stored:
-            raise _checksum_error(self.key, self._stored, checksum)
+            raise checksum_error(self.key, self._stored, checksum)
 
 
 def decode(data: bytes | bytearray | memoryview, *, key: str = "<bytes>") -> Decoded:

@@ -33,10 +33,10 @@ from typing import Annotated
 
 from pydantic import Field
 
+from diloco_anywhere.bucket.framing import Count, Name, WireFormatError
 from diloco_anywhere.bucket.layout import Participant, RunLayout
 from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.bucket.wire import Count, Name, WireFormatError
 
 log = logging.getLogger(__name__)
 Clock = Callable[[], float]

@@ -8,9 +8,10 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 
 from diloco_anywhere.bucket.codec import Codec
+from diloco_anywhere.bucket.framing import Count, Name
 from diloco_anywhere.bucket.layout import parse_contributor
 from diloco_anywhere.bucket.record import Record
-from diloco_anywhere.bucket.wire import Count, Name, max_object_nbytes
+from diloco_anywhere.bucket.wire import max_object_nbytes
 
 # Weights are tokens or samples per sync: 2^64 is beyond any run, and a sum of any number of
 # them stays far inside float64 (the mean scales each contribution by its share, mean.py).

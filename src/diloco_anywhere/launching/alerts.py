@@ -29,10 +29,10 @@ from urllib.parse import urlsplit
 from pydantic import Field
 
 from diloco_anywhere.backends.base import one_line
+from diloco_anywhere.bucket.framing import Name, WireFormatError
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.bucket.wire import Name, WireFormatError
 from diloco_anywhere.config import AlertsSection
 
 log = logging.getLogger(__name__)

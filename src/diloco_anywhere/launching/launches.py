@@ -24,10 +24,10 @@ from typing import TypeVar
 from pydantic import Field, JsonValue
 
 from diloco_anywhere.backends.base import ReplicaHandle, ReplicaSpec
+from diloco_anywhere.bucket.framing import Count, Name
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.bucket.wire import Count, Name
 
 log = logging.getLogger(__name__)
 RecordT = TypeVar("RecordT", bound=Record)

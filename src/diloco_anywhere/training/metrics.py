@@ -21,10 +21,10 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
+from diloco_anywhere.bucket.framing import Count, Name, WireFormatError
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.bucket.wire import Count, Name, WireFormatError
 
 log = logging.getLogger(__name__)
 MAX_LINES = 400  # keeps a chunk well under the 64 KiB record cap

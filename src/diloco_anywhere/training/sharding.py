@@ -25,10 +25,10 @@ from typing import Literal
 
 from torch import nn
 
+from diloco_anywhere.bucket.framing import Count
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.bucket.wire import Count
 from diloco_anywhere.config import ConfigError
 from diloco_anywhere.training.replica_group import ReplicaGroup
 
