@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import typing
+
 import pytest
 import torch
 
 from diloco_anywhere.bench.store import sample_tensor as sample
 from diloco_anywhere.bucket import wire
-from diloco_anywhere.bucket.codec import make_codec
+from diloco_anywhere.bucket.codec import Codec, make_codec
+from diloco_anywhere.bucket.codec_names import CODEC_NAMES
 from diloco_anywhere.bucket.feedback import ErrorFeedback
 
 META = wire.ObjectMeta(run="r", round=0, replica="a", incarnation=0, shard=0)
@@ -72,3 +75,15 @@ def test_error_feedback_streams_are_independent_and_shape_checked():
     feedback.reset("a")
     feedback.encode("a", torch.randn(8), codec, META)
     assert feedback.residual("a").shape == (8,)
+
+
+def test_every_codec_name_run_toml_accepts_is_a_codec_and_back():
+    """run.toml's names (``codec_names.py``, torch-free) and the codecs (``codec.py``) agree."""
+    [union] = typing.get_args(Codec)[:1]
+    defined = {
+        typing.get_args(c.model_fields["name"].annotation)[0] for c in typing.get_args(union)
+    }
+    assert defined == set(CODEC_NAMES)
+    assert [make_codec(name).name for name in CODEC_NAMES] == list(CODEC_NAMES)
+    with pytest.raises(ValueError, match="unknown codec 'int4'; choose one of fp32, bf16, int8"):
+        make_codec("int4")

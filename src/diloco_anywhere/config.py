@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from diloco_anywhere.bucket.codec import CODEC_NAMES
+from diloco_anywhere.bucket.codec_names import DEFAULT_CODEC, CodecName
 from diloco_anywhere.bucket.layout import NAME
 from diloco_anywhere.bucket.store import check_store_url, redact_url
 
@@ -74,7 +74,7 @@ class DilocoSection(_Section):
     outer_steps: PositiveInt = 10  # the run ends after this many committed outer steps
     fragments: PositiveInt = 1  # > 1: Streaming DiLoCo (arXiv 2501.18512)
     fragment_sync_delay: Annotated[int, Field(ge=0)] = 0  # tau, in inner steps
-    codec: Literal[CODEC_NAMES] = "fp32"  # type: ignore[valid-type]
+    codec: CodecName = DEFAULT_CODEC
     inner_lr: Annotated[float, Field(gt=0)] = 1e-3
     inner_weight_decay: Annotated[float, Field(ge=0)] = 0.1
     outer_lr: Annotated[float, Field(gt=0)] = 0.7

@@ -24,10 +24,12 @@ block boundary (``align``); the bytes of a range are one contiguous span of the 
 from __future__ import annotations
 
 import math
-from typing import Annotated, ClassVar, Literal, get_args
+from typing import Annotated, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from diloco_anywhere.bucket.codec_names import CODEC_NAMES, CodecName
 
 CPU = torch.device("cpu")
 
@@ -204,13 +206,10 @@ class Int8Codec(_CodecBase):
 
 
 Codec = Annotated[Fp32Codec | Bf16Codec | Int8Codec, Field(discriminator="name")]
-CODEC_NAMES = tuple(
-    get_args(codec.model_fields["name"].annotation)[0] for codec in get_args(get_args(Codec)[0])
-)
 _CODEC_ADAPTER: TypeAdapter[Codec] = TypeAdapter(Codec)
 
 
-def make_codec(name: str, **params: int) -> Codec:
+def make_codec(name: CodecName | str, **params: int) -> Codec:
     """A codec by name (``fp32``, ``bf16``, ``int8``) and parameters (``block`` for int8)."""
     if name not in CODEC_NAMES:
         raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_NAMES)}")

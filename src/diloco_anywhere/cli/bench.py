@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
-from diloco_anywhere.bucket.codec import CODEC_NAMES
+from diloco_anywhere.bucket.codec_names import CODEC_NAMES
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.cli.common import (
     parse_size,

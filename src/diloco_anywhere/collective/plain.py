@@ -50,7 +50,7 @@ class Collective:
     ) -> None:
         """``replicas``: how many contribute to a round when all are up; ``min_replicas``
         (default: all of them) the fewest a round may seal with after ``grace`` seconds;
-        ``codec``: ``fp32``, ``bf16``, ``int8`` or ``int4`` on the wire."""
+        ``codec``: ``fp32``, ``bf16`` or ``int8`` on the wire."""
         policy = RoundPolicy(
             min_replicas=replicas if min_replicas is None else min_replicas,
             expected_replicas=replicas, grace=grace, timeout=timeout,
