@@ -19,7 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco_anywhere.bucket import wire
+from diloco_anywhere.bucket import framing
 from diloco_anywhere.bucket.codec import make_codec
 from diloco_anywhere.bucket.layout import Participant, RunLayout
 from diloco_anywhere.bucket.record import (
@@ -31,7 +31,8 @@ from diloco_anywhere.bucket.record import (
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import finish_round
 from diloco_anywhere.collective.membership import MembershipView, member_progress
-from diloco_anywhere.collective.round import Round, RoundPolicy, SealedContributionError
+from diloco_anywhere.collective.policy import RoundPolicy
+from diloco_anywhere.collective.round import Round, SealedContributionError
 from diloco_anywhere.config import ConfigError, RunConfig, load_config
 from diloco_anywhere.published_config import MAX_CONFIG_BYTES, config_text, read_config
 from diloco_anywhere.training.checkpoint import (
@@ -58,7 +59,9 @@ def store() -> Iterator[Store]:
 def _plant_huge(store: Store, key: str) -> None:
     """A record's valid prefix (a 2-byte body), then far more bytes than any record has."""
     body = b"{}"
-    prefix = wire.PREFIX.pack(RECORD_MAGIC, wire.VERSION, bytes(3), len(body), crc32c.crc32c(body))
+    prefix = framing.PREFIX.pack(
+        RECORD_MAGIC, framing.VERSION, bytes(3), len(body), crc32c.crc32c(body)
+    )
     store.delete(key)
     store.put(key, prefix + body + bytes(HUGE))
 
@@ -87,7 +90,7 @@ def _contribute(round_: Round, seed: int) -> torch.Tensor:
 def test_an_oversized_seal_is_refused_after_one_record(store):
     _plant_huge(store, RUN.seal(0, 0))
     outcome, fetched = _downloaded(store, _round(store, A).read_seal)
-    assert isinstance(outcome, wire.WireFormatError)
+    assert isinstance(outcome, framing.WireFormatError)
     assert outcome.key == RUN.seal(0, 0)
     assert "larger than a record may be" in str(outcome)
     assert fetched == RECORD_READ_LIMIT

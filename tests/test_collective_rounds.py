@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from diloco_anywhere.bench.processes import worker_context
 from diloco_anywhere.bench.store import sample_tensor
-from diloco_anywhere.bucket import wire
+from diloco_anywhere.bucket import framing, wire
 from diloco_anywhere.bucket.codec import make_codec
 from diloco_anywhere.bucket.layout import Participant, RunLayout
 from diloco_anywhere.bucket.record import decode_record, encode_record
@@ -207,7 +207,7 @@ def _corrupt_contribution(store: Store, bad_part: bool) -> str:
     for shard, elements in enumerate(ranges):
         meta = wire.ObjectMeta(run="run", round=0, replica="bad", incarnation=0, shard=shard)
         encoded = wire.encode(contribution(9)[elements.start : elements.stop], codec, meta)
-        checksum = wire.stored_checksum(encoded)
+        checksum = framing.stored_checksum(encoded)
         if bad_part and shard == 1:
             encoded[-1] ^= 0x01  # the prefix still claims the old CRC
         key = RUN.part(0, 0, "bad", 0, shard)

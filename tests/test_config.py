@@ -10,7 +10,6 @@ import tomli_w
 
 from diloco_anywhere.config import ConfigError, load_config, parse_config
 from diloco_anywhere.contract import replica_index, with_overrides
-from diloco_anywhere.training.builders import collective_config
 
 
 def test_the_embedded_default_is_a_complete_local_run(monkeypatch, tmp_path):
@@ -108,7 +107,7 @@ def test_bad_replica_index_says_the_fix(replica, given, message):
 
 def test_sync_window_and_part_size_reach_the_collective():
     config = parse_config('[sync]\nwindow = 3\npart_size = "2MiB"\n', "run.toml")
-    policy = collective_config(config).round
+    policy = config.collective_config().round
     assert (policy.window, policy.part_elements) == (3, (2 << 20) // 4)
 
 

@@ -28,7 +28,6 @@ from diloco_anywhere.replica import run_replica
 from diloco_anywhere.task import build_task
 from diloco_anywhere.training.builders import (
     build_parts,
-    collective_config,
     inner_optimizer,
     task_context,
 )
@@ -135,7 +134,7 @@ def newcomer(
     (folder / "run.toml").write_text(RUN_TOML.format(seed=seed))
     config = load_config(folder / "run.toml")
     store = Store(config.store_url())
-    collective = BucketCollective(store, "h", "newcomer", collective_config(config))
+    collective = BucketCollective(store, "h", "newcomer", config.collective_config())
     try:
         parts = replica_parts(config, collective)
         with parts.diloco():
@@ -238,7 +237,7 @@ def test_a_replica_whose_state_diverged_says_so_and_heals(run) -> None:
     final = final_checkpoint(run)
     config = load_config(run / "run.toml")
     store = Store(config.store_url())
-    collective = BucketCollective(store, "h", "local-0", collective_config(config))
+    collective = BucketCollective(store, "h", "local-0", config.collective_config())
     metrics = MetricsWriter(store, LAYOUT, "local-0", collective.me.incarnation, "local")
     try:
         parts = replica_parts(config, collective)

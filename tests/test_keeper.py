@@ -17,7 +17,7 @@ import pytest
 
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.collective.membership import LeasePolicy
+from diloco_anywhere.collective.policy import LeasePolicy
 from diloco_anywhere.config import AlertsSection, KeepSection, load_config
 from diloco_anywhere.launching.alerts import Alert, Alerts, webhook_body
 from diloco_anywhere.launching.health import health_alerts

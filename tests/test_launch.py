@@ -16,8 +16,8 @@ from diloco_anywhere.backends.base import ReplicaHandle
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.cli import app
-from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig
-from diloco_anywhere.collective.membership import LeasePolicy
+from diloco_anywhere.collective.allreduce import BucketCollective
+from diloco_anywhere.collective.policy import CollectiveConfig, LeasePolicy
 from diloco_anywhere.config import load_config
 from diloco_anywhere.launching.launch import (
     load_handles,

@@ -14,8 +14,8 @@ from torch import nn
 
 from diloco_anywhere.bench.processes import worker_context
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig
-from diloco_anywhere.collective.round import RoundPolicy
+from diloco_anywhere.collective.allreduce import BucketCollective
+from diloco_anywhere.collective.policy import CollectiveConfig, RoundPolicy
 from diloco_anywhere.training.managers.bucket import BucketManager
 
 SYNC_EVERY = 4  # inner steps per outer step (H)

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco_anywhere.bucket import wire
+from diloco_anywhere.bucket import framing, wire
 from diloco_anywhere.bucket.codec import make_codec
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.record import decode_record, encode_record
@@ -70,12 +70,12 @@ def _outcome(read: Callable[[], object]) -> object:
     """What ``read`` returned, or the ``WireFormatError`` it raised (anything else fails)."""
     try:
         return read()
-    except wire.WireFormatError as exc:
+    except framing.WireFormatError as exc:
         return exc
 
 
 def _refused_here(outcome: object) -> bool:
-    return isinstance(outcome, wire.WireFormatError) and outcome.key == KEY
+    return isinstance(outcome, framing.WireFormatError) and outcome.key == KEY
 
 
 def _read_or_refuse(data: bytes, model: type) -> None:
@@ -92,7 +92,7 @@ def test_arbitrary_bytes_at_a_record_key(sample, data):
 @settings(max_examples=300, deadline=None)
 @given(sample=st.sampled_from(SAMPLES), data=st.data())
 def test_a_record_with_a_field_changed(sample, data):
-    body = json.loads(encode_record(sample)[wire.PREFIX.size :])
+    body = json.loads(encode_record(sample)[framing.PREFIX.size :])
     field = data.draw(st.sampled_from(sorted(body)))
     body[field] = data.draw(JSON_VALUES)
     _read_or_refuse(record_bytes(json.dumps(body).encode()), type(sample))
@@ -101,7 +101,7 @@ def test_a_record_with_a_field_changed(sample, data):
 @settings(max_examples=200, deadline=None)
 @given(sample=st.sampled_from(SAMPLES), data=st.data())
 def test_a_record_with_bytes_changed_and_its_checksum_made_right(sample, data):
-    body = bytearray(encode_record(sample)[wire.PREFIX.size :])
+    body = bytearray(encode_record(sample)[framing.PREFIX.size :])
     for _ in range(data.draw(st.integers(1, 4))):
         body[data.draw(st.integers(0, len(body) - 1))] = data.draw(st.integers(0, 255))
     _read_or_refuse(record_bytes(bytes(body)), type(sample))

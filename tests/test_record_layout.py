@@ -8,7 +8,7 @@ from crc32c import crc32c
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco_anywhere.bucket import wire
+from diloco_anywhere.bucket import framing, wire
 from diloco_anywhere.bucket.codec import make_codec
 from diloco_anywhere.bucket.layout import RunLayout, contributor, parse_contributor, parse_count
 from diloco_anywhere.bucket.record import (
@@ -39,7 +39,7 @@ def test_record_round_trip():
 def test_any_flipped_bit_in_a_record_is_rejected(bit):
     data = bytearray(encode_record(SEALED))
     data[bit // 8] ^= 1 << (bit % 8)
-    with pytest.raises(wire.WireFormatError) as info:
+    with pytest.raises(framing.WireFormatError) as info:
         decode_record(bytes(data), Sealed, key="rounds/1/0/SEAL")
     assert info.value.key == "rounds/1/0/SEAL"
 
@@ -48,34 +48,34 @@ def test_record_of_another_model_names_the_fields():
     class Lease(Record):
         until: float
 
-    with pytest.raises(wire.WireFormatError, match="Lease field until: Field required"):
+    with pytest.raises(framing.WireFormatError, match="Lease field until: Field required"):
         decode_record(encode_record(SEALED), Lease, key="k")
 
 
 def test_wire_object_is_not_a_record_and_vice_versa():
     meta = wire.ObjectMeta(run="r", round=0, replica="a", incarnation=0, shard=0)
     tensor_object = wire.encode(torch.ones(2), make_codec("fp32"), meta)
-    with pytest.raises(wire.WireFormatError, match="not a diloco-anywhere record"):
+    with pytest.raises(framing.WireFormatError, match="not a diloco-anywhere record"):
         decode_record(bytes(tensor_object), Sealed, key="k")
-    with pytest.raises(wire.WireFormatError, match="not a diloco-anywhere wire object"):
+    with pytest.raises(framing.WireFormatError, match="not a diloco-anywhere wire object"):
         wire.decode(encode_record(SEALED), key="k")
 
 
 def craft_record(body: bytes, declared_length: int | None = None) -> bytes:
     """A record whose checksum is right for ``body``, to reach the checks behind it."""
     length = len(body) if declared_length is None else declared_length
-    return wire.PREFIX.pack(RECORD_MAGIC, wire.VERSION, bytes(3), length, crc32c(body)) + body
+    return framing.PREFIX.pack(RECORD_MAGIC, framing.VERSION, bytes(3), length, crc32c(body)) + body
 
 
 def test_trailing_bytes_after_a_record_are_rejected():
     body = SEALED.model_dump_json().encode()
-    with pytest.raises(wire.WireFormatError, match="its prefix says"):
+    with pytest.raises(framing.WireFormatError, match="its prefix says"):
         decode_record(craft_record(body + b"x", len(body)), Sealed, key="k")
 
 
 def test_strict_types_no_coercion():
     body = b'{"contributors": ["a-0"], "weight": "15"}'
-    with pytest.raises(wire.WireFormatError, match="Sealed field weight: Input should be"):
+    with pytest.raises(framing.WireFormatError, match="Sealed field weight: Input should be"):
         decode_record(craft_record(body), Sealed, key="k")
 
 
@@ -158,10 +158,10 @@ def test_a_record_over_the_cap_is_refused_both_ways():
     with pytest.raises(ValueError, match=f"Sealed is .* bytes; at most {MAX_RECORD_BYTES}"):
         encode_record(huge)
     body = huge.model_dump_json().encode()
-    with pytest.raises(wire.WireFormatError, match="larger than a record may be"):
+    with pytest.raises(framing.WireFormatError, match="larger than a record may be"):
         decode_record(craft_record(body), Sealed, key="k")
-    prefix_only = craft_record(body)[: wire.PREFIX.size]  # the length alone is over the cap
-    with pytest.raises(wire.WireFormatError, match=f"the {MAX_RECORD_BYTES}-byte cap"):
+    prefix_only = craft_record(body)[: framing.PREFIX.size]  # the length alone is over the cap
+    with pytest.raises(framing.WireFormatError, match=f"the {MAX_RECORD_BYTES}-byte cap"):
         decode_record(prefix_only, Sealed, key="k")
 
 

@@ -19,7 +19,8 @@ from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.cli.common import print_json
 from diloco_anywhere.cli.run import _status_table, parse_backends
-from diloco_anywhere.collective.membership import Heartbeat, LeasePolicy, claim_incarnation
+from diloco_anywhere.collective.membership import Heartbeat, claim_incarnation
+from diloco_anywhere.collective.policy import LeasePolicy
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.launching.report import summarize
 from diloco_anywhere.launching.status import ReplicaStatus, replica_skews, replica_statuses

@@ -13,16 +13,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diloco_anywhere.bench.store import sample_tensor
-from diloco_anywhere.bucket import wire
+from diloco_anywhere.bucket import framing, wire
 from diloco_anywhere.bucket.codec import make_codec
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store, StoreError
-from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig
+from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.flat import FlatTensors
 from diloco_anywhere.collective.mean import weighted_mean
 from diloco_anywhere.collective.parts import PartIO, Transfers
+from diloco_anywhere.collective.policy import CollectiveConfig, RoundPolicy
 from diloco_anywhere.collective.records import MAX_WEIGHT, Manifest, check_weight
-from diloco_anywhere.collective.round import RoundPolicy
 from diloco_anywhere.collective.sharded import _ShardedExchange
 from diloco_anywhere.collective.transfers import windowed
 
@@ -91,7 +91,7 @@ def test_a_corrupt_chunk_late_in_an_object_fails_the_read(codec):
     )
     data[-3] ^= 0x10  # in the last chunk
     reader = wire.WireReader(data, key="k")
-    with pytest.raises(wire.WireFormatError, match="k: checksum mismatch"):
+    with pytest.raises(framing.WireFormatError, match="k: checksum mismatch"):
         for _ in reader.chunks():
             pass
 

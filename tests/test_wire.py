@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from diloco_anywhere.bucket import wire
+from diloco_anywhere.bucket import framing, wire
 from diloco_anywhere.bucket.codec import Bf16Codec, Fp32Codec, Int8Codec, make_codec
 
 META = wire.ObjectMeta(run="run-1", round=7, replica="modal-0", incarnation=3, shard=2)
@@ -71,8 +71,8 @@ def encoded_objects(draw) -> bytearray:
     return wire.encode(draw(tensors()), draw(CODECS), META)
 
 
-def assert_rejected(data, key="rounds/7/modal-0") -> wire.WireFormatError:
-    with pytest.raises(wire.WireFormatError) as info:
+def assert_rejected(data, key="rounds/7/modal-0") -> framing.WireFormatError:
+    with pytest.raises(framing.WireFormatError) as info:
         wire.decode(data, key=key)
     assert info.value.key == key
     assert str(info.value).startswith(f"{key}: ")
@@ -122,7 +122,9 @@ def craft_raw(header: bytes, payload: bytes) -> bytes:
     """A well-checksummed object with any header, to reach the checks behind the checksum."""
     body = header + payload
     checksum = crc32c.crc32c(body)
-    return wire.PREFIX.pack(wire.MAGIC, wire.VERSION, bytes(3), len(header), checksum) + body
+    return (
+        framing.PREFIX.pack(framing.MAGIC, framing.VERSION, bytes(3), len(header), checksum) + body
+    )
 
 
 def craft(header: dict, payload: bytes) -> bytes:
@@ -175,7 +177,7 @@ def test_payload_length_must_match_header():
 
 
 def test_huge_header_length_is_rejected_before_use():
-    prefix = wire.PREFIX.pack(wire.MAGIC, wire.VERSION, bytes(3), 2**32 - 1, 0)
+    prefix = framing.PREFIX.pack(framing.MAGIC, framing.VERSION, bytes(3), 2**32 - 1, 0)
     assert "header length 4294967295 exceeds" in assert_rejected(prefix + b"{}").problem
 
 
@@ -233,7 +235,7 @@ def test_checksummed_objects_with_any_header_decode_or_raise_the_documented_erro
     """Past the checksum, forged shapes and payloads still yield a tensor or WireFormatError."""
     try:
         decoded = wire.decode(craft(good_header(shape=shape, codec=codec), payload))
-    except wire.WireFormatError:
+    except framing.WireFormatError:
         return
     assert list(decoded.tensor.shape) == shape
     assert bool(torch.isfinite(decoded.tensor).all())

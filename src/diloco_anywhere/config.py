@@ -29,6 +29,12 @@ from pydantic import (
 from diloco_anywhere.bucket.codec_names import DEFAULT_CODEC, CodecName
 from diloco_anywhere.bucket.layout import NAME
 from diloco_anywhere.bucket.store import check_store_url, redact_url
+from diloco_anywhere.collective.policy import (
+    CollectiveConfig,
+    ExchangeChoice,
+    LeasePolicy,
+    RoundPolicy,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -38,6 +44,7 @@ else:  # pragma: no cover - Python 3.10
 PositiveInt = Annotated[int, Field(ge=1)]
 Seconds = Annotated[float, Field(gt=0)]
 DEFAULT_CONFIG = "default_run.toml"
+FLOAT32_BYTES = 4  # a part holds float32 values: part_size bytes are part_size / 4 elements
 
 
 class ConfigError(ValueError):
@@ -108,15 +115,31 @@ class DilocoSection(_Section):
 
 
 class SyncSection(_Section):
-    mode: Literal["auto", "gather", "sharded"] = "auto"
-    grace: Seconds = 10.0  # wait this long for stragglers once min_replicas are in
-    timeout: Seconds = 600.0
-    lease_period: Seconds = 10.0
-    keep_rounds: PositiveInt = 2
+    """How rounds seal, exchange and give up, and how often leases are renewed: the defaults
+    are the collective's own (``collective/policy.py``, which documents each), and the
+    section builds the policies the collective runs with."""
+
+    mode: ExchangeChoice = RoundPolicy.mode
+    grace: Seconds = RoundPolicy.grace  # wait this long for stragglers once min_replicas are in
+    timeout: Seconds = RoundPolicy.timeout
+    lease_period: Seconds = LeasePolicy.period
+    keep_rounds: PositiveInt = CollectiveConfig.keep_rounds
     # Parts in flight per round, and the float32 bytes of each: a sync's host memory
     # (window x part_size) and its concurrent requests (docs/collective.md, "Memory").
-    window: Annotated[int, Field(ge=1, le=256)] = 8
-    part_size: Annotated[ByteSize, Field(ge=64 << 10, le=1 << 30)] = ByteSize(4 << 20)
+    window: Annotated[int, Field(ge=1, le=256)] = RoundPolicy.window
+    part_size: Annotated[ByteSize, Field(ge=64 << 10, le=1 << 30)] = ByteSize(
+        RoundPolicy.part_elements * FLOAT32_BYTES
+    )
+
+    def round_policy(self, run: RunSection) -> RoundPolicy:
+        return RoundPolicy(
+            min_replicas=run.min_replicas, expected_replicas=run.replicas, grace=self.grace,
+            timeout=self.timeout, mode=self.mode, window=self.window,
+            part_elements=self.part_size // FLOAT32_BYTES,
+        )  # fmt: skip
+
+    def lease_policy(self) -> LeasePolicy:
+        return LeasePolicy(period=self.lease_period)
 
 
 class CheckpointSection(_Section):
@@ -237,6 +260,16 @@ class RunConfig(_Section):
                 )
             seen[url] = f"checkpoint.mirrors.{index}"
         return self
+
+    def collective_config(self) -> CollectiveConfig:
+        """What a replica's collective runs with: ``[sync]``'s policies and the codec, built
+        here once (in torch: only a replica calls this)."""
+        from diloco_anywhere.bucket.codec import make_codec
+
+        return CollectiveConfig(
+            codec=make_codec(self.diloco.codec), round=self.sync.round_policy(self.run),
+            lease=self.sync.lease_policy(), keep_rounds=self.sync.keep_rounds,
+        )  # fmt: skip
 
     def store_url(self) -> str:
         """The store URL, with a relative local path made absolute against run.toml's folder."""

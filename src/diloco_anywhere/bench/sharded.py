@@ -40,7 +40,8 @@ from diloco_anywhere.bench.sync import SyncBench, traffic_bound
 from diloco_anywhere.bench.wan import WanShape
 from diloco_anywhere.bucket.codec import make_codec
 from diloco_anywhere.bucket.store import Store, StoreStats, redact_url
-from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig
+from diloco_anywhere.collective.allreduce import BucketCollective
+from diloco_anywhere.collective.policy import CollectiveConfig
 
 CHUNK = 1 << 20  # elements per step when filling a pattern: no temporaries the shard's size
 PATTERN_PERIOD = 65521  # prime: a slice misplaced within or across shards reads other values

@@ -45,8 +45,8 @@ from diloco_anywhere.bench.wan import WanShape
 from diloco_anywhere.bucket import wire
 from diloco_anywhere.bucket.codec import make_codec
 from diloco_anywhere.bucket.store import Store, StoreStats, redact_url
-from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig
-from diloco_anywhere.collective.round import RoundPolicy
+from diloco_anywhere.collective.allreduce import BucketCollective
+from diloco_anywhere.collective.policy import CollectiveConfig, RoundPolicy
 
 MODES = ("gather", "sharded", "auto")
 # S3 Standard request prices, us-east-1 (aws.amazon.com/s3/pricing, 2026): USD per 1,000.

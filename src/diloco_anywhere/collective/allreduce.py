@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco_anywhere.bucket.codec import Codec, make_codec
+from diloco_anywhere.bucket.codec import Codec
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.collect import RoundCollector
@@ -34,13 +34,13 @@ from diloco_anywhere.collective.flat import FlatTensors
 from diloco_anywhere.collective.gather import gather_mean
 from diloco_anywhere.collective.membership import (
     Clock,
-    LeasePolicy,
     Membership,
     SupersededError,
 )
 from diloco_anywhere.collective.parts import Transfers, one_intra_op_thread
+from diloco_anywhere.collective.policy import CollectiveConfig
 from diloco_anywhere.collective.records import Seal
-from diloco_anywhere.collective.round import ModelMismatchError, Round, RoundPolicy
+from diloco_anywhere.collective.round import ModelMismatchError, Round
 from diloco_anywhere.collective.sharded import sharded_mean
 
 EXCHANGES = {"gather": gather_mean, "sharded": sharded_mean}
@@ -74,15 +74,6 @@ def finish_round(round_: Round, destination: FlatTensors | None = None) -> Round
         return _exchange(round_, seal, target)
     finally:
         round_.release()
-
-
-@dataclass(frozen=True)
-class CollectiveConfig:
-    codec: Codec = field(default_factory=lambda: make_codec("fp32"))
-    round: RoundPolicy = field(default_factory=RoundPolicy)
-    lease: LeasePolicy = field(default_factory=LeasePolicy)
-    max_rounds_in_flight: int = 4  # e.g. one per Streaming DiLoCo fragment
-    keep_rounds: int = 2  # per fragment: the newest rounds never collected (collect.py)
 
 
 class Work:

@@ -16,7 +16,7 @@ import contextlib
 
 import torch
 
-from diloco_anywhere.bucket import wire
+from diloco_anywhere.bucket import framing
 from diloco_anywhere.collective.flat import FlatTensors
 from diloco_anywhere.collective.mean import WeightedMean
 from diloco_anywhere.collective.records import Seal
@@ -34,11 +34,11 @@ def gather_mean(round_: Round, seal: Seal, destination: FlatTensors) -> None:
             for name, manifest in zip(seal.contributors, manifests, strict=True):
                 part = next(parts)
                 try:
-                    if isinstance(part, wire.WireFormatError):
+                    if isinstance(part, framing.WireFormatError):
                         raise part
                     for start, values in part.chunks():
                         mean.add(start, values, manifest.weight)
-                except wire.WireFormatError as exc:
+                except framing.WireFormatError as exc:
                     raise round_.unreadable(name, exc) from None
                 finally:
                     release(part)

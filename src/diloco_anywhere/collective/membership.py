@@ -37,6 +37,7 @@ from diloco_anywhere.bucket.framing import Count, Name, WireFormatError
 from diloco_anywhere.bucket.layout import Participant, RunLayout
 from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.collective.policy import LeasePolicy
 
 log = logging.getLogger(__name__)
 Clock = Callable[[], float]
@@ -58,7 +59,7 @@ class Lease(Record):
     replica: Name
     incarnation: Count
     beat: Count  # counts this incarnation's leases: a reader sees it change while it lives
-    every: float = Field(default=10.0, gt=0, le=86400)  # seconds between its leases
+    every: float = Field(default=LeasePolicy.period, gt=0, le=86400)  # seconds between leases
     written_at: float = 0.0  # the writer's wall clock: for people, never compared
     skew: float | None = None  # seconds the writer's clock is ahead of the store's, last measured
     # fragment -> the newest round this incarnation has finished (for garbage collection);
@@ -66,19 +67,6 @@ class Lease(Record):
     finished: dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], Count] = Field(
         default_factory=dict
     )
-
-
-@dataclass(frozen=True)
-class LeasePolicy:
-    period: float = 10.0  # seconds between a member's leases, on its own monotonic clock
-    # A member whose lease a reader has seen unchanged for ``misses`` periods is dead: one
-    # period between beats, plus room for a slow put and for the reader's polling interval.
-    misses: int = 3
-    skew_every: int = 30  # beats between measurements of the clock's skew (every 5 min)
-
-    @property
-    def expiry(self) -> float:
-        return self.period * self.misses
 
 
 class SupersededError(RuntimeError):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco_anywhere.bucket import wire
+from diloco_anywhere.bucket import framing, wire
 from diloco_anywhere.bucket.codec import Codec
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.flat import FlatTensors
@@ -31,7 +31,7 @@ from diloco_anywhere.collective.transfers import BufferPool, Held
 log = logging.getLogger(__name__)
 
 
-class MissingPartError(wire.WireFormatError):
+class MissingPartError(framing.WireFormatError):
     """A part a manifest names does not exist (any more)."""
 
 
@@ -82,9 +82,9 @@ class Part:
         it is not the one its manifest describes (provisional until the iteration ends)."""
         data, entry = self.held.view, self.entry
         if not self.trusted:
-            checksum = wire.stored_checksum(data)
+            checksum = framing.stored_checksum(data)
             if len(data) != entry.size or checksum != entry.crc32c:
-                raise wire.WireFormatError(
+                raise framing.WireFormatError(
                     entry.key,
                     f"{len(data)} bytes with checksum {checksum:#010x}; the manifest says "
                     f"{entry.size} bytes, {entry.crc32c:#010x}",
@@ -98,7 +98,7 @@ class Part:
             manifest.round,
             self.shard,
         ) or header.numel != entry.stop - entry.start:
-            raise wire.WireFormatError(entry.key, "part header does not match the manifest")
+            raise framing.WireFormatError(entry.key, "part header does not match the manifest")
         checks = not self.trusted
         yield from reader.chunks(device, check_values=checks, check_checksum=checks)
 
@@ -148,7 +148,7 @@ class PartIO:
             return PartEntry(
                 key=key,
                 size=len(data),
-                crc32c=wire.stored_checksum(data),
+                crc32c=framing.stored_checksum(data),
                 start=elements.start,
                 stop=elements.stop,
             )
@@ -181,7 +181,7 @@ class PartIO:
         except BaseException:
             held.release()
             raise
-        if len(data) == entry.size and wire.stored_checksum(data) == entry.crc32c:
+        if len(data) == entry.size and framing.stored_checksum(data) == entry.crc32c:
             return Part(name, shard, manifest, held.keep(data), trusted=True)
         held.release()
         log.warning(
@@ -197,11 +197,11 @@ class PartIO:
         manifest: Manifest,
         shard: int,
         own: tuple[FlatTensors, wire.ObjectMeta] | None = None,
-    ) -> Part | wire.WireFormatError:
+    ) -> Part | framing.WireFormatError:
         """A part from wherever it is (``own``: re-encode it), or the error naming its key."""
         try:
             if own is not None:
                 return self.own(own[0], name, manifest, shard, own[1])
             return self.download(name, manifest, shard)
-        except wire.WireFormatError as exc:
+        except framing.WireFormatError as exc:
             return exc

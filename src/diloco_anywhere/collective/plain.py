@@ -27,9 +27,10 @@ from collections.abc import Iterator
 import torch
 
 from diloco_anywhere.bucket.codec import make_codec
+from diloco_anywhere.bucket.codec_names import DEFAULT_CODEC, CodecName
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig, Work
-from diloco_anywhere.collective.round import RoundPolicy
+from diloco_anywhere.collective.allreduce import BucketCollective, Work
+from diloco_anywhere.collective.policy import CollectiveConfig, RoundPolicy
 
 
 class Collective:
@@ -44,9 +45,9 @@ class Collective:
         replicas: int,
         min_replicas: int | None = None,
         name: str = "allreduce",
-        codec: str = "fp32",
-        grace: float = 10.0,
-        timeout: float = 600.0,
+        codec: CodecName = DEFAULT_CODEC,
+        grace: float = RoundPolicy.grace,
+        timeout: float = RoundPolicy.timeout,
     ) -> None:
         """``replicas``: how many contribute to a round when all are up; ``min_replicas``
         (default: all of them) the fewest a round may seal with after ``grace`` seconds;

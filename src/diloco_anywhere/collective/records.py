@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import Field, field_validator, model_validator
 
@@ -12,6 +12,7 @@ from diloco_anywhere.bucket.framing import Count, Name
 from diloco_anywhere.bucket.layout import parse_contributor
 from diloco_anywhere.bucket.record import Record
 from diloco_anywhere.bucket.wire import max_object_nbytes
+from diloco_anywhere.collective.policy import ExchangeMode
 
 # Weights are tokens or samples per sync: 2^64 is beyond any run, and a sum of any number of
 # them stays far inside float64 (the mean scales each contribution by its share, mean.py).
@@ -74,9 +75,6 @@ class Manifest(Record):
                     f"values in {self.codec.name} take at most {most}"
                 )
         return self
-
-
-ExchangeMode = Literal["gather", "sharded"]
 
 
 class Seal(Record):

@@ -14,17 +14,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import random
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-from diloco_anywhere.bucket import wire
+from diloco_anywhere.bucket import framing, wire
 from diloco_anywhere.bucket.codec import Codec
 from diloco_anywhere.bucket.layout import Participant, RunLayout, parse_contributor
 from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, decode_record, encode_record
@@ -36,77 +33,12 @@ from diloco_anywhere.collective.membership import (
     newer_claim,
 )
 from diloco_anywhere.collective.parts import MissingPartError, Part, PartIO, Transfers
-from diloco_anywhere.collective.records import ExchangeMode, Manifest, PartEntry, Seal
+from diloco_anywhere.collective.policy import ExchangeMode, RoundPolicy
+from diloco_anywhere.collective.records import Manifest, PartEntry, Seal
 from diloco_anywhere.collective.transfers import windowed
 
 log = logging.getLogger(__name__)
 PartId = tuple[str, int]  # (contributor, shard)
-
-
-@dataclass(frozen=True)
-class RoundPolicy:
-    """When to seal, how to exchange, when to give up, and how contributions are split."""
-
-    min_replicas: int = 1
-    grace: float = 10.0  # seconds after the first contribution is seen
-    timeout: float = 600.0
-    # "auto" picks per round from the sealed count and the payload size (``exchange_mode``).
-    mode: Literal["auto", "gather", "sharded"] = "auto"
-    # The run's replica count: contributions split into a multiple of this many parts, so that
-    # in sharded mode every owner reduces an equal share.
-    expected_replicas: int = 1
-    # auto: shard once that saves at least this many download bytes per replica (see below).
-    sharded_min_saving: int = 64 << 20
-    # sharded: a shard whose reduction is still missing this long after the SEAL was seen is
-    # reduced by whoever notices (its owner died or stalls).
-    orphan_grace: float = 30.0
-    # At most 4 MiB of float32 per part: many parts per phase keep a window of connections
-    # busy to its end, and a sync's memory is window x part (docs/benchmarks.md, "Sync over
-    # a WAN", where the size was chosen).
-    part_elements: int = 1 << 20
-    # Parts in flight per round (encoding, uploading, downloading, waiting to be reduced): the
-    # bound on a round's host memory (window x part size) and its concurrent requests.
-    window: int = 8
-    # gather: checked parts kept in memory between the wait for the SEAL and the exchange, at
-    # most this many bytes; ``auto`` shards when the others' contributions would not fit.
-    gather_memory: int = 256 << 20
-    # Between polls: from poll_min, doubling to poll_max while a wait is young; once it has
-    # lasted a while, up to poll_share of its age, at most poll_cap (``poll_delays``).
-    poll_min: float = 0.05
-    poll_max: float = 0.2
-    poll_share: float = 0.05
-    poll_cap: float = 5.0
-
-    def poll_delays(self, clock: Callable[[], float] = time.monotonic) -> Iterator[float]:
-        """Seconds between polls: jittered exponential backoff whose ceiling follows the wait.
-
-        The upper bound doubles from ``poll_min`` to ``poll_max``, so a round whose
-        contributions arrive together is noticed within ~0.2 s. A wait that goes on (a
-        straggler, a slow owner) raises the ceiling to ``poll_share`` of its age, up to
-        ``poll_cap``: noticing the end of a 10-minute wait up to 5 s late costs under 1% of
-        it, and the waiting replica sends ~10x fewer requests than at a 200 ms ceiling (stores
-        rate-limit requests, and bill them; docs/benchmarks.md, "What waiting costs"). Each
-        delay is uniform between ``poll_min`` and the bound, so replicas polling the same
-        keys spread out. Restart it when a poll finds something."""
-        started, upper = clock(), self.poll_min
-        while True:
-            yield random.uniform(self.poll_min, upper)
-            ceiling = max(self.poll_max, self.poll_share * (clock() - started))
-            upper = min(self.poll_cap, ceiling, 2 * upper)
-
-    def exchange_mode(self, contributors: int, payload_bytes: int) -> ExchangeMode:
-        """``gather`` downloads ``(n - 1) P`` per replica, ``sharded`` ``2 P (n - 1) / n`` but
-        adds a put and a get in sequence (the reduced shards). Shard when the bytes saved,
-        ``P (n - 1)(n - 2) / n``, are worth two more store round trips: at ~50 ms each and
-        ~1 GB/s per replica, that is ~100 MB; the default threshold is 64 MiB. Shard too when
-        the others' contributions, ``(n - 1) P``, would not fit ``gather_memory``: a gather
-        keeps what it checked before the SEAL, and reads the rest twice."""
-        if self.mode != "auto":
-            return self.mode
-        n = contributors
-        saving = payload_bytes * (n - 1) * (n - 2) / n if n else 0
-        too_big = payload_bytes * (n - 1) > self.gather_memory
-        return "sharded" if saving >= self.sharded_min_saving or too_big else "gather"
 
 
 class RoundTimeoutError(TimeoutError):
@@ -274,23 +206,23 @@ class Round:
             manifest.incarnation,
         )
         if found != expected:
-            raise wire.WireFormatError(key, f"manifest is for {found}, expected {expected}")
+            raise framing.WireFormatError(key, f"manifest is for {found}, expected {expected}")
         replica, incarnation = parse_contributor(name)
         part_keys = [p.key for p in manifest.parts]
         if part_keys != [
             self.layout.part(self.round, self.fragment, replica, incarnation, shard)
             for shard in range(len(part_keys))
         ]:
-            raise wire.WireFormatError(key, "manifest names parts outside its own folder")
+            raise framing.WireFormatError(key, "manifest names parts outside its own folder")
         if reference is not None and manifest.fingerprint != reference.fingerprint:
             self._foreign[name] = manifest.fingerprint
-            raise wire.WireFormatError(
+            raise framing.WireFormatError(
                 key,
                 f"fingerprint {manifest.fingerprint!r} differs from this replica's "
                 f"{reference.fingerprint!r}: their global weights differ",
             )
         if reference is not None and not _same_layout(manifest, reference):
-            raise wire.WireFormatError(
+            raise framing.WireFormatError(
                 key,
                 f"{manifest.numel} elements in {len(manifest.parts)} parts with codec "
                 f"{manifest.codec!r}; this round has {reference.numel} in "
@@ -301,14 +233,14 @@ class Round:
 
     def parts_in_order(
         self, wanted: Iterable[PartId], window: int | None = None
-    ) -> Iterator[Part | wire.WireFormatError]:
+    ) -> Iterator[Part | framing.WireFormatError]:
         """Each of ``wanted`` in a pooled buffer, ``window`` (the transfers' by default) in
         flight, in order: kept from a gather prefetch, encoded again from our tensors if it
         is ours, else downloaded; or the error naming its key. The consumer releases each
         part."""
         manifests = dict(self.manifests)  # as now: exclusions meanwhile change nothing here
 
-        def fetch(part: PartId) -> Part | wire.WireFormatError:
+        def fetch(part: PartId) -> Part | framing.WireFormatError:
             name, shard = part
             if (cached := self.cache.pop(part, None)) is not None:
                 return cached
@@ -339,10 +271,10 @@ class Round:
                 release(part)
                 continue
             try:
-                if isinstance(part, wire.WireFormatError):
+                if isinstance(part, framing.WireFormatError):
                     raise part
                 part.verify()
-            except wire.WireFormatError as exc:
+            except framing.WireFormatError as exc:
                 release(part)
                 self._exclude(name, exc)
                 continue
@@ -365,7 +297,7 @@ class Round:
             self.manifests[name] = self._check_manifest(
                 name, data, self.manifests.get(self.me.name)
             )
-        except wire.WireFormatError as exc:
+        except framing.WireFormatError as exc:
             self._exclude(name, exc)
             return
         if prefetch:
@@ -524,7 +456,7 @@ class Round:
             try:
                 data = self.store.get(self.manifest_key(name), 0, RECORD_READ_LIMIT)
                 self.manifests[name] = self._check_manifest(name, data, reference=None)
-            except (wire.WireFormatError, FileNotFoundError) as exc:
+            except (framing.WireFormatError, FileNotFoundError) as exc:
                 raise self.unreadable(name, exc) from None
         return seal
 

@@ -34,7 +34,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
-from diloco_anywhere.bucket import wire
+from diloco_anywhere.bucket import framing, wire
 from diloco_anywhere.bucket.record import (
     RECORD_MAGIC,
     RECORD_READ_LIMIT,
@@ -90,16 +90,16 @@ class _ShardedExchange:
             for shard in shards:
                 entry = entries[shard]
                 mean = WeightedMean(accumulator[: entry.stop - entry.start], sum(self.weights))
-                failure: wire.WireFormatError | None = None
+                failure: framing.WireFormatError | None = None
                 for weight in self.weights:
                     part = next(parts)
                     try:
-                        if isinstance(part, wire.WireFormatError):
+                        if isinstance(part, framing.WireFormatError):
                             raise part
                         if failure is None:
                             for start, values in part.chunks():
                                 mean.add(start, values, weight)
-                    except wire.WireFormatError as exc:
+                    except framing.WireFormatError as exc:
                         failure = failure or exc
                     finally:
                         release(part)
@@ -123,7 +123,7 @@ class _ShardedExchange:
         self,
         shard: int,
         mean: WeightedMean,
-        failure: wire.WireFormatError | None,
+        failure: framing.WireFormatError | None,
         held: Held,
     ) -> bytes | memoryview:
         """The reduced shard as a wire object, or a ``ShardFailure`` record if a part is bad."""
@@ -187,13 +187,13 @@ class _ShardedExchange:
                 REDUCER,
                 shard,
             ) or header.numel != entry.stop - entry.start:
-                raise wire.WireFormatError(key, "reduced shard header does not match the SEAL")
+                raise framing.WireFormatError(key, "reduced shard header does not match the SEAL")
             checks = not trusted
             for start, values in reader.chunks(
                 self.destination.device, check_values=checks, check_checksum=checks
             ):
                 self.destination.write(entry.start + start, values)
-        except wire.WireFormatError as exc:
+        except framing.WireFormatError as exc:
             raise SealedContributionError(f"{self._where(shard)}: {exc}") from None
 
     def _largest(self, shard: int) -> int:

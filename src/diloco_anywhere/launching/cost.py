@@ -243,7 +243,8 @@ def round_traffic(
     """Bytes and requests per replica per outer step: a round per fragment, each split into
     parts and exchanged as the round does (``collective/round.py``), plus one metrics chunk."""
     from diloco_anywhere.bucket.codec import make_codec
-    from diloco_anywhere.collective.round import RoundPolicy, part_ranges
+    from diloco_anywhere.collective.policy import RoundPolicy
+    from diloco_anywhere.collective.round import part_ranges
 
     encoder, policy = make_codec(codec), RoundPolicy(mode=mode)  # type: ignore[arg-type]
     modes, totals = [], [0.0] * 6  # payload, parts, up, down, put_list, get

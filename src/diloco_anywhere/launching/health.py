@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.collective.membership import LeasePolicy
+from diloco_anywhere.collective.policy import LeasePolicy
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.launching.alerts import Alert
 from diloco_anywhere.training.metrics import ReplicaMetrics

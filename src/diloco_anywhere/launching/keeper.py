@@ -49,7 +49,8 @@ from diloco_anywhere.backends.base import (
 )
 from diloco_anywhere.bucket.layout import Participant, RunLayout
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.collective.membership import LeasePolicy, MembershipView
+from diloco_anywhere.collective.membership import MembershipView
+from diloco_anywhere.collective.policy import LeasePolicy
 from diloco_anywhere.config import ConfigError, KeepSection, RunConfig
 from diloco_anywhere.contract import EXIT_BAD_CONFIG, EXIT_SUPERSEDED
 from diloco_anywhere.launching.alerts import Alert, Alerts

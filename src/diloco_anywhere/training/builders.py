@@ -16,10 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torchft.local_sgd import DiLoCo
 
-from diloco_anywhere.bucket.codec import make_codec
-from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveConfig
-from diloco_anywhere.collective.membership import LeasePolicy
-from diloco_anywhere.collective.round import RoundPolicy
+from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.task import TaskContext
 from diloco_anywhere.training.global_state import GlobalState
@@ -29,23 +26,6 @@ from diloco_anywhere.training.replica_group import ReplicaGroup
 from diloco_anywhere.training.sharding import shard_model
 
 SINGLE_PROCESS = ReplicaGroup()
-
-
-def collective_config(config: RunConfig) -> CollectiveConfig:
-    return CollectiveConfig(
-        codec=make_codec(config.diloco.codec),
-        round=RoundPolicy(
-            min_replicas=config.run.min_replicas,
-            grace=config.sync.grace,
-            timeout=config.sync.timeout,
-            mode=config.sync.mode,
-            expected_replicas=config.run.replicas,
-            window=config.sync.window,
-            part_elements=config.sync.part_size // 4,
-        ),
-        lease=LeasePolicy(period=config.sync.lease_period),
-        keep_rounds=config.sync.keep_rounds,
-    )
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -163,7 +143,7 @@ def build_parts(
     manager = make_manager(
         group,
         collective,
-        codec=make_codec(diloco.codec),
+        collective.config if collective is not None else config.collective_config(),
         min_replicas=config.run.min_replicas,
         timeout=timedelta(seconds=2 * config.sync.timeout),  # a seal, then a reduce
     )

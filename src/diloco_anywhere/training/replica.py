@@ -49,7 +49,6 @@ from diloco_anywhere.collective.membership import SupersededError
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.training.builders import (
     build_parts,
-    collective_config,
     parallelize,
     resolve_device,
 )
@@ -114,7 +113,7 @@ class Replica:
                 check_sharding(store, layout, self._sharding())
             keep = config.checkpoint.keep
             self.collective = BucketCollective(
-                store, layout.run, replica_id, collective_config(config),
+                store, layout.run, replica_id, config.collective_config(),
                 retained_after=lambda: retained_after(store, layout, keep),  # healing replays
                 rank=self.group.rank if self.group.sharded else 0,
                 on_superseded=self._superseded,

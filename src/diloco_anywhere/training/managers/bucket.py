@@ -39,7 +39,6 @@ from typing import Any
 import torch
 from torch.distributed import ReduceOp
 
-from diloco_anywhere.bucket.codec import Codec, make_codec
 from diloco_anywhere.collective.allreduce import BucketCollective, RoundResult, Work
 from diloco_anywhere.collective.records import check_weight
 from diloco_anywhere.training.global_state import fingerprint, state_tree, tree_checksum
@@ -85,8 +84,9 @@ class SyncWork:
 class BucketManager:
     """The ``torchft.Manager`` surface DiLoCo uses, backed by a ``BucketCollective``.
 
-    ``codec`` encodes every sync; ``quantized_codec`` (int8 by default) those that torchft
-    asks to quantize (``should_quantize=True``). ``min_replicas``: a round sealed with fewer
+    The collective's config says what goes on the wire: its ``codec`` for every sync, its
+    ``quantized_codec`` for those torchft asks to quantize (``should_quantize=True``).
+    ``min_replicas``: a round sealed with fewer
     contributors is not committed. Each contribution is weighted by ``set_weight`` (the tokens
     a replica trained on per sync, which differ when platforms run different batch sizes).
     """
@@ -97,14 +97,12 @@ class BucketManager:
         self,
         collective: BucketCollective,
         *,
-        codec: Codec | None = None,
-        quantized_codec: Codec | None = None,
         min_replicas: int = 1,
         timeout: timedelta = timedelta(minutes=10),
     ) -> None:
         self._collective = collective
-        self._codec = codec or collective.config.codec
-        self._quantized_codec = quantized_codec or make_codec("int8")
+        self._codec = collective.config.codec
+        self._quantized_codec = collective.config.quantized_codec
         self._min_replicas, self._timeout = min_replicas, timeout
         self._step = self._batches_committed = 0
         self._sync = 0  # bucket round of the next sync: advances on every sync, committed or not

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from diloco_anywhere.bucket.codec import Codec
 from diloco_anywhere.bucket.layout import Participant
 from diloco_anywhere.collective.allreduce import BucketCollective, RoundResult
+from diloco_anywhere.collective.policy import CollectiveConfig
 from diloco_anywhere.collective.records import Seal
 from diloco_anywhere.collective.round import DivergedError
 from diloco_anywhere.training.managers.bucket import BucketManager
@@ -74,9 +74,11 @@ class LeaderManager(BucketManager):
 
 @dataclass(frozen=True)
 class _Leader:
-    """Who the other ranks sync as: the leader's participant (a manager's ``collective``)."""
+    """Who the other ranks sync as (a manager's ``collective``): the leader's participant,
+    with the run's collective config, as the leader's own."""
 
     me: Participant
+    config: CollectiveConfig
 
     def close(self) -> None:
         """Nothing of the bucket's to close: the leader holds it."""
@@ -86,8 +88,8 @@ class FollowerManager(BucketManager):
     """Another rank's manager: sends nothing, and takes each sync's decision and mean from the
     leader in ``should_commit``."""
 
-    def __init__(self, group: ReplicaGroup, codec: Codec, **kwargs: Any) -> None:
-        super().__init__(_Leader(group.broadcast(None)), codec=codec, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, group: ReplicaGroup, config: CollectiveConfig, **kwargs: Any) -> None:
+        super().__init__(_Leader(group.broadcast(None), config), **kwargs)  # type: ignore[arg-type]
         self._group = group
 
     def send(self) -> None:
@@ -109,14 +111,15 @@ class FollowerManager(BucketManager):
 
 
 def make_manager(
-    group: ReplicaGroup, collective: BucketCollective | None, codec: Codec, **kwargs: Any
-) -> BucketManager:
+    group: ReplicaGroup, collective: BucketCollective | None, config: CollectiveConfig,
+    **kwargs: Any,
+) -> BucketManager:  # fmt: skip
     """The manager of this process: the bucket's alone, a rank's of a sharded replica, the
-    leader's, or a follower's."""
+    leader's, or a follower's (which holds no collective: ``config`` is the run's)."""
     if group.world_size == 1:
-        return BucketManager(collective, codec=codec, **kwargs)  # type: ignore[arg-type]
+        return BucketManager(collective, **kwargs)  # type: ignore[arg-type]
     if group.sharded:
-        return ShardManager(group, collective, codec=codec, **kwargs)  # type: ignore[arg-type]
+        return ShardManager(group, collective, **kwargs)  # type: ignore[arg-type]
     if group.is_leader:
-        return LeaderManager(group, collective, codec=codec, **kwargs)  # type: ignore[arg-type]
-    return FollowerManager(group, codec, **kwargs)
+        return LeaderManager(group, collective, **kwargs)  # type: ignore[arg-type]
+    return FollowerManager(group, config, **kwargs)

@@ -1,0 +1,123 @@
+"""The collective's settings, each default written here once: when a round seals and gives up,
+how it exchanges and splits contributions (``RoundPolicy``), how often members renew their
+leases (``LeasePolicy``), and what goes on the wire (``CollectiveConfig``). run.toml's
+``[sync]`` section takes its defaults from these and builds them (``config.py``).
+
+Torch-free, so that reading a run's configuration (every ``diloco`` command) loads no torch:
+a codec is built, in torch, only when a collective is (``_codec``).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from diloco_anywhere.bucket.codec_names import DEFAULT_CODEC, CodecName
+
+if TYPE_CHECKING:
+    from diloco_anywhere.bucket.codec import Codec
+
+ExchangeMode = Literal["gather", "sharded"]
+ExchangeChoice = Literal["auto", "gather", "sharded"]
+
+
+def _codec(name: CodecName) -> Codec:
+    from diloco_anywhere.bucket.codec import make_codec  # torch: only when a collective is built
+
+    return make_codec(name)
+
+
+@dataclass(frozen=True)
+class RoundPolicy:
+    """When to seal, how to exchange, when to give up, and how contributions are split."""
+
+    min_replicas: int = 1
+    grace: float = 10.0  # seconds after the first contribution is seen
+    timeout: float = 600.0
+    # "auto" picks per round from the sealed count and the payload size (``exchange_mode``).
+    mode: ExchangeChoice = "auto"
+    # The run's replica count: contributions split into a multiple of this many parts, so that
+    # in sharded mode every owner reduces an equal share.
+    expected_replicas: int = 1
+    # auto: shard once that saves at least this many download bytes per replica (see below).
+    sharded_min_saving: int = 64 << 20
+    # sharded: a shard whose reduction is still missing this long after the SEAL was seen is
+    # reduced by whoever notices (its owner died or stalls).
+    orphan_grace: float = 30.0
+    # At most 4 MiB of float32 per part: many parts per phase keep a window of connections
+    # busy to its end, and a sync's memory is window x part (docs/benchmarks.md, "Sync over
+    # a WAN", where the size was chosen).
+    part_elements: int = 1 << 20
+    # Parts in flight per round (encoding, uploading, downloading, waiting to be reduced): the
+    # bound on a round's host memory (window x part size) and its concurrent requests.
+    window: int = 8
+    # gather: checked parts kept in memory between the wait for the SEAL and the exchange, at
+    # most this many bytes; ``auto`` shards when the others' contributions would not fit.
+    gather_memory: int = 256 << 20
+    # Between polls: from poll_min, doubling to poll_max while a wait is young; once it has
+    # lasted a while, up to poll_share of its age, at most poll_cap (``poll_delays``).
+    poll_min: float = 0.05
+    poll_max: float = 0.2
+    poll_share: float = 0.05
+    poll_cap: float = 5.0
+
+    def poll_delays(self, clock: Callable[[], float] = time.monotonic) -> Iterator[float]:
+        """Seconds between polls: jittered exponential backoff whose ceiling follows the wait.
+
+        The upper bound doubles from ``poll_min`` to ``poll_max``, so a round whose
+        contributions arrive together is noticed within ~0.2 s. A wait that goes on (a
+        straggler, a slow owner) raises the ceiling to ``poll_share`` of its age, up to
+        ``poll_cap``: noticing the end of a 10-minute wait up to 5 s late costs under 1% of
+        it, and the waiting replica sends ~10x fewer requests than at a 200 ms ceiling (stores
+        rate-limit requests, and bill them; docs/benchmarks.md, "What waiting costs"). Each
+        delay is uniform between ``poll_min`` and the bound, so replicas polling the same
+        keys spread out. Restart it when a poll finds something."""
+        started, upper = clock(), self.poll_min
+        while True:
+            yield random.uniform(self.poll_min, upper)
+            ceiling = max(self.poll_max, self.poll_share * (clock() - started))
+            upper = min(self.poll_cap, ceiling, 2 * upper)
+
+    def exchange_mode(self, contributors: int, payload_bytes: int) -> ExchangeMode:
+        """``gather`` downloads ``(n - 1) P`` per replica, ``sharded`` ``2 P (n - 1) / n`` but
+        adds a put and a get in sequence (the reduced shards). Shard when the bytes saved,
+        ``P (n - 1)(n - 2) / n``, are worth two more store round trips: at ~50 ms each and
+        ~1 GB/s per replica, that is ~100 MB; the default threshold is 64 MiB. Shard too when
+        the others' contributions, ``(n - 1) P``, would not fit ``gather_memory``: a gather
+        keeps what it checked before the SEAL, and reads the rest twice."""
+        if self.mode != "auto":
+            return self.mode
+        n = contributors
+        saving = payload_bytes * (n - 1) * (n - 2) / n if n else 0
+        too_big = payload_bytes * (n - 1) > self.gather_memory
+        return "sharded" if saving >= self.sharded_min_saving or too_big else "gather"
+
+
+@dataclass(frozen=True)
+class LeasePolicy:
+    period: float = 10.0  # seconds between a member's leases, on its own monotonic clock
+    # A member whose lease a reader has seen unchanged for ``misses`` periods is dead: one
+    # period between beats, plus room for a slow put and for the reader's polling interval.
+    misses: int = 3
+    skew_every: int = 30  # beats between measurements of the clock's skew (every 5 min)
+
+    @property
+    def expiry(self) -> float:
+        return self.period * self.misses
+
+
+@dataclass(frozen=True)
+class CollectiveConfig:
+    """A collective's settings: what goes on the wire, rounds, leases, garbage collection. A
+    run builds it from run.toml once (``RunConfig.collective_config``), codec included."""
+
+    codec: Codec = field(default_factory=lambda: _codec(DEFAULT_CODEC))
+    # What torchft's DiLoCo sends when it asks to quantize (``should_quantize=True``)
+    quantized_codec: Codec = field(default_factory=lambda: _codec("int8"))
+    round: RoundPolicy = field(default_factory=RoundPolicy)
+    lease: LeasePolicy = field(default_factory=LeasePolicy)
+    max_rounds_in_flight: int = 4  # e.g. one per Streaming DiLoCo fragment
+    keep_rounds: int = 2  # per fragment: the newest rounds never collected (collect.py)
