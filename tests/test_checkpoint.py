@@ -25,7 +25,6 @@ from diloco_anywhere.training.checkpoint import (
     CheckpointWriter,
     ShardOf,
     committed_rounds,
-    copy_checkpoint,
     flatten,
     load_checkpoint,
     newest_checkpoints,
@@ -37,6 +36,7 @@ from diloco_anywhere.training.checkpoint import (
     whole_tree,
 )
 from diloco_anywhere.training.global_state import LocalShard, fingerprint, tree_checksum
+from diloco_anywhere.training.mirrors import copy_checkpoint
 
 RUN = RunLayout("run")
 CONTRIBUTORS = ("a-0", "b-0", "c-0")

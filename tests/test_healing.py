@@ -30,7 +30,6 @@ from diloco_anywhere.training.checkpoint import (
     CheckpointPolicy,
     CheckpointWriter,
     committed_rounds,
-    copy_checkpoint,
     load_checkpoint,
     read_checkpoint,
 )
@@ -44,6 +43,7 @@ from diloco_anywhere.training.loop import (
     task_context,
 )
 from diloco_anywhere.training.metrics import MetricsReader, MetricsWriter
+from diloco_anywhere.training.mirrors import copy_checkpoint
 from diloco_anywhere.training.replica_group import ReplicaGroup
 from proxy import Fault, FaultProxy
 from test_checkpoint import record_bytes, rewrite_counters

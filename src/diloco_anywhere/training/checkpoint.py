@@ -166,7 +166,8 @@ class Checkpoint:
 @dataclass(frozen=True)
 class StoredPart:
     """One rank's part of a sharded checkpoint as bytes: what a mirror copy of that rank
-    writes (``copy_part``). Rank 0's carries the COMMIT, written once every rank's part is in."""
+    writes (``mirrors.copy_part``). Rank 0's carries the COMMIT, written once every rank's
+    part is in."""
 
     round: int
     rank: int
@@ -179,7 +180,7 @@ class StoredPart:
 @dataclass(frozen=True)
 class StoredCheckpoint:
     """A committed checkpoint as bytes, each object checked against its COMMIT: what a copy
-    to another store writes (``copy_checkpoint``)."""
+    to another store writes (``mirrors.copy_checkpoint``)."""
 
     commit: CheckpointCommit
     commit_bytes: bytes
@@ -656,7 +657,7 @@ def prune_checkpoints(store: Store, layout: RunLayout, keep: int, newest: int) -
     to round ``newest`` (the one just written). Counting from the round written, not from the
     store's newest, keeps a mirror useful when it still holds checkpoints of later rounds from
     an earlier run of the same name (started over, or resumed from an older checkpoint): those
-    are replaced as the run reaches their rounds (``copy_checkpoint``)."""
+    are replaced as the run reaches their rounds (``mirrors.copy_checkpoint``)."""
     committed = [round_ for round_ in committed_rounds(store, layout) if round_ <= newest]
     if len(committed) < keep:
         return
@@ -668,70 +669,6 @@ def prune_checkpoints(store: Store, layout: RunLayout, keep: int, newest: int) -
     rounds = (parse_count(folder, MAX_ROUND) for folder in folders)  # None: no checkpoint's
     for round_ in sorted(r for r in rounds if r is not None and r < oldest_kept):
         store.delete_prefix(layout.checkpoint(round_))
-
-
-def copy_checkpoint(store: Store, layout: RunLayout, checkpoint: StoredCheckpoint) -> None:
-    """Put a committed checkpoint into ``store``: its objects, each read back and compared
-    with the bytes committed, then its COMMIT, so that ``store`` never holds a COMMIT whose
-    objects are not intact there. Whatever the round's folder held before, unless it is this
-    very checkpoint, goes first: a copy cut short, or a checkpoint of the same round from an
-    earlier run of the same name (a create-only put would refuse its keys)."""
-    round_ = checkpoint.commit.round
-    folder, commit_key = layout.checkpoint(round_), layout.checkpoint_commit(round_)
-    if _holds(store, commit_key, checkpoint.commit_bytes):
-        return  # copied before
-    if removed := store.delete_prefix(folder):
-        log.warning("%s: replaced %d objects under %s: a copy cut short, or another run's "
-                    "checkpoint of round %d", store.url, removed, folder, round_)  # fmt: skip
-    _put_checked(store, checkpoint.objects)
-    store.put(commit_key, checkpoint.commit_bytes)
-
-
-def copy_part(
-    store: Store, layout: RunLayout, stored: StoredPart, policy: CheckpointPolicy
-) -> None:
-    """Put one rank's part of a sharded checkpoint into ``store`` (a mirror): its objects,
-    each read back and compared, then its PART record; rank 0's copy then waits for every
-    rank's PART there, as it was committed, and puts the COMMIT. What the rank's folder held
-    before, unless it is this very part, goes first, as in ``copy_checkpoint``; so does a
-    COMMIT of the round that is not this one (an earlier run's), before any part is copied."""
-    round_, commit_key = stored.round, layout.checkpoint_commit(stored.round)
-    if stored.commit is not None:
-        if _holds(store, commit_key, stored.commit_bytes):
-            return  # copied before
-        store.delete_prefix(commit_key)
-    record, done_key = encode_record(stored.part), layout.checkpoint_rank_done(round_, stored.rank)
-    if not _holds(store, done_key, record):
-        folder = layout.checkpoint_part(round_, stored.rank)
-        if removed := store.delete_prefix(folder):
-            log.warning("%s: replaced %d objects under %s: a copy cut short, or another run's "
-                        "checkpoint of round %d", store.url, removed, folder, round_)  # fmt: skip
-        _put_checked(store, stored.objects)
-        store.put(done_key, record)
-    if stored.commit is not None:
-        ranks = range(len(stored.commit.ranks))
-        committed = stored.commit.ranks
-        wait_for_parts(
-            store, layout, round_, ranks, policy, lambda k, part: part == committed[k],
-            replaceable=True,
-        )  # fmt: skip
-        store.put(commit_key, stored.commit_bytes)
-
-
-def _holds(store: Store, key: str, data: bytes) -> bool:
-    """Whether ``key`` holds exactly ``data``."""
-    try:
-        return store.get(key, 0, len(data) + 1) == data
-    except FileNotFoundError:
-        return False
-
-
-def _put_checked(store: Store, objects: dict[str, bytes]) -> None:
-    """Put ``objects``, then read each back: a copy is done only when its bytes are there."""
-    store.put_many(objects)
-    for key, data in objects.items():
-        if store.get(key, 0, len(data) + 1) != data:
-            raise OSError(f"{key} in {store.url} reads back other bytes than were written")
 
 
 # -- reading -------------------------------------------------------------------------------
