@@ -18,7 +18,7 @@ from diloco_anywhere.collective.allreduce import BucketCollective, CollectiveCon
 from diloco_anywhere.collective.mean import weighted_mean
 from diloco_anywhere.collective.membership import Heartbeat, LeasePolicy, claim_incarnation
 from diloco_anywhere.collective.round import RoundPolicy, RoundTimeoutError
-from diloco_anywhere.training.checkpoint import prune_checkpoints
+from diloco_anywhere.training.checkpoints.writer import prune_checkpoints
 from diloco_anywhere.training.metrics import MetricsReader, MetricsWriter
 
 CONFIG = CollectiveConfig(

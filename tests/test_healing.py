@@ -26,13 +26,9 @@ from diloco_anywhere.collective.round import DivergedError, ModelMismatchError
 from diloco_anywhere.config import load_config
 from diloco_anywhere.replica import run_replica
 from diloco_anywhere.task import build_task
-from diloco_anywhere.training.checkpoint import (
-    CheckpointPolicy,
-    CheckpointWriter,
-    committed_rounds,
-    load_checkpoint,
-    read_checkpoint,
-)
+from diloco_anywhere.training.checkpoints.catalogue import committed_rounds
+from diloco_anywhere.training.checkpoints.reader import load_checkpoint, read_checkpoint
+from diloco_anywhere.training.checkpoints.writer import CheckpointPolicy, CheckpointWriter
 from diloco_anywhere.training.global_state import fingerprint
 from diloco_anywhere.training.healing import HealError, heal
 from diloco_anywhere.training.loop import (

@@ -31,7 +31,8 @@ from diloco_anywhere.collective.membership import LeasePolicy, SupersededError
 from diloco_anywhere.collective.round import DivergedError, RoundPolicy
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.task import Batch, Task, TaskContext, build_task
-from diloco_anywhere.training.checkpoint import CheckpointPolicy, CheckpointWriter, ShardOf
+from diloco_anywhere.training.checkpoints.records import ShardOf
+from diloco_anywhere.training.checkpoints.writer import CheckpointPolicy, CheckpointWriter
 from diloco_anywhere.training.global_state import GlobalState, fingerprint
 from diloco_anywhere.training.healing import ALONE, heal
 from diloco_anywhere.training.manager import BucketManager

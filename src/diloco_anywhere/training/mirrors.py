@@ -26,16 +26,17 @@ from dataclasses import dataclass
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.record import encode_record
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.training.checkpoint import (
+from diloco_anywhere.training.checkpoints.catalogue import committed_rounds
+from diloco_anywhere.training.checkpoints.reader import read_checkpoint, read_commit
+from diloco_anywhere.training.checkpoints.records import (
     CheckpointCommit,
     CheckpointError,
-    CheckpointPolicy,
     StoredCheckpoint,
     StoredPart,
-    committed_rounds,
+)
+from diloco_anywhere.training.checkpoints.writer import (
+    CheckpointPolicy,
     prune_checkpoints,
-    read_checkpoint,
-    read_commit,
     wait_for_parts,
 )
 

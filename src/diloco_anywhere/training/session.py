@@ -47,7 +47,7 @@ from diloco_anywhere.bucket.store import Store, scrub_secrets
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.membership import SupersededError
 from diloco_anywhere.config import RunConfig
-from diloco_anywhere.training.checkpoint import retained_after
+from diloco_anywhere.training.checkpoints.catalogue import retained_after
 from diloco_anywhere.training.command import DONE, JOINED, report
 from diloco_anywhere.training.loop import (
     Training,
