@@ -19,7 +19,7 @@ from diloco_anywhere.collective.mean import weighted_mean
 from diloco_anywhere.collective.membership import Heartbeat, claim_incarnation
 from diloco_anywhere.collective.policy import CollectiveConfig, LeasePolicy, RoundPolicy
 from diloco_anywhere.collective.round import RoundTimeoutError
-from diloco_anywhere.training.checkpoint import prune_checkpoints
+from diloco_anywhere.training.checkpoints.writer import prune_checkpoints
 from diloco_anywhere.training.metrics import MetricsReader, MetricsWriter
 
 CONFIG = CollectiveConfig(

@@ -35,14 +35,13 @@ from diloco_anywhere.collective.policy import RoundPolicy
 from diloco_anywhere.collective.round import Round, SealedContributionError
 from diloco_anywhere.config import ConfigError, RunConfig, load_config
 from diloco_anywhere.published_config import MAX_CONFIG_BYTES, config_text, read_config
-from diloco_anywhere.training.checkpoint import (
+from diloco_anywhere.training.checkpoints.reader import load_checkpoint
+from diloco_anywhere.training.checkpoints.records import (
     Checkpoint,
     CheckpointCommit,
     CheckpointError,
-    CheckpointPolicy,
-    CheckpointWriter,
-    load_checkpoint,
 )
+from diloco_anywhere.training.checkpoints.writer import CheckpointPolicy, CheckpointWriter
 from diloco_anywhere.training.metrics import MetricsReader, MetricsWriter, StepLine
 
 RUN = RunLayout("run")

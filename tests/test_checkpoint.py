@@ -18,25 +18,21 @@ from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.record import RECORD_MAGIC, decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.bucket.wire import PREFIX, VERSION
-from diloco_anywhere.training.checkpoint import (
-    CheckpointCommit,
-    CheckpointError,
-    CheckpointPolicy,
-    CheckpointWriter,
-    ShardOf,
+from diloco_anywhere.training.checkpoints.catalogue import (
     committed_rounds,
-    copy_checkpoint,
-    flatten,
-    load_checkpoint,
     newest_checkpoints,
-    plan_shards,
+    retained_after,
+)
+from diloco_anywhere.training.checkpoints.reader import (
+    load_checkpoint,
     read_checkpoint,
     read_commit,
-    retained_after,
-    unflatten,
-    whole_tree,
 )
+from diloco_anywhere.training.checkpoints.records import CheckpointCommit, CheckpointError, ShardOf
+from diloco_anywhere.training.checkpoints.tree import flatten, plan_shards, unflatten, whole_tree
+from diloco_anywhere.training.checkpoints.writer import CheckpointPolicy, CheckpointWriter
 from diloco_anywhere.training.global_state import LocalShard, fingerprint, tree_checksum
+from diloco_anywhere.training.mirrors import copy_checkpoint
 
 RUN = RunLayout("run")
 CONTRIBUTORS = ("a-0", "b-0", "c-0")

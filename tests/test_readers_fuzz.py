@@ -22,15 +22,14 @@ from diloco_anywhere.bucket.record import decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.membership import Claim, Lease
 from diloco_anywhere.collective.records import Manifest, PartEntry, Seal, ShardFailure
-from diloco_anywhere.training.checkpoint import (
+from diloco_anywhere.training.checkpoints.reader import load_checkpoint
+from diloco_anywhere.training.checkpoints.records import (
     Checkpoint,
     CheckpointCommit,
     CheckpointError,
-    CheckpointPolicy,
-    CheckpointWriter,
     StoredObject,
-    load_checkpoint,
 )
+from diloco_anywhere.training.checkpoints.writer import CheckpointPolicy, CheckpointWriter
 from diloco_anywhere.training.metrics import EventLine, MetricsChunk, StepLine, SyncLine
 from test_checkpoint import counters_after, diloco_like_state, record_bytes, rewrite_counters
 

@@ -178,7 +178,7 @@ class RunLayout:
         return f"{self.run}/checkpoints"
 
     def checkpoint(self, round_: int) -> str:
-        """The global state after round ``round_`` (``checkpoint.py``)."""
+        """The global state after round ``round_`` (``training/checkpoints/``)."""
         return f"{self.checkpoints()}/{_check_count(round_, 'round', MAX_ROUND):0{ROUND_DIGITS}d}"
 
     def checkpoint_part(self, round_: int, rank: int | None = None) -> str:

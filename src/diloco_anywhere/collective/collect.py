@@ -5,7 +5,7 @@ still reading results) can be many rounds behind the others. So the deleter, the
 contributor of each round, deletes only rounds that every live member's lease reports finished
 (leases are up to a period old, which errs toward keeping), and never the newest
 ``keep_rounds``, nor any round after ``retained_after()`` (what healing replays from the
-checkpoints kept, ``checkpoint.py``). A round's SEAL stays: a replica that reaches a collected
+checkpoints kept, ``checkpoints/``). A round's SEAL stays: a replica that reaches a collected
 round anyway finds it sealed without it and fails, rather than sealing a fresh round alone.
 The bucket's lifecycle rule removes what the collector leaves (rounds of members that died).
 """

@@ -33,12 +33,9 @@ from diloco_anywhere.launching.report import RunSummary, summarize
 from diloco_anywhere.published_config import config_text
 from diloco_anywhere.task import Task, TaskContext, build_task
 from diloco_anywhere.training.builders import split_fragments
-from diloco_anywhere.training.checkpoint import (
-    Checkpoint,
-    CheckpointError,
-    load_checkpoint,
-    newest_checkpoints,
-)
+from diloco_anywhere.training.checkpoints.catalogue import newest_checkpoints
+from diloco_anywhere.training.checkpoints.reader import load_checkpoint
+from diloco_anywhere.training.checkpoints.records import Checkpoint, CheckpointError
 from diloco_anywhere.training.global_state import FRAGMENT_KEY
 from diloco_anywhere.training.metrics import MetricsReader
 

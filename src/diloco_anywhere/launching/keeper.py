@@ -72,7 +72,9 @@ from diloco_anywhere.launching.status_page import (
     render_page,
     status_document,
 )
-from diloco_anywhere.training.checkpoint import CheckpointError, committed_rounds, read_commit
+from diloco_anywhere.training.checkpoints.catalogue import committed_rounds
+from diloco_anywhere.training.checkpoints.reader import read_commit
+from diloco_anywhere.training.checkpoints.records import CheckpointError
 from diloco_anywhere.training.metrics import MetricsReader, ReplicaMetrics
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 torchft heals a joining replica by sending it a peer's state over HTTP or the process group;
 ours cannot reach each other. So a replica that starts while a run is going (new, restarted
 after a crash, or relaunched after the whole run stopped), or whose state diverged from the
-others', loads the newest committed checkpoint that reads back intact (``checkpoint.py``) and
+others', loads the newest committed checkpoint that reads back intact (``checkpoints/``) and
 replays every round sealed since, in order, through the outer optimizer (``global_state.py``).
 
 Every step is checked. A loaded checkpoint must reproduce the fingerprint in its COMMIT, and
@@ -45,15 +45,17 @@ from diloco_anywhere.collective.round import (
     RoundDataMissingError,
     SealedContributionError,
 )
-from diloco_anywhere.training.checkpoint import (
+from diloco_anywhere.training.checkpoints.catalogue import (
+    checkpoint_holders,
+    first_intact,
+    newest_checkpoints,
+)
+from diloco_anywhere.training.checkpoints.records import (
     WHOLE,
     Checkpoint,
     CheckpointCommit,
     Confirm,
     ShardOf,
-    checkpoint_holders,
-    first_intact,
-    newest_checkpoints,
 )
 from diloco_anywhere.training.global_state import GlobalState, fingerprint, local_tensor
 from diloco_anywhere.training.managers.bucket import BucketManager

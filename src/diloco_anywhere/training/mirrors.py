@@ -2,14 +2,14 @@
 run's store (a deleted bucket, a region outage, an expired account) does not lose the run.
 
 Writing: the replica that commits a checkpoint copies it, after the commit, to each store of
-``[checkpoint] mirrors``, under the same keys (``checkpoint.copy_checkpoint``: the objects
-first, each read back and compared, then the COMMIT). In a sharded replica every rank copies
-its own part, and rank 0 the COMMIT once every part is in the mirror (``copy_part``). Old
-checkpoints are pruned in each mirror as in the store. A mirror never holds training back:
-copies run on a thread of their own, one checkpoint at a time per mirror (a copy still running
-when the next checkpoint is committed is skipped for that mirror, logged; the run's last
-checkpoint waits for it instead), and a mirror that fails is reported through ``report`` (the
-run's metrics: ``diloco status`` shows it), never raised.
+``[checkpoint] mirrors``, under the same keys (``copy_checkpoint``: the objects first, each
+read back and compared, then the COMMIT). In a sharded replica every rank copies its own part,
+and rank 0 the COMMIT once every part is in the mirror (``copy_part``). Old checkpoints are
+pruned in each mirror as in the store. A mirror never holds training back: copies run on a
+thread of their own, one checkpoint at a time per mirror (a copy still running when the next
+checkpoint is committed is skipped for that mirror, logged; the run's last checkpoint waits for
+it instead), and a mirror that fails is reported through ``report`` (the run's metrics:
+``diloco status`` shows it), never raised.
 
 Reading: healing takes a mirror's checkpoint when the store has no intact one as new
 (``healing.py``), and ``diloco launch --resume-from URL`` starts a run whose store was lost
@@ -24,19 +24,20 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.record import encode_record
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.training.checkpoint import (
+from diloco_anywhere.training.checkpoints.catalogue import committed_rounds
+from diloco_anywhere.training.checkpoints.reader import read_checkpoint, read_commit
+from diloco_anywhere.training.checkpoints.records import (
     CheckpointCommit,
     CheckpointError,
-    CheckpointPolicy,
     StoredCheckpoint,
     StoredPart,
-    committed_rounds,
-    copy_checkpoint,
-    copy_part,
+)
+from diloco_anywhere.training.checkpoints.writer import (
+    CheckpointPolicy,
     prune_checkpoints,
-    read_checkpoint,
-    read_commit,
+    wait_for_parts,
 )
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,70 @@ class MirrorWriter:
         self._executor.shutdown(wait=True)
         for store in self.stores:
             store.close()
+
+
+def copy_checkpoint(store: Store, layout: RunLayout, checkpoint: StoredCheckpoint) -> None:
+    """Put a committed checkpoint into ``store``: its objects, each read back and compared
+    with the bytes committed, then its COMMIT, so that ``store`` never holds a COMMIT whose
+    objects are not intact there. Whatever the round's folder held before, unless it is this
+    very checkpoint, goes first: a copy cut short, or a checkpoint of the same round from an
+    earlier run of the same name (a create-only put would refuse its keys)."""
+    round_ = checkpoint.commit.round
+    folder, commit_key = layout.checkpoint(round_), layout.checkpoint_commit(round_)
+    if _holds(store, commit_key, checkpoint.commit_bytes):
+        return  # copied before
+    if removed := store.delete_prefix(folder):
+        log.warning("%s: replaced %d objects under %s: a copy cut short, or another run's "
+                    "checkpoint of round %d", store.url, removed, folder, round_)  # fmt: skip
+    _put_checked(store, checkpoint.objects)
+    store.put(commit_key, checkpoint.commit_bytes)
+
+
+def copy_part(
+    store: Store, layout: RunLayout, stored: StoredPart, policy: CheckpointPolicy
+) -> None:
+    """Put one rank's part of a sharded checkpoint into ``store`` (a mirror): its objects,
+    each read back and compared, then its PART record; rank 0's copy then waits for every
+    rank's PART there, as it was committed, and puts the COMMIT. What the rank's folder held
+    before, unless it is this very part, goes first, as in ``copy_checkpoint``; so does a
+    COMMIT of the round that is not this one (an earlier run's), before any part is copied."""
+    round_, commit_key = stored.round, layout.checkpoint_commit(stored.round)
+    if stored.commit is not None:
+        if _holds(store, commit_key, stored.commit_bytes):
+            return  # copied before
+        store.delete_prefix(commit_key)
+    record, done_key = encode_record(stored.part), layout.checkpoint_rank_done(round_, stored.rank)
+    if not _holds(store, done_key, record):
+        folder = layout.checkpoint_part(round_, stored.rank)
+        if removed := store.delete_prefix(folder):
+            log.warning("%s: replaced %d objects under %s: a copy cut short, or another run's "
+                        "checkpoint of round %d", store.url, removed, folder, round_)  # fmt: skip
+        _put_checked(store, stored.objects)
+        store.put(done_key, record)
+    if stored.commit is not None:
+        ranks = range(len(stored.commit.ranks))
+        committed = stored.commit.ranks
+        wait_for_parts(
+            store, layout, round_, ranks, policy, lambda k, part: part == committed[k],
+            replaceable=True,
+        )  # fmt: skip
+        store.put(commit_key, stored.commit_bytes)
+
+
+def _holds(store: Store, key: str, data: bytes) -> bool:
+    """Whether ``key`` holds exactly ``data``."""
+    try:
+        return store.get(key, 0, len(data) + 1) == data
+    except FileNotFoundError:
+        return False
+
+
+def _put_checked(store: Store, objects: dict[str, bytes]) -> None:
+    """Put ``objects``, then read each back: a copy is done only when its bytes are there."""
+    store.put_many(objects)
+    for key, data in objects.items():
+        if store.get(key, 0, len(data) + 1) != data:
+            raise OSError(f"{key} in {store.url} reads back other bytes than were written")
 
 
 class ResumeError(ValueError):

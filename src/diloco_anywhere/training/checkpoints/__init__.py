@@ -1,0 +1,15 @@
+"""Global checkpoints in the bucket: the run's global state after a round, never pickled
+(docs/checkpoints.md).
+
+One concern per module, where there was one file of a thousand lines; each imports only the
+ones above it in this list, so none needs the whole:
+
+- ``records``: the COMMIT and PART records, and the data classes the others pass around;
+- ``tree``: a state tree as path-named tensors plus a JSON structure, and back;
+- ``reader``: one committed checkpoint loaded, every byte checked;
+- ``catalogue``: which checkpoints exist, and the newest that loads intact;
+- ``writer``: writing, committing and pruning them.
+
+Copying a checkpoint to another store lives with the mirrors (``training/mirrors.py``). Nothing
+is re-exported here: import each name from its module.
+"""

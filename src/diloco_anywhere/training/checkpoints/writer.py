@@ -1,0 +1,348 @@
+"""Writing global checkpoints: every sealed contributor of a round writes its share of the
+state, and one commits it.
+
+Every sealed contributor of round ``r`` holds the same state, so they write the shards in
+parallel, shard ``s`` by ``contributors[s % n]`` (the sharded exchange's rule). The first
+contributor commits: it waits for the other shards, writes any still missing after
+``orphan_grace`` itself (identical bytes, which the create-only put accepts), then puts the
+COMMIT. A sharded replica's ranks each write their own part and PART record, and rank 0
+commits once every rank's is in (``wait_for_parts``). The committer then prunes the old
+checkpoints (``prune_checkpoints``) and hands the new one to the mirrors (``mirrors.py``).
+Writing runs on a thread of its own: training waits only for the state to be copied.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import crc32c
+
+from diloco_anywhere.bucket.layout import MAX_ROUND, RunLayout, parse_count
+from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, decode_record, encode_record
+from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.bucket.wire import WireFormatError
+from diloco_anywhere.training.checkpoints.catalogue import committed_rounds
+from diloco_anywhere.training.checkpoints.reader import read_commit
+from diloco_anywhere.training.checkpoints.records import (
+    WHOLE,
+    CheckpointCommit,
+    CheckpointError,
+    RankPart,
+    ShardOf,
+    StoredCheckpoint,
+    StoredObject,
+    StoredPart,
+)
+from diloco_anywhere.training.checkpoints.tree import encode_shard, flatten, plan_shards, snapshot
+from diloco_anywhere.training.global_state import combine_fingerprints, fingerprint, tree_checksum
+
+log = logging.getLogger(__name__)
+
+
+def _entry(key: str, data: bytes) -> StoredObject:
+    return StoredObject(key=key, size=len(data), crc32c=crc32c.crc32c(data))
+
+
+def _commit_fields(layout: RunLayout, round_: int, tree: dict[str, Any]) -> dict[str, Any]:
+    """A COMMIT's description of the state ``tree`` (the whole, or one rank's part)."""
+    counters = tree["manager"]
+    return {
+        "run": layout.run,
+        "round": round_,
+        "step": counters["step"],
+        "sync": counters["sync"],
+        "fingerprint": fingerprint(counters["step"], tree_checksum(tree["fragments"])),
+        "time": time.time(),
+    }
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    keep: int = 2  # committed checkpoints kept (rounds after the oldest kept are kept too)
+    orphan_grace: float = 30.0  # seconds the committer waits for other writers' shards
+    poll: float = 0.2
+    part_wait: float = 600.0  # seconds rank 0 of a sharded replica waits for the others' parts
+    part_bytes: int = 1 << 30  # a rank's part is written in objects of about this size
+
+
+class CheckpointWriter:
+    """Writes this replica's share of checkpoints on a background thread, one at a time.
+
+    A store error (an ``OSError``) loses one checkpoint, logged; the previous one stays usable.
+    Any other error
+    (a state that cannot be checkpointed) is raised on the training thread at the next
+    ``write`` or at ``close``, so a run never goes on without checkpoints unnoticed."""
+
+    def __init__(
+        self,
+        store: Store,
+        layout: RunLayout,
+        me: str,
+        policy: CheckpointPolicy,
+        mirror: Callable[[StoredCheckpoint | StoredPart, bool], None] | None = None,
+        shard: ShardOf = WHOLE,
+    ) -> None:
+        """``mirror(checkpoint, last)`` hears of every checkpoint this replica commits
+        (``mirrors.MirrorWriter.copy``), or of every part this rank writes. ``shard``: the
+        part of a sharded replica this process writes (then ``me`` names the replica, whose
+        ranks all write theirs)."""
+        self.store, self.layout, self.me, self.policy = store, layout, me, policy
+        self.mirror, self.shard = mirror, shard
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self._pending: Future[None] | None = None
+
+    def write(
+        self,
+        round_: int,
+        contributors: tuple[str, ...],
+        tree: dict[str, Any],
+        *,
+        last: bool,
+        parts: tuple[str, ...] = (),
+    ) -> bool:
+        """Start writing the checkpoint of ``round_``, whose state is ``tree`` (``{"manager":
+        counters, "fragments": DiLoCo's state}``), if this replica is among ``contributors``
+        (the round's SEAL). The tree is copied first; True if a write started. While the
+        previous checkpoint is still being written a new one is skipped, except the ``last``
+        (the run's final state), which waits for it. ``parts``: a sharded replica's ranks'
+        fingerprints of the state they write, gathered; rank 0 commits only those parts."""
+        if self.me not in contributors:
+            return False
+        if self._pending is not None:
+            if not (last or self.idle()):
+                log.warning("checkpoint of round %d skipped: the previous one is still being "
+                            "written (raise checkpoint.every)", round_)  # fmt: skip
+                return False
+            self._pending.result()  # raises what went wrong, other than the store
+        if self.shard.sharded:
+            work = (self._write_part, round_, parts, snapshot(tree), last)
+        else:
+            work = (self._write, round_, contributors, snapshot(tree), last)
+        self._pending = self._executor.submit(*work)
+        return True
+
+    def idle(self) -> bool:
+        """No checkpoint being written."""
+        return self._pending is None or self._pending.done()
+
+    def _write(
+        self, round_: int, contributors: tuple[str, ...], tree: dict[str, Any], last: bool
+    ) -> None:
+        tensors, structure = flatten(tree)
+        plan = plan_shards(tensors, len(contributors))
+        shards = [encode_shard(names, tensors) for names in plan]
+        owners = [contributors[s % len(contributors)] for s in range(len(plan))]
+        keys = [self.layout.checkpoint_shard(round_, s) for s in range(len(plan))]
+        try:
+            self.store.put_many(
+                {keys[s]: shards[s] for s, owner in enumerate(owners) if owner == self.me}
+            )
+            if owners[0] == self.me:
+                commit = _commit_fields(self.layout, round_, tree)
+                shards_by_key = dict(zip(keys, shards, strict=True))
+                self._commit(commit, shards_by_key, owners, structure, last)
+        except (OSError, CheckpointError) as exc:  # the store's errors are OSErrors
+            log.warning("checkpoint of round %d not written: %s", round_, exc)
+
+    def _write_part(
+        self, round_: int, expected: tuple[str, ...], tree: dict[str, Any], last: bool
+    ) -> None:
+        """This rank's part of a sharded replica's checkpoint: its objects, then (rank k > 0)
+        its PART record, or (rank 0) the COMMIT once every rank's PART is in."""
+        rank, layout = self.shard.rank, self.layout
+        tensors, structure = flatten(tree)
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        plan = plan_shards(tensors, -(-total // self.policy.part_bytes))
+        objects = {
+            layout.checkpoint_shard(round_, s, rank): encode_shard(names, tensors)
+            for s, names in enumerate(plan)
+        }
+        state_key = layout.checkpoint_state(round_, rank)
+        commit = _commit_fields(layout, round_, tree)
+        part = RankPart(
+            state=_entry(state_key, structure),
+            shards=tuple(_entry(key, data) for key, data in objects.items()),
+            fingerprint=commit["fingerprint"],
+        )
+        objects[state_key] = structure
+        try:
+            self.store.put_many(objects)
+            if rank > 0:
+                self.store.put(layout.checkpoint_rank_done(round_, rank), encode_record(part))
+                self._mirror(StoredPart(round_, rank, part, objects), last)
+                return
+            parts = (part, *self._other_parts(round_, expected))
+            commit["fingerprint"] = combine_fingerprints([p.fingerprint for p in parts])
+            done = CheckpointCommit(**commit, ranks=parts)
+            commit_bytes = encode_record(done)
+            if self._put_commit(done, commit_bytes):
+                log.info("checkpoint of round %d committed (%d ranks)", round_, len(parts))
+                prune_checkpoints(self.store, self.layout, self.policy.keep, round_)
+                self._mirror(StoredPart(round_, 0, part, objects, done, commit_bytes), last)
+        except (OSError, CheckpointError) as exc:
+            log.warning("checkpoint of round %d not written: %s", round_, exc)
+
+    def _mirror(self, stored: StoredCheckpoint | StoredPart, last: bool) -> None:
+        if self.mirror is not None:
+            self.mirror(stored, last)
+
+    def _other_parts(self, round_: int, expected: tuple[str, ...]) -> list[RankPart]:
+        """The PART records of ranks 1 and up, once all are in (``part_wait`` at most), each
+        of the state its rank held (``expected``: the fingerprints the ranks gathered) with
+        its objects in its own folder."""
+
+        def fits(rank: int, part: RankPart) -> bool:
+            folder = f"{self.layout.checkpoint_part(round_, rank)}/"
+            keys = [entry.key for entry in (part.state, *part.shards)]
+            return part.fingerprint == expected[rank] and all(k.startswith(folder) for k in keys)
+
+        ranks = range(1, self.shard.ranks)
+        return wait_for_parts(self.store, self.layout, round_, ranks, self.policy, fits)
+
+    def _commit(
+        self,
+        commit: dict[str, Any],
+        shards: dict[str, bytes],
+        owners: list[str],
+        structure: bytes,
+        last: bool,
+    ) -> None:
+        """Check the other writers' shards are this state's bytes (a writer whose state
+        diverged must not leave a checkpoint that fails every reader), write a late writer's
+        shards, then the state, then the COMMIT; then hand it to the mirrors (``last``: the
+        run's final state, which no mirror may skip)."""
+        round_ = commit["round"]
+        missing = self._wait_for(list(shards), self.layout.checkpoint(round_))
+        theirs = [k for k, owner in zip(shards, owners, strict=True) if owner != self.me]
+        present = [key for key in theirs if key not in missing]
+        # one byte past our largest shard: a larger object differs without being downloaded
+        limit = max((len(shards[key]) for key in present), default=0) + 1
+        stored = self.store.get_many(present, limit=limit)
+        for key, data in stored.items():
+            if data != shards[key]:
+                raise CheckpointError(f"{key}: its writer stored other bytes than this "
+                                      f"replica's state (its global state differs)")  # fmt: skip
+        for key in sorted(missing):  # its writer died or stalls: the bytes are anyone's
+            log.warning("checkpoint round %d: writing %s in place of a late writer", round_, key)
+            self.store.put(key, shards[key])
+        state_key = f"{self.layout.checkpoint(round_)}/state"
+        self.store.put(state_key, structure)
+        entries = tuple(_entry(key, data) for key, data in shards.items())
+        done = CheckpointCommit(**commit, state=_entry(state_key, structure), shards=entries)
+        commit_bytes = encode_record(done)
+        if not self._put_commit(done, commit_bytes):
+            return
+        log.info("checkpoint of round %d committed (%d shards)", round_, len(entries))
+        prune_checkpoints(self.store, self.layout, self.policy.keep, round_)
+        self._mirror(StoredCheckpoint(done, commit_bytes, {**shards, state_key: structure}), last)
+
+    def _put_commit(self, done: CheckpointCommit, data: bytes) -> bool:
+        """Put the COMMIT; False if another replica committed this same checkpoint first
+        (replicas joining together each write their first one alone; only the time differs),
+        and then it is theirs to prune and mirror."""
+        key = self.layout.checkpoint_commit(done.round)
+        try:
+            self.store.put(key, data)
+            return True
+        except FileExistsError:
+            theirs, _ = read_commit(self.store, self.layout, done.round)
+            if theirs.model_copy(update={"time": done.time}) != done:
+                raise CheckpointError(f"{key}: another writer committed another state") from None
+            log.info("checkpoint of round %d was committed by another replica", done.round)
+            return False
+
+    def _wait_for(self, keys: list[str], folder: str) -> set[str]:
+        """Poll until every key exists under ``folder`` or ``orphan_grace`` has passed; the
+        keys still missing."""
+        deadline = time.monotonic() + self.policy.orphan_grace
+        while missing := set(keys) - set(self.store.list_prefix(folder)):
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(self.policy.poll)
+        return missing
+
+    def close(self, wait: bool = True) -> None:
+        """Wait for the checkpoint being written (raising what went wrong) and stop."""
+        if wait and self._pending is not None:
+            self._pending.result()
+        self._executor.shutdown(wait=wait, cancel_futures=not wait)
+
+
+PartCheck = Callable[[int, RankPart], bool]  # whether rank k's PART record is the one expected
+
+
+def wait_for_parts(
+    store: Store,
+    layout: RunLayout,
+    round_: int,
+    ranks: Iterable[int],
+    policy: CheckpointPolicy,
+    fits: PartCheck,
+    *,
+    replaceable: bool = False,
+) -> list[RankPart]:
+    """The PART records of ``ranks`` in ``store`` once every one is in and ``fits``, polling
+    ``policy.part_wait`` seconds at most; else ``CheckpointError`` naming the first missing.
+    A record that does not fit is final in the run's store (create-only: another replica's
+    part, whose state differs), but ``replaceable`` in a mirror (an older copy's, which that
+    rank's copy replaces)."""
+    ranks = list(ranks)
+    keys = [layout.checkpoint_rank_done(round_, rank) for rank in ranks]
+    deadline = time.monotonic() + policy.part_wait
+    while True:
+        parts, missing, unlike = _read_parts(store, keys, ranks, fits)
+        if unlike is not None and not replaceable:
+            raise CheckpointError(f"{unlike}: another part than this replica's rank wrote "
+                                  f"(another replica's state differs)")  # fmt: skip
+        if missing is None and unlike is None:
+            return parts
+        if time.monotonic() >= deadline:
+            waited = f"{policy.part_wait:g}s"
+            raise CheckpointError(
+                f"{missing or unlike}: not written after {waited} (that rank stalled or died)"
+            )
+        time.sleep(policy.poll)
+
+
+def _read_parts(
+    store: Store, keys: list[str], ranks: list[int], fits: PartCheck
+) -> tuple[list[RankPart], str | None, str | None]:
+    """The PART records at ``keys``, the first key missing, and the first whose record does
+    not fit (None: none)."""
+    folders = {key.rsplit("/", 2)[0] for key in keys}
+    listed = {key for folder in folders for key in store.list_prefix(folder)}
+    if missing := [key for key in keys if key not in listed]:
+        return [], missing[0], None
+    found = store.get_many(keys, limit=RECORD_READ_LIMIT)
+    try:
+        parts = [decode_record(found[key], RankPart, key=key) for key in keys]
+    except WireFormatError as exc:
+        raise CheckpointError(str(exc)) from None
+    unlike = [
+        key for key, rank, part in zip(keys, ranks, parts, strict=True) if not fits(rank, part)
+    ]
+    return parts, None, (unlike[0] if unlike else None)
+
+
+def prune_checkpoints(store: Store, layout: RunLayout, keep: int, newest: int) -> None:
+    """Delete every checkpoint (committed or not) older than the ``keep`` newest committed up
+    to round ``newest`` (the one just written). Counting from the round written, not from the
+    store's newest, keeps a mirror useful when it still holds checkpoints of later rounds from
+    an earlier run of the same name (started over, or resumed from an older checkpoint): those
+    are replaced as the run reaches their rounds (``mirrors.copy_checkpoint``)."""
+    committed = [round_ for round_ in committed_rounds(store, layout) if round_ <= newest]
+    if len(committed) < keep:
+        return
+    oldest_kept = committed[keep - 1]
+    folders = {
+        key.removeprefix(f"{layout.checkpoints()}/").split("/")[0]
+        for key in store.list_prefix(layout.checkpoints())
+    }
+    rounds = (parse_count(folder, MAX_ROUND) for folder in folders)  # None: no checkpoint's
+    for round_ in sorted(r for r in rounds if r is not None and r < oldest_kept):
+        store.delete_prefix(layout.checkpoint(round_))
