@@ -14,24 +14,22 @@ import torch
 from crc32c import crc32c
 from safetensors.torch import load as load_safetensors
 
+from diloco_anywhere.bucket.framing import PREFIX, VERSION
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.record import RECORD_MAGIC, decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.bucket.wire import PREFIX, VERSION
-from diloco_anywhere.training.checkpoints.catalogue import (
+from diloco_anywhere.training.checkpoints.catalogue import newest_checkpoints
+from diloco_anywhere.training.checkpoints.commits import (
     committed_rounds,
-    newest_checkpoints,
+    read_commit,
     retained_after,
 )
-from diloco_anywhere.training.checkpoints.reader import (
-    load_checkpoint,
-    read_checkpoint,
-    read_commit,
-)
+from diloco_anywhere.training.checkpoints.reader import load_checkpoint, read_checkpoint
 from diloco_anywhere.training.checkpoints.records import CheckpointCommit, CheckpointError, ShardOf
 from diloco_anywhere.training.checkpoints.tree import flatten, plan_shards, unflatten, whole_tree
 from diloco_anywhere.training.checkpoints.writer import CheckpointPolicy, CheckpointWriter
-from diloco_anywhere.training.global_state import LocalShard, fingerprint, tree_checksum
+from diloco_anywhere.training.fingerprints import fingerprint
+from diloco_anywhere.training.global_state import LocalShard, tree_checksum
 from diloco_anywhere.training.mirrors import copy_checkpoint
 
 RUN = RunLayout("run")

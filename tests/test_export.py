@@ -14,7 +14,8 @@ from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import load_config
 from diloco_anywhere.launching.export import trained_task
-from diloco_anywhere.training.checkpoints.catalogue import committed_rounds, newest_checkpoints
+from diloco_anywhere.training.checkpoints.catalogue import newest_checkpoints
+from diloco_anywhere.training.checkpoints.commits import committed_rounds
 from diloco_anywhere.training.global_state import FRAGMENT_KEY
 from test_launch import RUN_TOML, diloco
 

@@ -31,10 +31,10 @@ from diloco_anywhere.training.builders import (
     inner_optimizer,
     task_context,
 )
-from diloco_anywhere.training.checkpoints.catalogue import committed_rounds
+from diloco_anywhere.training.checkpoints.commits import committed_rounds
 from diloco_anywhere.training.checkpoints.reader import load_checkpoint, read_checkpoint
 from diloco_anywhere.training.checkpoints.writer import CheckpointPolicy, CheckpointWriter
-from diloco_anywhere.training.global_state import fingerprint
+from diloco_anywhere.training.fingerprints import fingerprint
 from diloco_anywhere.training.healing import HealError, heal
 from diloco_anywhere.training.metrics import MetricsReader, MetricsWriter
 from diloco_anywhere.training.mirrors import copy_checkpoint

@@ -29,7 +29,7 @@ from diloco_anywhere.launching.launch import (
 )
 from diloco_anywhere.launching.launches import Launches, LaunchTakenError
 from diloco_anywhere.launching.supervisor import Supervisor
-from diloco_anywhere.training.checkpoints.catalogue import committed_rounds
+from diloco_anywhere.training.checkpoints.commits import committed_rounds
 
 RUN_TOML = """
 [run]

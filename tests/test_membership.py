@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 from diloco_anywhere.bench.processes import worker_context
 from diloco_anywhere.bench.store import sample_tensor
 from diloco_anywhere.bucket.codec import make_codec
+from diloco_anywhere.bucket.framing import WireFormatError
 from diloco_anywhere.bucket.layout import Participant, RunLayout
 from diloco_anywhere.bucket.record import encode_record
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.bucket.wire import WireFormatError
 from diloco_anywhere.collective.allreduce import BucketCollective, finish_round
 from diloco_anywhere.collective.mean import weighted_mean
 from diloco_anywhere.collective.membership import (

@@ -21,7 +21,7 @@ from diloco_anywhere.cli.run import _status_table
 from diloco_anywhere.config import load_config
 from diloco_anywhere.launching.launch import run_metrics
 from diloco_anywhere.launching.status import ReplicaStatus
-from diloco_anywhere.training.checkpoints.catalogue import committed_rounds
+from diloco_anywhere.training.checkpoints.commits import committed_rounds
 from diloco_anywhere.training.checkpoints.reader import load_checkpoint, read_checkpoint
 from diloco_anywhere.training.checkpoints.writer import CheckpointPolicy
 from diloco_anywhere.training.mirrors import MirrorWriter, ResumeError, resume_from

@@ -29,8 +29,8 @@ from diloco_anywhere.launching.launch import plan_launch, run_metrics, start
 from diloco_anywhere.launching.supervisor import Supervisor
 from diloco_anywhere.replica import main as replica_main
 from diloco_anywhere.tasks.gpt import GPT, PRESETS
-from diloco_anywhere.training.checkpoints.catalogue import committed_rounds
-from diloco_anywhere.training.checkpoints.reader import load_checkpoint, read_commit
+from diloco_anywhere.training.checkpoints.commits import committed_rounds, read_commit
+from diloco_anywhere.training.checkpoints.reader import load_checkpoint
 from diloco_anywhere.training.checkpoints.records import ShardOf
 from diloco_anywhere.training.healing import _together, _Verdict
 from diloco_anywhere.training.sharding import (

@@ -13,7 +13,8 @@ from diloco_anywhere.bench.chaos import fingerprint_disagreements
 from diloco_anywhere.config import load_config
 from diloco_anywhere.launching.launch import run_metrics
 from diloco_anywhere.task import TaskContext, build_task
-from diloco_anywhere.training.global_state import fingerprint, tree_checksum
+from diloco_anywhere.training.fingerprints import fingerprint
+from diloco_anywhere.training.global_state import tree_checksum
 from diloco_anywhere.training.warm_start import WarmStartError, load_weights, warm_start
 from test_launch import RUN_TOML, diloco
 

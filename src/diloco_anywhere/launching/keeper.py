@@ -72,8 +72,7 @@ from diloco_anywhere.launching.status_page import (
     render_page,
     status_document,
 )
-from diloco_anywhere.training.checkpoints.catalogue import committed_rounds
-from diloco_anywhere.training.checkpoints.reader import read_commit
+from diloco_anywhere.training.checkpoints.commits import committed_rounds, read_commit
 from diloco_anywhere.training.checkpoints.records import CheckpointError
 from diloco_anywhere.training.metrics import MetricsReader, ReplicaMetrics
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from diloco_anywhere import contract, published_config
@@ -34,12 +34,15 @@ from diloco_anywhere.backends.base import (
 )
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store, redact_url
-from diloco_anywhere.collective.membership import LeasePolicy, watch_live
+from diloco_anywhere.collective.membership import watch_live
+from diloco_anywhere.collective.policy import LeasePolicy
 from diloco_anywhere.config import ConfigError, RunConfig
 from diloco_anywhere.launching.launches import EndRecord, Launches
 from diloco_anywhere.launching.status import replica_skews
 from diloco_anywhere.training.metrics import MetricsReader
-from diloco_anywhere.training.mirrors import Resumed, latest_commits, resume_from
+
+if TYPE_CHECKING:
+    from diloco_anywhere.training.mirrors import Resumed
 
 log = logging.getLogger("diloco_anywhere.launching.launch")
 STATE_FILE = "launch.json"  # a copy of the newest launch's handles; the bucket holds the record
@@ -158,6 +161,8 @@ def resume_plan(config: RunConfig, url: str, *, fresh: bool) -> dict[str, Any]:
     """What ``--resume-from url`` would do (``--dry-run``), from listings and COMMITs only:
     the mirror's committed checkpoints, the latest first (the first that reads back intact is
     taken), and what becomes of the run's objects in its store."""
+    from diloco_anywhere.training.mirrors import latest_commits  # torch: this command's only
+
     layout = RunLayout(config.run.name)
     with Store(config.resolve(url)) as mirror, Store(config.store_url()) as store:
         latest, damaged = latest_commits(mirror, layout)
@@ -179,6 +184,8 @@ def resume_from_mirror(config: RunConfig, url: str, *, fresh: bool) -> Resumed:
     """Put the latest intact checkpoint of the run in the mirror at ``url`` into the run's
     store, which lost the run (``mirrors.resume_from``); the replicas launched next heal from
     it."""
+    from diloco_anywhere.training.mirrors import resume_from  # torch: this command's only
+
     with Store(config.store_url()) as store:
         return resume_from(config.resolve(url), store, RunLayout(config.run.name), fresh=fresh)
 

@@ -18,7 +18,8 @@ from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.training.checkpoints.records import ShardOf
 from diloco_anywhere.training.checkpoints.writer import CheckpointPolicy, CheckpointWriter
-from diloco_anywhere.training.global_state import GlobalState, fingerprint
+from diloco_anywhere.training.fingerprints import fingerprint
+from diloco_anywhere.training.global_state import GlobalState
 from diloco_anywhere.training.healing import ALONE, heal
 from diloco_anywhere.training.managers.bucket import BucketManager
 from diloco_anywhere.training.metrics import MetricsWriter

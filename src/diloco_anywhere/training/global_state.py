@@ -140,11 +140,6 @@ def state_tree(state_dict_fns: dict[str, tuple[Any, Any]]) -> dict[str, Any]:
     return {key: state_dict_fns[key][1]() for key in sorted(state_dict_fns)}
 
 
-def fingerprint(step: int, checksum: int) -> str:
-    """What every manifest carries: equal only for replicas holding the same global state."""
-    return f"step-{step}-{checksum:08x}"
-
-
 class GlobalState:
     """The global part of one replica's training: DiLoCo's per-fragment state (through the
     functions it registered with ``manager``), the model fragments and their outer optimizers."""
@@ -363,12 +358,3 @@ def _check_hyperparameters(
             if name != "params" and _kind(loaded) != _kind(value):
                 raise ValueError(f"{key}: the outer optimizer's {name} is {loaded!r:.40}; "
                                  f"allowed: a {_kind(value)}, as this optimizer's")  # fmt: skip
-
-
-def combine_fingerprints(fingerprints: list[str]) -> str:
-    """A sharded replica's fingerprint: its ranks' (each of its own shard) in rank order, as
-    one. One rank's is its own."""
-    if len(fingerprints) == 1:
-        return fingerprints[0]
-    step = fingerprints[0].rpartition("-")[0]
-    return f"{step}-{crc32c.crc32c('|'.join(fingerprints).encode()):08x}"

@@ -57,7 +57,8 @@ from diloco_anywhere.training.checkpoints.records import (
     Confirm,
     ShardOf,
 )
-from diloco_anywhere.training.global_state import GlobalState, fingerprint, local_tensor
+from diloco_anywhere.training.fingerprints import fingerprint
+from diloco_anywhere.training.global_state import GlobalState, local_tensor
 from diloco_anywhere.training.managers.bucket import BucketManager
 from diloco_anywhere.training.replica_group import ReplicaGroup
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.record import encode_record
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.training.checkpoints.catalogue import committed_rounds
-from diloco_anywhere.training.checkpoints.reader import read_checkpoint, read_commit
+from diloco_anywhere.training.checkpoints.commits import committed_rounds, read_commit
+from diloco_anywhere.training.checkpoints.reader import read_checkpoint
 from diloco_anywhere.training.checkpoints.records import (
     CheckpointCommit,
     CheckpointError,

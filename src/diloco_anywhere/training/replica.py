@@ -52,7 +52,7 @@ from diloco_anywhere.training.builders import (
     parallelize,
     resolve_device,
 )
-from diloco_anywhere.training.checkpoints.catalogue import retained_after
+from diloco_anywhere.training.checkpoints.commits import retained_after
 from diloco_anywhere.training.command import DONE, JOINED, report
 from diloco_anywhere.training.metrics import MetricsWriter
 from diloco_anywhere.training.replica_group import ReplicaGroup

@@ -5,6 +5,8 @@ One concern per module, where there was one file of a thousand lines; each impor
 ones above it in this list, so none needs the whole:
 
 - ``records``: the COMMIT and PART records, and the data classes the others pass around;
+- ``commits``: which rounds are committed, and a COMMIT read and checked (torch-free: the
+  keeper reads commits without loading a checkpoint);
 - ``tree``: a state tree as path-named tensors plus a JSON structure, and back;
 - ``reader``: one committed checkpoint loaded, every byte checked;
 - ``catalogue``: which checkpoints exist, and the newest that loads intact;

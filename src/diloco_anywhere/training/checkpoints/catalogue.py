@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store, StoreError
+from diloco_anywhere.training.checkpoints.commits import committed_rounds
 from diloco_anywhere.training.checkpoints.reader import load_checkpoint
 from diloco_anywhere.training.checkpoints.records import (
     Checkpoint,
@@ -22,21 +23,6 @@ from diloco_anywhere.training.checkpoints.records import (
 )
 
 log = logging.getLogger(__name__)
-
-
-def committed_rounds(store: Store, layout: RunLayout) -> list[int]:
-    """Rounds with a COMMIT, newest first."""
-    rounds = (
-        layout.parse_checkpoint_commit(key) for key in store.list_prefix(layout.checkpoints())
-    )
-    return sorted((r for r in rounds if r is not None), reverse=True)
-
-
-def retained_after(store: Store, layout: RunLayout, keep: int) -> int:
-    """Rounds up to this one may be collected: healing starts from one of the ``keep`` newest
-    committed checkpoints and replays the rounds after it (-1: none committed, keep all)."""
-    committed = committed_rounds(store, layout)
-    return committed[min(keep, len(committed)) - 1] if committed else -1
 
 
 def newest_checkpoints(

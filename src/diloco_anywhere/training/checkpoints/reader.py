@@ -23,9 +23,8 @@ from safetensors.torch import load as load_safetensors
 from torch.utils._pytree import tree_leaves
 
 from diloco_anywhere.bucket.layout import MAX_COUNT, RunLayout
-from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, decode_record
 from diloco_anywhere.bucket.store import Store, StoreError, check_key
-from diloco_anywhere.bucket.wire import WireFormatError
+from diloco_anywhere.training.checkpoints.commits import read_commit
 from diloco_anywhere.training.checkpoints.records import (
     Checkpoint,
     CheckpointCommit,
@@ -37,7 +36,8 @@ from diloco_anywhere.training.checkpoints.records import (
     StoredObject,
 )
 from diloco_anywhere.training.checkpoints.tree import unflatten, whole_tree
-from diloco_anywhere.training.global_state import LocalShard, fingerprint, tree_checksum
+from diloco_anywhere.training.fingerprints import fingerprint
+from diloco_anywhere.training.global_state import LocalShard, tree_checksum
 
 COUNTERS = ("step", "batches_committed", "sync")  # the manager's, as ``state_dict`` gives them
 
@@ -110,22 +110,6 @@ def read_checkpoint(store: Store, layout: RunLayout, round_: int) -> StoredCheck
     stored = _read_checkpoint(store, layout, round_, None, None)
     _guarded(layout, round_, lambda: _decode_checkpoint(stored))
     return stored
-
-
-def read_commit(store: Store, layout: RunLayout, round_: int) -> tuple[CheckpointCommit, bytes]:
-    """The COMMIT of ``round_``, checked against its key; ``CheckpointError`` if it is not one."""
-    key = layout.checkpoint_commit(round_)
-    try:
-        data = store.get(key, 0, RECORD_READ_LIMIT)
-    except FileNotFoundError:
-        raise CheckpointError(f"{key}: missing") from None
-    try:
-        commit = decode_record(data, CheckpointCommit, key=key)
-    except WireFormatError as exc:  # names the key
-        raise CheckpointError(str(exc)) from None
-    if (commit.run, commit.round) != (layout.run, round_):
-        raise CheckpointError(f"{key}: the COMMIT is for run {commit.run} round {commit.round}")
-    return commit, data
 
 
 def _guarded(layout: RunLayout, round_: int, read: Callable[[], Any]) -> Any:

@@ -22,12 +22,11 @@ from typing import Any
 
 import crc32c
 
+from diloco_anywhere.bucket.framing import WireFormatError
 from diloco_anywhere.bucket.layout import MAX_ROUND, RunLayout, parse_count
 from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.bucket.wire import WireFormatError
-from diloco_anywhere.training.checkpoints.catalogue import committed_rounds
-from diloco_anywhere.training.checkpoints.reader import read_commit
+from diloco_anywhere.training.checkpoints.commits import committed_rounds, read_commit
 from diloco_anywhere.training.checkpoints.records import (
     WHOLE,
     CheckpointCommit,
@@ -39,7 +38,8 @@ from diloco_anywhere.training.checkpoints.records import (
     StoredPart,
 )
 from diloco_anywhere.training.checkpoints.tree import encode_shard, flatten, plan_shards, snapshot
-from diloco_anywhere.training.global_state import combine_fingerprints, fingerprint, tree_checksum
+from diloco_anywhere.training.fingerprints import combine_fingerprints, fingerprint
+from diloco_anywhere.training.global_state import tree_checksum
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,43 @@
+"""The COMMIT records of a store's checkpoints: which rounds are committed, and each one's COMMIT
+read and checked against its key. Torch-free: the keeper and ``diloco status`` list and read
+commits without loading any checkpoint (``reader.py`` does that).
+"""
+
+from __future__ import annotations
+
+from diloco_anywhere.bucket.framing import WireFormatError
+from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, decode_record
+from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.training.checkpoints.records import CheckpointCommit, CheckpointError
+
+
+def committed_rounds(store: Store, layout: RunLayout) -> list[int]:
+    """Rounds with a COMMIT, newest first."""
+    rounds = (
+        layout.parse_checkpoint_commit(key) for key in store.list_prefix(layout.checkpoints())
+    )
+    return sorted((r for r in rounds if r is not None), reverse=True)
+
+
+def retained_after(store: Store, layout: RunLayout, keep: int) -> int:
+    """Rounds up to this one may be collected: healing starts from one of the ``keep`` newest
+    committed checkpoints and replays the rounds after it (-1: none committed, keep all)."""
+    committed = committed_rounds(store, layout)
+    return committed[min(keep, len(committed)) - 1] if committed else -1
+
+
+def read_commit(store: Store, layout: RunLayout, round_: int) -> tuple[CheckpointCommit, bytes]:
+    """The COMMIT of ``round_``, checked against its key; ``CheckpointError`` if it is not one."""
+    key = layout.checkpoint_commit(round_)
+    try:
+        data = store.get(key, 0, RECORD_READ_LIMIT)
+    except FileNotFoundError:
+        raise CheckpointError(f"{key}: missing") from None
+    try:
+        commit = decode_record(data, CheckpointCommit, key=key)
+    except WireFormatError as exc:  # names the key
+        raise CheckpointError(str(exc)) from None
+    if (commit.run, commit.round) != (layout.run, round_):
+        raise CheckpointError(f"{key}: the COMMIT is for run {commit.run} round {commit.round}")
+    return commit, data
