@@ -92,3 +92,21 @@ def test_the_allreduce_example_averages_across_two_processes(tmp_path):
         "worker-0 [0.5, 0.5, 0.5, 0.5]\n",
         "worker-1 [0.5, 0.5, 0.5, 0.5]\n",
     ]
+
+
+def test_torchfts_diloco_built_by_hand_syncs_two_processes_through_the_store(tmp_path):
+    script = tmp_path / "own_diloco.py"
+    script.write_text(example("# own_diloco.py"))
+    workers = [
+        subprocess.Popen(
+            [sys.executable, str(script), f"worker-{k}", str(tmp_path / "store")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for k in range(2)
+    ]  # fmt: skip
+    outputs = [worker.communicate(timeout=300) for worker in workers]
+    assert [worker.returncode for worker in workers] == [0, 0], outputs
+    lines = sorted(out.split(" ", 1) for out, _ in outputs)
+    assert [name for name, _ in lines] == ["worker-0", "worker-1"]
+    assert lines[0][1] == lines[1][1]  # the same committed step and the same global weights
+    assert lines[0][1].startswith("4 ")  # every sync committed

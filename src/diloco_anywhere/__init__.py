@@ -5,7 +5,10 @@ the ``diloco`` CLI) stays quick:
 
 - ``join``: this process's replica of a run (``Replica``), whose ``diloco(model, optimizer)``
   trains any PyTorch loop under torchft's DiLoCo through the bucket (``Training``);
-- ``Collective``: the all-reduce alone, from a store URL and this process's name.
+- ``Collective``: the all-reduce alone, from a store URL and this process's name;
+- ``BucketManager``: the drop-in for ``torchft.Manager``, for a script that builds torchft's
+  ``DiLoCo`` itself (``BucketManager.over(collective)``);
+- ``StopRequestedError``: what SIGTERM (``diloco stop``, a preemption) raises in a replica.
 """
 
 from importlib import import_module
@@ -14,14 +17,25 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr__ below
     from diloco_anywhere.collective.plain import Collective
-    from diloco_anywhere.training.replica import Replica, join
+    from diloco_anywhere.training.managers.bucket import BucketManager
+    from diloco_anywhere.training.replica import Replica, StopRequestedError, join
     from diloco_anywhere.training.training import Training
 
 __version__ = version("diloco-anywhere")
-__all__ = ["Collective", "Replica", "Training", "__version__", "join"]
+__all__ = [
+    "BucketManager",
+    "Collective",
+    "Replica",
+    "StopRequestedError",
+    "Training",
+    "__version__",
+    "join",
+]
 _EXPORTS = {
+    "BucketManager": "diloco_anywhere.training.managers.bucket",
     "Collective": "diloco_anywhere.collective.plain",
     "Replica": "diloco_anywhere.training.replica",
+    "StopRequestedError": "diloco_anywhere.training.replica",
     "Training": "diloco_anywhere.training.training",
     "join": "diloco_anywhere.training.replica",
 }

@@ -61,6 +61,12 @@ class Collective:
         self._collective = BucketCollective(self.store, name, replica, config)
         self._rounds: Iterator[int] | None = None  # numbered at the first round
 
+    @property
+    def rounds(self) -> BucketCollective:
+        """The bucket collective underneath, for ``BucketManager.over``: its rounds are the
+        syncs of torchft's DiLoCo, numbered by the manager instead of ``allreduce``."""
+        return self._collective
+
     def _next_round(self) -> int:
         """The round after the newest sealed one (0 for a new collective)."""
         layout = self._collective.layout

@@ -40,8 +40,10 @@ import torch
 from torch.distributed import ReduceOp
 
 from diloco_anywhere.collective.allreduce import BucketCollective, RoundResult, Work
+from diloco_anywhere.collective.plain import Collective
 from diloco_anywhere.collective.records import check_weight
-from diloco_anywhere.training.global_state import fingerprint, state_tree, tree_checksum
+from diloco_anywhere.training.fingerprints import fingerprint
+from diloco_anywhere.training.global_state import state_tree, tree_checksum
 
 log = logging.getLogger(__name__)
 StateDictFns = tuple[Callable[[Any], None], Callable[[], Any]]
@@ -115,6 +117,18 @@ class BucketManager:
         self.last_result: RoundResult | None = None  # of the last should_commit, if it has one
         self.last_fingerprint = ""  # sent in the last should_commit's round
         self.exposed_seconds = 0.0  # time the training thread spent blocked on syncs
+
+    @classmethod
+    def over(cls, collective: Collective) -> BucketManager:
+        """The manager for a script that builds torchft's ``DiLoCo`` itself, syncing through
+        ``collective``'s store with its rounds' settings (docs/api.md, "torchft's DiLoCo, built
+        by hand"). Leaving ``collective`` ends it; there is no healing, checkpoint or metric:
+        ``join`` and ``Replica.diloco`` give those."""
+        policy = collective.rounds.config.round
+        return cls(
+            collective.rounds, min_replicas=policy.min_replicas,
+            timeout=timedelta(seconds=2 * policy.timeout),  # a seal, then a reduce
+        )  # fmt: skip
 
     # -- a sync --------------------------------------------------------------------------------
 
