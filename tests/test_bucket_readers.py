@@ -224,7 +224,7 @@ def _committed_checkpoint() -> dict[str, bytes]:
     }
     with Store(f"memory://checkpoint-{uuid.uuid4().hex[:12]}") as store:
         writers = [
-            CheckpointWriter(store, RUN, name, CheckpointPolicy(poll=0.01))
+            CheckpointWriter(store, RUN, name, CheckpointPolicy.of(RunConfig(), poll=0.01))
             for name in ("a-0", "b-0")
         ]
         threads = [

@@ -18,6 +18,7 @@ from diloco_anywhere.bucket.framing import PREFIX, VERSION
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.record import RECORD_MAGIC, decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.config import RunConfig
 from diloco_anywhere.training.checkpoints.catalogue import newest_checkpoints
 from diloco_anywhere.training.checkpoints.commits import (
     committed_rounds,
@@ -91,7 +92,7 @@ def write_checkpoint(
 ):
     """Every writer in ``writers`` (of the sealed ``CONTRIBUTORS``) writes its share at once,
     each from ``tree`` unless ``trees`` gives it another, with the counters after ``round_``."""
-    policy = CheckpointPolicy(orphan_grace=grace, poll=0.02)
+    policy = CheckpointPolicy.of(RunConfig(), orphan_grace=grace, poll=0.02)
     trees = {
         name: (trees or {}).get(name, tree) | {"manager": counters_after(round_)}
         for name in writers
@@ -190,7 +191,7 @@ def test_replicas_that_commit_the_same_checkpoint_alone_agree(store, caplog) -> 
     caplog.set_level(logging.INFO)
     state = diloco_like_state(round_=5)
     for name in CONTRIBUTORS[:2]:
-        writer = CheckpointWriter(store, RUN, name, CheckpointPolicy(poll=0.02))
+        writer = CheckpointWriter(store, RUN, name, CheckpointPolicy.of(RunConfig(), poll=0.02))
         writer.write(5, (name,), state, last=True)
         writer.close()
     assert "checkpoint of round 5 was committed by another replica" in caplog.text
@@ -501,7 +502,7 @@ def part_fingerprints(parts: list[dict]) -> tuple[str, ...]:
 
 def write_sharded(store: Store, round_: int, tree: dict, ranks: int = 2, wait: float = 30.0):
     """Every rank of replica ``a`` writes its part at once; rank 0 commits."""
-    policy = CheckpointPolicy(poll=0.01, part_wait=wait)
+    policy = CheckpointPolicy.of(RunConfig(), poll=0.01, part_wait=wait)
     writers = [
         CheckpointWriter(store, RUN, "a", policy, shard=ShardOf(rank, ranks))
         for rank in range(ranks)
@@ -566,7 +567,7 @@ def test_a_damaged_part_fails_its_rank_and_the_whole_but_not_the_others(store) -
 
 
 def test_rank_0_commits_nothing_when_another_rank_never_writes_its_part(store, caplog) -> None:
-    policy = CheckpointPolicy(poll=0.01, part_wait=0.2)
+    policy = CheckpointPolicy.of(RunConfig(), poll=0.01, part_wait=0.2)
     writer = CheckpointWriter(store, RUN, "a", policy, shard=ShardOf(0, 2))
     parts = split_in_ranks(diloco_like_state(), 2)
     writer.write(3, ("a",), parts[0], last=False, parts=part_fingerprints(parts))
@@ -578,7 +579,7 @@ def test_rank_0_commits_nothing_when_another_rank_never_writes_its_part(store, c
 def test_rank_0_never_commits_a_part_of_another_state(store, caplog) -> None:
     """Another replica's rank 1 wrote this round's part first, from another state (its own
     first checkpoint, say): rank 0 refuses it at once rather than mix the two states."""
-    policy = CheckpointPolicy(poll=0.01, part_wait=30.0)
+    policy = CheckpointPolicy.of(RunConfig(), poll=0.01, part_wait=30.0)
     theirs = split_in_ranks(diloco_like_state(seed=1), 2)
     other = CheckpointWriter(store, RUN, "b", policy, shard=ShardOf(1, 2))
     other.write(3, ("b",), theirs[1], last=False)
@@ -596,7 +597,9 @@ def test_a_one_rank_fsdp_checkpoint_loads_whole_and_an_unsharded_commit_is_as_be
     replica); export reads plain tensors. Its COMMIT carries no ``ranks``: older releases
     read it."""
     tree = diloco_like_state()
-    writer = CheckpointWriter(store, RUN, "a", CheckpointPolicy(), shard=ShardOf(0, 1))
+    writer = CheckpointWriter(
+        store, RUN, "a", CheckpointPolicy.of(RunConfig()), shard=ShardOf(0, 1)
+    )
     writer.write(3, ("a",), split_in_ranks(tree, 1)[0], last=False)
     writer.close()
     assert_same_tree(load_checkpoint(store, RUN, 3).tree, tree)
@@ -622,7 +625,9 @@ def test_a_part_placed_on_a_mesh_unlike_its_checkpoints_ranks_is_damage(
         if isinstance(leaf, LocalShard) else leaf,
         part,
     )  # fmt: skip
-    writer = CheckpointWriter(store, RUN, "a", CheckpointPolicy(), shard=ShardOf(0, 1))
+    writer = CheckpointWriter(
+        store, RUN, "a", CheckpointPolicy.of(RunConfig()), shard=ShardOf(0, 1)
+    )
     writer.write(3, ("a",), placed, last=False)
     writer.close()
     for shard in (ShardOf(0, 1), None):

@@ -23,7 +23,7 @@ from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.records import Seal
 from diloco_anywhere.collective.round import DivergedError, ModelMismatchError
-from diloco_anywhere.config import load_config
+from diloco_anywhere.config import RunConfig, load_config
 from diloco_anywhere.replica import run_replica
 from diloco_anywhere.task import build_task
 from diloco_anywhere.training.builders import (
@@ -337,7 +337,7 @@ def stale_checkpoint(folder: Path, mirror: Store, as_round: int) -> None:
     state at that round."""
     tree = final_checkpoint(folder).tree
     tree["manager"] = {**tree["manager"], "step": as_round + 1, "sync": as_round + 1}
-    writer = CheckpointWriter(mirror, LAYOUT, "earlier-0", CheckpointPolicy())
+    writer = CheckpointWriter(mirror, LAYOUT, "earlier-0", CheckpointPolicy.of(RunConfig()))
     writer.write(as_round, ("earlier-0",), tree, last=True)
     writer.close()
 
@@ -369,7 +369,7 @@ def rewrite_checkpoint(folder: Path, round_: int, change: Callable[[dict], None]
     tree = load_checkpoint(store, LAYOUT, round_).tree
     change(tree)
     store.delete_prefix(LAYOUT.checkpoint(round_))
-    writer = CheckpointWriter(store, LAYOUT, "x-0", CheckpointPolicy())
+    writer = CheckpointWriter(store, LAYOUT, "x-0", CheckpointPolicy.of(RunConfig()))
     writer.write(round_, ("x-0",), tree, last=True)
     writer.close()
 

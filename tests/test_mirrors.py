@@ -18,7 +18,7 @@ from rich.console import Console
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.cli.run import _status_table
-from diloco_anywhere.config import load_config
+from diloco_anywhere.config import RunConfig, load_config
 from diloco_anywhere.launching.launch import run_metrics
 from diloco_anywhere.launching.status import ReplicaStatus
 from diloco_anywhere.training.checkpoints.commits import committed_rounds
@@ -87,7 +87,9 @@ def test_a_copy_under_way_makes_a_checkpoint_skip_that_mirror_but_never_the_last
     failures: list[str] = []
     with FaultProxy(standins("s3").storage_options["endpoint_url"]) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-        writer = MirrorWriter([url], layout, CheckpointPolicy(keep=5), report=failures.append)
+        writer = MirrorWriter(
+            [url], layout, CheckpointPolicy.of(RunConfig(), keep=5), report=failures.append
+        )
         proxy.hold()
         writer.copy(checkpoints[0])
         writer.copy(checkpoints[1])  # round 1's copy cannot have finished: skipped

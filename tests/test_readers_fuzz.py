@@ -22,6 +22,7 @@ from diloco_anywhere.bucket.record import decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.membership import Claim, Lease
 from diloco_anywhere.collective.records import Manifest, PartEntry, Seal, ShardFailure
+from diloco_anywhere.config import RunConfig
 from diloco_anywhere.training.checkpoints.reader import load_checkpoint
 from diloco_anywhere.training.checkpoints.records import (
     Checkpoint,
@@ -137,7 +138,7 @@ CHECKPOINT_RUN = RunLayout("run")
 def _checkpoint_objects(tree: dict, round_: int = 6) -> dict[str, bytes]:
     """The objects of ``tree``'s checkpoint of ``round_``, as the real writer commits them."""
     with Store(f"memory://fuzz-{uuid.uuid4().hex[:12]}") as store:
-        writer = CheckpointWriter(store, CHECKPOINT_RUN, "a-0", CheckpointPolicy())
+        writer = CheckpointWriter(store, CHECKPOINT_RUN, "a-0", CheckpointPolicy.of(RunConfig()))
         writer.write(round_, ("a-0",), tree | {"manager": counters_after(round_)}, last=True)
         writer.close()
         return {key: store.get(key) for key in store.list_prefix(CHECKPOINT_RUN.checkpoints())}

@@ -42,10 +42,7 @@ class GlobalCheckpoints:
     ) -> None:
         self.config, self.group = config, group
         self.committed_before = False  # a sync of this process
-        policy = CheckpointPolicy(
-            keep=config.checkpoint.keep, orphan_grace=config.sync.grace * 3,
-            part_wait=config.sync.timeout,
-        )  # fmt: skip
+        policy = CheckpointPolicy.of(config)
         self.shard = ShardOf(group.rank, group.world_size) if group.sharded else ShardOf()
         self.mirrors = (
             MirrorWriter(config.mirror_urls(), collective.layout, policy, report)

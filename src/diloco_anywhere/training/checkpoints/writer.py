@@ -26,6 +26,7 @@ from diloco_anywhere.bucket.framing import WireFormatError
 from diloco_anywhere.bucket.layout import MAX_ROUND, RunLayout, parse_count
 from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.config import RunConfig
 from diloco_anywhere.training.checkpoints.commits import committed_rounds, read_commit
 from diloco_anywhere.training.checkpoints.records import (
     WHOLE,
@@ -63,11 +64,21 @@ def _commit_fields(layout: RunLayout, round_: int, tree: dict[str, Any]) -> dict
 
 @dataclass(frozen=True)
 class CheckpointPolicy:
-    keep: int = 2  # committed checkpoints kept (rounds after the oldest kept are kept too)
-    orphan_grace: float = 30.0  # seconds the committer waits for other writers' shards
+    """How checkpoints are written and kept, from run.toml (``of``), which holds the defaults."""
+
+    keep: int  # committed checkpoints kept (rounds after the oldest kept are kept too)
+    orphan_grace: float  # seconds the committer waits for other writers' shards
+    part_wait: float  # seconds rank 0 of a sharded replica waits for the others' parts
     poll: float = 0.2
-    part_wait: float = 600.0  # seconds rank 0 of a sharded replica waits for the others' parts
     part_bytes: int = 1 << 30  # a rank's part is written in objects of about this size
+
+    @classmethod
+    def of(cls, config: RunConfig, **overrides: Any) -> CheckpointPolicy:
+        """``[checkpoint] keep``; a round's grace three times over for the other writers'
+        shards, and a sync's timeout for a sharded replica's parts."""
+        settings = {"keep": config.checkpoint.keep, "orphan_grace": 3 * config.sync.grace,
+                    "part_wait": config.sync.timeout}  # fmt: skip
+        return cls(**{**settings, **overrides})
 
 
 class CheckpointWriter:
