@@ -6,7 +6,8 @@ module (``backends/modal.py``: ``ModalBackend``, ``name = "modal"``). The abstra
 what each platform must do; the rest is shared here: reading ``[backends.<name>]``, the image,
 importing the SDK, and starting one job per replica with a rollback if one fails (``launch``).
 What a platform can do beyond that is data on its class (``Capabilities``), read by the
-launcher, the keeper and the limit plan.
+launcher, the keeper and the limit plan, and so is what its user must set up for its replicas
+to reach the store (``SecretHints``, said by ``diloco infra output``).
 
 A ``ReplicaSpec`` is platform-neutral: the replica's id and data shard, the environment that
 tells the replica entrypoint who it is and where the run lives, and the arguments of the one
@@ -180,14 +181,35 @@ class Capabilities:
     exit_codes: bool = False
 
 
+@dataclass(frozen=True)
+class SecretHints:
+    """What the user must still provide for a platform's replicas to reach the run's store,
+    by the store's cloud, as ``diloco infra output`` says it: a command with placeholders, or
+    a sentence, never a value (Terraform makes no key: docs/infra.md). ``{run}`` stands for
+    the run's name. None: nothing to say (the replicas have the store as they are)."""
+
+    aws: str | None = None  # the store on S3 (infra/aws)
+    gcp: str | None = None  # on GCS (infra/gcp; also said for another Terraform folder)
+    hf: str | None = None  # a Hugging Face Storage Bucket
+    # On S3, the replicas run outside AWS and need an IAM user's access key: `diloco infra
+    # output` says how to make one (the ``replica_user_name`` output).
+    aws_key: bool = False
+
+    def for_cloud(self, cloud: str, run: str) -> str | None:
+        """The hint for a store on ``cloud`` (``aws``, ``hf``; any other: ``gcp``'s)."""
+        hint = {"aws": self.aws, "hf": self.hf}.get(cloud, self.gcp)
+        return None if hint is None else hint.format(run=run)
+
+
 class Backend(abc.ABC):
     """One platform's launcher. A subclass that sets ``name`` is a platform: it declares its
-    ``capabilities`` too (checked when the class is made), and is registered under that name
-    (``Backend.registry``; ``backends.get_backend`` builds one). A subclass that does not set
-    ``name`` is a variant of its parent's platform."""
+    ``capabilities`` and ``secret_hints`` too (checked when the class is made), and is
+    registered under that name (``Backend.registry``; ``backends.get_backend`` builds one).
+    A subclass that does not set ``name`` is a variant of its parent's platform."""
 
     name: ClassVar[str]
     capabilities: ClassVar[Capabilities]
+    secret_hints: ClassVar[SecretHints]
     # The model of ``[backends.<name>]`` in run.toml; a platform extends BackendSettings.
     settings_model: ClassVar[type[BackendSettings]] = BackendSettings
     # Every platform by name, filled as their modules are imported.
@@ -197,7 +219,7 @@ class Backend(abc.ABC):
         super().__init_subclass__(**kwargs)
         if "name" not in cls.__dict__:
             return
-        undeclared = [a for a in ("capabilities",) if a not in cls.__dict__]
+        undeclared = [a for a in ("capabilities", "secret_hints") if a not in cls.__dict__]
         if undeclared:
             raise TypeError(f"backend {cls.name!r} ({cls.__qualname__}) must declare "
                             f"{' and '.join(undeclared)}")  # fmt: skip

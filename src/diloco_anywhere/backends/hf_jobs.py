@@ -38,7 +38,9 @@ from diloco_anywhere.backends.base import (
     JobState,
     ReplicaHandle,
     ReplicaSpec,
+    SecretHints,
 )
+from diloco_anywhere.bucket import hf_buckets
 
 STATES: dict[str, JobState] = {
     "SCHEDULING": "pending",
@@ -126,6 +128,15 @@ def hub_api() -> Any:
 class HfJobsBackend(Backend):
     name = "hf_jobs"
     capabilities = Capabilities(remote=True, stops_one_replica=True, time_limit="always")
+    secret_hints = SecretHints(
+        aws="export STORE_AWS_ACCESS_KEY_ID and STORE_AWS_SECRET_ACCESS_KEY (as "
+        "[backends.hf_jobs] secrets reads them) before `diloco launch`; in GitHub, "
+        "repository secrets of those names",
+        gcp="as for modal (docs/infra.md, 'GCS outside Google Cloud')",
+        hf=f"export {hf_buckets.ENV_ACCESS_KEY} and {hf_buckets.ENV_SECRET_KEY} "
+        "(as [backends.hf_jobs] secrets reads them) before `diloco launch`",
+        aws_key=True,
+    )
     settings_model = Settings
     settings: Settings
 

@@ -50,8 +50,10 @@ from diloco_anywhere.backends.base import (
     JobState,
     ReplicaHandle,
     ReplicaSpec,
+    SecretHints,
     one_line,
 )
+from diloco_anywhere.bucket import hf_buckets
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.contract import (
     ENV_REPLICA_ID,
@@ -186,6 +188,16 @@ class KubernetesBackend(Backend):
         stops_one_replica=False,  # deleting the Job ends every replica of its launch
         time_limit="optional",  # deadline_hours
         server_dry_run=True,
+    )
+    secret_hints = SecretHints(
+        aws="kubectl create secret generic {run}-store --from-literal=AWS_ACCESS_KEY_ID"
+        "=... --from-literal=AWS_SECRET_ACCESS_KEY=... (EKS: a service account with "
+        "replica_policy_arn instead)",
+        gcp="GKE: gke_service_accounts in the tfvars and [backends.k8s] service_account",
+        hf=f"kubectl create secret generic {{run}}-store "
+        f"--from-literal={hf_buckets.ENV_ACCESS_KEY}=... "
+        f"--from-literal={hf_buckets.ENV_SECRET_KEY}=...",
+        aws_key=True,
     )
     settings_model = Settings
     settings: Settings

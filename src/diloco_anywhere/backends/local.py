@@ -26,6 +26,7 @@ from diloco_anywhere.backends.base import (
     JobState,
     ReplicaHandle,
     ReplicaSpec,
+    SecretHints,
 )
 from diloco_anywhere.config import RunConfig
 
@@ -39,6 +40,7 @@ class LocalBackend(Backend):
     capabilities = Capabilities(
         remote=False, stops_one_replica=True, time_limit="none", exit_codes=True
     )
+    secret_hints = SecretHints()  # replicas have this machine's environment, as the CLI has
 
     def __init__(self, config: RunConfig | None = None) -> None:
         super().__init__(config)

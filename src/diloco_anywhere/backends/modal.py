@@ -38,7 +38,9 @@ from diloco_anywhere.backends.base import (
     JobState,
     ReplicaHandle,
     ReplicaSpec,
+    SecretHints,
 )
+from diloco_anywhere.bucket import hf_buckets
 from diloco_anywhere.bucket.layout import parse_count
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.contract import NOT_RETRIED
@@ -180,6 +182,14 @@ class Settings(BackendSettings):
 class ModalBackend(Backend):
     name = "modal"
     capabilities = Capabilities(remote=True, stops_one_replica=True, time_limit="always")
+    secret_hints = SecretHints(
+        aws="modal secret create {run}-store AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=...",
+        gcp="a key of replica_service_account for GOOGLE_APPLICATION_CREDENTIALS "
+        "(docs/infra.md, 'GCS outside Google Cloud')",
+        hf=f"modal secret create {{run}}-store {hf_buckets.ENV_ACCESS_KEY}=... "
+        f"{hf_buckets.ENV_SECRET_KEY}=...",
+        aws_key=True,
+    )
     settings_model = Settings
     settings: Settings
 

@@ -53,6 +53,7 @@ from diloco_anywhere.backends.base import (
     JobState,
     ReplicaHandle,
     ReplicaSpec,
+    SecretHints,
     one_line,
 )
 from diloco_anywhere.config import RunConfig
@@ -273,6 +274,7 @@ class SageMakerBackend(Backend):
     capabilities = Capabilities(
         remote=True, stops_one_replica=True, time_limit="always", spot_wait=True
     )
+    secret_hints = SecretHints(aws="nothing: the jobs run as role_arn, which has the bucket")
     settings_model = Settings
     settings: Settings
 
