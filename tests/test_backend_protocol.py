@@ -1,17 +1,27 @@
-"""What every launch relies on whatever the platform: a platform failing part-way stops what it
-had started, stops carry on past failures, a platform that cannot be asked reads ``unknown``,
-run.toml's platform sections are checked, and remote replicas get a store they can reach."""
+"""What every launch relies on whatever the platform: every platform is one subclass of the
+``Backend`` ABC declaring what it can do, with its tests and its docs section; a platform
+failing part-way stops what it had started, stops carry on past failures, a platform that
+cannot be asked reads ``unknown``, run.toml's platform sections are checked, and remote
+replicas get a store they can reach."""
 
 from __future__ import annotations
 
+import inspect
+import pkgutil
 import re
+from pathlib import Path
 
 import pytest
 
+from diloco_anywhere import backends
+from diloco_anywhere.backends import BACKENDS, backend_class, get_backend
 from diloco_anywhere.backends.base import (
+    Backend,
+    Capabilities,
     PartialLaunchError,
     ReplicaHandle,
     ReplicaSpec,
+    SecretHints,
     launch_each,
     one_line,
     stop_all,
@@ -19,8 +29,88 @@ from diloco_anywhere.backends.base import (
 from diloco_anywhere.cli.run import parse_backends
 from diloco_anywhere.config import ConfigError, RunConfig, parse_config
 from diloco_anywhere.launching.launch import check_remote_store, job_state
+from test_layering import _loaded
 
 SPECS = [ReplicaSpec(f"x-{k}", k, "x", {}, ()) for k in range(3)]
+ROOT = Path(__file__).resolve().parents[1]
+# What a capability promises, the method it promises (defined by the class, not the base's)
+PROMISED = {"server_dry_run": "server_dry_run", "exit_codes": "exit_code",
+            "spot_wait": "spot_wait_limit"}  # fmt: skip
+
+
+def test_every_module_of_the_package_is_a_platform():
+    modules = {module.name for module in pkgutil.iter_modules(backends.__path__)}
+    assert modules - {"base"} == set(BACKENDS)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_every_platform_is_a_backend_declaring_what_it_can_do(name):
+    cls = backend_class(name)
+    assert issubclass(cls, Backend)
+    assert inspect.isabstract(Backend)
+    assert not inspect.isabstract(cls)
+    assert (cls.name, cls.__module__) == (name, f"diloco_anywhere.backends.{name}")
+    assert Backend.registry[name] is cls
+    assert isinstance(cls.__dict__["capabilities"], Capabilities)
+    assert isinstance(cls.__dict__["secret_hints"], SecretHints)
+    for capability, method in PROMISED.items():
+        defined = getattr(cls, method) is not getattr(Backend, method)
+        assert defined == getattr(cls.capabilities, capability), (capability, method)
+    assert cls.launch is not Backend.launch or cls.starter is not Backend.starter
+    for cloud in ("aws", "gcp", "hf"):
+        hint = cls.secret_hints.for_cloud(cloud, "demo")
+        assert hint is None or "{" not in hint  # {run} filled in, no other placeholder
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_a_platforms_time_limit_is_as_declared(name):
+    """``always``: its default settings end an attempt; ``none`` and ``optional``: not."""
+    backend = get_backend(name, parse_config("", "run.toml"))
+    limit = backend.attempt_limit()
+    assert (limit is not None) == (backend.capabilities.time_limit == "always")
+    if backend.capabilities.time_limit == "always":
+        assert limit > 0
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_every_platform_has_its_test_file_and_its_docs_section(name):
+    assert (ROOT / "tests" / f"test_backend_{name}.py").is_file()
+    docs = (ROOT / "docs" / "backends.md").read_text()
+    per_platform = docs.split("\n## Per platform\n", 1)[1].split("\n## ", 1)[0]
+    headings = re.findall(r"^### .+ \(`backends/(\w+)\.py`\)$", per_platform, re.MULTILINE)
+    assert name in headings
+
+
+def test_the_platform_names_load_no_platform_module():
+    """``--backend`` help and ``diloco infra`` need the names only: a platform's module is
+    imported when its class is asked for."""
+    loaded = _loaded("diloco_anywhere.cli")
+    assert {f"diloco_anywhere.backends.{name}" for name in BACKENDS}.isdisjoint(loaded)
+
+
+def test_a_platform_must_declare_its_capabilities_and_secret_hints():
+    with pytest.raises(TypeError, match="must declare capabilities and secret_hints"):
+
+        class Nowhere(Backend):
+            name = "nowhere"
+
+    assert "nowhere" not in Backend.registry
+
+
+def test_a_platform_name_is_taken_once():
+    with pytest.raises(TypeError, match="'local' is LocalBackend already"):
+
+        class Elsewhere(Backend):
+            name = "local"
+            capabilities = backend_class("local").capabilities
+            secret_hints = SecretHints()
+
+    assert Backend.registry["local"] is backend_class("local")
+
+
+def test_an_unknown_platform_is_refused_naming_the_others():
+    with pytest.raises(ValueError, match="choose from local, modal, hf_jobs, sagemaker, k8s"):
+        backend_class("mainframe")
 
 
 def starter(fail_at: int, error: BaseException):

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from diloco_anywhere.backends import get_backend
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.launching.limits import (
     ASSUMED_STEP_SECONDS,
@@ -15,7 +16,6 @@ from diloco_anywhere.launching.limits import (
     plan_for,
     plan_limits,
     plan_platform,
-    spot_wait_seconds,
     step_time,
 )
 
@@ -125,8 +125,9 @@ def test_plan_for_a_config_uses_its_length_step_time_and_spot_wait():
             "backends": {"sagemaker": {"spot": True, "max_wait_hours": 30}},
         }
     )
-    assert spot_wait_seconds(config) == {"sagemaker": 30 * HOUR}
-    plan = plan_for(config, {"modal": DAY, "sagemaker": DAY, "k8s": None})
+    spot_waits = {"sagemaker": get_backend("sagemaker", config).spot_wait_limit()}
+    assert spot_waits == {"sagemaker": 30 * HOUR}
+    plan = plan_for(config, {"modal": DAY, "sagemaker": DAY, "k8s": None}, spot_waits=spot_waits)
     assert plan.inner_steps == 7200
     assert plan.run_hours == 72.0
     assert [p.attempts for p in plan.platforms] == [3, 3, 1]
@@ -138,4 +139,4 @@ def test_plan_for_measures_the_step_time_when_run_toml_gives_none():
     plan = plan_for(config, {"modal": DAY}, metrics={"a": _replica((0, 0.0), (10, 20.0))})
     assert plan.step == StepTime(2.0, "measured from the run's metrics")
     assert plan.run_hours == 2.0
-    assert spot_wait_seconds(config) == {}
+    assert get_backend("sagemaker", config).spot_wait_limit() is None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -30,17 +31,16 @@ from pydantic import Field, field_validator
 
 from diloco_anywhere.backends.base import (
     ACTIVE_STATES,
+    Backend,
     BackendSettings,
     BackendUnavailableError,
+    Capabilities,
     JobState,
     ReplicaHandle,
     ReplicaSpec,
-    backend_settings,
-    image_of,
-    import_sdk,
-    launch_each,
+    SecretHints,
 )
-from diloco_anywhere.config import RunConfig
+from diloco_anywhere.bucket import hf_buckets
 
 STATES: dict[str, JobState] = {
     "SCHEDULING": "pending",
@@ -125,20 +125,26 @@ def hub_api() -> Any:
     return HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
 
 
-class HfJobsBackend:
+class HfJobsBackend(Backend):
     name = "hf_jobs"
-    remote = True
-    stops_one_replica = True
-
-    def __init__(self, config: RunConfig) -> None:
-        self.config = config
-        self.settings = backend_settings(config, self.name, Settings)
+    capabilities = Capabilities(remote=True, stops_one_replica=True, time_limit="always")
+    secret_hints = SecretHints(
+        aws="export STORE_AWS_ACCESS_KEY_ID and STORE_AWS_SECRET_ACCESS_KEY (as "
+        "[backends.hf_jobs] secrets reads them) before `diloco launch`; in GitHub, "
+        "repository secrets of those names",
+        gcp="as for modal (docs/infra.md, 'GCS outside Google Cloud')",
+        hf=f"export {hf_buckets.ENV_ACCESS_KEY} and {hf_buckets.ENV_SECRET_KEY} "
+        "(as [backends.hf_jobs] secrets reads them) before `diloco launch`",
+        aws_key=True,
+    )
+    settings_model = Settings
+    settings: Settings
 
     def _api(self) -> Any:
         return hub_api()
 
     def check(self) -> None:
-        if import_sdk("huggingface_hub", self.name).get_token() is None:
+        if self.import_sdk("huggingface_hub").get_token() is None:
             raise BackendUnavailableError(
                 "backend hf_jobs: no Hugging Face token; run `hf auth login` or set HF_TOKEN "
                 "(a token allowed to start Jobs)"
@@ -162,7 +168,7 @@ class HfJobsBackend:
     def _job(self, spec: ReplicaSpec, secrets: dict[str, str]) -> dict[str, Any]:
         """``run_job``'s arguments for one replica."""
         return {
-            "image": image_of(self.config, self.settings, self.name),
+            "image": self.image(),
             "command": spec.command("python"),
             "env": spec.env,
             "secrets": secrets,
@@ -177,7 +183,10 @@ class HfJobsBackend:
         masked = dict.fromkeys(self.settings.secret_sources(), "***")
         return [{"run_job": self._job(spec, masked)} for spec in specs]
 
-    def launch(self, specs: list[ReplicaSpec], run_dir: Path) -> list[ReplicaHandle]:
+    def starter(
+        self, specs: list[ReplicaSpec], run_dir: Path
+    ) -> Callable[[ReplicaSpec], ReplicaHandle]:
+        """The jobs' namespace and secrets, read once; then one ``run_job`` per replica."""
         api = self._api()
         namespace = self.settings.namespace or api.whoami()["name"]
         sources = self.settings.secret_sources()
@@ -189,7 +198,7 @@ class HfJobsBackend:
                          "timeout_s": self.settings.timeout_seconds()}  # fmt: skip
             return ReplicaHandle(spec.replica_id, self.name, reference)
 
-        return launch_each(specs, start_one, self.stop)
+        return start_one
 
     def state(self, handle: ReplicaHandle) -> JobState:
         """The job's stage, ``timed_out`` for one its timeout ended; a job the hub no longer

@@ -43,16 +43,17 @@ from typing import TYPE_CHECKING, Annotated, Any
 from pydantic import AfterValidator, Field, model_validator
 
 from diloco_anywhere.backends.base import (
+    Backend,
     BackendSettings,
     BackendUnavailableError,
+    Capabilities,
     JobState,
     ReplicaHandle,
     ReplicaSpec,
-    backend_settings,
-    image_of,
-    import_sdk,
+    SecretHints,
     one_line,
 )
+from diloco_anywhere.bucket import hf_buckets
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.contract import (
     ENV_REPLICA_ID,
@@ -180,18 +181,33 @@ def api_errors() -> Iterator[None]:
         raise RuntimeError(f"{exc.status} {exc.reason}{message}") from exc
 
 
-class KubernetesBackend:
+class KubernetesBackend(Backend):
     name = "k8s"
-    remote = True
-    stops_one_replica = False  # deleting the Job ends every replica of its launch
+    capabilities = Capabilities(
+        remote=True,
+        stops_one_replica=False,  # deleting the Job ends every replica of its launch
+        time_limit="optional",  # deadline_hours
+        server_dry_run=True,
+    )
+    secret_hints = SecretHints(
+        aws="kubectl create secret generic {run}-store --from-literal=AWS_ACCESS_KEY_ID"
+        "=... --from-literal=AWS_SECRET_ACCESS_KEY=... (EKS: a service account with "
+        "replica_policy_arn instead)",
+        gcp="GKE: gke_service_accounts in the tfvars and [backends.k8s] service_account",
+        hf=f"kubectl create secret generic {{run}}-store "
+        f"--from-literal={hf_buckets.ENV_ACCESS_KEY}=... "
+        f"--from-literal={hf_buckets.ENV_SECRET_KEY}=...",
+        aws_key=True,
+    )
+    settings_model = Settings
+    settings: Settings
 
-    def __init__(self, config: RunConfig) -> None:
-        self.config = config
-        self.settings = backend_settings(config, self.name, Settings)
+    def __init__(self, config: RunConfig | None = None) -> None:
+        super().__init__(config)
         self._clients: dict[str | None, ApiClient] = {}  # by kubeconfig context
 
     def check(self) -> None:
-        import_sdk("kubernetes", self.name)
+        self.import_sdk("kubernetes")
         self._client(self.settings.context)
 
     def describe(self, specs: list[ReplicaSpec]) -> list[dict[str, Any]]:
@@ -279,7 +295,7 @@ class KubernetesBackend:
         shm = spec.processes > 1  # torchrun's processes share tensors through /dev/shm
         container = {
             "name": CONTAINER,
-            "image": image_of(self.config, settings, self.name),
+            "image": self.image(),
             "command": spec.command("python"),
             "env": [{"name": name, "value": value} for name, value in env.items()],
             "envFrom": [{"secretRef": {"name": settings.secret}}] if settings.secret else None,

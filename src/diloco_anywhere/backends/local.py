@@ -17,15 +17,16 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from diloco_anywhere.backends.base import (
-    BackendSettings,
+    Backend,
+    Capabilities,
     JobState,
     ReplicaHandle,
     ReplicaSpec,
-    backend_settings,
-    launch_each,
+    SecretHints,
 )
 from diloco_anywhere.config import RunConfig
 
@@ -34,13 +35,15 @@ from diloco_anywhere.config import RunConfig
 STOP_GRACE = 15.0
 
 
-class LocalBackend:
+class LocalBackend(Backend):
     name = "local"
-    remote = False
-    stops_one_replica = True
+    capabilities = Capabilities(
+        remote=False, stops_one_replica=True, time_limit="none", exit_codes=True
+    )
+    secret_hints = SecretHints()  # replicas have this machine's environment, as the CLI has
 
     def __init__(self, config: RunConfig | None = None) -> None:
-        self.settings = backend_settings(config or RunConfig(), self.name, BackendSettings)
+        super().__init__(config)
         self._processes: dict[int, subprocess.Popen] = {}  # the ones this process started
         self._threads: int | None = None  # per replica, fixed by the first launch
 
@@ -60,17 +63,15 @@ class LocalBackend:
         """This machine: no list price."""
         return ""
 
-    def launch(self, specs: list[ReplicaSpec], run_dir: Path) -> list[ReplicaHandle]:
-        """Start ``specs``; a later call (a restart) gives its replicas the thread count of
-        the first, so a restarted replica computes exactly as the one it replaces."""
+    def starter(
+        self, specs: list[ReplicaSpec], run_dir: Path
+    ) -> Callable[[ReplicaSpec], ReplicaHandle]:
+        """A process per spec; a later launch (a restart) gives its replicas the thread count
+        of the first, so a restarted replica computes exactly as the one it replaces."""
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self._threads = self._threads or threads_per_replica(sum(s.processes for s in specs))
         threads = {"OMP_NUM_THREADS": str(self._threads)}
-        return launch_each(
-            specs,
-            lambda spec: self._start(spec, run_dir / "logs" / f"{spec.replica_id}.log", threads),
-            self.stop,
-        )
+        return lambda spec: self._start(spec, run_dir / "logs" / f"{spec.replica_id}.log", threads)
 
     def _start(self, spec: ReplicaSpec, log_path: Path, threads: dict[str, str]) -> ReplicaHandle:
         with log_path.open("ab") as log:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -30,17 +31,16 @@ from pydantic import Field, field_validator, model_validator
 
 from diloco_anywhere.backends.base import (
     ACTIVE_STATES,
+    Backend,
     BackendSettings,
     BackendUnavailableError,
+    Capabilities,
     JobState,
     ReplicaHandle,
     ReplicaSpec,
-    backend_settings,
-    image_of,
-    import_sdk,
-    launch_each,
-    settings_error,
+    SecretHints,
 )
+from diloco_anywhere.bucket import hf_buckets
 from diloco_anywhere.bucket.layout import parse_count
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.contract import NOT_RETRIED
@@ -179,23 +179,31 @@ class Settings(BackendSettings):
         return self
 
 
-class ModalBackend:
+class ModalBackend(Backend):
     name = "modal"
-    remote = True
-    stops_one_replica = True
+    capabilities = Capabilities(remote=True, stops_one_replica=True, time_limit="always")
+    secret_hints = SecretHints(
+        aws="modal secret create {run}-store AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=...",
+        gcp="a key of replica_service_account for GOOGLE_APPLICATION_CREDENTIALS "
+        "(docs/infra.md, 'GCS outside Google Cloud')",
+        hf=f"modal secret create {{run}}-store {hf_buckets.ENV_ACCESS_KEY}=... "
+        f"{hf_buckets.ENV_SECRET_KEY}=...",
+        aws_key=True,
+    )
+    settings_model = Settings
+    settings: Settings
 
-    def __init__(self, config: RunConfig) -> None:
-        self.config = config
-        self.settings = backend_settings(config, self.name, Settings)
-        self.app_name = self.settings.app_name or f"diloco-{config.run.name}"
+    def __init__(self, config: RunConfig | None = None) -> None:
+        super().__init__(config)
+        self.app_name = self.settings.app_name or f"diloco-{self.config.run.name}"
         try:
             _check_object_name(self.app_name, "App")
         except ValueError as exc:
             made = "" if self.settings.app_name else " (made from run.name): set one"
-            raise settings_error(config, self.name, "app_name", f"{exc}{made}") from None
+            raise self.settings_error("app_name", f"{exc}{made}") from None
 
     def check(self) -> None:
-        config = import_sdk("modal.config", self.name).config
+        config = self.import_sdk("modal.config").config
         if not (config.get("token_id") and config.get("token_secret")):
             raise BackendUnavailableError(
                 "backend modal: no Modal token; run `modal token new`, or set MODAL_TOKEN_ID "
@@ -215,7 +223,7 @@ class ModalBackend:
         gives Modal. Secrets by name: their values stay with Modal."""
         settings = self.settings
         return {
-            "image": image_of(self.config, settings, self.name),
+            "image": self.image(),
             "registry_secret": settings.registry_secret,
             "gpu": settings.gpu,
             "secrets": list(settings.secrets),
@@ -269,8 +277,10 @@ class ModalBackend:
                          "command": spec.command("python")}} for spec in specs),
         ]  # fmt: skip
 
-    def launch(self, specs: list[ReplicaSpec], run_dir: Path) -> list[ReplicaHandle]:
-        """Deploy the App (again: a relaunch updates it) and spawn one call per replica."""
+    def starter(
+        self, specs: list[ReplicaSpec], run_dir: Path
+    ) -> Callable[[ReplicaSpec], ReplicaHandle]:
+        """Deploy the App (again: a relaunch updates it); then one call spawned per replica."""
         app, function = self.build_app()
         app.deploy()
 
@@ -279,7 +289,7 @@ class ModalBackend:
             job = {"app": self.app_name, "call_id": call.object_id}
             return ReplicaHandle(spec.replica_id, self.name, job)
 
-        return launch_each(specs, spawn, self.stop)
+        return spawn
 
     def state(self, handle: ReplicaHandle) -> JobState:
         """From the call's result, polled without waiting. Modal's public API does not tell a

@@ -37,6 +37,7 @@ from __future__ import annotations
 import difflib
 import re
 import time
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from secrets import token_hex
@@ -45,17 +46,15 @@ from typing import Annotated, Any
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from diloco_anywhere.backends.base import (
+    Backend,
     BackendSettings,
     BackendUnavailableError,
+    Capabilities,
     JobState,
     ReplicaHandle,
     ReplicaSpec,
-    backend_settings,
-    image_of,
-    import_sdk,
-    launch_each,
+    SecretHints,
     one_line,
-    settings_error,
 )
 from diloco_anywhere.config import RunConfig
 
@@ -270,47 +269,26 @@ def job_state(job: dict[str, Any]) -> JobState:
     return ENDED.get(status, "unknown")
 
 
-def ecr_image(config: RunConfig, settings: Settings) -> str:
-    """The image, which SageMaker pulls from Amazon ECR only."""
-    image = image_of(config, settings, SageMakerBackend.name)
-    if not _ECR_HOST.fullmatch(image.split("/", 1)[0]):
-        raise settings_error(config, SageMakerBackend.name, "image", (
-            f"{image!r} is not in Amazon ECR, the only registry SageMaker training pulls "
-            f"from; push the image to <account>.dkr.ecr.<region>.amazonaws.com/<repository>"
-            f":<tag> and set [backends.sagemaker] image to it"
-        ))  # fmt: skip
-    return image
-
-
-def default_output(config: RunConfig) -> str:
-    """Where SageMaker writes each job's output (required by the API): next to the run's
-    objects when the store is on S3."""
-    store = config.store_url().rstrip("/")
-    if not store.startswith("s3://"):
-        raise settings_error(config, SageMakerBackend.name, "output_s3_uri", (
-            f"required when run.store is not on S3 ({store.partition(':')[0]}): SageMaker "
-            f"writes each job's output to an s3:// folder, e.g. s3://<bucket>/sagemaker-output"
-        ))  # fmt: skip
-    return f"{store}/{config.run.name}/sagemaker-output"
-
-
-class SageMakerBackend:
+class SageMakerBackend(Backend):
     name = "sagemaker"
-    remote = True
-    stops_one_replica = True
+    capabilities = Capabilities(
+        remote=True, stops_one_replica=True, time_limit="always", spot_wait=True
+    )
+    secret_hints = SecretHints(aws="nothing: the jobs run as role_arn, which has the bucket")
+    settings_model = Settings
+    settings: Settings
 
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: RunConfig | None = None) -> None:
         """Settings only: ``diloco status``, ``logs`` and ``stop`` build the backend from the
         current run.toml to reach jobs already started, whatever its image or store now are;
         what a new job needs is resolved where its request is made, and by ``check``."""
-        self.config = config
-        self.settings = backend_settings(config, self.name, Settings)
+        super().__init__(config)
         self._clients: dict[tuple[str, str], Any] = {}
 
     def check(self) -> None:
         """boto3, credentials, role, image, output, region: in the order a user provides
         them. Resolves credentials the way boto3 does; starts nothing."""
-        boto3 = import_sdk("boto3", self.name)
+        boto3 = self.import_sdk("boto3")
         from botocore.exceptions import BotoCoreError
 
         try:
@@ -330,13 +308,36 @@ class SageMakerBackend:
         """What every job of a launch shares and run.toml must allow: role, image, output."""
         return {
             "role": self._role(),
-            "image": ecr_image(self.config, self.settings),
-            "output": self.settings.output_s3_uri or default_output(self.config),
+            "image": self._ecr_image(),
+            "output": self.settings.output_s3_uri or self._default_output(),
         }
+
+    def _ecr_image(self) -> str:
+        """The image, which SageMaker pulls from Amazon ECR only."""
+        image = self.image()
+        if not _ECR_HOST.fullmatch(image.split("/", 1)[0]):
+            raise self.settings_error("image", (
+                f"{image!r} is not in Amazon ECR, the only registry SageMaker training pulls "
+                f"from; push the image to <account>.dkr.ecr.<region>.amazonaws.com/"
+                f"<repository>:<tag> and set [backends.sagemaker] image to it"
+            ))  # fmt: skip
+        return image
+
+    def _default_output(self) -> str:
+        """Where SageMaker writes each job's output (required by the API): next to the
+        run's objects when the store is on S3."""
+        store = self.config.store_url().rstrip("/")
+        if not store.startswith("s3://"):
+            raise self.settings_error("output_s3_uri", (
+                f"required when run.store is not on S3 ({store.partition(':')[0]}): SageMaker "
+                f"writes each job's output to an s3:// folder, e.g. s3://<bucket>/"
+                f"sagemaker-output"
+            ))  # fmt: skip
+        return f"{store}/{self.config.run.name}/sagemaker-output"
 
     def _role(self) -> str:
         if self.settings.role_arn is None:
-            raise settings_error(self.config, self.name, "role_arn", (
+            raise self.settings_error("role_arn", (
                 "required: the IAM role the jobs run as (trusted by sagemaker.amazonaws.com, "
                 "allowed to pull the image, write logs and use the run's bucket), e.g. "
                 f"{_SHAPED['role_arn'][1]}"
@@ -367,6 +368,12 @@ class SageMakerBackend:
         """MaxRuntimeInSeconds: the running time SageMaker gives a job, its retries included
         (a spot job may also wait for capacity, up to MaxWaitTimeInSeconds in all)."""
         return self._stopping_condition()["MaxRuntimeInSeconds"]
+
+    def spot_wait_limit(self) -> float | None:
+        """``max_wait_hours`` in seconds with ``spot``: MaxWaitTimeInSeconds, the time a job
+        may wait for spot capacity and run, in all."""
+        wait = self.settings.max_wait_hours
+        return wait * 3600 if self.settings.spot and wait is not None else None
 
     def hardware(self) -> str:
         """The instance type (one instance per job), as SageMaker prices it."""
@@ -434,7 +441,7 @@ class SageMakerBackend:
         tagged = ":" in image.rsplit("/", 1)[-1]
         repository, tag = image.rsplit(":", 1) if tagged else (image, MOVING_TAG)
         host, _, name = repository.partition("/")
-        found = _ECR_HOST.fullmatch(host)  # ecr_image checked it is in ECR
+        found = _ECR_HOST.fullmatch(host)  # _ecr_image checked it is in ECR
         if "@" in image or tag != MOVING_TAG or found is None:
             return image
         ecr = self._client("ecr", found["region"])
@@ -454,7 +461,11 @@ class SageMakerBackend:
         time and random suffix at each call, as at each launch."""
         return [{"CreateTrainingJob": request} for request in self._requests(specs)]
 
-    def launch(self, specs: list[ReplicaSpec], run_dir: Path) -> list[ReplicaHandle]:
+    def starter(
+        self, specs: list[ReplicaSpec], run_dir: Path
+    ) -> Callable[[ReplicaSpec], ReplicaHandle]:
+        """Every request made (the image pinned once for all), then one CreateTrainingJob
+        per replica."""
         requests = dict(
             zip((s.replica_id for s in specs), self._requests(specs, pin=True), strict=True)
         )
@@ -471,7 +482,7 @@ class SageMakerBackend:
                 raise
             return ReplicaHandle(spec.replica_id, self.name, {**job, "arn": arn})
 
-        return launch_each(specs, start_one, self.stop)
+        return start_one
 
     def _stop_unacknowledged(self, handle: ReplicaHandle, exc: BaseException) -> None:
         """A CreateTrainingJob that raised may still have created the job: the connection

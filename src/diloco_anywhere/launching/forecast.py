@@ -26,8 +26,12 @@ class Forecast:
 
 def forecast(plan: LaunchPlan) -> Forecast:
     """The launch's limits and cost, from each platform's settings (``attempt_limit``,
-    ``hardware``) and ``[budget]``; contacts nothing."""
-    limits = plan_for(plan.config, {p: b.attempt_limit() for p, b in plan.backends.items()})
+    ``spot_wait_limit``, ``hardware``) and ``[budget]``; contacts nothing."""
+    backends = plan.backends
+    attempts = {platform: backend.attempt_limit() for platform, backend in backends.items()}
+    spot_waits = {platform: backend.spot_wait_limit() for platform, backend in backends.items()
+                  if backend.capabilities.spot_wait}  # fmt: skip
+    limits = plan_for(plan.config, attempts, spot_waits=spot_waits)
     replicas = {platform: (backend.hardware(), len(plan.specs_on(platform)))
                 for platform, backend in plan.backends.items()}  # fmt: skip
     return Forecast(limits, estimate(plan.config, replicas, step=limits.step))

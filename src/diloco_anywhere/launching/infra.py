@@ -9,7 +9,7 @@ documented interface (https://developer.hashicorp.com/terraform/cli/commands/out
 Which output goes where in run.toml is one table (``RUN_TOML_FIELDS``); a value Terraform marks
 sensitive is never printed or written. What cannot come from Terraform (a key for replicas
 outside the cloud: Terraform makes none, so its state holds none) is said as the commands that
-make and store it, per platform.
+make and store it, per platform, in each backend's own words (``Backend.secret_hints``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any
 
 import tomlkit
 
+from diloco_anywhere.backends import BACKENDS, backend_class
 from diloco_anywhere.backends.base import one_line
 from diloco_anywhere.bucket import hf_buckets
 
@@ -234,40 +235,14 @@ def secrets_to_set(
     cloud: str, run: str, values: dict[str, object], platforms: list[str]
 ) -> list[str]:
     """What the user must still provide per platform: commands with placeholders, never a
-    value (Terraform makes no key; docs/infra.md says why)."""
-    outside = sorted({"modal", "hf_jobs", "k8s"} & set(platforms))
-    lines = _key_lines(cloud, values, outside)
+    value (Terraform makes no key; docs/infra.md says why). Each platform's words are its
+    backend's ``secret_hints``; a name that is no platform is passed over."""
+    hints = {p: backend_class(p).secret_hints for p in platforms if p in BACKENDS}
+    lines = _key_lines(cloud, values, sorted(p for p, hint in hints.items() if hint.aws_key))
     if cloud == "hf":
-        keys = f"{hf_buckets.ENV_ACCESS_KEY}=... {hf_buckets.ENV_SECRET_KEY}=..."
         lines.append(f"bucket keys: {hf_buckets.CREDENTIALS_HELP}")
-        per_platform = {
-            "modal": f"modal secret create {run}-store {keys}",
-            "hf_jobs": f"export {hf_buckets.ENV_ACCESS_KEY} and {hf_buckets.ENV_SECRET_KEY} "
-            "(as [backends.hf_jobs] secrets reads them) before `diloco launch`",
-            "k8s": f"kubectl create secret generic {run}-store "
-            f"--from-literal={hf_buckets.ENV_ACCESS_KEY}=... "
-            f"--from-literal={hf_buckets.ENV_SECRET_KEY}=...",
-        }
-    elif cloud == "aws":
-        credentials = "AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=..."
-        per_platform = {
-            "modal": f"modal secret create {run}-store {credentials}",
-            "hf_jobs": "export STORE_AWS_ACCESS_KEY_ID and STORE_AWS_SECRET_ACCESS_KEY (as "
-            "[backends.hf_jobs] secrets reads them) before `diloco launch`; in GitHub, "
-            "repository secrets of those names",
-            "k8s": f"kubectl create secret generic {run}-store --from-literal=AWS_ACCESS_KEY_ID"
-            "=... --from-literal=AWS_SECRET_ACCESS_KEY=... (EKS: a service account with "
-            "replica_policy_arn instead)",
-            "sagemaker": "nothing: the jobs run as role_arn, which has the bucket",
-        }
-    else:
-        per_platform = {
-            "k8s": "GKE: gke_service_accounts in the tfvars and [backends.k8s] service_account",
-            "modal": "a key of replica_service_account for GOOGLE_APPLICATION_CREDENTIALS "
-            "(docs/infra.md, 'GCS outside Google Cloud')",
-            "hf_jobs": "as for modal (docs/infra.md, 'GCS outside Google Cloud')",
-        }
-    lines += [f"{p}: {per_platform[p]}" for p in platforms if p in per_platform]
+    said = {p: hint.for_cloud(cloud, run) for p, hint in hints.items()}
+    lines += [f"{p}: {line}" for p, line in said.items() if line is not None]
     return lines + _github_lines(values)
 
 

@@ -388,7 +388,8 @@ class Keeper:
             handle = job.handle if job else None
             backend = self._backend(planned.platform)
             state = job_state(backend, handle) if handle else None
-            exit_code = getattr(backend, "exit_code", lambda _: None)(handle) if handle else None
+            exit_code = (backend.exit_code(handle)
+                         if handle and backend.capabilities.exit_codes else None)  # fmt: skip
             job_key = self.layout.launch_job(launch.number, replica, job.attempt) if job else None
             claim_key = (self.layout.launch_restart(launch.number, replica, claim.attempt)
                          if claim else None)  # fmt: skip
@@ -451,7 +452,8 @@ class Keeper:
         if not self.launches.claim_restart(launch.number, claim):
             return Restarted(False, f"{name}: another keeper is restarting it")
         backend = self._backend(replica.platform)
-        if decision.stop_first and replica.job is not None and backend.stops_one_replica:
+        stops_one = backend.capabilities.stops_one_replica
+        if decision.stop_first and replica.job is not None and stops_one:
             try:
                 backend.stop(replica.job.handle)
             except Exception as exc:  # it is superseded once the new incarnation claims

@@ -28,7 +28,6 @@ from diloco_anywhere.backends.base import (
     JobState,
     ReplicaHandle,
     ReplicaSpec,
-    image_of,
     one_line,
     stop_all,
 )
@@ -70,7 +69,7 @@ def plan_launch(config: RunConfig, counts: dict[str, int], root: Path | None = N
     backends = {platform: get_backend(platform, config) for platform in counts}
     if config.run.sharding == "fsdp":
         check_same_ranks(backends)
-    remote = [platform for platform, backend in backends.items() if backend.remote]
+    remote = [platform for platform, backend in backends.items() if backend.capabilities.remote]
     if remote:
         check_remote_store(config, remote)
     config_key = published_config.config_key(config) if remote else None
@@ -83,8 +82,9 @@ def plan_launch(config: RunConfig, counts: dict[str, int], root: Path | None = N
     specs, index = [], 0
     for platform, count in counts.items():
         backend = backends[platform]
-        args = () if backend.remote else local_args
-        published = {published_config.ENV_CONFIG_KEY: config_key} if backend.remote else {}
+        elsewhere = backend.capabilities.remote  # reads run.toml from the store
+        args = () if elsewhere else local_args
+        published = {published_config.ENV_CONFIG_KEY: config_key} if elsewhere else {}
         processes = backend.settings.processes_per_replica
         for k in range(count):
             replica_id = f"{platform}-{k}"
@@ -235,16 +235,16 @@ def describe(plan: LaunchPlan) -> dict[str, list[dict[str, Any]]]:
 
 
 def dry_run_on_servers(plan: LaunchPlan) -> dict[str, Any]:
-    """Each platform's own verdict on what ``start`` would submit, where it offers one;
-    credentials are checked first, nothing is started."""
+    """Each platform's own verdict on what ``start`` would submit, where it offers one
+    (``capabilities.server_dry_run``); credentials are checked first, nothing is started."""
     results: dict[str, Any] = {}
     for platform, backend in plan.backends.items():
         backend.check()
-        server_dry_run = getattr(backend, "server_dry_run", None)
         results[platform] = (
-            server_dry_run(plan.specs_on(platform)) if server_dry_run
+            backend.server_dry_run(plan.specs_on(platform))
+            if backend.capabilities.server_dry_run
             else f"{platform} has no server-side dry run; --dry-run shows its requests"
-        )  # fmt: skip
+        )
     return results
 
 
@@ -347,8 +347,8 @@ def start(
         if plan.config_key:
             published_config.publish_config(store, config)
         launches = Launches(store, RunLayout(config.run.name))
-        images = {platform: image_of(config, backend.settings, platform)
-                  for platform, backend in plan.backends.items() if backend.remote}  # fmt: skip
+        images = {platform: backend.image() for platform, backend in plan.backends.items()
+                  if backend.capabilities.remote}  # fmt: skip
         record = launches.begin(plan.specs, plan.config_key, images, time.time(), number)
         number = record.number
         started: dict[str, tuple[Backend, list[ReplicaHandle]]] = {}

@@ -9,7 +9,8 @@ the keeper (``diloco keep``) starts the next one: the plan says so before the la
 The run's length is ``outer_steps x sync_every`` inner steps, and a step's wall time (sync
 waits included) is ``[budget] step_seconds``, else measured from the run's metrics, else
 ``ASSUMED_STEP_SECONDS``, said as an assumption. Pure functions of plain numbers: the caller
-asks each backend for ``attempt_limit()``.
+asks each backend for ``attempt_limit()``, and where its ``capabilities.spot_wait`` says it
+has one, for ``spot_wait_limit()``.
 """
 
 from __future__ import annotations
@@ -190,7 +191,7 @@ def plan_limits(
     inner_steps: int,
     step: StepTime,
     limits: Mapping[str, float | None],
-    spot_waits: Mapping[str, float] | None = None,
+    spot_waits: Mapping[str, float | None] | None = None,
 ) -> LimitPlan:
     """The plan for a run of ``inner_steps`` steps of ``step`` seconds on each platform of
     ``limits`` (platform -> ``Backend.attempt_limit()``, seconds or None)."""
@@ -203,27 +204,20 @@ def plan_limits(
     return LimitPlan(inner_steps, step, plans)
 
 
-def spot_wait_seconds(config: RunConfig) -> dict[str, float]:
-    """``[backends.sagemaker] max_wait_hours`` in seconds where ``spot = true`` (the backend
-    validates them on launch; here they are only read)."""
-    settings = config.backends.get("sagemaker", {})
-    if settings.get("spot") and settings.get("max_wait_hours") is not None:
-        return {"sagemaker": float(settings["max_wait_hours"]) * 3600}
-    return {}
-
-
 def plan_for(
     config: RunConfig,
     limits: Mapping[str, float | None],
     metrics: Mapping[str, _Replica] | None = None,
+    spot_waits: Mapping[str, float | None] | None = None,
 ) -> LimitPlan:
     """The plan for ``config``'s run: ``limits`` from each platform's backend
-    (``{name: backend.attempt_limit()}``), ``metrics`` (``MetricsReader.read()``) once the
-    run has some, for its measured step time."""
+    (``{name: backend.attempt_limit()}``), ``spot_waits`` from those that have one
+    (``backend.spot_wait_limit()``), ``metrics`` (``MetricsReader.read()``) once the run has
+    some, for its measured step time."""
     measured = measured_step_seconds(metrics) if metrics else None
     return plan_limits(
         config.diloco.outer_steps * config.diloco.sync_every,
         step_time(config.budget.step_seconds or None, measured),
         limits,
-        spot_wait_seconds(config),
+        spot_waits,
     )

@@ -54,7 +54,7 @@ class Supervisor:
 
     @property
     def remote(self) -> bool:
-        return any(backend.remote for backend in self.backends.values())
+        return any(backend.capabilities.remote for backend in self.backends.values())
 
     @property
     def restarting(self) -> bool:
