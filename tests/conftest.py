@@ -110,10 +110,6 @@ def s3_run(standins, monkeypatch) -> tuple[str, dict[str, str]]:
 # -- the Hugging Face task's offline parts --------------------------------------------------
 
 WORDS = "the a cat dog sat ran on under mat log and then quickly slowly big small red"
-TINY_LLAMA = {
-    "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-    "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 64,
-}  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -145,7 +141,7 @@ def hf_corpus(tmp_path_factory):
 def run_toml(tmp_path, monkeypatch):
     """A small run of local replicas (test_launch.RUN_TOML) in an empty folder, which is also
     the current directory: ``run_toml(replicas, outer_steps)`` writes it, returns its path."""
-    from test_launch import RUN_TOML
+    from support.runs import RUN_TOML
 
     monkeypatch.chdir(tmp_path)
 

@@ -1,0 +1,111 @@
+"""``diloco export``: a finished run's global weights, checked as healing checks them, as
+safetensors the task's model loads, with a model card and the run's configuration; to a folder
+or a store; the task's own save format when it has one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.config import load_config
+from diloco_anywhere.launching.export import trained_task
+from diloco_anywhere.training.checkpoints.catalogue import newest_checkpoints
+from diloco_anywhere.training.checkpoints.commits import committed_rounds
+from diloco_anywhere.training.global_state import FRAGMENT_KEY
+from support.runs import RUN_TOML, diloco
+
+SAVING_TASK = """
+from pathlib import Path
+from diloco_anywhere.tasks.gpt import build as build_gpt
+
+def build(context):
+    task = build_gpt(context)
+    task.save = lambda model, folder: (folder / "weights.json").write_text(
+        '{"parameters": %d}' % sum(p.numel() for p in model.parameters()))
+    return task
+"""
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A 2-replica local run of 2 outer steps, done, with its task saving its own format."""
+    folder = tmp_path_factory.mktemp("run")
+    (folder / "saving_task.py").write_text(SAVING_TASK)
+    text = RUN_TOML.format(replicas=2, outer_steps=2)
+    text = text.replace('store = "store"', f'store = "{folder / "store"}"')
+    text = text.replace("[task]\n", '[task]\nentrypoint = "saving_task:build"\n')
+    (folder / "run.toml").write_text(text)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(folder)
+        patch.syspath_prepend(str(folder))
+        patch.setenv("PYTHONPATH", str(folder))
+        result = diloco("launch", "--config", "run.toml")
+    assert result.exit_code == 0, result.output
+    return folder
+
+
+def test_the_export_holds_the_committed_global_weights(finished_run, tmp_path, monkeypatch):
+    monkeypatch.chdir(finished_run)
+    monkeypatch.syspath_prepend(str(finished_run))
+    result = diloco("export", str(tmp_path / "model"), "--config", "run.toml")
+    assert result.exit_code == 0, result.output
+    config = load_config(finished_run / "run.toml")
+    [checkpoint] = list(newest_checkpoints(Store(config.store_url()), RunLayout("t")))[:1]
+    assert f"exported round {checkpoint.commit.round}" in result.output
+    exported = load_file(tmp_path / "model" / "model.safetensors")
+    model = trained_task(config, checkpoint).model
+    model.load_state_dict(exported)  # the task's model takes it as it is
+    weights = checkpoint.tree["fragments"][FRAGMENT_KEY.format(0)]["original_parameters"]
+    for name, parameter in model.named_parameters():
+        assert torch.equal(parameter, weights[name])
+    card = (tmp_path / "model" / "README.md").read_text()
+    assert "# t\n" in card
+    assert f"round {checkpoint.commit.round}" in card
+    assert "held-out loss | n/a" not in card
+    assert load_config(tmp_path / "model" / "run.toml").run.name == "t"
+    saved = json.loads((tmp_path / "model" / "saved" / "weights.json").read_text())
+    assert saved["parameters"] == sum(p.numel() for p in model.parameters())
+    # the same checkpoint gives the same bytes, whatever the run (safetensors metadata did not)
+    for attempt in range(3):
+        again = tmp_path / f"again-{attempt}"
+        assert diloco("export", str(again), "--config", "run.toml").exit_code == 0
+        for path in (tmp_path / "model").rglob("*"):
+            if path.is_file():
+                assert (
+                    again / path.relative_to(tmp_path / "model")
+                ).read_bytes() == path.read_bytes()
+
+
+def test_an_export_to_a_store_is_create_only_and_the_same_export_again_a_no_op(
+    finished_run, monkeypatch
+):
+    monkeypatch.chdir(finished_run)
+    monkeypatch.syspath_prepend(str(finished_run))
+    target = "memory://exports/t"
+    assert diloco("export", target, "--config", "run.toml").exit_code == 0
+    assert sorted(Store(target).list_prefix("")) == [
+        "README.md", "model.safetensors", "run.toml", "saved/weights.json"
+    ]  # fmt: skip
+    assert diloco("export", target, "--config", "run.toml").exit_code == 0  # the same bytes
+    config = load_config(finished_run / "run.toml")
+    older = committed_rounds(Store(config.store_url()), RunLayout("t"))[-1]
+    other = diloco("export", target, "--config", "run.toml", "--round", str(older))
+    assert other.exit_code == 1
+    assert "already exists; keys are create-only: export to an empty folder" in other.output
+
+
+def test_nothing_committed_or_a_missing_round_says_so(finished_run, tmp_path, monkeypatch):
+    monkeypatch.chdir(finished_run)
+    missing = diloco("export", str(tmp_path / "x"), "--config", "run.toml", "--round", "999")
+    assert missing.exit_code == 1
+    assert "round 999 has no intact committed checkpoint" in missing.output
+    (tmp_path / "empty.toml").write_text(f'[run]\nname = "never"\nstore = "{tmp_path / "s"}"\n')
+    nothing = diloco("export", str(tmp_path / "y"), "--config", str(tmp_path / "empty.toml"))
+    assert nothing.exit_code == 1
+    assert "run never has no committed checkpoint" in nothing.output
+    assert "Traceback" not in nothing.output + missing.output

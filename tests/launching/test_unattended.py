@@ -1,0 +1,90 @@
+"""A run left alone: launched with ``--detach`` on local + HF Jobs + Kubernetes stand-ins whose
+time limits end attempts within a minute, replicas SIGKILLed, one frozen (a zombie once it
+wakes), and nothing but ``diloco keep`` run on a schedule as cron would (a fresh process each
+time). The test never starts or restarts a replica itself."""
+
+from __future__ import annotations
+
+from diloco_anywhere.bench.chaos import fingerprint_disagreements
+from diloco_anywhere.bench.unattended import (
+    PLATFORMS,
+    Platforms,
+    keep_pass,
+    leave_alone,
+    passes_to_return,
+    restarts,
+    sent_alerts,
+    unattended_toml,
+)
+from diloco_anywhere.config import load_config
+from diloco_anywhere.launching.launch import run_launches
+from support.runs import K8S, diloco, statuses, write_run
+
+
+def test_a_detached_run_left_to_the_keeper_completes(
+    tmp_path, monkeypatch, s3_run, hub, cluster, webhook
+):
+    """HF Jobs attempts end after 20 s, Kubernetes Jobs after 90 s; k8s-0 freezes after round
+    5 (then wakes a zombie), local-0 and hf_jobs-0 are SIGKILLed after rounds 15 and 25."""
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "run.toml"
+    path.write_text(unattended_toml(s3_run[0]))
+    result = diloco("launch", "--config", str(path), *PLATFORMS, "--detach")
+    assert result.exit_code == 0, result.output
+
+    run = leave_alone(str(path), Platforms(hub, cluster), progress=lambda _: None)
+
+    config = load_config(path)
+    launch = run_launches(config).latest()
+    assert launch.end is not None
+    assert launch.end.reason == "done", launch.end
+    assert [(d.replica, d.how) for d in run.disrupted] == [
+        ("k8s-0", "freeze"), ("local-0", "kill"), ("hf_jobs-0", "kill")
+    ]  # fmt: skip
+    assert fingerprint_disagreements(run.metrics) == {}
+    made = restarts(run)
+    reasons = {reason for _, reason in made}
+    assert {"hung", "timed_out"} <= reasons <= {"failed", "exited", "stopped", "timed_out",
+                                                "hung"}, made  # fmt: skip
+    assert {replica for replica, _ in made} >= {"local-0", "hf_jobs-0", "k8s-0"}, made
+    # each replica's newest incarnation trained to the end (done), or the end came while it was
+    # starting or healing and the keeper or its platform stopped it, after the last commit
+    states = {r: m.state() for r, m in run.metrics.items()}
+    assert "done" in states.values(), states
+    assert set(states.values()) <= {"done", "stopped"}, states
+    last_commit = min(s.time for m in run.metrics.values() for s in m.syncs
+                      if s.committed and s.round == config.diloco.outer_steps - 1)  # fmt: skip
+    for replica, state in states.items():
+        newest = run.metrics[replica].events_by_incarnation[run.metrics[replica].incarnation]
+        assert state == "done" or newest[-1].time > last_commit, (replica, newest)
+    assert run.metrics["k8s-0"].count("superseded") >= 1  # the zombie ended itself when it woke
+    for replica in ("local-0", "hf_jobs-0", "k8s-0"):
+        assert all(n <= 1 for n in passes_to_return(run, replica)), replica  # back in 2
+
+    texts = webhook.texts()
+    assert sorted(texts) == sorted(sent_alerts(config, launch.number))  # once each
+    assert any("restarted" in text for text in texts)
+    assert f"[{config.run.name}] run {config.run.name} ended: the last outer step is committed" in (
+        texts
+    )
+
+
+def test_a_budget_below_the_runs_cost_stops_every_platform_with_the_reason(
+    tmp_path,
+    monkeypatch,
+    s3_run,
+    hub,
+    cluster,
+):
+    monkeypatch.chdir(tmp_path)
+    path = write_run(tmp_path, s3_run[0], replicas=3, outer_steps=500)
+    budget = "[budget]\nmax_usd = 0.01\nhourly_usd = { hf_jobs = 36000.0 }\n"  # $10 a second
+    (tmp_path / "run.toml").write_text((tmp_path / "run.toml").read_text() + K8S + budget)
+    mix = ("--backend", "local=1", "--backend", "hf_jobs=1", "--backend", "k8s=1")
+    assert diloco("launch", "--config", path, *mix, "--detach").exit_code == 0
+    report = keep_pass(path)
+    assert report["ended"].startswith("budget: the run's spend at list prices, $"), report
+    assert "reached [budget] max_usd = $0.01" in report["ended"]
+    rows = statuses(path)
+    assert {row["state"] for row in rows.values()} == {"stopped"}, rows
+    assert "launch ended (budget)" in diloco("status", "--config", path).output
