@@ -54,7 +54,7 @@ from diloco_anywhere.collective.policy import LeasePolicy
 from diloco_anywhere.config import ConfigError, KeepSection, RunConfig
 from diloco_anywhere.contract import EXIT_BAD_CONFIG, EXIT_SUPERSEDED
 from diloco_anywhere.launching.alerts import Alert, Alerts
-from diloco_anywhere.launching.cost import Spend, over_budget
+from diloco_anywhere.launching.cost_so_far import Spend, over_budget
 from diloco_anywhere.launching.health import health_alerts
 from diloco_anywhere.launching.launch import job_state, plan_launch, run_dir
 from diloco_anywhere.launching.launches import (
