@@ -202,8 +202,9 @@ class KeepSection(_Section):
 
 
 class BudgetSection(_Section):
-    """A run's spending cap, and what its estimates assume (``launching/cost.py``). Prices are
-    public list prices with their date; override them for your discounts."""
+    """A run's spending cap, and what its estimates assume (``launching/cost_estimate.py``).
+    Prices are public list prices with their date (``launching/prices.py``); override them for
+    your discounts."""
 
     max_hours: Annotated[float, Field(ge=0)] = 0.0  # wall hours since the launch; 0: no cap
     max_usd: Annotated[float, Field(ge=0)] = 0.0  # estimated spend; 0: no cap

@@ -1,5 +1,6 @@
-"""Prices and the estimate (launching/cost.py): the numbers for known inputs, worked out here by
-hand from the formulas in docs/collective.md and the prices in launching/prices.toml."""
+"""Prices and the estimate (launching/prices.py, clouds.py, traffic.py, model_size.py,
+cost_estimate.py and cost_so_far.py): the numbers for known inputs, worked out here by hand from
+the formulas in docs/collective.md and the prices in launching/prices.toml."""
 
 from __future__ import annotations
 
@@ -11,23 +12,19 @@ from types import SimpleNamespace
 import pytest
 
 from diloco_anywhere.config import BudgetSection, ConfigError, RunConfig, parse_config
-from diloco_anywhere.launching.cost import (
-    GIB,
+from diloco_anywhere.launching.clouds import GIB, egress, platform_cloud, store_cloud
+from diloco_anywhere.launching.cost_estimate import estimate
+from diloco_anywhere.launching.cost_so_far import (
     Attempt,
     ReplicaTraffic,
-    egress,
-    estimate,
-    hourly_price,
-    load_prices,
     over_budget,
-    parameter_count,
-    platform_cloud,
-    round_traffic,
     spend,
-    store_cloud,
     traffic_so_far,
 )
 from diloco_anywhere.launching.limits import StepTime
+from diloco_anywhere.launching.model_size import parameter_count
+from diloco_anywhere.launching.prices import hourly_price, load_prices
+from diloco_anywhere.launching.traffic import round_traffic
 from support import ROOT
 
 if sys.version_info >= (3, 11):

@@ -288,7 +288,7 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def hardware(self) -> str:
-        """What one replica runs on, as the price table names it (``launching/cost.py``):
+        """What one replica runs on, as the price table names it (``launching/prices.py``):
         e.g. ``A100-80GB:2`` on Modal, ``a10g-large`` on HF Jobs, ``ml.p4d.24xlarge`` on
         SageMaker; ``""`` where no list price applies (local processes, your own cluster)."""
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from diloco_anywhere.launching.cost import Estimate, estimate
+from diloco_anywhere.launching.cost_estimate import Estimate, estimate
 from diloco_anywhere.launching.launch import LaunchPlan
 from diloco_anywhere.launching.limits import LimitPlan, plan_for
 

@@ -54,7 +54,7 @@ from diloco_anywhere.collective.policy import LeasePolicy
 from diloco_anywhere.config import ConfigError, KeepSection, RunConfig
 from diloco_anywhere.contract import EXIT_BAD_CONFIG, EXIT_SUPERSEDED
 from diloco_anywhere.launching.alerts import Alert, Alerts
-from diloco_anywhere.launching.cost import Spend, over_budget
+from diloco_anywhere.launching.cost_so_far import Spend, over_budget
 from diloco_anywhere.launching.health import health_alerts
 from diloco_anywhere.launching.launch import job_state, plan_launch, run_dir
 from diloco_anywhere.launching.launches import (
@@ -209,7 +209,7 @@ class PassReport:
     decisions: dict[str, Decision]
     notes: list[str]
     ended: str | None  # the launch's end, if it has one
-    spend: Spend | None = None  # so far (an estimate: launching/cost.py)
+    spend: Spend | None = None  # so far (an estimate: launching/cost_so_far.py)
 
 
 class Keeper:

@@ -1,4 +1,5 @@
-"""A launch's spend so far, from its records in the bucket (``cost.spend`` on real attempts).
+"""A launch's spend so far, from its records in the bucket (``cost_so_far.spend`` on real
+attempts).
 
 Every attempt of every replica has a job record with its start. An attempt is billed from its
 start until the next attempt of its replica starts, or, for the newest, until now while its job
@@ -12,7 +13,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from diloco_anywhere.config import RunConfig
-from diloco_anywhere.launching.cost import Attempt, Spend, spend, traffic_so_far
+from diloco_anywhere.launching.cost_so_far import Attempt, Spend, spend, traffic_so_far
 from diloco_anywhere.launching.launches import Launch, Launches
 from diloco_anywhere.training.metrics import ReplicaMetrics
 

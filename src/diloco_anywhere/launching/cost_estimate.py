@@ -1,0 +1,214 @@
+"""What a run costs before it starts (``estimate``): per hour and in all, with the rendering
+``diloco launch`` and ``--dry-run`` print. The one place that puts the run's length, its
+traffic (``traffic``, ``model_size``) and the prices (``prices``, ``clouds``) together.
+
+Three things cost money: the replicas' hardware (replica-hours x each platform's hourly price),
+the bytes that leave a cloud (egress), and the store's requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from diloco_anywhere.config import BudgetSection, RunConfig
+from diloco_anywhere.launching.clouds import GIB, Egress, egress, platform_cloud, store_cloud
+from diloco_anywhere.launching.limits import StepTime, step_time
+from diloco_anywhere.launching.model_size import parameter_count
+from diloco_anywhere.launching.prices import PriceTable, hourly_price, load_prices, request_usd
+from diloco_anywhere.launching.traffic import (
+    RoundTraffic,
+    heartbeat_requests_per_hour,
+    round_traffic,
+)
+
+
+@dataclass(frozen=True)
+class PlatformCost:
+    platform: str
+    hardware: str
+    replicas: int
+    cloud: str
+    usd_per_replica_hour: float | None  # None: unpriced, counted as 0
+    price_source: str
+    price_reference: str  # the table's source of a list price
+    egress_usd_per_round: float  # one replica's, per outer step
+
+
+@dataclass(frozen=True)
+class Estimate:
+    hours: float  # the run's expected wall time
+    rounds: int  # outer steps
+    step: StepTime
+    parameters: int | None
+    parameters_source: str
+    traffic: RoundTraffic | None  # per replica per outer step; None: parameters unknown
+    store_cloud: str
+    platforms: tuple[PlatformCost, ...]
+    compute_usd_per_hour: float
+    egress_usd_per_hour: float
+    requests_usd_per_hour: float
+    unpriced: tuple[str, ...]  # what counted $0 for want of a price
+
+    @property
+    def usd_per_hour(self) -> float:
+        return self.compute_usd_per_hour + self.egress_usd_per_hour + self.requests_usd_per_hour
+
+    @property
+    def usd(self) -> float:
+        return self.usd_per_hour * self.hours
+
+    @property
+    def requests_usd_per_round(self) -> float:
+        """All replicas' request bill per outer step: what ``spend`` takes as ``requests_usd``
+        times the rounds done so far."""
+        return self.requests_usd_per_hour * self.hours / self.rounds
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "usd_per_hour": self.usd_per_hour,
+            "usd": self.usd,
+            "requests_usd_per_round": self.requests_usd_per_round,
+        }
+
+    def lines(self) -> list[str]:
+        """For people: the run, the traffic, a row per platform, the totals, what is unpriced."""
+        lines = [
+            f"cost estimate at list prices (override in run.toml [budget]): {self.hours:.1f} h, "
+            f"{self.rounds:,} outer steps ({self.step.source})",
+            f"model: {_count(self.parameters)} parameters ({self.parameters_source})",
+        ]
+        if self.traffic is not None:
+            lines.append(
+                f"per replica per outer step ({self.traffic.mode}): "
+                f"{_size(self.traffic.up)} up, {_size(self.traffic.down)} down, "
+                f"{self.traffic.put_list + self.traffic.get:,.0f} requests; "
+                f"store in {self.store_cloud}"
+            )
+        for p in self.platforms:
+            hourly = p.usd_per_replica_hour
+            price = "unpriced" if hourly is None else f"${hourly:,.2f} ({p.price_source})"
+            lines.append(
+                f"  {p.platform} x{p.replicas} {p.hardware or '(own machines)'} in {p.cloud}: "
+                f"{price} per replica-hour, egress ${p.egress_usd_per_round:,.4f} per replica "
+                f"and outer step"
+            )
+        per_hour = (self.compute_usd_per_hour, self.egress_usd_per_hour, self.requests_usd_per_hour)
+        for label, scale in (("per hour", 1.0), ("whole run", self.hours)):
+            compute, egress_, requests = (value * scale for value in per_hour)
+            lines.append(
+                f"{label}: compute ${compute:,.2f} + egress ${egress_:,.2f} + requests "
+                f"${requests:,.2f} = ${compute + egress_ + requests:,.2f}"
+            )
+        lines.extend(f"unpriced (counted as $0): {what}" for what in self.unpriced)
+        return lines
+
+
+def _count(parameters: int | None) -> str:
+    return "?" if parameters is None else f"{parameters:,}"
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:,.2f} {unit}"
+    return f"{nbytes / 1024:,.1f} KiB"
+
+
+def estimate(
+    config: RunConfig,
+    replicas: Mapping[str, tuple[str, int]],
+    *,
+    step: StepTime | None = None,
+    parameters: tuple[int | None, str] | None = None,
+    prices: PriceTable | None = None,
+) -> Estimate:
+    """What ``config``'s run costs with ``replicas`` (platform -> (``Backend.hardware()``,
+    replica count)): per hour and in all. ``step`` defaults to ``[budget] step_seconds`` or
+    the stated assumption (``limits.step_time``; pass the plan's ``step`` once the run has
+    measured one); ``parameters`` to ``parameter_count(config)``."""
+    prices = prices or load_prices()
+    budget = config.budget
+    step = step or step_time(budget.step_seconds or None)
+    count, count_source = parameters or parameter_count(config)
+    n = sum(number for _, number in replicas.values())
+    rounds = config.diloco.outer_steps
+    round_hours = config.diloco.sync_every * step.seconds / 3600
+    store = store_cloud(config.store_url(), budget)
+    traffic = None if count is None else round_traffic(
+        count, config.diloco.codec, n, config.sync.mode, config.diloco.fragments,
+        int(config.sync.part_size),
+    )  # fmt: skip
+    unpriced = [] if count is not None else [f"egress and per-round requests: {count_source}"]
+    platforms = []
+    for platform, (hardware, number) in replicas.items():
+        cost, missing = _platform_cost(platform, hardware, number, traffic, store, budget, prices)
+        platforms.append(cost)
+        unpriced.extend(missing)
+    compute = sum((p.usd_per_replica_hour or 0.0) * p.replicas for p in platforms)
+    egress_per_round = sum(p.egress_usd_per_round * p.replicas for p in platforms)
+    requests = _requests_per_hour(traffic, n, round_hours, config.sync.lease_period, store, prices)
+    if requests is None:
+        unpriced.append(f"requests to a store in {store} (no request prices)")
+    return Estimate(
+        hours=rounds * round_hours,
+        rounds=rounds,
+        step=step,
+        parameters=count,
+        parameters_source=count_source,
+        traffic=traffic,
+        store_cloud=store,
+        platforms=tuple(platforms),
+        compute_usd_per_hour=compute,
+        egress_usd_per_hour=egress_per_round / round_hours,
+        requests_usd_per_hour=requests or 0.0,
+        unpriced=tuple(unpriced),
+    )
+
+
+def _platform_cost(
+    platform: str,
+    hardware: str,
+    replicas: int,
+    traffic: RoundTraffic | None,
+    store: str,
+    budget: BudgetSection,
+    prices: PriceTable,
+) -> tuple[PlatformCost, list[str]]:
+    """One platform's row of the estimate, and what in it has no price."""
+    price = hourly_price(platform, hardware, budget, prices)
+    cloud = platform_cloud(platform, budget)
+    bill = Egress(0.0)
+    if traffic is not None:
+        bill = egress(cloud, store, traffic.up, traffic.down, budget, prices)
+    cost = PlatformCost(
+        platform=platform,
+        hardware=hardware,
+        replicas=replicas,
+        cloud=cloud,
+        usd_per_replica_hour=price.usd,
+        price_source=price.source,
+        price_reference=price.reference,
+        egress_usd_per_round=bill.usd,
+    )
+    unpriced = [price.source] if price.usd is None else []
+    return cost, unpriced + [f"{platform}: {what}" for what in bill.unpriced]
+
+
+def _requests_per_hour(
+    traffic: RoundTraffic | None,
+    replicas: int,
+    round_hours: float,
+    lease_period: float,
+    store: str,
+    prices: PriceTable,
+) -> float | None:
+    """All replicas' request bill per hour: their rounds' requests and their heartbeats'."""
+    put_list, get = heartbeat_requests_per_hour(lease_period)
+    if traffic is not None:
+        put_list += traffic.put_list / round_hours
+        get += traffic.get / round_hours
+    usd = request_usd(put_list, get, store, prices)
+    return None if usd is None else usd * replicas
