@@ -1,10 +1,17 @@
-"""Shared fixtures: stand-in servers (started once per session) and a fresh store per test."""
+"""Shared fixtures: stand-in servers (started once per session) and a fresh store per test; and
+the ``integration`` marker, on every test that starts a server or a process.
+
+A test using a stand-in server is marked here; a test that starts processes carries the mark
+itself (its module's ``pytestmark``, or its own), and one that does not yet starts a process
+fails saying so: ``pytest -m "not integration"`` stays a fast loop of in-process tests."""
 
 from __future__ import annotations
 
 import json
+import multiprocessing.process
 import os
 import random
+import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,6 +31,35 @@ os.environ.update(GCS_EMULATOR_ENV)
 
 LOCAL_BACKENDS = ("path", "file", "memory")
 SERVER_BACKENDS = ("s3", "gcs", "azure", "hf")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _uses_servers(item):
+            item.add_marker(pytest.mark.integration)
+
+
+def _uses_servers(item: pytest.Item) -> bool:
+    """A store of the ``backend`` fixture on a server, or any other use of the stand-ins."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if "backend" in params:
+        return params["backend"] in SERVER_BACKENDS
+    return "standins" in getattr(item, "fixturenames", ())
+
+
+@pytest.fixture(autouse=True)
+def _in_process_unless_integration(request: pytest.FixtureRequest, monkeypatch) -> None:
+    """A test not marked ``integration`` starts no process."""
+    if request.node.get_closest_marker("integration"):
+        return
+
+    def refuse(*_: object, **__: object) -> None:
+        raise AssertionError(
+            f"{request.node.nodeid} starts a process: mark it @pytest.mark.integration"
+        )
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
 
 
 @dataclass

@@ -118,6 +118,7 @@ def flaky_hub(hub, monkeypatch):
         yield hub, proxy
 
 
+@pytest.mark.integration
 def test_stop_cancels_a_job_whose_state_the_hub_could_not_give(flaky_hub):
     hub, proxy = flaky_hub
     job = hub.create(USER, {"command": ["python", "-c", "import time; time.sleep(60)"],
@@ -234,6 +235,7 @@ def test_a_job_its_timeout_ended_reads_timed_out(tmp_path, s3_run, hub):
     assert cancels(hub, handle.job["id"]) == 0
 
 
+@pytest.mark.integration
 def test_a_timeout_is_read_from_the_message_or_from_the_time_the_job_ran(hub):
     """The hub documents no wording for a timeout: a message that says so is enough, and so is
     a job that ended unfinished after running its whole timeout (kept in the handle)."""

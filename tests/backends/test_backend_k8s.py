@@ -324,6 +324,7 @@ def test_api_errors_reach_the_user_as_one_short_line(tmp_path, kube, monkeypatch
         assert str(unauthorized.value) == "401 Unauthorized: no bearer token"
 
 
+@pytest.mark.integration
 def test_a_two_replica_run_on_the_cluster_finishes(tmp_path, kube):
     settings = f'secret = "{STORE_SECRET}"\ngpus_per_pod = 0\ncontext = "standin"'
     config = write_config(tmp_path, settings)
@@ -359,6 +360,7 @@ def test_a_two_replica_run_on_the_cluster_finishes(tmp_path, kube):
     assert [backend.state(h) for h in handles] == ["exited", "exited"]
 
 
+@pytest.mark.integration
 def test_a_replica_that_refuses_its_config_fails_without_retries(tmp_path, kube):
     """Launched without publishing run.toml, replicas cannot read it and exit 2, which the
     pod failure policy does not retry."""
@@ -388,6 +390,7 @@ def test_no_retry_is_spent_on_an_end_a_retry_cannot_help():
     assert rules[1]["action"] == "Ignore"
 
 
+@pytest.mark.integration
 def test_a_crashing_replica_is_retried_alone_then_failed(tmp_path, kube):
     """Index 0 crashes (exit 1) every time, index 1 succeeds: index 0 gets its own retries
     and fails; index 1 is not disturbed."""
@@ -412,6 +415,7 @@ def test_a_crashing_replica_is_retried_alone_then_failed(tmp_path, kube):
     assert status["conditions"][0]["type"] == "Failed"
 
 
+@pytest.mark.integration
 def test_stop_deletes_a_running_job_and_its_pods(tmp_path, kube):
     config = write_config(tmp_path, f'secret = "{STORE_SECRET}"', name="long", outer=500)
     backend, handles = start(plan_launch(config, {"k8s": 2}, root=tmp_path))["k8s"]
@@ -427,6 +431,7 @@ def test_stop_deletes_a_running_job_and_its_pods(tmp_path, kube):
     assert wait_for(kube.running, lambda running: running == 0, 20) == 0
 
 
+@pytest.mark.integration
 def test_a_job_past_its_deadline_times_out_every_index_not_completed(tmp_path, kube):
     """As the Job controller does at activeDeadlineSeconds: the running pods are terminated
     and the Job fails with reason DeadlineExceeded; an index that had completed stays so."""
@@ -457,6 +462,7 @@ def test_a_job_past_its_deadline_times_out_every_index_not_completed(tmp_path, k
     assert sum(method == "DELETE" for method, _, _ in kube.requests) == deletes
 
 
+@pytest.mark.integration
 def test_replicas_started_again_one_job_each_run_with_their_ids_and_shards(tmp_path, kube):
     """A 3-replica run whose k8s replicas each come in a Job of their own, k8s-1 first (as the
     keeper restarts one), next to a local replica: every one trains as itself, on its shard."""

@@ -22,6 +22,7 @@ def test_nothing_ends_a_local_attempt_and_it_has_no_list_price():
     assert (backend.attempt_limit(), backend.hardware()) == (None, "")
 
 
+@pytest.mark.integration
 def test_a_replica_started_again_is_a_new_process_with_its_id_and_shard(tmp_path):
     """The one spec of replica local-1 of a 3-replica run, launched, stopped and launched
     again: each time one process, training as local-1 on shard 1 (waiting for the others,
@@ -44,6 +45,7 @@ def test_a_replica_started_again_is_a_new_process_with_its_id_and_shard(tmp_path
     assert set(run_metrics(config).read()) == {"local-1"}  # no other replica was started
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 def test_an_ended_process_nobody_reaped_reads_as_ended_not_running():
     """A replica a keeper process started outlives it; where nothing reaps orphans it stays a

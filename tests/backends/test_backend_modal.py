@@ -178,6 +178,7 @@ def test_a_replica_call_trains_its_outer_steps(tmp_path, s3_run, monkeypatch):
     assert [sync.round for sync in metrics.syncs] == [0, 1]
 
 
+@pytest.mark.integration
 def test_a_failing_replica_raises_without_its_environment_in_the_message():
     _, function = ModalBackend(parse_config(IMAGE, "run.toml")).build_app()
     env = {"DILOCO_STORE": "s3://bucket-name-here", "SOME_TOKEN": "hunter2"}
@@ -188,6 +189,7 @@ def test_a_failing_replica_raises_without_its_environment_in_the_message():
     assert "bucket-name-here" not in str(error.value)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("code", [2, 3])
 def test_a_replica_a_retry_cannot_help_returns_its_code_so_modal_does_not_retry(code):
     """Exit 2: the replica refused its run.toml, which a retry would refuse again; exit 3: a
@@ -266,6 +268,7 @@ def test_stop_cancels_a_call_unless_it_has_ended(monkeypatch, result, cancelled)
     assert call.cancelled is cancelled
 
 
+@pytest.mark.integration
 def test_a_cancelled_call_gives_the_replica_sigterm(tmp_path):
     """Modal cancels a running call by raising InputCancellation from a SIGUSR1 handler in the
     function's thread; the replica must then get SIGTERM, so that it records its stop."""
@@ -352,6 +355,7 @@ def check_in_a_new_process(tmp_path, **env: str) -> str:
     return result.stdout
 
 
+@pytest.mark.integration
 def test_check_without_a_token_says_how_to_get_one_in_one_line(tmp_path):
     said = check_in_a_new_process(tmp_path)
     assert said.count("\n") == 1
@@ -359,6 +363,7 @@ def test_check_without_a_token_says_how_to_get_one_in_one_line(tmp_path):
     assert "MODAL_TOKEN_ID and MODAL_TOKEN_SECRET" in said
 
 
+@pytest.mark.integration
 def test_check_takes_the_token_from_the_environment_or_modals_config_file(tmp_path):
     assert check_in_a_new_process(tmp_path, MODAL_TOKEN_ID="ak-1", MODAL_TOKEN_SECRET="as-2") == ""
     profile = tmp_path / "modal.toml"

@@ -80,6 +80,7 @@ def test_every_platform_has_its_test_file_and_its_docs_section(name):
     assert name in headings
 
 
+@pytest.mark.integration
 def test_the_platform_names_load_no_platform_module():
     """``--backend`` help and ``diloco infra`` need the names only: a platform's module is
     imported when its class is asked for."""

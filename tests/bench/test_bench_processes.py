@@ -6,7 +6,11 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
+
 from diloco_anywhere.bench.processes import worker_context
+
+pytestmark = pytest.mark.integration  # every test here starts processes
 
 VARIABLE = "DILOCO_TEST_WORKER_VARIABLE"
 

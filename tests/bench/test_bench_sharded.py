@@ -17,6 +17,7 @@ runner = CliRunner()
 SIZE = 1 << 20
 
 
+@pytest.mark.integration
 def test_two_ranks_each_move_half_of_what_one_rank_moves_and_get_the_mean(tmp_path):
     store = tmp_path / "store"
     result = runner.invoke(app, ["bench", "sharded", "--ranks", "2,1", "--replicas", "2",
@@ -53,6 +54,7 @@ def test_two_ranks_each_move_half_of_what_one_rank_moves_and_get_the_mean(tmp_pa
     assert "(0.500)" in table
 
 
+@pytest.mark.integration
 def test_every_rank_through_its_own_shaped_link_cannot_beat_that_link():
     """Each rank reaches moto through a link of its own; the busiest rank's bytes cross its
     link within the round, so the round takes at least their time at the link's rate."""

@@ -8,6 +8,8 @@ the loss against a fault-free run and the goodput, is ``diloco bench chaos``
 
 from __future__ import annotations
 
+import pytest
+
 from diloco_anywhere.bench.chaos import (
     chaos_figures,
     final_evaluations,
@@ -16,6 +18,8 @@ from diloco_anywhere.bench.chaos import (
     unhealed_restarts,
 )
 from diloco_anywhere.bench.train import bench_config
+
+pytestmark = pytest.mark.integration  # every test here starts processes
 
 ROUNDS = 24
 

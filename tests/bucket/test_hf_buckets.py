@@ -101,6 +101,7 @@ def test_a_two_replica_run_through_the_gateway(standins, tmp_path, monkeypatch):
     assert {(row["state"], row["outer_step"]) for row in rows.values()} == {("done", 2)}
 
 
+@pytest.mark.integration
 def test_the_hf_storage_and_hf_jobs_answers_run_end_to_end(tmp_path, monkeypatch):
     """The template rendered with `storage = hf` and HF Jobs replicas: `diloco infra up`
     makes the bucket and `diloco launch` runs both replicas as jobs, with Hugging Face

@@ -43,6 +43,7 @@ def test_bench_store_json_has_the_documented_keys(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the benchmark cleans up after itself
 
 
+@pytest.mark.integration
 def test_bench_store_table_against_the_s3_standin():
     result = run("bench", "store", "--standin", "s3", *SMALL)
     assert result.exit_code == 0, result.output
@@ -78,6 +79,7 @@ def test_bad_sizes_say_what_is_allowed(text):
     assert "give at least 1024 bytes" in result.output
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("mode", "replicas", "up", "down"),
     [
@@ -104,6 +106,7 @@ def test_bench_sync_json_reports_traffic_near_the_mode_bound(tmp_path, mode, rep
     assert report["raw_copy_seconds"] > 0
 
 
+@pytest.mark.integration
 def test_bench_sync_reports_memory_requests_and_what_waiting_costs(tmp_path):
     result = run("bench", "sync", "--replicas", "2", "--size", "256KiB", "--rounds", "1",
                  "--straggler", "1", "--store", str(tmp_path), "--json")  # fmt: skip
@@ -118,6 +121,7 @@ def test_bench_sync_reports_memory_requests_and_what_waiting_costs(tmp_path):
     assert report["s3_request_usd_per_1000_rounds_per_replica"] > 0
 
 
+@pytest.mark.integration
 def test_bench_sync_through_a_shaped_wan_link_cannot_beat_the_link():
     """Each replica reaches moto through its own shaped link; a round moves at least its
     bytes over its link, so it takes at least (up + down) / link."""
@@ -156,6 +160,7 @@ def study_report(*options: str) -> dict:
     return json.loads(result.stdout)
 
 
+@pytest.mark.integration
 def test_bench_convergence_sweeps_from_a_warm_start_against_data_parallel(tmp_path, monkeypatch):
     """Two outer learning rates at N = 1 and 2 from one warm start: four DiLoCo runs, each
     against the data-parallel run of its N (plain AdamW at N = 1) at equal tokens, with their
@@ -186,6 +191,7 @@ def test_bench_convergence_sweeps_from_a_warm_start_against_data_parallel(tmp_pa
     assert "steps (10) must be a multiple of every H (3)" in uneven.output
 
 
+@pytest.mark.integration
 def test_bench_convergence_studies_the_task_of_a_run_toml(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "run.toml").write_text(
@@ -210,6 +216,7 @@ def build(context):
 """
 
 
+@pytest.mark.integration
 def test_every_model_of_a_study_is_built_knowing_its_runs_length(tmp_path, monkeypatch):
     """A task's learning-rate schedule runs over ``total_steps``: the warm start's, the
     baseline's and the replicas' models are each told the length of their own run."""
@@ -228,6 +235,7 @@ def test_every_model_of_a_study_is_built_knowing_its_runs_length(tmp_path, monke
     assert logged == ["5", "10", "10"]  # warm start, plain AdamW, the DiLoCo replica
 
 
+@pytest.mark.integration
 def test_bench_convergence_studies_streaming_diloco_and_plain_sgd_outer_steps(
     tmp_path, monkeypatch
 ):
@@ -260,6 +268,7 @@ def test_bench_convergence_refuses_a_streaming_schedule_diloco_cannot_run(option
     assert message in result.output
 
 
+@pytest.mark.integration
 def test_bench_overlap_and_throughput_report_fractions_and_ratios(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     overlap = run("bench", "overlap", "--replicas", "2", "--sync-every", "4", "--outer-steps",

@@ -61,6 +61,7 @@ def applied(tmp_path, monkeypatch) -> Path:
     return tmp_path
 
 
+@pytest.mark.integration
 def test_outputs_go_into_run_toml_and_the_rest_is_said_as_commands(applied):
     result = diloco("infra", "output", "--write")  # ./run.toml
     assert result.exit_code == 0, result.output

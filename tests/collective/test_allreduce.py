@@ -43,6 +43,7 @@ def _replica(url, index, barrier, results):
         results.put((index, [m.numpy().tobytes() for m in means], means[0].shape))
 
 
+@pytest.mark.integration
 def test_rounds_in_flight_across_processes_agree_with_the_reference(tmp_path):
     context = worker_context()
     barrier, results = context.Barrier(3), context.Queue()
@@ -129,6 +130,7 @@ def _member(url, index, barrier, doomed, results):
         results.put((index, [w.tensor.numpy().tobytes() for w in works], seal))
 
 
+@pytest.mark.integration
 def test_survivors_of_a_sigkilled_member_seal_without_it(tmp_path):
     """r2 dies holding a live lease: round 0 seals after the grace window; once its lease
     lapses, later rounds no longer wait for it."""

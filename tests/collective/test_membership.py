@@ -81,6 +81,7 @@ def _claim(url, results):
     results.put(claim_incarnation(Store(url), RUN, "same-replica").incarnation)
 
 
+@pytest.mark.integration
 def test_racing_processes_get_distinct_incarnations(tmp_path):
     context = worker_context()
     results = context.Queue()
@@ -581,6 +582,7 @@ corpus_bytes = 100000
 """
 
 
+@pytest.mark.integration
 def test_a_replica_process_superseded_by_a_newer_incarnation_ends_itself(tmp_path):
     """A platform restarted ``local-0`` while the first process still ran: the first sees the
     newer claim at its next beat, records why and exits 3 (not a failure to retry), on its

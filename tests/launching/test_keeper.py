@@ -199,6 +199,7 @@ def _kill(handles) -> None:
             os.killpg(handle.job["pid"], signal.SIGKILL)
 
 
+@pytest.mark.integration
 def test_keepers_racing_start_an_ended_replica_once(run_toml):
     config = load_config(run_toml(replicas=2, outer_steps=200))
     plan = plan_launch(config, {"local": 2})
@@ -227,6 +228,7 @@ def test_keepers_racing_start_an_ended_replica_once(run_toml):
         _kill(load_handles(config) + started["local"][1])
 
 
+@pytest.mark.integration
 def test_keep_ends_a_done_run_and_says_so_every_pass(run_toml):
     config = run_toml(replicas=2, outer_steps=2)
     assert diloco("launch", "--config", config).exit_code == 0
@@ -250,6 +252,7 @@ def test_keep_ends_a_done_run_and_says_so_every_pass(run_toml):
     assert "local-1" in html
 
 
+@pytest.mark.integration
 def test_a_budget_below_the_runs_cost_ends_it_with_the_reason_in_status(run_toml, tmp_path):
     config = run_toml(replicas=2, outer_steps=200)
     plan = plan_launch(load_config(config), {"local": 2})
@@ -269,6 +272,7 @@ def test_a_budget_below_the_runs_cost_ends_it_with_the_reason_in_status(run_toml
         _kill(started["local"][1])
 
 
+@pytest.mark.integration
 def test_replace_refuses_a_live_replica_and_force_starts_it_again(run_toml):
     config = run_toml(replicas=2, outer_steps=200)
     plan = plan_launch(load_config(config), {"local": 2})
@@ -299,6 +303,7 @@ def test_detach_with_restart_on_failure_is_refused_with_the_way_to_keep_it(run_t
     assert "diloco keep --every 10m" in result.output
 
 
+@pytest.mark.integration
 def test_keep_dry_run_decides_and_records_nothing(run_toml):
     config = run_toml(replicas=2, outer_steps=200)
     plan = plan_launch(load_config(config), {"local": 2})

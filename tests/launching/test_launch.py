@@ -31,6 +31,7 @@ from diloco_anywhere.training.checkpoints.commits import committed_rounds
 from support.runs import as_streaming, diloco, evaluated_losses, kill_all, statuses
 
 
+@pytest.mark.integration
 def test_a_two_replica_run_finishes_and_reports(run_toml, tmp_path):
     config = run_toml()
     result = diloco("launch", "--config", config)
@@ -73,6 +74,7 @@ def test_a_two_replica_run_finishes_and_reports(run_toml, tmp_path):
         assert "healed from checkpoint 1: replayed 0 rounds" in replica.events[-2].detail
 
 
+@pytest.mark.integration
 def test_a_streaming_run_evaluates_the_weights_every_replica_agreed_on(run_toml):
     """At a sync only the synced fragment holds the agreed weights; the other has trained on
     locally, differently on each replica. The held-out loss is taken of every fragment's
@@ -85,6 +87,7 @@ def test_a_streaming_run_evaluates_the_weights_every_replica_agreed_on(run_toml)
     assert all(len(values) == 1 for values in losses.values()), losses
 
 
+@pytest.mark.integration
 def test_a_killed_replica_leaves_the_others_to_finish(run_toml):
     """min_replicas = 2 of 3: once local-2 is SIGKILLed, the others seal without it."""
     config = run_toml(replicas=3, outer_steps=12)  # long enough that the kill lands mid-run
@@ -109,6 +112,7 @@ def _checkpoint_committed(config: Path) -> bool:
     return bool(committed_rounds(Store(loaded.store_url()), RunLayout(loaded.run.name)))
 
 
+@pytest.mark.integration
 def test_a_run_killed_whole_resumes_where_it_was_and_loses_no_round(run_toml):
     """Every replica SIGKILLed mid-run; the same launch again resumes from the bucket."""
     outer_steps = 8
@@ -163,6 +167,7 @@ def _keep_until(supervisor: Supervisor, wanted: str, deadline: float) -> list[st
     return notes
 
 
+@pytest.mark.integration
 def test_the_supervisor_restarts_a_killed_replica_but_not_one_stopped_on_purpose(run_toml):
     plan = plan_launch(load_config(run_toml(replicas=2, outer_steps=200)), {"local": 2})
     supervisor = Supervisor(plan, start(plan), max_restarts=1)
@@ -236,6 +241,7 @@ def test_a_platform_time_limit_shorter_than_the_run_is_planned_with_the_keeper(r
     assert "the keeper (`diloco keep`) starts the next attempt" in result.output
 
 
+@pytest.mark.integration
 def test_stop_ends_the_replicas_and_they_say_so(run_toml):
     config = run_toml(replicas=2, outer_steps=200)
     assert diloco("launch", "--config", config, "--detach").exit_code == 0
@@ -250,6 +256,7 @@ def test_stop_ends_the_replicas_and_they_say_so(run_toml):
     assert all(row["outer_step"] < 200 for row in statuses(config).values())
 
 
+@pytest.mark.integration
 def test_a_replica_stopped_before_its_first_metrics_line_shows_stopped(run_toml):
     """Stopped while still importing torch: the bucket has nothing from it, its process has
     ended, and `diloco stop` ended it; status says so at once."""
@@ -293,6 +300,7 @@ def _wait_for_states(config: str, states: set[str], deadline: float) -> None:
         time.sleep(0.5)
 
 
+@pytest.mark.integration
 def test_a_launch_from_another_folder_is_refused_while_the_run_goes_and_status_and_stop_work_there(
     run_toml, elsewhere
 ):
@@ -334,6 +342,7 @@ def test_a_job_whose_platform_cannot_say_counts_as_running(run_toml, elsewhere):
     assert "it runs on another-machine: stop it there" in stop.output
 
 
+@pytest.mark.integration
 def test_a_replica_started_some_other_way_is_seen_by_its_lease(run_toml, elsewhere):
     """No launch names it, but its lease advances: the launch is refused; once it has left,
     the same launch starts (a replica that left cleanly costs no waiting)."""
@@ -348,6 +357,7 @@ def test_a_replica_started_some_other_way_is_seen_by_its_lease(run_toml, elsewhe
     assert launched.exit_code == 0, launched.output
 
 
+@pytest.mark.integration
 def test_fresh_stops_the_last_launch_from_any_folder_and_starts_over(run_toml, elsewhere):
     config = run_toml(replicas=2, outer_steps=200)
     first = _launched_from_another_folder(config, elsewhere)

@@ -300,6 +300,7 @@ def test_console_location_names_the_bucket_and_the_object():
     )
 
 
+@pytest.mark.integration
 def test_chromium_renders_the_page_as_text_at_laptop_and_phone_widths(tmp_path, rows, metrics):
     """A real browser: the hostile strings are text in the DOM, no script element exists,
     and the page renders at both widths. Skipped where Chromium is not installed."""

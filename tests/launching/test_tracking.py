@@ -79,6 +79,7 @@ def _wandb_records(path) -> list[bytes]:
     return records
 
 
+@pytest.mark.integration
 def test_wandb_gets_one_run_per_replica_in_the_run_s_group(run_with_metrics, monkeypatch):
     from wandb.proto import wandb_internal_pb2
 

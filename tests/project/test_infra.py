@@ -607,6 +607,7 @@ def test_gcp_workload_identity_is_pinned_to_the_repository() -> None:
 # -- tools ------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_terraform_fmt() -> None:
     terraform = shutil.which("terraform")
     if terraform is None:
@@ -620,6 +621,7 @@ def test_terraform_fmt() -> None:
     assert result.returncode == 0, f"terraform fmt would change:\n{result.stdout}{result.stderr}"
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("where", ["repository", "project"])
 @pytest.mark.parametrize("cloud", CLOUDS)
@@ -677,6 +679,7 @@ def test_checkov(cloud: str, where: str, tmp_path) -> None:
     )
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("storage", "cloud"), [("s3", "aws"), ("gcs", "gcp")])
 def test_a_rendered_project_gets_exactly_the_checked_terraform(tmp_path, storage, cloud) -> None:
     """What checkov and the property tests checked here is the Terraform a rendered project

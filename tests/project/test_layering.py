@@ -10,6 +10,8 @@ import pytest
 
 from support.imports import HEAVY, loaded_modules
 
+pytestmark = pytest.mark.integration  # every test here starts processes
+
 
 @pytest.mark.parametrize("argv", [["--help"], ["status", "--help"], ["launch", "--help"],
                                   ["keep", "--help"], ["bench", "--help"]])  # fmt: skip

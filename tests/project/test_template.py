@@ -75,6 +75,7 @@ def assert_clean(project: Path) -> None:
     assert ruff.returncode == 0, ruff.stdout[-2000:]
 
 
+@pytest.mark.integration
 def test_the_defaults_render_a_local_run(tmp_path) -> None:
     project = render(tmp_path)
     assert_clean(project)
@@ -95,6 +96,7 @@ def test_the_defaults_render_a_local_run(tmp_path) -> None:
 HF_ANSWERS = {"task": "hf_causal_lm", "hf_model": "org/model", "hf_data": "data.jsonl"}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("answers", "replicas", "outer_lr"),
     [({}, 1, 0.5), ({}, 4, 0.7), ({}, 8, 1.0), (HF_ANSWERS, 1, 0.1), (HF_ANSWERS, 4, 0.2)],
@@ -110,6 +112,7 @@ def test_the_outer_learning_rate_follows_the_replica_count_and_the_task(
     assert (config.diloco.outer_momentum, config.diloco.outer_nesterov) == (0.9, True)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("storage", "backends"),
     [
@@ -151,12 +154,14 @@ def test_answer_sets_render_only_what_they_chose(tmp_path, storage, backends) ->
     assert len(pyproject["project"]["optional-dependencies"]["launch"]) == len(backends)
 
 
+@pytest.mark.integration
 def test_k8s_gpus_become_processes_per_replica(tmp_path) -> None:
     project = render(tmp_path, storage="gcs", backends=["k8s"], k8s_gpus_per_pod=4)
     config = parse_config((project / "run.toml").read_text(), "run.toml")
     assert config.backends["k8s"]["processes_per_replica"] == 4
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("answers", "message"),
     [
@@ -209,6 +214,7 @@ def test_modal_gpus_and_sagemaker_instances_are_what_the_launchers_accept() -> N
     assert offered <= set(sagemaker_backend.instance_types())
 
 
+@pytest.mark.integration
 def test_the_project_carries_the_runtime_this_repository_tests(tmp_path) -> None:
     """Copied through symlinks: the rendered package is this repository's, file for file, and
     its dependencies are this repository's list; the chosen store's SDK is an extra."""
@@ -234,6 +240,7 @@ def test_the_project_carries_the_runtime_this_repository_tests(tmp_path) -> None
     assert (project / "src" / "my_diloco_run" / "task.py").exists()
 
 
+@pytest.mark.integration
 def test_the_rendered_projects_own_tests_pass(tmp_path) -> None:
     """The project's tests, run by pytest from its folder, with its src first on the path
     (as installing it would put it): the replicas import its task package."""
@@ -260,6 +267,7 @@ def git(cwd: Path, *args: str) -> None:
     )
 
 
+@pytest.mark.integration
 def test_copier_update_keeps_the_users_edit_and_brings_the_template_change(tmp_path) -> None:
     """v0.1.0 of the template renders a project; its user edits the task; the template changes
     and is tagged v0.2.0; ``copier update`` merges both, with no conflict left."""
@@ -291,6 +299,7 @@ def test_copier_update_keeps_the_users_edit_and_brings_the_template_change(tmp_p
             assert "<<<<<<<" not in path.read_text(errors="replace"), path
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "description",
     ['He said "go" \\ then left', 'a """docstring""" and a \'quote\'', "<b>bold</b> & [link](x)",
@@ -330,6 +339,7 @@ def test_the_reserved_package_names_cover_what_the_runtime_imports() -> None:
     assert _reserved_names() - listed == set()
 
 
+@pytest.mark.integration
 def test_the_hf_task_answers_render_a_task_that_builds_with_their_model_and_text(
     tmp_path, hf_corpus
 ) -> None:

@@ -38,6 +38,8 @@ from support import ROOT
 from support.proxy import FaultProxy
 from support.runs import RUN_TOML, diloco, statuses
 
+pytestmark = pytest.mark.integration  # every test here starts processes
+
 PROJECT, BUCKET, REGION = "tfrun", "tfrun-store", "us-east-1"
 VARIABLES = {
     "project": PROJECT,

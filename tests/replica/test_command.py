@@ -11,9 +11,13 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.training.metrics import MetricsReader
+
+pytestmark = pytest.mark.integration  # every test here starts processes
 
 RUN_TOML = """
 [run]

@@ -96,6 +96,7 @@ def test_a_model_that_cannot_take_the_data_is_refused_before_training(hf_corpus,
         build(TaskContext(0, 2, 7, torch.device("cpu"), options, total_steps=30))
 
 
+@pytest.mark.integration
 def test_two_replicas_train_it_and_export_a_save_pretrained_folder(
     hf_corpus, tmp_path, monkeypatch
 ):

@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from matplotlib.image import imread
 
 from support import ROOT
 from support.runs import diloco, statuses
+
+pytestmark = pytest.mark.integration  # every test here starts processes
 
 DOCS = ROOT / "docs" / "api.md"
 

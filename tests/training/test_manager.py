@@ -18,6 +18,8 @@ from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.policy import CollectiveConfig, RoundPolicy
 from diloco_anywhere.training.managers.bucket import BucketManager
 
+pytestmark = pytest.mark.integration  # every test here starts processes
+
 SYNC_EVERY = 4  # inner steps per outer step (H)
 OUTER_STEPS = 4
 

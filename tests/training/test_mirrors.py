@@ -100,6 +100,7 @@ def test_a_copy_under_way_makes_a_checkpoint_skip_that_mirror_but_never_the_last
     assert failures == []
 
 
+@pytest.mark.integration
 def test_a_failing_mirror_is_reported_and_training_goes_on(tmp_path, monkeypatch):
     (tmp_path / "not-a-folder").write_text("a file where the mirror's folder would be")
     _launch(tmp_path, monkeypatch, [str(tmp_path / "not-a-folder" / "mirror")])
@@ -121,6 +122,7 @@ def _sealed_rounds(store: Store) -> list[int]:
     return sorted({int(key.split("/")[2]) for key in keys if key.endswith("/SEAL")})
 
 
+@pytest.mark.integration
 def test_a_run_whose_store_is_destroyed_mid_run_resumes_from_its_mirror(tmp_path, monkeypatch):
     """Mid-run, once the mirror has a checkpoint of round 3, the replicas are frozen where they
     are, their store destroyed (a file in its place: every read and write fails) and the

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from diloco_anywhere.bench.chaos import fingerprint_disagreements
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
@@ -20,6 +22,7 @@ from support.runs import RUN_TOML, diloco, statuses
 TWO_PROCESSES = "\n[backends.local]\nprocesses_per_replica = 2\n"
 
 
+@pytest.mark.integration
 def test_replicas_of_two_processes_train_and_only_rank_0_uses_the_bucket(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "run.toml").write_text(RUN_TOML.format(replicas=2, outer_steps=3) + TWO_PROCESSES)

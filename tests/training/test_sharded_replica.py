@@ -62,6 +62,7 @@ def _final_weights(store: str) -> dict[str, torch.Tensor]:
     return checkpoint.tree["fragments"][FRAGMENT]["original_parameters"]
 
 
+@pytest.mark.integration
 def test_fsdp_replicas_sync_shard_by_shard_agree_and_match_ddp(tmp_path, monkeypatch):
     runs = {}
     for sharding in ("ddp", "fsdp"):
@@ -119,6 +120,7 @@ def test_fsdp_replicas_sync_shard_by_shard_agree_and_match_ddp(tmp_path, monkeyp
         torch.testing.assert_close(exported["fsdp"][name], expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.integration
 def test_a_streaming_fsdp_run_evaluates_the_agreed_weights_and_trains_on(tmp_path, monkeypatch):
     """Each rank swaps its shards of every fragment's agreed weights in, the forward gathers
     them, and the model is resharded before the local shards come back: every replica reports
@@ -147,6 +149,7 @@ def _rank_process(launcher_pid: int, rank: int) -> int:
     raise AssertionError(f"no rank {rank} under torchrun {launcher_pid}")
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
 def test_a_rank_killed_takes_its_replica_down_and_the_restart_heals_every_rank(
     tmp_path, monkeypatch
@@ -190,6 +193,7 @@ def test_a_rank_killed_takes_its_replica_down_and_the_restart_heals_every_rank(
         assert (last.outer_step, last.committed) == (8, True)
 
 
+@pytest.mark.integration
 def test_every_rank_mirrors_its_part_and_a_lost_store_resumes_from_the_mirror(
     tmp_path, monkeypatch
 ):

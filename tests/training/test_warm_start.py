@@ -54,6 +54,7 @@ def test_weights_that_do_not_fit_are_refused_naming_the_tensor(tmp_path) -> None
         warm_start(model, str(tmp_path / "absent.safetensors"))
 
 
+@pytest.mark.integration
 def test_every_replica_of_a_run_starts_from_the_file(tmp_path, monkeypatch) -> None:
     """The round-0 fingerprint of both replicas is the file's weights' (the global state
     before the first outer step is the initial weights and an empty outer optimizer)."""
