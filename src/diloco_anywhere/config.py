@@ -28,7 +28,8 @@ from pydantic import (
 
 from diloco_anywhere.bucket.codec_names import DEFAULT_CODEC, CodecName
 from diloco_anywhere.bucket.layout import NAME
-from diloco_anywhere.bucket.store import check_store_url, redact_url
+from diloco_anywhere.bucket.redaction import redact_url
+from diloco_anywhere.bucket.schemes import check_store_url
 from diloco_anywhere.collective.policy import (
     CollectiveConfig,
     ExchangeChoice,

@@ -31,7 +31,7 @@ import os
 import signal
 import sys
 
-from diloco_anywhere.bucket.store import StoreError
+from diloco_anywhere.bucket.errors import StoreError
 from diloco_anywhere.collective.membership import SupersededError
 from diloco_anywhere.config import ConfigError, RunConfig
 from diloco_anywhere.contract import (

@@ -14,7 +14,8 @@ from diloco_anywhere.bucket.hf_buckets import (
     ENV_SECRET_KEY,
     HfBucketError,
 )
-from diloco_anywhere.bucket.store import Store, check_store_url
+from diloco_anywhere.bucket.schemes import check_store_url
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import ConfigError, parse_config
 from diloco_anywhere.standins import hf_gateway
 from diloco_anywhere.standins.hf_jobs import hf_jobs_api

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from diloco_anywhere.bucket import framing, wire
 from diloco_anywhere.bucket.codec import make_codec
+from diloco_anywhere.bucket.keys import check_key
 from diloco_anywhere.bucket.layout import RunLayout, contributor, parse_contributor, parse_count
 from diloco_anywhere.bucket.record import (
     MAX_RECORD_BYTES,
@@ -18,7 +19,6 @@ from diloco_anywhere.bucket.record import (
     decode_record,
     encode_record,
 )
-from diloco_anywhere.bucket.store import check_key
 from diloco_anywhere.collective.records import Manifest, PartEntry
 
 

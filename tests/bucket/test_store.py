@@ -12,7 +12,10 @@ import fsspec
 import pytest
 
 from diloco_anywhere.bench.processes import worker_context
-from diloco_anywhere.bucket.store import Store, StoreError, check_key, redact_url, scrub_secrets
+from diloco_anywhere.bucket.errors import StoreError
+from diloco_anywhere.bucket.keys import check_key
+from diloco_anywhere.bucket.redaction import redact_url, scrub_secrets
+from diloco_anywhere.bucket.store import Store
 
 
 def test_put_then_get_whole_and_range(backend):

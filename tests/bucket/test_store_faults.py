@@ -6,8 +6,9 @@ import time
 
 import pytest
 
+from diloco_anywhere.bucket.errors import StoreError
 from diloco_anywhere.bucket.retry import RetryPolicy
-from diloco_anywhere.bucket.store import Store, StoreError
+from diloco_anywhere.bucket.store import Store
 from support.proxy import Fault, FaultProxy
 
 FAST_RETRY = RetryPolicy(deadline=10.0, base_delay=0.01, max_delay=0.05)

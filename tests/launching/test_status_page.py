@@ -18,8 +18,9 @@ from html.parser import HTMLParser
 import fsspec
 import pytest
 
+from diloco_anywhere.bucket.errors import StoreError
 from diloco_anywhere.bucket.layout import RunLayout
-from diloco_anywhere.bucket.store import Store, StoreError
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.launching.status import ReplicaStatus, replica_statuses
 from diloco_anywhere.launching.status_page import (
     HTML_TYPE,

@@ -32,7 +32,8 @@ from pathlib import Path
 import boto3
 import pytest
 
-from diloco_anywhere.bucket.store import Store, StoreError
+from diloco_anywhere.bucket.errors import StoreError
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.standins import moto_server
 from support import ROOT
 from support.proxy import FaultProxy

@@ -39,7 +39,9 @@ from diloco_anywhere.bench.processes import worker_context
 from diloco_anywhere.bench.sync import SyncBench, traffic_bound
 from diloco_anywhere.bench.wan import WanShape
 from diloco_anywhere.bucket.codec import make_codec
-from diloco_anywhere.bucket.store import Store, StoreStats, redact_url
+from diloco_anywhere.bucket.redaction import redact_url
+from diloco_anywhere.bucket.stats import StoreStats
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.policy import CollectiveConfig
 

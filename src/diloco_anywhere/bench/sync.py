@@ -44,7 +44,9 @@ from diloco_anywhere.bench.store import BENCH_META
 from diloco_anywhere.bench.wan import WanShape
 from diloco_anywhere.bucket import wire
 from diloco_anywhere.bucket.codec import make_codec
-from diloco_anywhere.bucket.store import Store, StoreStats, redact_url
+from diloco_anywhere.bucket.redaction import redact_url
+from diloco_anywhere.bucket.stats import StoreStats
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.policy import CollectiveConfig, RoundPolicy
 

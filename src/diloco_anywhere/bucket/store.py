@@ -17,255 +17,65 @@ backend:
   see a half-written file.)
 - Memory (tests, one process): a lock around check-and-write.
 
+What ``Store`` builds on lives beside it: what a key may be (``keys.py``), which URLs it opens
+(``schemes.py``), what each SDK is told (``sdk_options.py``), a local store's files
+(``local_files.py``), credentials kept out of logs (``redaction.py``), its error
+(``errors.py``) and its traffic counters (``stats.py``).
+
 This module imports no torch: processes that only move bytes start fast.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
-import re
-import stat
 import threading
-import uuid
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
 from datetime import timezone
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 import fsspec
-from fsspec.utils import get_protocol
 
 from diloco_anywhere.bucket import hf_buckets
+from diloco_anywhere.bucket.errors import StoreError
+from diloco_anywhere.bucket.keys import check_key
+from diloco_anywhere.bucket.local_files import (
+    TEMP_PREFIX,
+    create_local,
+    open_regular,
+    remove_empty_dirs,
+    replace_local,
+)
+from diloco_anywhere.bucket.redaction import redact_url, scrub_secrets
 from diloco_anywhere.bucket.retry import RetryPolicy, call_with_retry, http_status
+from diloco_anywhere.bucket.schemes import (
+    CONDITIONAL_PUT_PROTOCOLS,
+    HF_SCHEME,
+    LOCAL_PROTOCOLS,
+    MEMORY_PROTOCOLS,
+    SUPPORTED_SCHEMES,
+    url_protocols,
+    url_scheme,
+)
+from diloco_anywhere.bucket.sdk_options import (
+    CONTENT_TYPE_ARGUMENTS,
+    SDK_ATTRIBUTES,
+    SIGNING_OPTIONS,
+    merged,
+    with_defaults,
+)
+from diloco_anywhere.bucket.stats import Counters, StoreStats
 
 T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview
 
-# Store schemes and how each does a create-only write.
-LOCAL_PROTOCOLS = frozenset({"file", "local"})
-MEMORY_PROTOCOLS = frozenset({"memory"})
-CONDITIONAL_PUT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
-SUPPORTED_SCHEMES = (
-    "a local path, file://, memory://, s3://, gs://, az://, hf://buckets/<namespace>/<bucket>"
-)
-HF_SCHEME = "hf"
-
-# Defaults per remote protocol; a user's storage options override them.
-REMOTE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "s3": {
-        # With max_concurrency > 1, s3fs sends a HEAD before every whole-object GET.
-        "max_concurrency": 1,
-        # One retry layer owns the deadline and the counters: ours. botocore tries once;
-        # s3fs's own loop is set to one attempt below (SDK_ATTRIBUTES).
-        "config_kwargs": {"retries": {"total_max_attempts": 1}},
-    },
-}
-# Settings some SDKs take only as attributes (s3fs: ``retries``, a class attribute).
-SDK_ATTRIBUTES: dict[str, dict[str, Any]] = {"s3": {"retries": 1}}
-# Listings must be fresh: peers create keys all the time.
-COMMON_REMOTE_DEFAULTS = {"use_listings_cache": False, "skip_instance_cache": True}
-
-# How each SDK takes an object's Content-Type: what a browser opening the object's URL is told.
-CONTENT_TYPE_ARGUMENTS: dict[str, Callable[[str], dict[str, Any]]] = {
-    "s3": lambda content_type: {"ContentType": content_type},
-    "gcs": lambda content_type: {"content_type": content_type},
-    "abfs": lambda content_type: {"content_settings": {"content_type": content_type}},
-}
-
-# What a filesystem that signs URLs needs besides the store's options. S3: SigV4, which botocore
-# does not use for presigning unless asked (its SigV2 is deprecated by AWS and refused by
-# S3-compatible stores), signed in the bucket's own region (looked up once with a HEAD; s3fs
-# skips it where the options name a region or an endpoint).
-SIGNING_OPTIONS: dict[str, dict[str, Any]] = {
-    "s3": {"config_kwargs": {"signature_version": "s3v4"}, "cache_regions": True},
-}
 MAX_SIGNED_SECONDS = 7 * 24 * 3600
 RANGE_NOT_SATISFIABLE = 416
-TEMP_PREFIX = ".tmp-"
 _MEMORY_LOCK = threading.Lock()
 log = logging.getLogger(__name__)
-_KEY_SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.=-]{0,254}")
-MAX_KEY_LENGTH = 1024  # S3's limit, the strictest of the supported stores
-
-
-class StoreError(OSError):
-    """A store operation failed for good (not a missing or an existing key).
-
-    Raised without the SDK's exception chained (its text may echo credentials); the message
-    carries the cause's type and its text with credential parameters scrubbed.
-    """
-
-
-@dataclass(frozen=True)
-class StoreStats:
-    """Traffic through one Store. Requests count every attempt; bytes count completed transfers."""
-
-    bytes_up: int = 0
-    bytes_down: int = 0
-    puts: int = 0
-    gets: int = 0
-    lists: int = 0
-    deletes: int = 0
-    retries: int = 0
-
-    def __sub__(self, other: StoreStats) -> StoreStats:
-        return StoreStats(
-            **{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)}
-        )
-
-
-class _Counters:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._values = {f.name: 0 for f in fields(StoreStats)}
-
-    def add(self, **increments: int) -> None:
-        with self._lock:
-            for name, amount in increments.items():
-                self._values[name] += amount
-
-    def snapshot(self) -> StoreStats:
-        with self._lock:
-            return StoreStats(**self._values)
-
-
-def check_key(key: str) -> str:
-    """A key is '/'-separated segments of 1-255 of ``A-Z a-z 0-9 _ . = -``, each starting with a
-    letter, digit or '_' (so no '.', '..' or hidden temp names), at most 1024 characters in all."""
-    segments = key.split("/")
-    bad = next((s for s in segments if not _KEY_SEGMENT.fullmatch(s)), None)
-    if bad is not None or len(key) > MAX_KEY_LENGTH:
-        raise ValueError(
-            f"store key {key!r} is not allowed: use '/'-separated segments of 1-255 letters, "
-            f"digits, '_', '.', '=', '-', each starting with a letter, digit or '_'; "
-            f"at most {MAX_KEY_LENGTH} characters in all"
-        )
-    return key
-
-
-def redact_url(url: str) -> str:
-    """The URL without credentials or query (SAS tokens live there), safe for logs."""
-    parts = urlsplit(url)
-    netloc = parts.netloc.rpartition("@")[2]
-    if "@" in parts.netloc:
-        netloc = "***@" + netloc
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
-
-
-# Credential-bearing parameters that SDK error texts may echo (SAS tokens, presigned URLs,
-# connection strings).
-_SECRET_PARAMETER = re.compile(
-    r"(?i)\b(sig|AccountKey|SharedAccessSignature|SharedAccessKey|X-Amz-Signature|"
-    r"X-Amz-Credential|X-Amz-Security-Token|access_token|token|secret|password)=([^&;\s'\"]+)"
-)
-
-
-def scrub_secrets(text: str) -> str:
-    """``text`` with the values of credential parameters replaced by ``***``."""
-    return _SECRET_PARAMETER.sub(lambda m: f"{m.group(1)}=***", text)
-
-
-def check_store_url(url: str) -> str:
-    """``url`` if its scheme is one a ``Store`` can open (no filesystem is built: run.toml
-    is checked on load, where no credentials or network may be at hand); ``ValueError`` naming
-    the schemes otherwise."""
-    scheme = _scheme(url)
-    if scheme == HF_SCHEME:
-        hf_buckets.parse_bucket_url(url)
-        return url
-    if scheme not in LOCAL_PROTOCOLS | MEMORY_PROTOCOLS | CONDITIONAL_PUT_PROTOCOLS:
-        raise ValueError(f"scheme {scheme!r} has no create-only write; use {SUPPORTED_SCHEMES}")
-    return url
-
-
-def _scheme(url: str) -> str:
-    return get_protocol(url) if "://" in url else "file"
-
-
-def _protocols(url: str) -> frozenset[str]:
-    cls = fsspec.get_filesystem_class(get_protocol(url))
-    protocol = cls.protocol
-    return frozenset([protocol] if isinstance(protocol, str) else protocol)
-
-
-def _storage_options(protocols: frozenset[str], user: dict[str, Any]) -> dict[str, Any]:
-    if not protocols & CONDITIONAL_PUT_PROTOCOLS:
-        return dict(user)
-    options: dict[str, Any] = dict(COMMON_REMOTE_DEFAULTS)
-    for protocol in sorted(protocols):
-        options = _merged(options, REMOTE_DEFAULTS.get(protocol, {}))
-    return _merged(options, user)
-
-
-def _merged(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """``override`` on top of ``base``, nested dicts merged (a user's ``config_kwargs`` keeps
-    our ``retries`` setting unless it sets ``retries`` itself)."""
-    merged = dict(base)
-    for name, value in override.items():
-        if isinstance(value, dict) and isinstance(merged.get(name), dict):
-            value = _merged(merged[name], value)
-        merged[name] = value
-    return merged
-
-
-def _open_regular(path: str) -> int:
-    """A descriptor of the regular file at ``path``, opened without following a link and
-    without blocking: a FIFO or a device planted in a local store would otherwise block a
-    read (past the round's timeout) or stream forever."""
-    descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-        os.close(descriptor)
-        raise StoreError(f"{path} is not a regular file; a local store reads only files")
-    return descriptor
-
-
-def _create_local(path: str, data: Buffer) -> None:
-    _write_local(path, data, os.link)
-
-
-def _replace_local(path: str, data: Buffer) -> None:
-    """rename(2) over the old file: a reader opens the old file or the new, never a part."""
-    _write_local(path, data, os.replace)
-
-
-def _write_local(path: str, data: Buffer, publish: Callable[[str, str], None]) -> None:
-    """Write a temp file beside ``path``, then ``publish`` it there (link: create-only; replace:
-    overwrite). Not fsynced: a process crash loses nothing (the page cache survives it); an OS
-    crash takes the local store's replicas down with it anyway."""
-    directory = os.path.dirname(path)
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise StoreError(
-            f"cannot create {path}: a folder on its path is already a key; on a local store a "
-            f"key cannot also be a folder of keys"
-        ) from None
-    if os.path.isdir(path):
-        raise StoreError(
-            f"cannot create {path}: it is a folder of other keys; on a local store a key "
-            f"cannot also be a folder of keys"
-        )
-    temp = os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
-    try:
-        with open(temp, "xb") as file:
-            file.write(data)
-        publish(temp, path)
-    except OSError as exc:
-        if exc.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
-            raise StoreError(
-                f"cannot publish {path} atomically: this filesystem does not support hard "
-                f"links ({exc.strerror}); put the store on a local disk or use a bucket URL"
-            ) from exc
-        raise
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
 
 
 class Store:
@@ -285,21 +95,21 @@ class Store:
         max_workers: int = 32,
     ) -> None:
         self.url = redact_url(url)
-        self._hf = _scheme(url) == HF_SCHEME
+        self._hf = url_scheme(url) == HF_SCHEME
         if self._hf:  # a Hugging Face bucket, through its S3 gateway (hf_buckets.py)
             bucket, user = hf_buckets.parse_bucket_url(url), storage_options or {}
-            storage_options = _merged(hf_buckets.gateway_options(bucket, user), user)
+            storage_options = merged(hf_buckets.gateway_options(bucket, user), user)
             url = bucket.s3_url
-        protocols = _protocols(url)
+        protocols = url_protocols(url)
         if not protocols & (LOCAL_PROTOCOLS | MEMORY_PROTOCOLS | CONDITIONAL_PUT_PROTOCOLS):
             raise ValueError(
                 f"store {self.url}: scheme {sorted(protocols)} has no create-only write; "
                 f"use {SUPPORTED_SCHEMES}"
             )
         self._retry = retry or RetryPolicy()
-        self._counters = _Counters()
+        self._counters = Counters()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="store")
-        self._options = _storage_options(protocols, storage_options or {})
+        self._options = with_defaults(protocols, storage_options or {})
         self._fs, root = fsspec.url_to_fs(url, **self._options)
         self._fs_url, self._protocols = url, protocols  # for a filesystem that signs (``sign``)
         self._is_local = bool(protocols & LOCAL_PROTOCOLS)
@@ -318,7 +128,7 @@ class Store:
 
     def _exclusive_writer(self, protocols: frozenset[str]) -> Callable[[str, Buffer], None]:
         if self._is_local:
-            return _create_local
+            return create_local
         if protocols & MEMORY_PROTOCOLS:
 
             def create_in_memory(path: str, data: Buffer) -> None:
@@ -331,7 +141,7 @@ class Store:
 
     def _overwriter(self, protocols: frozenset[str]) -> Callable[[str, Buffer, str | None], None]:
         if self._is_local:
-            return lambda path, data, _content_type: _replace_local(path, data)
+            return lambda path, data, _content_type: replace_local(path, data)
         typed = next((CONTENT_TYPE_ARGUMENTS[p] for p in protocols if p in CONTENT_TYPE_ARGUMENTS),
                      None)  # fmt: skip
 
@@ -456,7 +266,7 @@ class Store:
         extra = next((SIGNING_OPTIONS[p] for p in self._protocols if p in SIGNING_OPTIONS), None)
         if extra is None:
             return self._fs
-        return fsspec.url_to_fs(self._fs_url, **_merged(self._options, extra))[0]
+        return fsspec.url_to_fs(self._fs_url, **merged(self._options, extra))[0]
 
     def put_many(self, objects: Mapping[str, Buffer]) -> None:
         """``put`` every key concurrently (a contribution's parts, an owner's reduced shards);
@@ -477,7 +287,7 @@ class Store:
         def attempt() -> bytes:
             self._add(gets=1)
             if self._is_local:
-                with open(_open_regular(path), "rb") as file:
+                with open(open_regular(path), "rb") as file:
                     size = os.fstat(file.fileno()).st_size
                     file.seek(min(start or 0, size))
                     return file.read(min(size if end is None else end, size) - file.tell())
@@ -510,7 +320,7 @@ class Store:
         path = self._path(key)
 
         def read_local() -> memoryview:
-            with open(_open_regular(path), "rb") as file:
+            with open(open_regular(path), "rb") as file:
                 size = min(os.fstat(file.fileno()).st_size, limit)
                 view = allocate(size)[:size]
                 done = 0
@@ -620,7 +430,7 @@ class Store:
                 for key in keys:
                     self.delete(key)
         if self._is_local:
-            _remove_empty_dirs(self._path(prefix))
+            remove_empty_dirs(self._path(prefix))
         return len(keys)
 
     def modified(self, key: str) -> float:
@@ -650,10 +460,3 @@ class Store:
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
-
-
-def _remove_empty_dirs(top: str) -> None:
-    """Remove ``top`` and folders below it that are empty (local stores leave them behind)."""
-    for directory, _, _ in os.walk(top, topdown=False):
-        with contextlib.suppress(OSError):  # not empty: a key was created there meanwhile
-            os.rmdir(directory)

@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from diloco_anywhere.backends.base import BackendUnavailableError
-from diloco_anywhere.bucket.store import StoreError
+from diloco_anywhere.bucket.errors import StoreError
 from diloco_anywhere.config import ConfigError
 from diloco_anywhere.launching.infra import InfraError
 from diloco_anywhere.launching.launch import LaunchError

@@ -22,7 +22,8 @@ from diloco_anywhere.backends.base import (
     stop_all,
 )
 from diloco_anywhere.bucket.layout import RunLayout, parse_count
-from diloco_anywhere.bucket.store import Store, redact_url
+from diloco_anywhere.bucket.redaction import redact_url
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.cli.common import (
     ConfigPath,
     JsonFlag,

@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
+from diloco_anywhere.bucket.errors import StoreError
 from diloco_anywhere.bucket.layout import RunLayout
-from diloco_anywhere.bucket.store import Store, StoreError
+from diloco_anywhere.bucket.store import Store
 
 log = logging.getLogger(__name__)
 WINDOW = 64  # rounds a new deleter looks back over; older ones are the lifecycle rule's

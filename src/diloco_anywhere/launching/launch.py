@@ -32,7 +32,8 @@ from diloco_anywhere.backends.base import (
     stop_all,
 )
 from diloco_anywhere.bucket.layout import RunLayout
-from diloco_anywhere.bucket.store import Store, redact_url
+from diloco_anywhere.bucket.redaction import redact_url
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.membership import watch_live
 from diloco_anywhere.collective.policy import LeasePolicy
 from diloco_anywhere.config import ConfigError, RunConfig

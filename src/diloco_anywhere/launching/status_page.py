@@ -25,8 +25,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from diloco_anywhere.bucket.errors import StoreError
 from diloco_anywhere.bucket.layout import RunLayout
-from diloco_anywhere.bucket.store import Store, StoreError
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.membership import SKEW_SHOWN
 from diloco_anywhere.launching.status import ReplicaStatus, finite_or_null
 from diloco_anywhere.training.metrics import ReplicaMetrics

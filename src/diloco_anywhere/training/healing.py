@@ -37,8 +37,9 @@ from dataclasses import dataclass
 
 import torch
 
+from diloco_anywhere.bucket.errors import StoreError
 from diloco_anywhere.bucket.framing import WireFormatError
-from diloco_anywhere.bucket.store import Store, StoreError
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.round import (
     ModelMismatchError,

@@ -43,7 +43,8 @@ from torch import nn
 
 from diloco_anywhere import contract
 from diloco_anywhere.bucket.layout import RunLayout
-from diloco_anywhere.bucket.store import Store, scrub_secrets
+from diloco_anywhere.bucket.redaction import scrub_secrets
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.membership import SupersededError
 from diloco_anywhere.config import RunConfig

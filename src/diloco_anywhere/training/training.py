@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from diloco_anywhere.bucket.store import scrub_secrets
+from diloco_anywhere.bucket.redaction import scrub_secrets
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.membership import SupersededError
 from diloco_anywhere.collective.round import DivergedError

@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load as load_safetensors
 from torch import nn
 
-from diloco_anywhere.bucket.store import Store, redact_url
+from diloco_anywhere.bucket.redaction import redact_url
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import ConfigError
 
 

@@ -22,8 +22,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from torch.utils._pytree import tree_leaves
 
+from diloco_anywhere.bucket.errors import StoreError
+from diloco_anywhere.bucket.keys import check_key
 from diloco_anywhere.bucket.layout import MAX_COUNT, RunLayout
-from diloco_anywhere.bucket.store import Store, StoreError, check_key
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.training.checkpoints.commits import read_commit
 from diloco_anywhere.training.checkpoints.records import (
     Checkpoint,
