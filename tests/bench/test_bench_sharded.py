@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from diloco_anywhere.bench.sharded import _fill, _mean_error
 from diloco_anywhere.cli import app
-from diloco_anywhere.cli.bench import _sharded_table
+from diloco_anywhere.cli.bench.sync import _sharded_table
 
 runner = CliRunner()
 SIZE = 1 << 20
