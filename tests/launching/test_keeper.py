@@ -20,8 +20,9 @@ from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.policy import LeasePolicy
 from diloco_anywhere.config import AlertsSection, KeepSection, load_config
 from diloco_anywhere.launching.alerts import Alert, Alerts, webhook_body
+from diloco_anywhere.launching.decisions import LAUNCH_GRACE, Observed, decide
 from diloco_anywhere.launching.health import health_alerts
-from diloco_anywhere.launching.keeper import LAUNCH_GRACE, Keeper, Observed, decide, store_time
+from diloco_anywhere.launching.keeper import Keeper, store_time
 from diloco_anywhere.launching.launch import load_handles, plan_launch, run_launches, start
 from diloco_anywhere.launching.launches import JobRecord, RestartRecord
 from diloco_anywhere.training.metrics import EventLine, ReplicaMetrics

@@ -18,7 +18,8 @@ from diloco_anywhere.backends.base import ReplicaHandle
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.cli.common import print_json
-from diloco_anywhere.cli.run import _status_table, parse_backends
+from diloco_anywhere.cli.run import parse_backends
+from diloco_anywhere.cli.tables import status_table
 from diloco_anywhere.collective.membership import Heartbeat, claim_incarnation
 from diloco_anywhere.collective.policy import LeasePolicy
 from diloco_anywhere.config import RunConfig
@@ -295,7 +296,7 @@ def test_status_shows_a_replicas_clock_skew_and_counts_last_seen_in_the_stores_t
     assert 0 <= row.last_seen_seconds < 5  # not 5 minutes, nor from the future
     assert row.superseded == 1
     console = Console(width=200, record=True)
-    console.print(_status_table([row], "t"))
+    console.print(status_table([row], "t"))
     shown = console.export_text()
     assert f"clock {skew:+.0f}s" in shown
     assert "superseded 1x" in shown
@@ -316,7 +317,7 @@ def test_the_status_table_fits_80_columns_with_whole_headers_and_numbers():
     rows = [_row("sagemaker-0", "sagemaker", "running"), _row("hf_jobs-1", "hf_jobs", "timed_out"),
             _row("k8s-2", "k8s", "starting")]  # fmt: skip
     console = Console(width=80, record=True)
-    console.print(_status_table(rows, "t"))
+    console.print(status_table(rows, "t"))
     shown = console.export_text()
     assert "…" not in shown
     header = next(line for line in shown.splitlines() if "replica" in line)
@@ -325,5 +326,5 @@ def test_the_status_table_fits_80_columns_with_whole_headers_and_numbers():
     assert "timed_out   312  2.457  2.501   123,456" in shown
     assert "12s ago" in shown
     console = Console(width=80, record=True)
-    console.print(_status_table([_row("trainer-a", "k8s", "running")], "t"))
+    console.print(status_table([_row("trainer-a", "k8s", "running")], "t"))
     assert "platform" in console.export_text()

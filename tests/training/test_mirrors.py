@@ -17,7 +17,7 @@ from rich.console import Console
 
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.cli.run import _status_table
+from diloco_anywhere.cli.tables import status_table
 from diloco_anywhere.config import RunConfig, load_config
 from diloco_anywhere.launching.launch import run_metrics
 from diloco_anywhere.launching.status import ReplicaStatus
@@ -108,7 +108,7 @@ def test_a_failing_mirror_is_reported_and_training_goes_on(tmp_path, monkeypatch
     assert {(row["state"], row["outer_step"]) for row in rows.values()} == {("done", 3)}
     assert sum(row["mirror_failures"] for row in rows.values()) >= 1
     console = Console(width=200, record=True)
-    console.print(_status_table([ReplicaStatus(**row) for row in rows.values()], "t"))
+    console.print(status_table([ReplicaStatus(**row) for row in rows.values()], "t"))
     assert "mirror failed" in console.export_text()
 
 

@@ -1,4 +1,6 @@
-"""``diloco launch | status | logs | stop | report``: a run, from run.toml to its loss plot."""
+"""``diloco launch | status | logs | stop | report``: a run, from run.toml to its loss plot.
+
+The tables these commands print are in ``tables.py``."""
 
 from __future__ import annotations
 
@@ -8,10 +10,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich import box
 from rich.live import Live
 from rich.markup import escape
-from rich.table import Table
 
 from diloco_anywhere.backends import BACKENDS
 from diloco_anywhere.backends.base import (
@@ -32,7 +32,7 @@ from diloco_anywhere.cli.common import (
     stdout,
     user_errors,
 )
-from diloco_anywhere.collective.membership import SKEW_SHOWN
+from diloco_anywhere.cli.tables import markdown_table, status_table, summary_table
 from diloco_anywhere.config import RunConfig, load_config, validate_config
 from diloco_anywhere.contract import ENV_STORE
 from diloco_anywhere.launching.forecast import forecast
@@ -54,7 +54,7 @@ from diloco_anywhere.launching.launch import (
     start,
 )
 from diloco_anywhere.launching.report import RunSummary, plot_losses, summarize
-from diloco_anywhere.launching.status import ReplicaStatus, replica_statuses
+from diloco_anywhere.launching.status import replica_statuses
 from diloco_anywhere.launching.status_page import page_url
 from diloco_anywhere.launching.supervisor import Supervisor
 
@@ -113,48 +113,6 @@ def _sized(config: RunConfig, replicas: int) -> RunConfig:
     return validate_config(data, where, config.source)
 
 
-def _status_table(rows: list[ReplicaStatus], title: str) -> Table:
-    """One row per replica. Fits an 80-column terminal with every header and number whole: no
-    vertical rules, one space between columns, and no platform column when every replica id
-    already starts with its platform (``k8s-0``: ids the launcher gives); only the state, which
-    may carry notes, folds onto a second line."""
-    table = Table(title=title, box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)
-    platforms = any(not row.replica.startswith(f"{row.platform}-") for row in rows)
-    columns = ("replica", *(("platform",) if platforms else ()), "state", "step", "loss", "eval",
-               "tokens/s", "restarts/heals", "seen")  # fmt: skip
-    cells = [_status_cells(row, platforms) for row in rows]
-    for number, column in enumerate(columns):
-        widest = max([len(column), *(len(row[number]) for row in cells)])
-        if column == "state":
-            table.add_column(column, min_width=len("timed_out"), overflow="fold")
-        else:
-            table.add_column(column, justify="left" if number == 0 or column == "platform"
-                             else "right", min_width=widest, no_wrap=True)  # fmt: skip
-    for row in cells:
-        table.add_row(*row)
-    return table
-
-
-def _status_cells(row: ReplicaStatus, platform: bool) -> list[str]:
-    state = row.state
-    if row.divergences:  # loud: a replica whose weights differed from the others'
-        state = f"[bold red]{state}, diverged {row.divergences}x[/bold red]"
-    if row.mirror_failures:  # a checkpoint that did not reach a mirror
-        state = f"{state}, [yellow]mirror failed {row.mirror_failures}x[/yellow]"
-    if row.superseded:  # an old incarnation that ended itself when a newer one started
-        state = f"{state}, superseded {row.superseded}x"
-    if row.clock_skew is not None and abs(row.clock_skew) >= SKEW_SHOWN:
-        state = f"{state}, [yellow]clock {row.clock_skew:+.0f}s[/yellow]"
-    return [
-        row.replica, *((row.platform,) if platform else ()), state, str(row.outer_step),
-        "-" if row.loss is None else f"{row.loss:.3f}",
-        "-" if row.eval_loss is None else f"{row.eval_loss:.3f}",
-        "-" if row.tokens_per_second is None else f"{row.tokens_per_second:,.0f}",
-        f"{row.restarts}/{row.heals}",
-        "-" if row.last_seen_seconds is None else f"{row.last_seen_seconds:.0f}s ago",
-    ]  # fmt: skip
-
-
 def _follow(plan: LaunchPlan, supervisor: Supervisor) -> int:
     """Show live status until every replica's job has ended (restarting failed ones when the
     supervisor may); 0 if all of them are done. Remote jobs are asked less often: their APIs
@@ -176,7 +134,7 @@ def _follow(plan: LaunchPlan, supervisor: Supervisor) -> int:
                 rows = replica_statuses(reader.read(), supervisor.handles,
                                         lambda h, known=states: known[h.replica_id],
                                         supervisor.stopped(), skews=skews)  # fmt: skip
-                live.update(_status_table(rows, title))
+                live.update(status_table(rows, title))
                 if not set(states.values()) & set(ACTIVE_STATES) and not supervisor.restarting:
                     break
                 time.sleep(interval)
@@ -186,7 +144,7 @@ def _follow(plan: LaunchPlan, supervisor: Supervisor) -> int:
         return 130
     rows = replica_statuses(reader.read(), supervisor.handles, supervisor.state,
                             supervisor.stopped(), skews=run_skews(plan.config))  # fmt: skip
-    stdout.print(_status_table(rows, title))
+    stdout.print(status_table(rows, title))
     failed = [row.replica for row in rows if row.state != "done"]
     if failed:
         stderr.print(f"[red]error:[/red] replicas {', '.join(failed)} did not finish; "
@@ -359,23 +317,9 @@ def status(
     elif not rows:
         stdout.print(f"run {config.run.name}: no replicas launched or reporting yet")
     else:
-        stdout.print(_status_table(rows, f"run {config.run.name}"))
+        stdout.print(status_table(rows, f"run {config.run.name}"))
     if launch.end is not None:
         print(f"\nlaunch ended ({launch.end.reason}): {launch.end.detail}")
-
-
-def markdown_table(rows: list[ReplicaStatus], title: str) -> str:
-    """The status table in GitHub-flavoured Markdown: a job summary, an issue comment."""
-    lines = [f"### {title}", "", "| replica | platform | state | step | loss | eval | seen |",
-             "|---|---|---|--:|--:|--:|--:|"]  # fmt: skip
-    for row in rows:
-        seen = row.last_seen_seconds
-        cells = (row.replica, row.platform, row.state, str(row.outer_step),
-                 "-" if row.loss is None else f"{row.loss:.3f}",
-                 "-" if row.eval_loss is None else f"{row.eval_loss:.3f}",
-                 "-" if seen is None else f"{seen:.0f}s ago")  # fmt: skip
-        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
-    return "\n".join(lines)
 
 
 def logs(
@@ -427,39 +371,13 @@ def stop(config_path: ConfigPath = None) -> None:
         raise typer.Exit(1)
 
 
-def _summary_table(summary: RunSummary) -> Table:
-    table = Table(title="Run summary", show_header=False)
-    table.add_column(justify="left")
-    table.add_column(justify="right")
-    saved = summary.bytes_saved_factor
-    for name, value in (
-        ("replicas", str(summary.replicas)),
-        ("outer steps", str(summary.outer_steps)),
-        ("inner steps per replica", str(summary.inner_steps_per_replica)),
-        ("tokens (all replicas)", f"{summary.tokens:,}"),
-        ("final training loss (mean)", _maybe(summary.final_loss)),
-        ("held-out loss", _maybe(summary.eval_loss)),
-        ("sent per replica", f"{summary.bytes_up_per_replica / 1e6:,.2f} MB"),
-        ("received per replica", f"{summary.bytes_down_per_replica / 1e6:,.2f} MB"),
-        ("data parallel would send", f"{summary.data_parallel_bytes_per_replica / 1e6:,.2f} MB"
-         + (f" ({saved:,.0f}x more)" if saved else "")),
-        ("sync time exposed per replica", f"{summary.sync_exposed_seconds:.2f} s"),
-    ):  # fmt: skip
-        table.add_row(name, value)
-    return table
-
-
-def _maybe(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4f}"
-
-
 def _print_report(config: RunConfig, output: Path) -> RunSummary:
     metrics = run_metrics(config).read()
     if not metrics:
         raise ValueError(f"run {config.run.name!r} has no metrics in its store yet")
     summary = summarize(metrics)
     plot_losses(metrics, output, f"run {config.run.name}")
-    stdout.print(_summary_table(summary))
+    stdout.print(summary_table(summary))
     stdout.print(f"loss plot: {output}")
     return summary
 

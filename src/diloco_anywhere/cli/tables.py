@@ -1,0 +1,97 @@
+"""The tables the run commands print: one row per replica (``diloco status``, ``diloco launch``
+following a run), in the terminal or as Markdown, and the run summary (``diloco report``).
+
+Kept apart from the commands (``run.py``) so that each command only gathers and prints: how a
+row fits an 80-column terminal, and which notes fold into a replica's state, live here.
+"""
+
+from __future__ import annotations
+
+from rich import box
+from rich.table import Table
+
+from diloco_anywhere.collective.membership import SKEW_SHOWN
+from diloco_anywhere.launching.report import RunSummary
+from diloco_anywhere.launching.status import ReplicaStatus
+
+
+def status_table(rows: list[ReplicaStatus], title: str) -> Table:
+    """One row per replica. Fits an 80-column terminal with every header and number whole: no
+    vertical rules, one space between columns, and no platform column when every replica id
+    already starts with its platform (``k8s-0``: ids the launcher gives); only the state, which
+    may carry notes, folds onto a second line."""
+    table = Table(title=title, box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)
+    platforms = any(not row.replica.startswith(f"{row.platform}-") for row in rows)
+    columns = ("replica", *(("platform",) if platforms else ()), "state", "step", "loss", "eval",
+               "tokens/s", "restarts/heals", "seen")  # fmt: skip
+    cells = [_status_cells(row, platforms) for row in rows]
+    for number, column in enumerate(columns):
+        widest = max([len(column), *(len(row[number]) for row in cells)])
+        if column == "state":
+            table.add_column(column, min_width=len("timed_out"), overflow="fold")
+        else:
+            table.add_column(column, justify="left" if number == 0 or column == "platform"
+                             else "right", min_width=widest, no_wrap=True)  # fmt: skip
+    for row in cells:
+        table.add_row(*row)
+    return table
+
+
+def _status_cells(row: ReplicaStatus, platform: bool) -> list[str]:
+    state = row.state
+    if row.divergences:  # loud: a replica whose weights differed from the others'
+        state = f"[bold red]{state}, diverged {row.divergences}x[/bold red]"
+    if row.mirror_failures:  # a checkpoint that did not reach a mirror
+        state = f"{state}, [yellow]mirror failed {row.mirror_failures}x[/yellow]"
+    if row.superseded:  # an old incarnation that ended itself when a newer one started
+        state = f"{state}, superseded {row.superseded}x"
+    if row.clock_skew is not None and abs(row.clock_skew) >= SKEW_SHOWN:
+        state = f"{state}, [yellow]clock {row.clock_skew:+.0f}s[/yellow]"
+    return [
+        row.replica, *((row.platform,) if platform else ()), state, str(row.outer_step),
+        "-" if row.loss is None else f"{row.loss:.3f}",
+        "-" if row.eval_loss is None else f"{row.eval_loss:.3f}",
+        "-" if row.tokens_per_second is None else f"{row.tokens_per_second:,.0f}",
+        f"{row.restarts}/{row.heals}",
+        "-" if row.last_seen_seconds is None else f"{row.last_seen_seconds:.0f}s ago",
+    ]  # fmt: skip
+
+
+def markdown_table(rows: list[ReplicaStatus], title: str) -> str:
+    """The status table in GitHub-flavoured Markdown: a job summary, an issue comment."""
+    lines = [f"### {title}", "", "| replica | platform | state | step | loss | eval | seen |",
+             "|---|---|---|--:|--:|--:|--:|"]  # fmt: skip
+    for row in rows:
+        seen = row.last_seen_seconds
+        cells = (row.replica, row.platform, row.state, str(row.outer_step),
+                 "-" if row.loss is None else f"{row.loss:.3f}",
+                 "-" if row.eval_loss is None else f"{row.eval_loss:.3f}",
+                 "-" if seen is None else f"{seen:.0f}s ago")  # fmt: skip
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(lines)
+
+
+def summary_table(summary: RunSummary) -> Table:
+    table = Table(title="Run summary", show_header=False)
+    table.add_column(justify="left")
+    table.add_column(justify="right")
+    saved = summary.bytes_saved_factor
+    for name, value in (
+        ("replicas", str(summary.replicas)),
+        ("outer steps", str(summary.outer_steps)),
+        ("inner steps per replica", str(summary.inner_steps_per_replica)),
+        ("tokens (all replicas)", f"{summary.tokens:,}"),
+        ("final training loss (mean)", _maybe(summary.final_loss)),
+        ("held-out loss", _maybe(summary.eval_loss)),
+        ("sent per replica", f"{summary.bytes_up_per_replica / 1e6:,.2f} MB"),
+        ("received per replica", f"{summary.bytes_down_per_replica / 1e6:,.2f} MB"),
+        ("data parallel would send", f"{summary.data_parallel_bytes_per_replica / 1e6:,.2f} MB"
+         + (f" ({saved:,.0f}x more)" if saved else "")),
+        ("sync time exposed per replica", f"{summary.sync_exposed_seconds:.2f} s"),
+    ):  # fmt: skip
+        table.add_row(name, value)
+    return table
+
+
+def _maybe(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
