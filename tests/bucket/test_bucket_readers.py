@@ -30,9 +30,10 @@ from diloco_anywhere.bucket.record import (
 )
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import finish_round
+from diloco_anywhere.collective.errors import SealedContributionError
 from diloco_anywhere.collective.membership import MembershipView, member_progress
 from diloco_anywhere.collective.policy import RoundPolicy
-from diloco_anywhere.collective.round import Round, SealedContributionError
+from diloco_anywhere.collective.round import Round
 from diloco_anywhere.config import ConfigError, RunConfig, load_config
 from diloco_anywhere.published_config import MAX_CONFIG_BYTES, config_text, read_config
 from diloco_anywhere.training.checkpoints.reader import load_checkpoint

@@ -15,10 +15,10 @@ from diloco_anywhere.bench.store import sample_tensor
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective
+from diloco_anywhere.collective.errors import RoundTimeoutError
 from diloco_anywhere.collective.mean import weighted_mean
 from diloco_anywhere.collective.membership import Heartbeat, claim_incarnation
 from diloco_anywhere.collective.policy import CollectiveConfig, LeasePolicy, RoundPolicy
-from diloco_anywhere.collective.round import RoundTimeoutError
 from diloco_anywhere.training.checkpoints.writer import prune_checkpoints
 from diloco_anywhere.training.metrics import MetricsReader, MetricsWriter
 

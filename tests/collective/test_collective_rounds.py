@@ -21,16 +21,14 @@ from diloco_anywhere.bucket.layout import Participant, RunLayout
 from diloco_anywhere.bucket.record import decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import finish_round
-from diloco_anywhere.collective.mean import weighted_mean
-from diloco_anywhere.collective.records import Manifest, PartEntry, Seal
-from diloco_anywhere.collective.round import (
+from diloco_anywhere.collective.errors import (
     DivergedError,
-    Round,
-    RoundPolicy,
     RoundTimeoutError,
     SealedContributionError,
-    part_ranges,
 )
+from diloco_anywhere.collective.mean import weighted_mean
+from diloco_anywhere.collective.records import Manifest, PartEntry, Seal
+from diloco_anywhere.collective.round import Round, RoundPolicy, part_ranges
 
 RUN = RunLayout("run")
 NUMEL = 10_000

@@ -24,6 +24,7 @@ from diloco_anywhere.bucket.layout import Participant, RunLayout
 from diloco_anywhere.bucket.record import encode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective, finish_round
+from diloco_anywhere.collective.errors import RoundTimeoutError
 from diloco_anywhere.collective.mean import weighted_mean
 from diloco_anywhere.collective.membership import (
     SKEW_SHOWN,
@@ -41,7 +42,7 @@ from diloco_anywhere.collective.membership import (
 )
 from diloco_anywhere.collective.policy import CollectiveConfig, RoundPolicy
 from diloco_anywhere.collective.records import Seal
-from diloco_anywhere.collective.round import Round, RoundTimeoutError
+from diloco_anywhere.collective.round import Round
 from diloco_anywhere.training.metrics import MetricsReader
 
 RUN = RunLayout("run")

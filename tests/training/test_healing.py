@@ -21,8 +21,8 @@ from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.record import encode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective
+from diloco_anywhere.collective.errors import DivergedError, ModelMismatchError
 from diloco_anywhere.collective.records import Seal
-from diloco_anywhere.collective.round import DivergedError, ModelMismatchError
 from diloco_anywhere.config import RunConfig, load_config
 from diloco_anywhere.replica import run_replica
 from diloco_anywhere.task import build_task

@@ -30,6 +30,7 @@ from diloco_anywhere.bucket.codec import Codec
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.collect import RoundCollector
+from diloco_anywhere.collective.errors import ModelMismatchError
 from diloco_anywhere.collective.flat import FlatTensors
 from diloco_anywhere.collective.gather import gather_mean
 from diloco_anywhere.collective.membership import (
@@ -40,7 +41,7 @@ from diloco_anywhere.collective.membership import (
 from diloco_anywhere.collective.parts import Transfers, one_intra_op_thread
 from diloco_anywhere.collective.policy import CollectiveConfig
 from diloco_anywhere.collective.records import Seal
-from diloco_anywhere.collective.round import ModelMismatchError, Round
+from diloco_anywhere.collective.round import Round
 from diloco_anywhere.collective.sharded import sharded_mean
 
 EXCHANGES = {"gather": gather_mean, "sharded": sharded_mean}

@@ -26,6 +26,12 @@ from diloco_anywhere.bucket.codec import Codec
 from diloco_anywhere.bucket.layout import Participant, RunLayout, parse_contributor
 from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.collective.errors import (
+    DivergedError,
+    RoundDataMissingError,
+    RoundTimeoutError,
+    SealedContributionError,
+)
 from diloco_anywhere.collective.flat import FlatTensors
 from diloco_anywhere.collective.membership import (
     MembershipView,
@@ -39,27 +45,6 @@ from diloco_anywhere.collective.transfers import windowed
 
 log = logging.getLogger(__name__)
 PartId = tuple[str, int]  # (contributor, shard)
-
-
-class RoundTimeoutError(TimeoutError):
-    """No SEAL within the policy's timeout; the message names what is missing and the fix."""
-
-
-class SealedContributionError(RuntimeError):
-    """A sealed contribution cannot be read back intact; the message names the key."""
-
-
-class RoundDataMissingError(SealedContributionError):
-    """A sealed contribution's manifest or part is gone: garbage collection took the round."""
-
-
-class DivergedError(SealedContributionError):
-    """This replica's global state differs from the sealed contributors': it must heal."""
-
-
-class ModelMismatchError(RuntimeError):
-    """A sealed round is intact but of another size than this replica's model: applying it
-    would be wrong on every replica that holds this model, so nothing is skipped or healed."""
 
 
 def release(part: Part | Exception) -> None:

@@ -41,7 +41,7 @@ from diloco_anywhere.bucket.errors import StoreError
 from diloco_anywhere.bucket.framing import WireFormatError
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective
-from diloco_anywhere.collective.round import (
+from diloco_anywhere.collective.errors import (
     ModelMismatchError,
     RoundDataMissingError,
     SealedContributionError,

@@ -21,8 +21,8 @@ from torch import nn
 
 from diloco_anywhere.bucket.redaction import scrub_secrets
 from diloco_anywhere.collective.allreduce import BucketCollective
+from diloco_anywhere.collective.errors import DivergedError
 from diloco_anywhere.collective.membership import SupersededError
-from diloco_anywhere.collective.round import DivergedError
 from diloco_anywhere.task import Batch
 from diloco_anywhere.training.after_sync import GlobalCheckpoints, heal_replica
 from diloco_anywhere.training.builders import ReplicaParts

@@ -15,9 +15,9 @@ from typing import Any
 
 from diloco_anywhere.bucket.layout import Participant
 from diloco_anywhere.collective.allreduce import BucketCollective, RoundResult
+from diloco_anywhere.collective.errors import DivergedError
 from diloco_anywhere.collective.policy import CollectiveConfig
 from diloco_anywhere.collective.records import Seal
-from diloco_anywhere.collective.round import DivergedError
 from diloco_anywhere.training.managers.bucket import BucketManager
 from diloco_anywhere.training.managers.sharded import ShardManager
 from diloco_anywhere.training.replica_group import ReplicaGroup

@@ -15,7 +15,7 @@ from typing import Any
 
 from diloco_anywhere.bucket.layout import parse_contributor
 from diloco_anywhere.collective.allreduce import BucketCollective
-from diloco_anywhere.collective.round import DivergedError
+from diloco_anywhere.collective.errors import DivergedError
 from diloco_anywhere.training.fingerprints import combine_fingerprints
 from diloco_anywhere.training.managers.bucket import BucketManager
 from diloco_anywhere.training.replica_group import ReplicaGroup
