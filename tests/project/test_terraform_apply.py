@@ -39,8 +39,6 @@ from support import ROOT
 from support.proxy import FaultProxy
 from support.runs import RUN_TOML, diloco, statuses
 
-pytestmark = pytest.mark.integration  # every test here starts processes
-
 PROJECT, BUCKET, REGION = "tfrun", "tfrun-store", "us-east-1"
 VARIABLES = {
     "project": PROJECT,
@@ -107,7 +105,10 @@ def _missing() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_missing() is not None, reason=_missing() or "")
+pytestmark = [
+    pytest.mark.integration,  # every test here starts processes
+    pytest.mark.skipif(_missing() is not None, reason=_missing() or ""),
+]
 
 
 class Terraform:
