@@ -194,7 +194,7 @@ class KubernetesBackend(Backend):
         "=... --from-literal=AWS_SECRET_ACCESS_KEY=... (EKS: a service account with "
         "replica_policy_arn instead)",
         gcp="GKE: gke_service_accounts in the tfvars and [backends.k8s] service_account",
-        hf=f"kubectl create secret generic {{run}}-store "
+        hf="kubectl create secret generic {run}-store "  # {run}: filled in by for_cloud
         f"--from-literal={hf_buckets.ENV_ACCESS_KEY}=... "
         f"--from-literal={hf_buckets.ENV_SECRET_KEY}=...",
         aws_key=True,

@@ -186,8 +186,8 @@ class ModalBackend(Backend):
         aws="modal secret create {run}-store AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=...",
         gcp="a key of replica_service_account for GOOGLE_APPLICATION_CREDENTIALS "
         "(docs/infra.md, 'GCS outside Google Cloud')",
-        hf=f"modal secret create {{run}}-store {hf_buckets.ENV_ACCESS_KEY}=... "
-        f"{hf_buckets.ENV_SECRET_KEY}=...",
+        hf="modal secret create {run}-store "  # {run}: filled in by for_cloud
+        f"{hf_buckets.ENV_ACCESS_KEY}=... {hf_buckets.ENV_SECRET_KEY}=...",
         aws_key=True,
     )
     settings_model = Settings
