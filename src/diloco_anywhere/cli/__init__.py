@@ -1,5 +1,6 @@
-"""The ``diloco`` command line: run commands (``run.py``), keeping a run going (``keep.py``),
-cloud resources (``infra.py``) and benchmarks (``bench.py``)."""
+"""The ``diloco`` command line: run commands (``run.py``, printing ``tables.py``), keeping a
+run going (``keep.py``), cloud resources (``infra.py``) and benchmarks (``bench/``). Nothing
+here imports torch until a command needs it: ``diloco --help`` answers at once."""
 
 from __future__ import annotations
 
