@@ -48,9 +48,10 @@ def summarize(metrics: dict[str, ReplicaMetrics]) -> RunSummary:
     n = len(replicas)
     last_syncs = [m.syncs[-1] for m in replicas if m.syncs]
     synced = [m for m in replicas if m.syncs]
-    steps = max((m.steps[-1].step for m in replicas if m.steps), default=0)
+    steps = max((m.trained()[0] for m in replicas), default=0)
     parameters = max((m.parameters() for m in replicas), default=0)
     eval_losses = [loss for m in replicas if (loss := m.latest_eval_loss()) is not None]
+    losses = [m.steps[-1].loss for m in replicas if m.steps]  # none: the script logged none
 
     def mean(values: list[float]) -> float:
         return statistics.fmean(values) if values else 0.0
@@ -59,8 +60,8 @@ def summarize(metrics: dict[str, ReplicaMetrics]) -> RunSummary:
         replicas=n,
         outer_steps=max((s.outer_step for s in last_syncs), default=0),
         inner_steps_per_replica=steps,
-        tokens=sum(m.steps[-1].tokens for m in replicas if m.steps),
-        final_loss=mean([m.steps[-1].loss for m in replicas if m.steps]) if replicas else None,
+        tokens=sum(m.trained()[1] for m in replicas),
+        final_loss=mean(losses) if losses else None,
         eval_loss=eval_losses[-1] if eval_losses else None,
         bytes_up_per_replica=round(mean([_over_incarnations(m, "bytes_up") for m in synced])),
         bytes_down_per_replica=round(mean([_over_incarnations(m, "bytes_down") for m in synced])),

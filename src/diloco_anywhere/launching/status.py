@@ -100,7 +100,7 @@ def replica_statuses(
                 outer_step=last_sync.outer_step if last_sync else 0,
                 loss=last_step.loss if last_step else None,
                 eval_loss=seen.latest_eval_loss() if seen else None,
-                tokens=last_step.tokens if last_step else 0,
+                tokens=seen.trained()[1] if seen else 0,
                 tokens_per_second=last_sync.tokens_per_second if last_sync else None,
                 bytes_up=last_sync.bytes_up if last_sync else 0,
                 bytes_down=last_sync.bytes_down if last_sync else 0,

@@ -51,6 +51,9 @@ class SyncLine(Record):
     participants: Count
     eval_loss: float | None
     tokens: Count
+    # inner steps this replica trained so far, counted by the training whether or not the
+    # script logs (0 in lines written before it was recorded)
+    inner_steps: Count = 0
     tokens_per_second: float  # since the previous sync, sync time included
     sync_exposed_seconds: float  # total time training waited on syncs
     bytes_up: Count
@@ -164,6 +167,14 @@ class ReplicaMetrics:
     def last_seen(self) -> float:
         times = [lines[-1].time for lines in (self.steps, self.syncs, self.events) if lines]
         return max(times, default=0.0)
+
+    def trained(self) -> tuple[int, int]:
+        """Inner steps and tokens trained so far, as the training counts them: the newest of
+        the last step line and the last sync line, so a script that logs rarely (or never)
+        still has them."""
+        counts = [(line.step, line.tokens) for line in self.steps[-1:]]
+        counts += [(line.inner_steps, line.tokens) for line in self.syncs[-1:]]
+        return max(counts, default=(0, 0))
 
     def latest_eval_loss(self) -> float | None:
         return next((s.eval_loss for s in reversed(self.syncs) if s.eval_loss is not None), None)

@@ -27,6 +27,7 @@ from diloco_anywhere.task import Batch
 from diloco_anywhere.training.after_sync import GlobalCheckpoints, heal_replica
 from diloco_anywhere.training.builders import ReplicaParts
 from diloco_anywhere.training.global_state import GlobalState
+from diloco_anywhere.training.log_window import LogWindow
 from diloco_anywhere.training.metrics import MetricsWriter, StepLine, SyncLine
 from diloco_anywhere.training.replica_group import ReplicaGroup
 from diloco_anywhere.training.sharding import reshard
@@ -76,6 +77,7 @@ class Training:
         self._syncs_seen = self._step_seen = 0
         self._healed_in_step = False
         self.loss = float("nan")
+        self._window = LogWindow(self.config.task.log_every)
         self.eval_loss: float | None = None
         self.tokens_at_sync, self.time_at_sync = 0, time.perf_counter()
         self.checkpoints = GlobalCheckpoints(self.config, collective, group, self._report)
@@ -116,19 +118,20 @@ class Training:
             yield batch
 
     def log(self, loss: torch.Tensor | float, **values: torch.Tensor | float) -> None:
-        """The inner step's loss and any numbers of the script's own (``lr=...``), into the
-        run's metrics every ``task.log_every`` steps (``diloco status``, ``diloco report``).
-        Names as run names are written; at most ``metrics.MAX_VALUES`` of them. The loss of
-        a step whose sync healed the replica is not recorded: its step count is the healed
-        position's, not the step's."""
+        """The inner step's loss and any numbers of the script's own (``lr=...``), at any
+        cadence: the run's metrics get their mean over each ``task.log_every`` window of inner
+        steps (``log_window.py``; ``diloco status``, ``diloco report``). Names as run names are
+        written; at most ``metrics.MAX_VALUES`` of them. The loss of a step whose sync healed
+        the replica is not recorded: its step count is the healed position's, not the step's."""
         healed, self._healed_in_step = self._healed_in_step, False
-        if healed:
+        if healed or self.metrics is None:
             return
-        if self.metrics is not None and self.inner_steps % self.config.task.log_every == 0:
-            self.loss = float(loss)
+        self._window.add(loss, values)
+        if self._window.due(self.inner_steps):
+            self.loss, means = self._window.close(self.inner_steps)
             self.metrics.add(StepLine(
                 step=self.inner_steps, loss=self.loss, tokens=self.tokens, time=time.time(),
-                values={name: float(value) for name, value in values.items()},
+                values=means,
             ))  # fmt: skip
 
     def after_inner_step(self, model: nn.Module) -> None:
@@ -173,6 +176,7 @@ class Training:
                 participants=self.manager.num_participants(),
                 eval_loss=self.eval_loss if evaluated else None,  # measured at this sync only
                 tokens=self.tokens,
+                inner_steps=self.inner_steps,
                 tokens_per_second=(self.tokens - self.tokens_at_sync) / (now - self.time_at_sync),
                 sync_exposed_seconds=self.manager.exposed_seconds,
                 bytes_up=bytes_up,
