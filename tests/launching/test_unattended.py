@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from diloco_anywhere.bench.chaos import fingerprint_disagreements
 from diloco_anywhere.bench.unattended import (
+    DISRUPTIONS,
     PLATFORMS,
+    Disruption,
     Platforms,
     keep_pass,
     leave_alone,
@@ -25,14 +27,18 @@ def test_a_detached_run_left_to_the_keeper_completes(
     tmp_path, monkeypatch, s3_run, hub, cluster, webhook
 ):
     """HF Jobs attempts end after 20 s, Kubernetes Jobs after 90 s; k8s-0 freezes after round
-    5 (then wakes a zombie), local-0 and hf_jobs-0 are SIGKILLed after rounds 15 and 25."""
+    2 (then wakes a zombie), local-0 and hf_jobs-0 are SIGKILLed after rounds 15 and 25. The
+    benchmark freezes k8s-0 after round 5; here round 2, so that on a loaded machine, whose
+    rounds are slower, the zombie still wakes (12 s hung, a keeper pass, a new pod claiming its
+    id) before its Job's 90 s deadline would kill it first and leave nothing to supersede."""
     monkeypatch.chdir(tmp_path)
     path = tmp_path / "run.toml"
     path.write_text(unattended_toml(s3_run[0]))
     result = diloco("launch", "--config", str(path), *PLATFORMS, "--detach")
     assert result.exit_code == 0, result.output
 
-    run = leave_alone(str(path), Platforms(hub, cluster), progress=lambda _: None)
+    plan = (Disruption("k8s-0", 2, "freeze"), *DISRUPTIONS[1:])
+    run = leave_alone(str(path), Platforms(hub, cluster), progress=lambda _: None, disruptions=plan)
 
     config = load_config(path)
     launch = run_launches(config).latest()
