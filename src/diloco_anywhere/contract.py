@@ -34,9 +34,13 @@ EXIT_BAD_CONFIG = 2  # run.toml or arguments refused, nothing started: a retry c
 # A newer incarnation of this replica id took its place (membership.py): not a failure of the
 # run, and a restart would only supersede the newer one in turn.
 EXIT_SUPERSEDED = 3
-# Ends a platform's retry cannot help: a refused run.toml, or a newer incarnation of this id
-# running (a retry would supersede it, and be superseded in turn).
-NOT_RETRIED = (EXIT_BAD_CONFIG, EXIT_SUPERSEDED)
+# A training script's mistake that a restart would meet again (training/mistakes.py): it trains
+# without stepping the optimizer DiLoCo wraps; its model is unlike the run's.
+EXIT_NOT_SYNCING = 4
+EXIT_MODEL_UNLIKE_RUN = 5
+# Ends a platform's retry cannot help: a refused run.toml, a newer incarnation of this id
+# running (a retry would supersede it, and be superseded in turn), a script's mistake.
+NOT_RETRIED = (EXIT_BAD_CONFIG, EXIT_SUPERSEDED, EXIT_NOT_SYNCING, EXIT_MODEL_UNLIKE_RUN)
 
 
 def identity(

@@ -379,13 +379,14 @@ def test_a_replica_that_refuses_its_config_fails_without_retries(tmp_path, kube)
 
 
 def test_no_retry_is_spent_on_an_end_a_retry_cannot_help():
-    """Exit 2 (a refused run.toml, as the stand-in test above shows) and exit 3 (superseded:
-    `diloco keep` or `replace` started a newer incarnation, which a retry would supersede)
-    fail the index at once; a disruption spends no retry."""
+    """Exit 2 (a refused run.toml, as the stand-in test above shows), exit 3 (superseded:
+    `diloco keep` or `replace` started a newer incarnation, which a retry would supersede) and
+    exits 4 and 5 (a script's mistake: it steps another optimizer, its model is unlike the
+    run's) fail the index at once; a disruption spends no retry."""
     rules = pod_failure_policy()["rules"]
     assert rules[0] == {
         "action": "FailIndex",
-        "onExitCodes": {"containerName": "replica", "operator": "In", "values": [2, 3]},
+        "onExitCodes": {"containerName": "replica", "operator": "In", "values": [2, 3, 4, 5]},
     }
     assert rules[1]["action"] == "Ignore"
 

@@ -119,10 +119,18 @@ def test_a_claimed_attempt_is_being_started_until_its_grace_ends_then_counts_as_
     assert "never started" in decision.detail
 
 
-def test_a_replica_that_refused_its_run_toml_is_not_restarted():
-    decision = decide(seen(state="failed", exit_code=2), NOW, KEEP)
+@pytest.mark.parametrize(
+    ("code", "why"),
+    [(2, "it refused run.toml"),
+     (4, "its script steps another optimizer than the one DiLoCo wraps"),
+     (5, "its model is unlike the run's")],
+)  # fmt: skip
+def test_a_replica_whose_end_no_restart_can_help_is_not_restarted(code, why):
+    decision = decide(seen(state="failed", exit_code=code), NOW, KEEP)
     assert decision.action == "give_up"
-    assert "diloco replace modal-0" in decision.detail
+    assert f"{why} and would only fail again; fix it, then `diloco replace modal-0`" in (
+        decision.detail
+    )
 
 
 # -- alerts -----------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import pytest
 
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.contract import EXIT_NOT_SYNCING
 from diloco_anywhere.training.metrics import MetricsReader
 
 pytestmark = pytest.mark.integration  # every test here starts processes
@@ -128,3 +129,40 @@ def test_a_stop_reaches_the_script_and_is_recorded(tmp_path):
     code, _ = _ended(process)
     assert code == 143
     assert [event.event for event in _events(tmp_path)] == ["stopped"]
+
+
+STEPS_ANOTHER_OPTIMIZER = """
+import torch
+import diloco_anywhere
+
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+wrapped = torch.optim.SGD(model.parameters(), lr=0.1)
+other = torch.optim.SGD(model.parameters(), lr=0.1)  # the mistake: this one is stepped
+
+
+def data(start):
+    while True:
+        yield torch.randn(8, 4)
+
+
+with diloco_anywhere.join() as replica:
+    with replica.diloco(model, wrapped) as training:
+        for x in training.batches(data):
+            model(x).pow(2).mean().backward()
+            other.step()
+            other.zero_grad()
+"""
+
+
+def test_a_script_that_steps_another_optimizer_stops_at_once_naming_the_fix(tmp_path):
+    """It would otherwise train forever at outer step 0 (state `running`, no warning)."""
+    code, stderr = _ended(_entrypoint(tmp_path, STEPS_ANOTHER_OPTIMIZER))
+    fix = "took no step: call step() on that same optimizer (DiLoCo syncs inside it)"
+    assert code == EXIT_NOT_SYNCING, stderr
+    assert fix in stderr
+    [(event, detail)] = [(e.event, e.detail) for e in _events(tmp_path) if e.event != "started"]
+    assert event == "failed"
+    assert detail.startswith("NotSyncingError: 200 batches from training.batches since inner "
+                             "step 0")  # fmt: skip
+    assert fix in detail

@@ -101,6 +101,12 @@ class RunLayout:
         later one must match (``training.sharding.check_sharding``)."""
         return f"{self.run}/sharding"
 
+    def initial_state(self) -> str:
+        """The run's initial model (this rank's shard of it), as its first replica recorded
+        it, which every replica starting before the first checkpoint must match
+        (``training.initial_state``)."""
+        return f"{self.exchange}/initial-state"
+
     # -- membership ------------------------------------------------------------------------
 
     def members(self) -> str:

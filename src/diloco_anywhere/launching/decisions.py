@@ -24,12 +24,24 @@ from dataclasses import dataclass
 
 from diloco_anywhere.backends.base import ACTIVE_STATES, JobState
 from diloco_anywhere.config import KeepSection
-from diloco_anywhere.contract import EXIT_BAD_CONFIG, EXIT_SUPERSEDED
+from diloco_anywhere.contract import (
+    EXIT_BAD_CONFIG,
+    EXIT_MODEL_UNLIKE_RUN,
+    EXIT_NOT_SYNCING,
+    EXIT_SUPERSEDED,
+)
 from diloco_anywhere.launching.launches import JobRecord, RestartRecord
 
 # A keeper claimed an attempt but its job is not recorded: it is still being started (SageMaker
 # takes a minute), or the keeper died meanwhile. Past this, the attempt counts as lost.
 LAUNCH_GRACE = 600.0
+
+# Ends no restart can help, and what the replica's log says about each.
+GIVEN_UP_ON = {
+    EXIT_BAD_CONFIG: "it refused run.toml",
+    EXIT_NOT_SYNCING: "its script steps another optimizer than the one DiLoCo wraps",
+    EXIT_MODEL_UNLIKE_RUN: "its model is unlike the run's",
+}
 
 
 @dataclass(frozen=True)
@@ -103,9 +115,10 @@ def decide(replica: Observed, now: float, keep: KeepSection) -> Decision:
             return Decision("leave", replica.state or "being started")
         ended = "hung", f"running, but no sign of life for {silent:.0f} s"
     reason, detail = ended
-    if replica.exit_code == EXIT_BAD_CONFIG:
-        return Decision("give_up", reason, f"{detail}: it refused run.toml and would only fail "
-                        f"again; fix it, then `diloco replace {replica.replica_id}`")  # fmt: skip
+    if replica.exit_code in GIVEN_UP_ON:
+        why = GIVEN_UP_ON[replica.exit_code]
+        return Decision("give_up", reason, f"{detail}: {why} and would only fail again; fix "
+                        f"it, then `diloco replace {replica.replica_id}`")  # fmt: skip
     if replica.exit_code == EXIT_SUPERSEDED:
         return Decision("leave", "superseded by a newer incarnation started elsewhere")
     ran = replica.last_alive - replica.started_at

@@ -53,9 +53,11 @@ from diloco_anywhere.training.builders import (
     parallelize,
     resolve_device,
 )
-from diloco_anywhere.training.checkpoints.commits import retained_after
+from diloco_anywhere.training.checkpoints.commits import committed_rounds, retained_after
 from diloco_anywhere.training.command import DONE, JOINED, report
+from diloco_anywhere.training.initial_state import check_initial_state
 from diloco_anywhere.training.metrics import MetricsWriter
+from diloco_anywhere.training.mistakes import ScriptMistakeError
 from diloco_anywhere.training.replica_group import ReplicaGroup
 from diloco_anywhere.training.sharding import Sharding, check_sharded, check_sharding
 from diloco_anywhere.training.training import Training
@@ -169,6 +171,8 @@ class Replica:
         every rank of a sharded replica (each forward gathers every rank's shards). On exit
         every process of an unsharded replica checks it holds rank 0's global state."""
         check_sharded(model, self.group)
+        if self.collective is not None:
+            self._check_initial_model(model)
         parts = build_parts(
             self.config, self.collective, model, inner_optimizer, tokens_per_step, evaluate,
             self.group,
@@ -199,6 +203,13 @@ class Replica:
         training.close()
         self.training = training
 
+    def _check_initial_model(self, model: nn.Module) -> None:
+        """Before the run's first checkpoint, this replica's model must be the run's: the one
+        its first replica recorded (``initial_state.py``). After it, healing replaces it."""
+        store = self.collective.store  # type: ignore[union-attr]
+        if not committed_rounds(store, RunLayout(self.config.run.name)):
+            check_initial_state(store, self.collective.layout, model)  # type: ignore[union-attr]
+
     def close(self, wait: bool = True) -> None:
         """Leave the run; with ``wait``, first let rounds in flight finish (after an error or
         a stop they are abandoned: the bucket's lifecycle rule expires their objects)."""
@@ -216,7 +227,8 @@ class Replica:
     ) -> None:
         """Record how the replica ended (``done`` with what it trained, ``stopped``, ``failed``
         with the error, or with how far it got if it left training early), then leave the
-        run. ``sys.exit(0)`` is a normal end."""
+        run. ``sys.exit(0)`` is a normal end. A script's mistake (``mistakes.py``) then ends
+        the process with its own exit code, which no platform retries."""
         if isinstance(error, SystemExit) and error.code in (None, 0):
             error = None
         trained = error is None and self.training is not None and self.training.done
@@ -226,6 +238,9 @@ class Replica:
             self.metrics.flush()
             self.metrics.event(*self._ending(error, trained))
         self.close(wait=error is None)
+        if isinstance(error, ScriptMistakeError):  # a restart would meet it again: say so
+            print(f"error: replica {self.replica_id}: {error}", file=sys.stderr, flush=True)
+            raise SystemExit(error.exit_code) from error
 
     def _ending(self, error: BaseException | None, trained: bool) -> tuple[str, str]:
         """The event that says how the replica ended, and its detail."""

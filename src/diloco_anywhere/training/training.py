@@ -29,6 +29,7 @@ from diloco_anywhere.training.builders import ReplicaParts
 from diloco_anywhere.training.global_state import GlobalState
 from diloco_anywhere.training.log_window import LogWindow
 from diloco_anywhere.training.metrics import MetricsWriter, StepLine, SyncLine
+from diloco_anywhere.training.mistakes import NotSyncingError
 from diloco_anywhere.training.replica_group import ReplicaGroup
 from diloco_anywhere.training.sharding import reshard
 
@@ -78,6 +79,7 @@ class Training:
         self._healed_in_step = False
         self.loss = float("nan")
         self._window = LogWindow(self.config.task.log_every)
+        self._batches_since_step = 0  # batches given out since the last inner step
         self.eval_loss: float | None = None
         self.tokens_at_sync, self.time_at_sync = 0, time.perf_counter()
         self.checkpoints = GlobalCheckpoints(self.config, collective, group, self._report)
@@ -115,7 +117,22 @@ class Training:
                     f"{self.config.diloco.outer_steps * self.config.diloco.sync_every}: "
                     f"open_at(start) must go on until the run ends (loop over epochs)"
                 ) from None
+            self._check_stepping()
             yield batch
+
+    def _check_stepping(self) -> None:
+        """A batch more with no inner step since the last one: more than ``max(4 x sync_every,
+        64)`` of them (room for gradient accumulation and skipped fp16 steps) means the script
+        steps another optimizer, or none."""
+        self._batches_since_step += 1
+        limit = max(4 * self.config.diloco.sync_every, 64)
+        if self._batches_since_step > limit:
+            raise NotSyncingError(
+                f"{self._batches_since_step - 1} batches from training.batches since inner step "
+                f"{self.inner_steps}, and the optimizer given to replica.diloco(model, optimizer)"
+                f" took no step: call step() on that same optimizer (DiLoCo syncs inside it), "
+                f"not on another one or a copy"
+            )
 
     def log(self, loss: torch.Tensor | float, **values: torch.Tensor | float) -> None:
         """The inner step's loss and any numbers of the script's own (``lr=...``), at any
@@ -138,6 +155,7 @@ class Training:
         """Count the step; after a sync (DiLoCo's step hook ran one), record it, write the
         checkpoint when due, heal after a divergence and give up after too many failures."""
         self.inner_steps += 1
+        self._batches_since_step = 0
         self.tokens += self.parts.tokens_per_step * self.group.world_size
         manager = self.manager
         if manager.syncs_attempted == self._syncs_seen:

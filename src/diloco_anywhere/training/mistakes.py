@@ -1,0 +1,28 @@
+"""A training script's mistakes that no restart can fix, each ending its replica at once with
+its own exit code and a message that names the fix (``diloco status`` and ``diloco logs`` show
+it), instead of leaving the replica, and the run, waiting on rounds that cannot seal.
+"""
+
+from __future__ import annotations
+
+from diloco_anywhere import contract
+
+
+class ScriptMistakeError(RuntimeError):
+    """The script cannot take part in the run as written; ``exit_code`` is the replica's."""
+
+    exit_code = 1
+
+
+class NotSyncingError(ScriptMistakeError):
+    """Batches go by but the optimizer given to ``replica.diloco`` takes no step: DiLoCo syncs
+    inside that optimizer's ``step()``, so the replica would never sync."""
+
+    exit_code = contract.EXIT_NOT_SYNCING
+
+
+class ModelUnlikeRunError(ScriptMistakeError):
+    """The model's initial weights or structure differ from the run's: the replicas' global
+    states would never agree."""
+
+    exit_code = contract.EXIT_MODEL_UNLIKE_RUN
