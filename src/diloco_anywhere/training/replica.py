@@ -125,6 +125,12 @@ class Replica:
             incarnation = self.collective.me.incarnation  # type: ignore[union-attr]
             self.metrics = MetricsWriter(store, layout, replica_id, incarnation, platform)
 
+    @property
+    def total_steps(self) -> int:
+        """The inner steps each replica trains over the whole run (``outer_steps x
+        sync_every``): what a learning-rate schedule spans."""
+        return self.config.diloco.outer_steps * self.config.diloco.sync_every
+
     def _superseded(self, error: SupersededError) -> None:
         """A newer incarnation of this replica is running (a platform restarted it while this
         process lived on): end this process now, from the heartbeat's thread, whatever the
