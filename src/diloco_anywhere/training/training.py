@@ -26,6 +26,7 @@ from diloco_anywhere.collective.membership import SupersededError
 from diloco_anywhere.task import Batch
 from diloco_anywhere.training.after_sync import GlobalCheckpoints, heal_replica
 from diloco_anywhere.training.builders import ReplicaParts
+from diloco_anywhere.training.fixed_rng import fixed_random_state
 from diloco_anywhere.training.global_state import GlobalState
 from diloco_anywhere.training.log_window import LogWindow
 from diloco_anywhere.training.metrics import MetricsWriter, StepLine, SyncLine
@@ -212,10 +213,12 @@ class Training:
         """The held-out loss of the weights the replicas agreed on. With fragments > 1 the
         model holds them only while ``GlobalState.global_weights_in_place`` swaps them in; a
         sharded replica's model is resharded before its local weights come back (a forward
-        leaves FSDP2's root unsharded, and its unsharded parameters are what it holds then)."""
+        leaves FSDP2's root unsharded, and its unsharded parameters are what it holds then).
+        It runs under the run's seed (``fixed_rng.py``): the same weights, the same number."""
         streaming = self.config.diloco.fragments > 1 and self.state is not None
         swap = self.state.global_weights_in_place() if streaming else nullcontext()  # type: ignore[union-attr]
-        with swap:
+        device = next(model.parameters()).device
+        with swap, fixed_random_state(self.config.run.seed, device):
             try:
                 return self.evaluate(model)  # type: ignore[misc]
             finally:
