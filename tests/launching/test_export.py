@@ -8,7 +8,8 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
+from safetensors.torch import load_file, load_model
 
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
@@ -21,10 +22,16 @@ from support.runs import RUN_TOML, diloco
 
 SAVING_TASK = """
 from pathlib import Path
+import torch
 from diloco_anywhere.tasks.gpt import build as build_gpt
 
 def build(context):
     task = build_gpt(context)
+    # a head tied to the embedding as GPT-2 and many Hugging Face models hold it: two names,
+    # one tensor (the model's forward already reuses the embedding's weight)
+    embedding = task.model.token_embedding.weight
+    task.model.lm_head = torch.nn.Linear(embedding.shape[1], embedding.shape[0], bias=False)
+    task.model.lm_head.weight = embedding
     task.save = lambda model, folder: (folder / "weights.json").write_text(
         '{"parameters": %d}' % sum(p.numel() for p in model.parameters()))
     return task
@@ -57,9 +64,14 @@ def test_the_export_holds_the_committed_global_weights(finished_run, tmp_path, m
     config = load_config(finished_run / "run.toml")
     [checkpoint] = list(newest_checkpoints(Store(config.store_url()), RunLayout("t")))[:1]
     assert f"exported round {checkpoint.commit.round}" in result.output
-    exported = load_file(tmp_path / "model" / "model.safetensors")
+    path = tmp_path / "model" / "model.safetensors"
+    with safe_open(path, "pt") as file:  # the tied head is stored once, named in the metadata
+        assert file.metadata() == {"token_embedding.weight": "lm_head.weight"}
+    assert "token_embedding.weight" not in load_file(path)
     model = trained_task(config, checkpoint).model
-    model.load_state_dict(exported)  # the task's model takes it as it is
+    torch.nn.init.zeros_(model.token_embedding.weight)
+    assert not load_model(model, path)[0]  # the task's model takes it, nothing missing
+    assert model.lm_head.weight is model.token_embedding.weight  # still tied
     weights = checkpoint.tree["fragments"][FRAGMENT_KEY.format(0)]["original_parameters"]
     for name, parameter in model.named_parameters():
         assert torch.equal(parameter, weights[name])

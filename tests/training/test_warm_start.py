@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save_file, save_model
 
 from diloco_anywhere.bench.chaos import fingerprint_disagreements
 from diloco_anywhere.config import load_config
@@ -52,6 +52,27 @@ def test_weights_that_do_not_fit_are_refused_naming_the_tensor(tmp_path) -> None
         warm_start(model, str(tmp_path / "pickle.pt"))
     with pytest.raises(WarmStartError, match="no such file"):
         warm_start(model, str(tmp_path / "absent.safetensors"))
+
+
+def _tied(seed: int) -> torch.nn.Module:
+    """A head tied to the embedding, GPT-2 style: two names, one tensor."""
+    torch.manual_seed(seed)
+    model = torch.nn.Module()
+    model.embedding = torch.nn.Embedding(16, 4)
+    model.head = torch.nn.Linear(4, 16, bias=False)
+    model.head.weight = model.embedding.weight
+    return model
+
+
+def test_a_tied_tensor_stored_once_starts_both_its_names(tmp_path) -> None:
+    """As safetensors' save_model (and so diloco export) writes it: one of the names only."""
+    save_model(_tied(1), str(tmp_path / "model.safetensors"))
+    model = _tied(2)
+    warm_start(model, str(tmp_path / "model.safetensors"))
+    assert torch.equal(model.embedding.weight, _tied(1).embedding.weight)
+    assert model.head.weight is model.embedding.weight
+    with pytest.raises(WarmStartError, match=re.escape("missing ['embedding.weight', 'head")):
+        load_weights(_tied(2), {}, "m")  # neither name: still refused
 
 
 @pytest.mark.integration

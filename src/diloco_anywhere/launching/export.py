@@ -7,7 +7,8 @@ builds the run's task to get the model, puts each fragment's global weights
 (``original_parameters``, arXiv 2311.08105 algorithm 1: what every replica agreed on) into it,
 and writes:
 
-- ``model.safetensors``: the model's whole ``state_dict`` (its buffers are the task's own);
+- ``model.safetensors``: the model's whole ``state_dict`` (its buffers are the task's own),
+  each tied or shared tensor once (``model_bytes``);
 - ``README.md``: a model card (run, round and steps, tokens, held-out loss, bytes sent against
   data parallel for the same steps, the run's configuration);
 - ``run.toml``: the configuration the run was published with;
@@ -24,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save as save_safetensors
+from safetensors.torch import save_model
 
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
@@ -118,11 +119,8 @@ def model_card(config: RunConfig, checkpoint: Checkpoint, summary: RunSummary) -
 
 def _files(config: RunConfig, checkpoint: Checkpoint, summary: RunSummary) -> dict[str, bytes]:
     task = trained_task(config, checkpoint)
-    state = {k: tensor.detach().contiguous() for k, tensor in task.model.state_dict().items()}
     files = {
-        # no safetensors metadata: it is kept in a hash map whose order, and so the file's
-        # bytes, change from one save to the next; the model card names run and round
-        MODEL_FILE: save_safetensors(state),
+        MODEL_FILE: model_bytes(task.model),
         CARD_FILE: model_card(config, checkpoint, summary).encode(),
         CONFIG_FILE: config_text(config),
     }  # fmt: skip
@@ -135,6 +133,18 @@ def _files(config: RunConfig, checkpoint: Checkpoint, summary: RunSummary) -> di
                         path.read_bytes()
                     )
     return files
+
+
+def model_bytes(model: torch.nn.Module) -> bytes:
+    """The model's ``state_dict`` as safetensors, a tensor shared by several names (a head tied
+    to the embedding, GPT-2 style) stored once: safetensors' ``save_model`` keeps one name and
+    records the others in the metadata, and ``load_model`` or ``from_pretrained`` tie them
+    back. No other metadata: safetensors keeps it in a hash map whose order, and so the file's
+    bytes, can change from one save to the next (the model card names run and round)."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / MODEL_FILE
+        save_model(model, str(path))
+        return path.read_bytes()
 
 
 def _write(destination: str, files: dict[str, bytes]) -> None:

@@ -49,10 +49,12 @@ def read_weights(url: str) -> dict[str, torch.Tensor]:
 
 def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
     """Copy ``tensors`` into ``model``'s state (parameters and buffers), after checking they
-    are exactly the model's: every name, no other, each in the model's shape (a dtype is
-    cast, as ``diloco export`` writes the model's own)."""
+    are exactly the model's: every name (a tied tensor under one of its names), no other, each
+    in the model's shape (a dtype is cast, as ``diloco export`` writes the model's own)."""
     state = model.state_dict()
-    missing, extra = sorted(state.keys() - tensors.keys()), sorted(tensors.keys() - state.keys())
+    missing = sorted(name for name in state.keys() - tensors.keys()
+                     if not _tied(state, name) & tensors.keys())  # fmt: skip
+    extra = sorted(tensors.keys() - state.keys())
     if missing or extra:
         raise WarmStartError(
             f"task.init_from {source!r} does not fit the task's model: missing {missing[:3]}, "
@@ -66,8 +68,19 @@ def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: str
                 f"{tuple(state[name].shape)}"
             )
     with torch.no_grad():
-        for name, target in state.items():
-            target.copy_(tensors[name])
+        for name, tensor in tensors.items():
+            state[name].copy_(tensor)
+
+
+def _tied(state: dict[str, torch.Tensor], name: str) -> set[str]:
+    """The other names of ``state`` holding the very tensor ``name`` holds (a head tied to the
+    embedding): a file need hold one of them, as safetensors' ``save_model`` (and so
+    ``diloco export``) stores a tied tensor once."""
+    where = (state[name].data_ptr(), state[name].shape)
+    return {
+        other for other, tensor in state.items()
+        if other != name and (tensor.data_ptr(), tensor.shape) == where
+    }  # fmt: skip
 
 
 def warm_start(model: nn.Module, url: str) -> None:
