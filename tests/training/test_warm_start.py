@@ -75,6 +75,17 @@ def test_a_tied_tensor_stored_once_starts_both_its_names(tmp_path) -> None:
         load_weights(_tied(2), {}, "m")  # neither name: still refused
 
 
+def test_a_compiled_model_and_its_file_are_the_same_names(tmp_path) -> None:
+    """torch.compile's wrapper names every tensor ``_orig_mod.<name>``: a file from either
+    starts the other."""
+    save_file(torch.compile(_model(1)).state_dict(), tmp_path / "compiled.safetensors")
+    save_file(_model(1).state_dict(), tmp_path / "plain.safetensors")
+    for model, file in ((_model(2), "compiled"), (torch.compile(_model(2)), "plain")):
+        warm_start(model, str(tmp_path / f"{file}.safetensors"))
+        assert torch.equal(model.state_dict()[next(iter(model.state_dict()))],
+                           _model(1).state_dict()["0.weight"])  # fmt: skip
+
+
 @pytest.mark.integration
 def test_every_replica_of_a_run_starts_from_the_file(tmp_path, monkeypatch) -> None:
     """The round-0 fingerprint of both replicas is the file's weights' (the global state

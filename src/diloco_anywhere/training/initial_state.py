@@ -23,8 +23,7 @@ from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_reco
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.training.global_state import local_tensor
 from diloco_anywhere.training.mistakes import ModelUnlikeRunError
-
-COMPILED_PREFIX = "_orig_mod."  # what torch.compile's wrapper puts before every name
+from diloco_anywhere.training.parameter_names import parameter_name
 
 
 class InitialTensor(BaseModel):
@@ -40,11 +39,6 @@ class InitialState(Record):
     """A model's parameters as they were before its first inner step."""
 
     tensors: tuple[InitialTensor, ...] = Field(max_length=200_000)
-
-
-def parameter_name(name: str) -> str:
-    """A parameter's name as stored and compared: without ``torch.compile``'s prefixes."""
-    return name.replace(COMPILED_PREFIX, "")
 
 
 def describe(model: nn.Module) -> InitialState:

@@ -22,6 +22,7 @@ from torch import nn
 from diloco_anywhere.bucket.redaction import redact_url
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import ConfigError
+from diloco_anywhere.training.parameter_names import parameter_name
 
 
 class WarmStartError(ConfigError):
@@ -50,8 +51,10 @@ def read_weights(url: str) -> dict[str, torch.Tensor]:
 def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
     """Copy ``tensors`` into ``model``'s state (parameters and buffers), after checking they
     are exactly the model's: every name (a tied tensor under one of its names), no other, each
-    in the model's shape (a dtype is cast, as ``diloco export`` writes the model's own)."""
-    state = model.state_dict()
+    in the model's shape (a dtype is cast, as ``diloco export`` writes the model's own).
+    Names are compared without ``torch.compile``'s prefix (``parameter_names.py``)."""
+    state = {parameter_name(name): value for name, value in model.state_dict().items()}
+    tensors = {parameter_name(name): tensor for name, tensor in tensors.items()}
     missing = sorted(name for name in state.keys() - tensors.keys()
                      if not _tied(state, name) & tensors.keys())  # fmt: skip
     extra = sorted(tensors.keys() - state.keys())
