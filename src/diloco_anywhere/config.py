@@ -89,6 +89,12 @@ class DilocoSection(_Section):
     outer_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
     outer_nesterov: bool = True
 
+    @property
+    def total_steps(self) -> int:
+        """The inner steps each replica trains over the whole run: what a learning-rate
+        schedule spans, and what the platforms' time limits are planned against."""
+        return self.outer_steps * self.sync_every
+
     @model_validator(mode="after")
     def _streaming_schedule(self) -> DilocoSection:
         """torchft's DiLoCo syncs one fragment every sync_every / fragments steps and needs

@@ -216,7 +216,7 @@ def plan_for(
     some, for its measured step time."""
     measured = measured_step_seconds(metrics) if metrics else None
     return plan_limits(
-        config.diloco.outer_steps * config.diloco.sync_every,
+        config.diloco.total_steps,
         step_time(config.budget.step_seconds or None, measured),
         limits,
         spot_waits,

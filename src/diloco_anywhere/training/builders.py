@@ -181,7 +181,7 @@ def task_context(config: RunConfig, replica_index: int, group: ReplicaGroup) -> 
         options=config.task.options,
         rank=group.rank,
         ranks=group.world_size,
-        total_steps=config.diloco.outer_steps * config.diloco.sync_every,
+        total_steps=config.diloco.total_steps,
     )
 
 

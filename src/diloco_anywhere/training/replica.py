@@ -128,8 +128,8 @@ class Replica:
     @property
     def total_steps(self) -> int:
         """The inner steps each replica trains over the whole run (``outer_steps x
-        sync_every``): what a learning-rate schedule spans."""
-        return self.config.diloco.outer_steps * self.config.diloco.sync_every
+        sync_every``, ``DilocoSection.total_steps``): what a learning-rate schedule spans."""
+        return self.config.diloco.total_steps
 
     def _superseded(self, error: SupersededError) -> None:
         """A newer incarnation of this replica is running (a platform restarted it while this

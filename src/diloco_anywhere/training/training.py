@@ -115,7 +115,7 @@ class Training:
             except StopIteration:
                 raise ValueError(
                     f"the data ran out at inner step {self.inner_steps} of the run's "
-                    f"{self.config.diloco.outer_steps * self.config.diloco.sync_every}: "
+                    f"{self.config.diloco.total_steps}: "
                     f"open_at(start) must go on until the run ends (loop over epochs)"
                 ) from None
             self._check_stepping()
