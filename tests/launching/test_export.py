@@ -14,7 +14,7 @@ from safetensors.torch import load_file, load_model
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import load_config
-from diloco_anywhere.launching.export import trained_task
+from diloco_anywhere.launching.export import global_weights, trained_task
 from diloco_anywhere.training.checkpoints.catalogue import newest_checkpoints
 from diloco_anywhere.training.checkpoints.commits import committed_rounds
 from diloco_anywhere.training.global_state import FRAGMENT_KEY
@@ -66,9 +66,9 @@ def test_the_export_holds_the_committed_global_weights(finished_run, tmp_path, m
     assert f"exported round {checkpoint.commit.round}" in result.output
     path = tmp_path / "model" / "model.safetensors"
     with safe_open(path, "pt") as file:  # the tied head is stored once, named in the metadata
-        assert file.metadata() == {"token_embedding.weight": "lm_head.weight"}
-    assert "token_embedding.weight" not in load_file(path)
-    model = trained_task(config, checkpoint).model
+        assert file.metadata() == {"format": "pt", "lm_head.weight": "token_embedding.weight"}
+    assert "lm_head.weight" not in load_file(path)  # as save_pretrained drops a tied head
+    model = trained_task(config, global_weights(config, checkpoint)).model
     torch.nn.init.zeros_(model.token_embedding.weight)
     assert not load_model(model, path)[0]  # the task's model takes it, nothing missing
     assert model.lm_head.weight is model.token_embedding.weight  # still tied

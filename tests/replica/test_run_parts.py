@@ -35,6 +35,7 @@ from diloco_anywhere.training.metrics import (
     StepLine,
     SyncLine,
 )
+from diloco_anywhere.training.parameter_names import stored_names
 
 
 def tied_model() -> nn.Module:
@@ -70,7 +71,7 @@ def test_the_global_weights_are_in_place_for_a_block_and_local_weights_return_bi
     fragments = split_fragments(model, 2)
     agreed = [{n: torch.randn_like(p) for n, p in f.named_parameters()} for f in fragments]
     functions = {FRAGMENT_KEY.format(i): (None, _saved_state(w)) for i, w in enumerate(agreed)}
-    state = GlobalState(functions, fragments, [])
+    state = GlobalState(functions, fragments, [], stored_names(model, fragments))
     local = {name: p.detach().clone() for name, p in model.named_parameters()}
 
     with state.global_weights_in_place():

@@ -54,6 +54,19 @@ def test_weights_that_do_not_fit_are_refused_naming_the_tensor(tmp_path) -> None
         warm_start(model, str(tmp_path / "absent.safetensors"))
 
 
+def test_a_file_of_the_parameters_alone_leaves_the_model_s_buffers_as_they_are(tmp_path) -> None:
+    """What diloco export writes: the global weights; running statistics are the model's."""
+    torch.manual_seed(1)
+    trained = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+    save_file(dict(trained.named_parameters()), tmp_path / "parameters.safetensors")
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+    model[1].running_mean.fill_(3.0)
+    warm_start(model, str(tmp_path / "parameters.safetensors"))
+    assert torch.equal(model[0].weight, trained[0].weight)
+    assert torch.equal(model[1].running_mean, torch.full((8,), 3.0))
+
+
 def _tied(seed: int) -> torch.nn.Module:
     """A head tied to the embedding, GPT-2 style: two names, one tensor."""
     torch.manual_seed(seed)

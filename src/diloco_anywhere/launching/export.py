@@ -3,12 +3,14 @@
 A run's product is its global weights, which live in the bucket as checkpoint shards keyed by
 DiLoCo's fragments. Export takes a committed checkpoint (the newest, or a chosen round), checked
 as healing checks it (``load_checkpoint``: every object's size and CRC32C, the COMMIT last),
-builds the run's task to get the model, puts each fragment's global weights
-(``original_parameters``, arXiv 2311.08105 algorithm 1: what every replica agreed on) into it,
-and writes:
+names each fragment's global weights (``original_parameters``, arXiv 2311.08105 algorithm 1:
+what every replica agreed on) by the model's parameter names the checkpoint records
+(``parameter_names.py``), with no model built, so it works for a run of any script
+(``[task] command``), and writes:
 
-- ``model.safetensors``: the model's whole ``state_dict`` (its buffers are the task's own),
-  each tied or shared tensor once (``model_bytes``);
+- ``model.safetensors``: the model's parameters by name, each tied or shared tensor once
+  (``model_bytes``); buffers are not DiLoCo's global state, so a model loading it keeps its
+  own (load it with ``strict=False`` where the model has persistent buffers);
 - ``README.md``: a model card (run, round and steps, tokens, held-out loss, bytes sent against
   data parallel for the same steps, the run's configuration);
 - ``run.toml``: the configuration the run was published with;
@@ -21,11 +23,13 @@ objects, like everything else the tool writes.
 
 from __future__ import annotations
 
+import json
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_model
+from safetensors.torch import save as save_safetensors
 
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
@@ -37,8 +41,12 @@ from diloco_anywhere.training.builders import split_fragments
 from diloco_anywhere.training.checkpoints.catalogue import newest_checkpoints
 from diloco_anywhere.training.checkpoints.reader import load_checkpoint
 from diloco_anywhere.training.checkpoints.records import Checkpoint, CheckpointError
-from diloco_anywhere.training.global_state import FRAGMENT_KEY
 from diloco_anywhere.training.metrics import MetricsReader
+from diloco_anywhere.training.parameter_names import (
+    NamesError,
+    named_weights,
+    stored_names,
+)
 
 MODEL_FILE, CARD_FILE, CONFIG_FILE, SAVED_FOLDER = (
     "model.safetensors",
@@ -68,26 +76,61 @@ def committed_checkpoint(store: Store, layout: RunLayout, round_: int | None) ->
     return checkpoint
 
 
-def trained_task(config: RunConfig, checkpoint: Checkpoint) -> Task:
-    """The run's task, built on CPU, its model holding the checkpoint's global weights."""
+@dataclass(frozen=True)
+class GlobalWeights:
+    """A checkpoint's global weights by the model's parameter names, and the names tied to
+    them (``{name: the stored name}``)."""
+
+    tensors: dict[str, torch.Tensor]
+    tied: dict[str, str]
+
+    def by_every_name(self) -> dict[str, torch.Tensor]:
+        """Every name, a tied one with its stored tensor: a model's ``state_dict`` keys."""
+        return {**self.tensors, **{name: self.tensors[to] for name, to in self.tied.items()}}
+
+
+def global_weights(config: RunConfig, checkpoint: Checkpoint) -> GlobalWeights:
+    """The checkpoint's global weights by name, as its ``names`` record says
+    (``parameter_names``): no model is built. A checkpoint written before names were
+    recorded takes them from the run's task, rebuilt."""
+    fragments = checkpoint.tree.get("fragments", {})
+    names = checkpoint.tree.get("names")
+    if names is None:
+        if config.task.command:
+            raise ExportError(
+                f"checkpoint of round {checkpoint.commit.round} records no parameter names (an "
+                f"older release wrote it) and the run's model is built by its own command: "
+                f"export a checkpoint this release wrote"
+            )
+        model = _task(config).model
+        names = stored_names(model, split_fragments(model, config.diloco.fragments))
+    try:
+        return GlobalWeights(*named_weights(fragments, names))
+    except NamesError as exc:
+        raise ExportError(f"checkpoint of round {checkpoint.commit.round}: {exc}") from None
+
+
+def _task(config: RunConfig) -> Task:
     context = TaskContext(
         replica_index=0, replicas=config.run.replicas, seed=config.run.seed,
         device=torch.device("cpu"), options=config.task.options,
     )  # fmt: skip
-    task = build_task(config.task.entrypoint, context)
-    fragments = split_fragments(task.model, config.diloco.fragments)
-    stored = checkpoint.tree.get("fragments", {})
-    with torch.no_grad():
-        for index, fragment in enumerate(fragments):
-            weights = stored.get(FRAGMENT_KEY.format(index), {}).get("original_parameters", {})
-            for name, parameter in fragment.named_parameters():
-                if name not in weights or weights[name].shape != parameter.shape:
-                    raise ExportError(
-                        f"checkpoint of round {checkpoint.commit.round} has no global weights for "
-                        f"fragment {index} parameter {name} {tuple(parameter.shape)}: the task or "
-                        f"diloco.fragments differ from the run's"
-                    )
-                parameter.copy_(weights[name])
+    return build_task(config.task.entrypoint, context)
+
+
+def trained_task(config: RunConfig, weights: GlobalWeights) -> Task:
+    """The run's task (``[task] entrypoint``), built on CPU, its model holding ``weights``:
+    what its ``save`` hook writes from."""
+    task = _task(config)
+    try:
+        missing, unexpected = task.model.load_state_dict(weights.by_every_name(), strict=False)
+    except RuntimeError as exc:  # a shape unlike the checkpoint's
+        raise ExportError(f"the task's model does not take the checkpoint's weights: {exc}; "
+                          f"the task differs from the run's") from None  # fmt: skip
+    parameters = {name for name, _ in task.model.named_parameters(remove_duplicate=False)}
+    if wrong := sorted(parameters & set(missing)) + sorted(unexpected):
+        raise ExportError(f"the task's model and the checkpoint's weights differ in {wrong[0]}: "
+                          f"the task differs from the run's")  # fmt: skip
     return task
 
 
@@ -118,33 +161,54 @@ def model_card(config: RunConfig, checkpoint: Checkpoint, summary: RunSummary) -
 
 
 def _files(config: RunConfig, checkpoint: Checkpoint, summary: RunSummary) -> dict[str, bytes]:
-    task = trained_task(config, checkpoint)
+    weights = global_weights(config, checkpoint)
     files = {
-        MODEL_FILE: model_bytes(task.model),
+        MODEL_FILE: model_bytes(weights),
         CARD_FILE: model_card(config, checkpoint, summary).encode(),
         CONFIG_FILE: config_text(config),
     }  # fmt: skip
-    if task.save is not None:
-        with tempfile.TemporaryDirectory() as folder:
-            task.save(task.model, Path(folder))
-            for path in sorted(Path(folder).rglob("*")):
-                if path.is_file():
-                    files[f"{SAVED_FOLDER}/{path.relative_to(folder).as_posix()}"] = (
-                        path.read_bytes()
-                    )
+    if not config.task.command:  # a task of the run's own may add its format
+        files.update(_saved_files(trained_task(config, weights)))
     return files
 
 
-def model_bytes(model: torch.nn.Module) -> bytes:
-    """The model's ``state_dict`` as safetensors, a tensor shared by several names (a head tied
-    to the embedding, GPT-2 style) stored once: safetensors' ``save_model`` keeps one name and
-    records the others in the metadata, and ``load_model`` or ``from_pretrained`` tie them
-    back. No other metadata: safetensors keeps it in a hash map whose order, and so the file's
-    bytes, can change from one save to the next (the model card names run and round)."""
+def _saved_files(task: Task) -> dict[str, bytes]:
+    """What the task's ``save`` hook writes (none without one), under ``saved/``."""
+    if task.save is None:
+        return {}
+    files = {}
     with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / MODEL_FILE
-        save_model(model, str(path))
-        return path.read_bytes()
+        task.save(task.model, Path(folder))
+        for path in sorted(Path(folder).rglob("*")):
+            if path.is_file():
+                files[f"{SAVED_FOLDER}/{path.relative_to(folder).as_posix()}"] = path.read_bytes()
+    return files
+
+
+def model_bytes(weights: GlobalWeights) -> bytes:
+    """The global weights as safetensors, a tensor tied to several names (a head sharing the
+    embedding's weight, GPT-2 style) stored once, the other names in the metadata as
+    safetensors' ``save_model`` records them (``{name: stored name}``): ``load_model``, or a
+    model's ``load_state_dict`` then ``tie_weights``, or ``from_pretrained``, tie them back.
+    ``format: pt`` as ``save_pretrained`` writes it, which ``from_pretrained`` checks (in
+    transformers 4) once a file has metadata. The same weights give the same bytes
+    (``_metadata_in_order``): a second export of a checkpoint is then a no-op."""
+    tensors = {name: tensor.contiguous() for name, tensor in weights.tensors.items()}
+    return _metadata_in_order(save_safetensors(tensors, metadata={"format": "pt", **weights.tied}))
+
+
+def _metadata_in_order(data: bytes) -> bytes:
+    """``data`` with its header's metadata in sorted order. safetensors writes the metadata
+    from a Rust ``HashMap``, whose order changes from one save to the next; the header is
+    compact JSON (the tensors in a fixed order) padded to a multiple of 8 bytes, so sorting
+    the metadata keeps its length and every data offset."""
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(text) > size:  # not the compact JSON described above: keep safetensors' own bytes
+        return data
+    return data[:8] + text.ljust(size) + data[8 + size :]
 
 
 def _write(destination: str, files: dict[str, bytes]) -> None:

@@ -90,7 +90,8 @@ class GlobalCheckpoints:
         parts = self._agree_on_parts(manager, state, step, last=step == last)
         if parts is None:
             return
-        tree = {"manager": manager.state_dict(), "fragments": state.checkpoint_tree()}
+        tree = {"manager": manager.state_dict(), "fragments": state.checkpoint_tree(),
+                "names": state.names}  # fmt: skip
         self.writer.write(manager.last_round(), writers, tree, last=step == last, parts=parts)
 
     def _agree_on_parts(

@@ -10,6 +10,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from diloco_anywhere.task import TaskContext
 from diloco_anywhere.training.global_state import GlobalState
 from diloco_anywhere.training.managers.bucket import BucketManager
 from diloco_anywhere.training.managers.group import make_manager
+from diloco_anywhere.training.parameter_names import stored_names
 from diloco_anywhere.training.replica_group import ReplicaGroup
 from diloco_anywhere.training.sharding import shard_model
 
@@ -98,6 +100,7 @@ class ReplicaParts:
     inner: torch.optim.Optimizer
     outers: list[torch.optim.Optimizer]
     tokens_per_step: int
+    names: dict[str, Any]  # the model's names of the fragments' weights (``stored_names``)
     evaluate: Callable[[nn.Module], float] | None = None
 
     @property
@@ -127,7 +130,7 @@ class ReplicaParts:
 
     def global_state(self) -> GlobalState:
         """The state DiLoCo registered with the manager (once ``diloco()`` is built)."""
-        return GlobalState(self.manager.state_dict_fns, self.fragments, self.outers)
+        return GlobalState(self.manager.state_dict_fns, self.fragments, self.outers, self.names)
 
 
 def build_parts(
@@ -157,7 +160,10 @@ def build_parts(
     ]  # fmt: skip
     for outer in outers:
         single_threaded_steps(outer)
-    parts = ReplicaParts(config, manager, fragments, inner, outers, tokens_per_step, evaluate)
+    names = stored_names(model, fragments)
+    parts = ReplicaParts(
+        config, manager, fragments, inner, outers, tokens_per_step, names, evaluate
+    )
     manager.set_weight(tokens_per_step * parts.batches_per_round * group.world_size)
     return parts
 

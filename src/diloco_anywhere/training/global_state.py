@@ -149,9 +149,13 @@ class GlobalState:
         state_dict_fns: dict[str, tuple[Any, Any]],
         fragments: list[nn.Module],
         outer_optimizers: list[torch.optim.Optimizer],
+        names: dict[str, Any],
     ) -> None:
+        """``names``: the model's names of the fragments' weights, which checkpoints record
+        (``parameter_names.stored_names``)."""
         self._fns = state_dict_fns
         self.fragments, self.outer_optimizers = fragments, outer_optimizers
+        self.names = names
 
     def fragments_tree(self) -> dict[str, Any]:
         """Each fragment's saved state (references to DiLoCo's tensors, not copies)."""

@@ -49,20 +49,24 @@ def read_weights(url: str) -> dict[str, torch.Tensor]:
 
 
 def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
-    """Copy ``tensors`` into ``model``'s state (parameters and buffers), after checking they
-    are exactly the model's: every name (a tied tensor under one of its names), no other, each
-    in the model's shape (a dtype is cast, as ``diloco export`` writes the model's own).
-    Names are compared without ``torch.compile``'s prefix (``parameter_names.py``)."""
+    """Copy ``tensors`` into ``model``'s state, after checking they are the model's: every
+    parameter (a tied tensor under one of its names), buffers if the file has them (an export
+    holds the parameters alone: buffers are no part of DiLoCo's global state), nothing else,
+    each in the model's shape (a dtype is cast). Names are compared without
+    ``torch.compile``'s prefix (``parameter_names.py``)."""
     state = {parameter_name(name): value for name, value in model.state_dict().items()}
     tensors = {parameter_name(name): tensor for name, tensor in tensors.items()}
-    missing = sorted(name for name in state.keys() - tensors.keys()
+    parameters = {
+        parameter_name(name) for name, _ in model.named_parameters(remove_duplicate=False)
+    }
+    missing = sorted(name for name in parameters - tensors.keys()
                      if not _tied(state, name) & tensors.keys())  # fmt: skip
     extra = sorted(tensors.keys() - state.keys())
     if missing or extra:
         raise WarmStartError(
             f"task.init_from {source!r} does not fit the task's model: missing {missing[:3]}, "
-            f"not in the model {extra[:3]} (the file must hold the model's whole state_dict, "
-            f"as diloco export writes it)"
+            f"not in the model {extra[:3]} (the file must hold every parameter of the model "
+            f"by name, as diloco export writes them)"
         )
     for name, tensor in tensors.items():
         if tensor.shape != state[name].shape:
