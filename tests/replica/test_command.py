@@ -155,14 +155,67 @@ with diloco_anywhere.join() as replica:
 """
 
 
-def test_a_script_that_steps_another_optimizer_stops_at_once_naming_the_fix(tmp_path):
+# The same mistake in the explicit form (docs/api.md): no `with`, no `finish` either, so the
+# error reaches Python's excepthook, which records it and exits with the mistake's own code.
+STEPS_ANOTHER_OPTIMIZER_STARTED = (
+    STEPS_ANOTHER_OPTIMIZER.split("with diloco_anywhere")[0]
+    + """
+replica = diloco_anywhere.join()
+training = replica.start(model, wrapped)
+for step in training.steps():
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    other.step()
+    other.zero_grad()
+"""
+)
+
+
+@pytest.mark.parametrize("script", [STEPS_ANOTHER_OPTIMIZER, STEPS_ANOTHER_OPTIMIZER_STARTED])
+def test_a_script_that_steps_another_optimizer_stops_at_once_naming_the_fix(tmp_path, script):
     """It would otherwise train forever at outer step 0 (state `running`, no warning)."""
-    code, stderr = _ended(_entrypoint(tmp_path, STEPS_ANOTHER_OPTIMIZER))
+    code, stderr = _ended(_entrypoint(tmp_path, script))
     fix = "took no step: call step() on that same optimizer (DiLoCo syncs inside it)"
     assert code == EXIT_NOT_SYNCING, stderr
     assert fix in stderr
     [(event, detail)] = [(e.event, e.detail) for e in _events(tmp_path) if e.event != "started"]
     assert event == "failed"
-    assert detail.startswith("NotSyncingError: 200 batches from training.batches since inner "
-                             "step 0")  # fmt: skip
+    assert detail.startswith("NotSyncingError: 200 turns of training.batches (or training."
+                             "steps) since inner step 0")  # fmt: skip
     assert fix in detail
+
+
+STARTED = """
+import sys
+import torch
+import diloco_anywhere
+
+torch.manual_seed(0)
+model = torch.nn.Linear(2, 1)
+inner = torch.optim.SGD(model.parameters(), lr=0.1)
+replica = diloco_anywhere.join()
+training = replica.start(model, inner)
+for step in training.steps():
+    model(torch.ones(4, 2)).pow(2).mean().backward()
+    inner.step()
+    inner.zero_grad()
+    {body}
+"""
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "ending"),
+    [
+        ("pass", 0, ("done", "10 outer steps, 500 tokens, eval loss None")),
+        ("if step == 3: raise ValueError('bad batch')", 1, ("failed", "ValueError: bad batch")),
+        ("if step == 3: sys.exit(0)", 1, ("failed", "left training at outer step 0 of 10")),
+    ],
+    ids=["trained", "raised", "left-early"],
+)  # fmt: skip
+def test_a_started_replica_that_never_finishes_has_its_end_recorded(tmp_path, body, code, ending):
+    """``replica.start`` without ``replica.finish``: the end is recorded all the same, at exit
+    or from the uncaught error, and the process neither hangs nor loses the error."""
+    returned, stderr = _ended(_entrypoint(tmp_path, STARTED.format(body=body)))
+    assert returned == code, stderr
+    assert [(e.event, e.detail) for e in _events(tmp_path) if e.event != "started"][-1] == ending
+    if code:
+        assert "Traceback" in stderr or "exited 0 before" in stderr

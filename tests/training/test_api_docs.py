@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 from matplotlib.image import imread
 
+from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.training.checkpoints.catalogue import newest_checkpoints
 from support import ROOT
 from support.runs import diloco, statuses
 
@@ -77,6 +80,30 @@ def test_a_plain_loop_trains_as_two_replicas_started_by_hand(tmp_path, monkeypat
     rows = statuses("run.toml")
     assert {(row["state"], row["outer_step"]) for row in rows.values()} == {("done", 5)}
     assert all(row["loss"] is not None for row in rows.values())
+
+
+def test_an_existing_loop_started_and_finished_trains_as_the_with_blocks_do(tmp_path, monkeypatch):
+    """``replica.start`` / ``training.steps`` / ``replica.finish`` (no re-indenting) train
+    what ``with join()`` / ``with diloco`` / ``training.batches`` train: the same data by step,
+    the same global weights, bit for bit; and the printed diff is the script's."""
+    script = example("# train_started.py")
+    added = [line[1:] for line in example("-for step", "diff").splitlines() if line[:1] == "+"]
+    assert all(line in script.splitlines() for line in added)
+    checkpoints = []
+    for name, form in (("started", script), ("with", example("# train.py"))):
+        (tmp_path / name).mkdir()
+        _plain_loop(tmp_path / name)
+        (tmp_path / name / "train.py").write_text(form)
+        monkeypatch.chdir(tmp_path / name)
+        result = diloco("launch", "--config", "run.toml")
+        assert result.exit_code == 0, result.output
+        rows = statuses("run.toml")
+        assert {(row["state"], row["outer_step"]) for row in rows.values()} == {("done", 5)}
+        store = Store(str(tmp_path / name / "store"))
+        checkpoints.append(next(newest_checkpoints(store, RunLayout("plain-loop"))))
+    started, with_blocks = checkpoints
+    assert started.commit.round == with_blocks.commit.round
+    assert started.fingerprint == with_blocks.fingerprint
 
 
 def test_the_allreduce_example_averages_across_two_processes(tmp_path):

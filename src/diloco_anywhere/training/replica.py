@@ -33,7 +33,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
@@ -110,6 +110,8 @@ class Replica:
         self.collective: BucketCollective | None = None
         self.metrics: MetricsWriter | None = None
         self.training: Training | None = None
+        self._started: ExitStack | None = None  # the training ``start`` entered
+        self._ended = False
         if self.group.is_leader or self.group.sharded:
             store, layout = Store(config.store_url()), RunLayout(config.run.name)
             if self.group.is_leader:
@@ -209,6 +211,49 @@ class Replica:
         training.close()
         self.training = training
 
+    def start(
+        self,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        *,
+        tokens_per_step: int = 1,
+        evaluate: Callable[[nn.Module], float] | None = None,
+    ) -> Training:
+        """``diloco``'s training, entered without a ``with``, for a loop that stays as it is
+        (no re-indenting): ``finish()`` ends it. A replica that never calls ``finish`` is
+        finished anyway: an error the script does not catch (a stop's included) is recorded
+        before Python prints it (``sys.excepthook``), and a normal exit at interpreter exit
+        (``atexit``), so its end is in the run's metrics either way."""
+        if self._started is not None or self._ended:
+            raise RuntimeError("replica.start(...) was called already: once per replica")
+        stack = ExitStack()
+        training = stack.enter_context(
+            self.diloco(model, inner_optimizer, tokens_per_step=tokens_per_step, evaluate=evaluate)
+        )
+        self._started = stack
+        _finish_unfinished(self)
+        return training
+
+    def finish(self) -> None:
+        """End what ``start`` began and leave the run, recording how (``done`` once the run's
+        outer steps are committed): as leaving ``with join() as replica`` does."""
+        self.__exit__(None, None, None)
+
+    def _end_started(self, error: BaseException | None) -> BaseException | None:
+        """Leave the training ``start`` entered, as a ``with`` would with ``error``; an error
+        leaving it raises (the last checkpoint not written) is the one to record then."""
+        stack, self._started = self._started, None
+        if stack is None:
+            return error
+        try:
+            if error is None:
+                stack.close()
+            else:
+                stack.__exit__(type(error), error, error.__traceback__)
+        except BaseException as raised:
+            return raised
+        return error
+
     def _check_initial_model(self, model: nn.Module) -> None:
         """Before the run's first checkpoint, this replica's model must be the run's: the one
         its first replica recorded (``initial_state.py``). After it, healing replaces it."""
@@ -234,7 +279,12 @@ class Replica:
         """Record how the replica ended (``done`` with what it trained, ``stopped``, ``failed``
         with the error, or with how far it got if it left training early), then leave the
         run. ``sys.exit(0)`` is a normal end. A script's mistake (``mistakes.py``) then ends
-        the process with its own exit code, which no platform retries."""
+        the process with its own exit code, which no platform retries. Once: ``finish``, the
+        ``with`` and the exit hooks of ``start`` may each come here."""
+        if self._ended:
+            return
+        self._ended = True
+        error = self._end_started(error)
         if isinstance(error, SystemExit) and error.code in (None, 0):
             error = None
         trained = error is None and self.training is not None and self.training.done
@@ -264,6 +314,29 @@ class Replica:
             return "failed", f"left training at outer step {result.outer_steps} of {outer_steps}"
         detail = f"{result.outer_steps} outer steps, {result.tokens} tokens"
         return "done", f"{detail}, eval loss {result.eval_loss}"
+
+
+def _finish_unfinished(replica: Replica) -> None:
+    """Finish ``replica`` if its script does not (``Replica.start``): on an error it does not
+    catch, before Python prints the traceback, and when the main thread ends. A script's
+    mistake (``mistakes.py``) still exits with its own code, at once: Python would exit 1
+    after an uncaught error, which platforms retry. The end is registered with threading's
+    shutdown hook, the one ``concurrent.futures`` itself uses, not ``atexit``: atexit runs
+    after the thread pools are shut, and recording the end writes through them."""
+    previous = sys.excepthook
+
+    def finish_with(kind: type[BaseException], error: BaseException, tb: TracebackType) -> None:
+        try:
+            replica.__exit__(kind, error, tb)
+        except SystemExit as mistake:
+            previous(kind, error, tb)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(int(mistake.code or 1))
+        previous(kind, error, tb)
+
+    sys.excepthook = finish_with
+    threading._register_atexit(replica.__exit__, None, None, None)  # type: ignore[attr-defined]
 
 
 def join(

@@ -121,18 +121,28 @@ class Training:
             self._check_stepping()
             yield batch
 
+    def steps(self) -> Iterator[int]:
+        """The inner step the run is at, once per inner step, from ``start_step`` until
+        ``done``: for a loop that draws its own data (``for step in training.steps():`` in
+        place of ``for step in range(total)``), which it must draw by this number, so that a
+        replica that heals (the number jumps to the healed round's) trains what the others
+        expect."""
+        while not self.done:
+            self._check_stepping()
+            yield self.inner_steps
+
     def _check_stepping(self) -> None:
         """A batch more with no inner step since the last one: more than ``max(4 x sync_every,
         64)`` of them (room for gradient accumulation and skipped fp16 steps) means the script
-        steps another optimizer, or none."""
+        steps another optimizer, or none. ``steps`` counts its turns the same way."""
         self._batches_since_step += 1
         limit = max(4 * self.config.diloco.sync_every, 64)
         if self._batches_since_step > limit:
             raise NotSyncingError(
-                f"{self._batches_since_step - 1} batches from training.batches since inner step "
-                f"{self.inner_steps}, and the optimizer given to replica.diloco(model, optimizer)"
-                f" took no step: call step() on that same optimizer (DiLoCo syncs inside it), "
-                f"not on another one or a copy"
+                f"{self._batches_since_step - 1} turns of training.batches (or training.steps) "
+                f"since inner step {self.inner_steps}, and the optimizer given to replica.diloco"
+                f" (or replica.start) took no step: call step() on that same optimizer (DiLoCo "
+                f"syncs inside it), not on another one or a copy"
             )
 
     def log(self, loss: torch.Tensor | float, **values: torch.Tensor | float) -> None:
