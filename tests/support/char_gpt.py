@@ -28,7 +28,9 @@ class CharGPT(nn.Module):
         self.position_embedding = nn.Embedding(BLOCK, width)
         self.norm = nn.LayerNorm(width)
         self.attention = nn.MultiheadAttention(width, heads, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
         self.lm_head = nn.Linear(width, vocab, bias=False)
         self.lm_head.weight = self.token_embedding.weight  # weight tying
         mask = torch.triu(torch.ones(BLOCK, BLOCK, dtype=torch.bool), 1)
@@ -97,7 +99,9 @@ def get_lr(it):
 
 
 tokens_per_iter = gradient_accumulation_steps * BATCH * BLOCK
-training = replica.start(model, optimizer, tokens_per_step=tokens_per_iter, evaluate=estimate_loss)  # diloco
+training = replica.start(  # diloco
+    model, optimizer, tokens_per_step=tokens_per_iter, evaluate=estimate_loss
+)
 overflowed = set()
 for iter_num in training.steps():  # diloco: was `while iter_num < max_iters`
     if replica.index == 1 and iter_num == 20 and not Path("killed").exists():
