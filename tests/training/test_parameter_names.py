@@ -8,7 +8,12 @@ import pytest
 import torch
 from torch import nn
 
+from diloco_anywhere import join
+from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.config import RunConfig
 from diloco_anywhere.training.builders import split_fragments
+from diloco_anywhere.training.checkpoints.catalogue import newest_checkpoints
 from diloco_anywhere.training.global_state import FRAGMENT_KEY
 from diloco_anywhere.training.parameter_names import NamesError, named_weights, stored_names
 
@@ -90,3 +95,27 @@ def test_names_that_do_not_describe_the_weights_are_refused(change, message):
     names, state = _names_and_state()
     with pytest.raises(NamesError, match=message):
         named_weights(state, change(names))
+
+
+def test_a_compiled_model_s_checkpoint_holds_the_model_s_own_names(tmp_path):
+    """DiLoCo is given the module torch.compile wraps: a replica that compiles and one that
+    does not write (and heal from) checkpoints of the same keys."""
+    config = RunConfig.model_validate({
+        "run": {"name": "c", "store": str(tmp_path / "store"), "replicas": 1},
+        "diloco": {"sync_every": 2, "outer_steps": 1},
+    })  # fmt: skip
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    compiled = torch.compile(model, backend="eager")
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with join(config, replica_id="local-0") as replica, replica.diloco(compiled, inner) as training:
+        for x in training.batches(lambda start: iter(lambda: torch.ones(2, 4), None)):
+            compiled(x).pow(2).mean().backward()
+            inner.step()
+            inner.zero_grad()
+    checkpoint = next(newest_checkpoints(Store(str(tmp_path / "store")), RunLayout("c")))
+    fragment = checkpoint.tree["fragments"][FRAGMENT_KEY.format(0)]
+    assert sorted(fragment["original_parameters"]) == ["bias", "weight"]
+    assert checkpoint.tree["names"]["fragments"][FRAGMENT_KEY.format(0)] == {
+        "bias": "bias", "weight": "weight"
+    }  # fmt: skip

@@ -2,7 +2,8 @@
 
 Names lose the prefix ``torch.compile``'s wrapper puts before every name (``_orig_mod.``), so a
 compiled model and the same model uncompiled are one model to the run's initial state, to
-``init_from``, to checkpoints and to an export.
+``init_from``, to checkpoints (DiLoCo is given the module the wrapper holds: ``uncompiled``)
+and to an export.
 
 DiLoCo keys each fragment's global weights by the fragment's own names: the model's names with
 one fragment, ``params.{i}`` with several (``builders.split_fragments``), and a tied weight
@@ -27,6 +28,15 @@ COMPILED_PREFIX = "_orig_mod."
 
 def parameter_name(name: str) -> str:
     return name.replace(COMPILED_PREFIX, "")
+
+
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped (its ``OptimizedModule`` keeps it as
+    ``_orig_mod``), or ``model`` itself: what DiLoCo is given, so that its keys, and so every
+    checkpoint's, are the model's own names whether a replica compiled it or not (one replica
+    heals from another's checkpoint)."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else model
 
 
 def stored_names(model: nn.Module, fragments: list[nn.Module]) -> dict[str, Any]:

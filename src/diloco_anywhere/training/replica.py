@@ -58,6 +58,7 @@ from diloco_anywhere.training.command import DONE, JOINED, report
 from diloco_anywhere.training.initial_state import check_initial_state
 from diloco_anywhere.training.metrics import MetricsWriter
 from diloco_anywhere.training.mistakes import ScriptMistakeError
+from diloco_anywhere.training.parameter_names import uncompiled
 from diloco_anywhere.training.replica_group import ReplicaGroup
 from diloco_anywhere.training.sharding import Sharding, check_sharded, check_sharding
 from diloco_anywhere.training.training import Training
@@ -182,8 +183,8 @@ class Replica:
         if self.collective is not None:
             self._check_initial_model(model)
         parts = build_parts(
-            self.config, self.collective, model, inner_optimizer, tokens_per_step, evaluate,
-            self.group,
+            self.config, self.collective, uncompiled(model), inner_optimizer, tokens_per_step,
+            evaluate, self.group,
         )  # fmt: skip
         training = Training(parts, self.collective, self.metrics, self.group)
         if self.metrics is not None:
