@@ -88,12 +88,13 @@ def single_threaded_steps(optimizer: torch.optim.Optimizer) -> None:
 
 @dataclass
 class ReplicaParts:
-    """What one replica trains with: the bucket-backed manager, the model's fragments, the
-    inner optimizer, one outer optimizer per fragment (from run.toml), the tokens each inner
-    step trains on (they weigh the replica's contribution) and the held-out evaluation."""
+    """What one replica trains with: the bucket-backed manager, the model and its fragments,
+    the inner optimizer, one outer optimizer per fragment (from run.toml), the tokens each
+    inner step trains on (they weigh the replica's contribution) and the held-out evaluation."""
 
     config: RunConfig
     manager: BucketManager
+    model: nn.Module  # the script's: its buffers and local weights are the replica's own
     fragments: list[nn.Module]
     inner: torch.optim.Optimizer
     outers: list[torch.optim.Optimizer]
@@ -157,7 +158,9 @@ def build_parts(
     ]  # fmt: skip
     for outer in outers:
         single_threaded_steps(outer)
-    parts = ReplicaParts(config, manager, fragments, inner, outers, tokens_per_step, evaluate)
+    parts = ReplicaParts(
+        config, manager, model, fragments, inner, outers, tokens_per_step, evaluate
+    )
     manager.set_weight(tokens_per_step * parts.batches_per_round * group.world_size)
     return parts
 
