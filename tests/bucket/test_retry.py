@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import errno
+import itertools
+import random
 
 import pytest
 from aiohttp import ClientConnectionError, ServerDisconnectedError
@@ -16,6 +18,7 @@ from diloco_anywhere.bucket.retry import (
     call_with_retry,
     is_transient,
 )
+from diloco_anywhere.collective.policy import RoundPolicy
 
 
 def s3_error(status: int, code: str) -> OSError:
@@ -116,3 +119,15 @@ def test_backoff_is_jittered_exponential_and_capped():
     assert all(0 <= d <= min(1.0, 0.1 * 2 ** min(i, 64)) for i, d in enumerate(drawn))
     assert len(set(drawn[:12])) == 12
     assert max(drawn[:3]) < max(drawn[10:20])  # the window grows (0.1, 0.2, 0.4 ... 1.0)
+
+
+def test_jitter_leaves_pythons_global_generator_alone() -> None:
+    """Polls and retries, however many the store's timing asks for, draw nothing from
+    Python's global generator: a training script's own draws from it stay reproducible (and
+    a replica restored to its saved generator states goes on as it did)."""
+    random.seed(3)
+    expected = random.random()
+    random.seed(3)
+    list(itertools.islice(RetryPolicy().delays(), 5))
+    list(itertools.islice(RoundPolicy().poll_delays(), 5))
+    assert random.random() == expected

@@ -217,6 +217,37 @@ class RunLayout:
             return parse_count(parts[0], MAX_ROUND)
         return None
 
+    # -- a replica's own state (training/own_state.py) ----------------------------------------
+
+    def replica_states(self, replica: str) -> str:
+        """Where replica ``replica`` keeps its own state (inner optimizer, random generators,
+        local weights), saved at the run's checkpoint steps; no other replica reads it."""
+        return f"{self.run}/replicas/{check_name(replica, 'replica')}/state"
+
+    def replica_state(self, replica: str, round_: int) -> str:
+        """Replica ``replica``'s own state after round ``round_``."""
+        number = _check_count(round_, "round", MAX_ROUND)
+        return f"{self.replica_states(replica)}/{number:0{ROUND_DIGITS}d}"
+
+    def replica_state_shard(self, replica: str, round_: int, shard: int) -> str:
+        folder = self.replica_state(replica, round_)
+        return f"{folder}/shard-{_check_count(shard, 'shard'):05d}.safetensors"
+
+    def replica_state_structure(self, replica: str, round_: int) -> str:
+        return f"{self.replica_state(replica, round_)}/state"
+
+    def replica_state_commit(self, replica: str, round_: int) -> str:
+        """Written last, create-only: the saved state exists once this record does."""
+        return f"{self.replica_state(replica, round_)}/COMMIT"
+
+    def parse_replica_state_commit(self, replica: str, key: str) -> int | None:
+        """``replicas/{replica}/state/{round}/COMMIT`` -> round; anything else -> None."""
+        prefix = f"{self.replica_states(replica)}/"
+        parts = key.removeprefix(prefix).split("/")
+        if key.startswith(prefix) and len(parts) == 2 and parts[1] == "COMMIT":
+            return parse_count(parts[0], MAX_ROUND)
+        return None
+
     # -- launches (launching/launches.py) ----------------------------------------------------
 
     def launches(self) -> str:

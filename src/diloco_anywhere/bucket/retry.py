@@ -22,6 +22,11 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 T = TypeVar("T")
+# Jitter draws from a generator of its own, never from Python's global one: how often a
+# replica polls and retries follows the store's timing, and a training script's own draws
+# from ``random`` (data order, augmentation) must not shift with it, or a replica restored
+# to its saved generator states (training/own_state.py) would not go on as it did.
+JITTER = random.Random()
 
 # HTTP statuses worth another try: request timeout, throttling, server errors.
 TRANSIENT_HTTP_STATUS = frozenset({408, 429, 500, 502, 503, 504})
@@ -69,7 +74,7 @@ class RetryPolicy:
         """Full-jitter delays, forever; the caller stops at the deadline."""
         attempt = 0
         while True:
-            yield random.uniform(0.0, min(self.max_delay, self.base_delay * 2**attempt))
+            yield JITTER.uniform(0.0, min(self.max_delay, self.base_delay * 2**attempt))
             attempt = min(attempt + 1, 64)  # past the cap anyway; 2**1024 would overflow a float
 
 

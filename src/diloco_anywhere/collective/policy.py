@@ -9,13 +9,13 @@ a codec is built, in torch, only when a collective is (``_codec``).
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from diloco_anywhere.bucket.codec_names import DEFAULT_CODEC, CodecName
+from diloco_anywhere.bucket.retry import JITTER
 
 if TYPE_CHECKING:
     from diloco_anywhere.bucket.codec import Codec
@@ -77,7 +77,7 @@ class RoundPolicy:
         keys spread out. Restart it when a poll finds something."""
         started, upper = clock(), self.poll_min
         while True:
-            yield random.uniform(self.poll_min, upper)
+            yield JITTER.uniform(self.poll_min, upper)
             ceiling = max(self.poll_max, self.poll_share * (clock() - started))
             upper = min(self.poll_cap, ceiling, 2 * upper)
 

@@ -75,7 +75,7 @@ class GlobalCheckpoints:
         first, self.committed_before = not self.committed_before, True
         if self.writer is None or result is None:
             return
-        if _checkpoint_due(step, self.config.checkpoint.every, last):
+        if checkpoint_due(step, self.config.checkpoint.every, last):
             writers = (
                 (manager.leading_replica,)  # type: ignore[attr-defined]
                 if self.shard.sharded
@@ -123,7 +123,7 @@ class GlobalCheckpoints:
             self.mirrors.close()
 
 
-def _checkpoint_due(step: int, every: int, last: int) -> bool:
+def checkpoint_due(step: int, every: int, last: int) -> bool:
     """After the first committed sync (so a replica can heal early on), every ``every``, and
     after the last (the run's final weights, in the bucket)."""
     return step == 1 or step % every == 0 or step == last

@@ -10,7 +10,6 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -90,17 +89,17 @@ def single_threaded_steps(optimizer: torch.optim.Optimizer) -> None:
 
 @dataclass
 class ReplicaParts:
-    """What one replica trains with: the bucket-backed manager, the model's fragments, the
-    inner optimizer, one outer optimizer per fragment (from run.toml), the tokens each inner
-    step trains on (they weigh the replica's contribution) and the held-out evaluation."""
+    """What one replica trains with: the bucket-backed manager, the model and its fragments,
+    the inner optimizer, one outer optimizer per fragment (from run.toml), the tokens each
+    inner step trains on (they weigh the replica's contribution) and the held-out evaluation."""
 
     config: RunConfig
     manager: BucketManager
+    model: nn.Module  # the script's: its buffers and local weights are the replica's own
     fragments: list[nn.Module]
     inner: torch.optim.Optimizer
     outers: list[torch.optim.Optimizer]
     tokens_per_step: int
-    names: dict[str, Any]  # the model's names of the fragments' weights (``stored_names``)
     evaluate: Callable[[nn.Module], float] | None = None
 
     @property
@@ -130,7 +129,8 @@ class ReplicaParts:
 
     def global_state(self) -> GlobalState:
         """The state DiLoCo registered with the manager (once ``diloco()`` is built)."""
-        return GlobalState(self.manager.state_dict_fns, self.fragments, self.outers, self.names)
+        names = stored_names(self.model, self.fragments)  # what checkpoints record for export
+        return GlobalState(self.manager.state_dict_fns, self.fragments, self.outers, names)
 
 
 def build_parts(
@@ -160,9 +160,8 @@ def build_parts(
     ]  # fmt: skip
     for outer in outers:
         single_threaded_steps(outer)
-    names = stored_names(model, fragments)
     parts = ReplicaParts(
-        config, manager, fragments, inner, outers, tokens_per_step, names, evaluate
+        config, manager, model, fragments, inner, outers, tokens_per_step, evaluate
     )
     manager.set_weight(tokens_per_step * parts.batches_per_round * group.world_size)
     return parts

@@ -209,8 +209,8 @@ class GlobalState:
             saved = tree[key]
             if not (isinstance(saved, dict) and isinstance(saved.get("original_parameters"), dict)):
                 raise ValueError(f"{key}: the state holds no original_parameters")
-            _check_weights(key, saved["original_parameters"], dict(fragment.named_parameters()))
-            _check_outer_state(key, saved.get("outer_optimizer"), optimizer)
+            check_weights(key, saved["original_parameters"], dict(fragment.named_parameters()))
+            check_optimizer_state(key, saved.get("outer_optimizer"), optimizer)
 
     def checksum(self) -> int:
         return tree_checksum(self.fragments_tree())
@@ -283,12 +283,15 @@ class GlobalState:
                     parameter.data.copy_(_as_parameter(values[name], parameter))
 
 
-def _check_weights(key: str, saved: dict[Any, Any], parameters: dict[str, torch.Tensor]) -> None:
-    """Every parameter's global weights, and no others: a tensor of its local shard's shape and
-    dtype (a ``LocalShard`` sitting where this rank's shard does)."""
+def check_weights(
+    key: str, saved: dict[Any, Any], parameters: dict[str, torch.Tensor], of: str = "fragment"
+) -> None:
+    """Every parameter's global weights (or every tensor of ``of``'s), and no others: a tensor
+    of its local shard's shape and dtype (a ``LocalShard`` sitting where this rank's shard
+    does)."""
     if saved.keys() != parameters.keys():
         raise ValueError(f"{key}: the state's weights are {sorted(map(str, saved))[:5]}...; "
-                         f"this fragment's parameters {sorted(parameters)[:5]}...")  # fmt: skip
+                         f"this {of}'s {sorted(parameters)[:5]}...")  # fmt: skip
     for name, parameter in parameters.items():
         leaf, local = saved[name], local_tensor(parameter)
         found = local_tensor(leaf)
@@ -312,11 +315,19 @@ def _describe(tensor: torch.Tensor) -> str:
     return f"{list(tensor.shape)} {tensor.dtype}"
 
 
-def _check_outer_state(key: str, saved: Any, optimizer: torch.optim.Optimizer) -> None:
-    """An outer optimizer's state as torch's ``state_dict`` writes this optimizer's: one group
-    per group, numbering the parameters 0, 1, ... in order (torch matches state to parameters
-    by that number), and per parameter a dict whose tensors are scalars (a step count) or of
-    the parameter's local shape (SGD's momentum, Adam's moments)."""
+def check_optimizer_state(
+    key: str,
+    saved: Any,
+    optimizer: torch.optim.Optimizer,
+    what: str = "outer optimizer",
+    names: list[str] | None = None,
+) -> None:
+    """An optimizer's state as torch's ``state_dict`` writes this optimizer's: one group per
+    group, numbering the parameters 0, 1, ... in order (torch matches state to parameters by
+    that number), and per parameter a dict whose tensors are scalars (a step count) or of the
+    parameter's local shape (SGD's momentum, Adam's moments): torch's ``load_state_dict``
+    takes any shape, which then fails a step halfway. ``what`` names the optimizer in the
+    errors, ``names`` its parameters (by number)."""
     parameters = [local_tensor(p) for group in optimizer.param_groups for p in group["params"]]
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
     state = saved.get("state") if isinstance(saved, dict) else None
@@ -329,18 +340,19 @@ def _check_outer_state(key: str, saved: Any, optimizer: torch.optim.Optimizer) -
         and found == expected
         and all(type(number) is int for group in found for number in group)
     ):
-        raise ValueError(f"{key}: the outer optimizer's state numbers its parameters "
+        raise ValueError(f"{key}: the {what}'s state numbers its parameters "
                          f"{str(found)[:80]}; this optimizer, {str(expected)[:80]}")  # fmt: skip
     for number, values in state.items():
         if not (type(number) is int and 0 <= number < len(parameters) and isinstance(values, dict)):
-            raise ValueError(f"{key}: the outer optimizer's state names {number!r:.40}, not one "
+            raise ValueError(f"{key}: the {what}'s state names {number!r:.40}, not one "
                              f"of its {len(parameters)} parameters")  # fmt: skip
         shape = parameters[number].shape
+        label = f"parameter {number}" + (f" ({names[number]})" if names else "")
         for name, value in values.items():
             value = local_tensor(value)
             if isinstance(value, torch.Tensor) and value.dim() and value.shape != shape:
-                raise ValueError(f"{key}: the outer optimizer's {name} of parameter {number} "
-                                 f"is {list(value.shape)}; allowed: a scalar, or "
+                raise ValueError(f"{key}: the {what}'s {name} of {label} is "
+                                 f"{list(value.shape)}; allowed: a scalar, or "
                                  f"{list(shape)} as the parameter")  # fmt: skip
 
 

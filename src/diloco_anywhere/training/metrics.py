@@ -5,8 +5,8 @@ under ``{run}/metrics/{replica}/{incarnation}-{seq}``, one chunk per sync plus o
 one at the end. Each holds JSON lines of three kinds: ``step`` (loss every few inner steps,
 with the training script's own numbers),
 ``sync`` (an outer step: committed or not, its round and fingerprint, eval loss, throughput,
-exposed sync time, traffic) and ``event`` (started, done, failed, stopped; diverged and healed
-in between). ``diloco status`` and ``diloco report`` read them all,
+exposed sync time, traffic) and ``event`` (started, done, failed, stopped; diverged, healed and
+resumed, its own state restored, in between). ``diloco status`` and ``diloco report`` read them all,
 each chunk once. A chunk that fails its checks is skipped and named
 in the log, never guessed at.
 """
@@ -65,8 +65,9 @@ class SyncLine(Record):
 class EventLine(Record):
     kind: Literal["event"] = "event"
     event: Literal[
-        "started", "done", "failed", "stopped", "diverged", "healed", "mirror_failed", "superseded"
-    ]
+        "started", "done", "failed", "stopped", "diverged", "healed", "resumed", "mirror_failed",
+        "superseded",
+    ]  # fmt: skip
     detail: str = Field(default="", max_length=2000)
     parameters: Count = 0  # "started": the model's size, for comparisons with data parallel
     seconds: float | None = None  # "healed": how long healing took

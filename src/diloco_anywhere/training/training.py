@@ -31,6 +31,7 @@ from diloco_anywhere.training.global_state import GlobalState
 from diloco_anywhere.training.log_window import LogWindow
 from diloco_anywhere.training.metrics import MetricsWriter, StepLine, SyncLine
 from diloco_anywhere.training.mistakes import NotSyncingError
+from diloco_anywhere.training.own_state import OwnState
 from diloco_anywhere.training.replica_group import ReplicaGroup
 from diloco_anywhere.training.sharding import reshard
 
@@ -84,6 +85,16 @@ class Training:
         self.eval_loss: float | None = None
         self.tokens_at_sync, self.time_at_sync = 0, time.perf_counter()
         self.checkpoints = GlobalCheckpoints(self.config, collective, group, self._report)
+        # a single-process replica's own state (inner optimizer, generators, local weights);
+        # not a replica of several processes, whose ranks each hold theirs (docs/checkpoints.md)
+        self.own_state = (
+            OwnState(
+                self.config, collective.store, collective.layout, collective.me.replica,
+                parts.model, parts.inner,
+            )
+            if collective is not None and group.world_size == 1
+            else None
+        )  # fmt: skip
 
     def _report(self, detail: str) -> None:
         """A mirror that failed, into the run's metrics (``diloco status`` shows it)."""
@@ -176,6 +187,8 @@ class Training:
         self.record_sync(committed, model)
         if committed:
             self.checkpoints.write_if_due(self.manager, self.state)  # type: ignore[arg-type]
+            if self.own_state is not None:
+                self.own_state.save_if_due(self.manager)
         if isinstance(manager.last_sync_error, SupersededError):  # a zombie trains no further
             raise manager.last_sync_error
         if isinstance(manager.last_sync_error, DivergedError):  # the same on every rank
@@ -236,13 +249,17 @@ class Training:
                     reshard(model)
 
     def heal(self, state: GlobalState, *, from_initial: bool) -> int:
-        """Bring the global state to the run's newest sealed round (``after_sync.heal_replica``);
-        the inner step the data resumes at (``start_step``): every replica trains
-        ``batches_per_round`` per round."""
+        """Bring the global state to the run's newest sealed round (``after_sync.heal_replica``)
+        and, joining (``from_initial``), the replica's own state back to where it was saved
+        (``own_state.py``; after a divergence its own state is current); the inner step the
+        data resumes at (``start_step``): every replica trains ``batches_per_round`` per
+        round."""
         heal_replica(
             self.collective, state, self.manager, self.group, self.checkpoints, self.metrics,
             min_replicas=self.config.run.min_replicas, from_initial=from_initial,
         )  # fmt: skip
+        if from_initial and self.own_state is not None:
+            self._resume_own_state(self.own_state)
         self.parts.apply_outer_hyperparameters()
         self.inner_steps = self.manager.state_dict()["sync"] * self.parts.batches_per_round
         self.tokens = self.inner_steps * self.parts.tokens_per_step * self.group.world_size
@@ -251,6 +268,15 @@ class Training:
         self._step_seen = self.manager.current_step()
         self.start_step, self.heals = self.inner_steps, self.heals + 1
         return self.start_step
+
+    def _resume_own_state(self, own_state: OwnState) -> None:
+        """Load the replica's own state saved before it stopped, recorded as a ``resumed``
+        event saying whether it is exact; a replica with none starts it fresh, as a new one."""
+        resumed = own_state.resume(self.manager)
+        if resumed is not None:
+            log.info("%s", resumed)
+            if self.metrics is not None:
+                self.metrics.event("resumed", resumed)
 
     def after_divergence(self, state: GlobalState) -> int:
         """Say so loudly (log, metrics, ``diloco status``), then heal from the bucket. The
@@ -281,5 +307,8 @@ class Training:
         )
 
     def close(self) -> None:
-        """The last checkpoint is committed before the replica reports done."""
+        """The last checkpoint is committed, and the own state saved, before the replica
+        reports done."""
         self.checkpoints.close()
+        if self.own_state is not None:
+            self.own_state.close()

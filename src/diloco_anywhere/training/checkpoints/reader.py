@@ -44,7 +44,7 @@ from diloco_anywhere.training.global_state import LocalShard, tree_checksum
 COUNTERS = ("step", "batches_committed", "sync")  # the manager's, as ``state_dict`` gives them
 
 
-def _checked(key: str, data: bytes | None, entry: StoredObject) -> bytes:
+def checked_object(key: str, data: bytes | None, entry: StoredObject) -> bytes:
     if data is None:
         raise CheckpointError(f"{key}: missing")
     checksum = crc32c.crc32c(data)
@@ -56,7 +56,7 @@ def _checked(key: str, data: bytes | None, entry: StoredObject) -> bytes:
     return data
 
 
-def _check_keys(key: str, folder: str, entries: list[StoredObject]) -> None:
+def check_keys(key: str, folder: str, entries: list[StoredObject]) -> None:
     """The COMMIT ``key`` must name plain keys inside ``folder`` (its checkpoint's, or for a
     sharded one each rank's own part's)."""
     for entry in entries:
@@ -68,7 +68,7 @@ def _check_keys(key: str, folder: str, entries: list[StoredObject]) -> None:
             raise CheckpointError(f"{key}: the COMMIT names {entry.key}, outside {folder}")
 
 
-def _read_objects(store: Store, entries: list[StoredObject]) -> dict[str, bytes | None]:
+def read_objects(store: Store, entries: list[StoredObject]) -> dict[str, bytes | None]:
     """The objects the COMMIT names, each read up to one byte past the size it gives (so the
     memory used is what the COMMIT claims, whatever the bucket holds)."""
 
@@ -98,11 +98,12 @@ def load_checkpoint(
     and may refuse it (says why); what it raises propagates. A store that cannot be reached
     (``StoreError``) is not a bad checkpoint: it propagates."""
     stored = _read_checkpoint(store, layout, round_, confirm, shard)
-    parts = _guarded(layout, round_, lambda: _decode_checkpoint(stored))
+    key = layout.checkpoint_commit(round_)
+    parts = guarded(key, lambda: _decode_checkpoint(stored))
     if shard is not None:
         fingerprint_ = stored.commit.parts()[shard.rank].fingerprint
         return Checkpoint(stored.commit, parts[0], store.url, fingerprint_)
-    tree = _guarded(layout, round_, lambda: whole_tree(parts))  # a one-rank FSDP's too
+    tree = guarded(key, lambda: whole_tree(parts))  # a one-rank FSDP's too
     return Checkpoint(stored.commit, tree, store.url, stored.commit.fingerprint)
 
 
@@ -110,17 +111,18 @@ def read_checkpoint(store: Store, layout: RunLayout, round_: int) -> StoredCheck
     """The committed checkpoint of ``round_`` as bytes (every part), checked as
     ``load_checkpoint`` checks it (its tensors and structure decoded once, then dropped)."""
     stored = _read_checkpoint(store, layout, round_, None, None)
-    _guarded(layout, round_, lambda: _decode_checkpoint(stored))
+    guarded(layout.checkpoint_commit(round_), lambda: _decode_checkpoint(stored))
     return stored
 
 
-def _guarded(layout: RunLayout, round_: int, read: Callable[[], Any]) -> Any:
+def guarded(key: str, read: Callable[[], Any]) -> Any:
+    """``read()``, whatever fails in it (bucket data) a ``CheckpointError`` naming ``key`` (the
+    record that named the data); a store that cannot be reached propagates."""
     try:
         return read()
     except (CheckpointError, StoreError):
         raise
     except Exception as exc:  # bucket data: whatever fails in it, this is no checkpoint to load
-        key = layout.checkpoint_commit(round_)
         raise CheckpointError(f"{key}: {type(exc).__name__}: {exc}") from None
 
 
@@ -153,10 +155,10 @@ def _read_checkpoint(
         raise CheckpointError(f"{key} in {store.url}: {refusal}")
     for rank, part in parts:
         folder = layout.checkpoint_part(round_, rank if commit.ranks else None)
-        _check_keys(key, f"{folder}/", [part.state, *part.shards])
+        check_keys(key, f"{folder}/", [part.state, *part.shards])
     entries = [entry for _, part in parts for entry in (part.state, *part.shards)]
-    objects = _guarded(layout, round_, lambda: _read_objects(store, entries))
-    checked = {e.key: _checked(e.key, objects[e.key], e) for e in entries}
+    objects = guarded(key, lambda: read_objects(store, entries))
+    checked = {e.key: checked_object(e.key, objects[e.key], e) for e in entries}
     return StoredCheckpoint(commit, commit_bytes, checked)
 
 
@@ -165,7 +167,7 @@ def _decode_part(commit: CheckpointCommit, part: RankPart, objects: dict[str, by
     part's fingerprint: objects and a COMMIT that do not belong together are refused."""
     tensors: dict[str, torch.Tensor] = {}
     for entry in part.shards:
-        tensors.update(_load_shard(entry.key, objects[entry.key]))
+        tensors.update(load_shard(entry.key, objects[entry.key]))
     tree = unflatten(objects[part.state.key], tensors, part.state.key)
     _check_counters(part.state.key, tree, commit)
     _check_meshes(part.state.key, tree, len(commit.parts()))
@@ -176,7 +178,7 @@ def _decode_part(commit: CheckpointCommit, part: RankPart, objects: dict[str, by
     return tree
 
 
-def _load_shard(key: str, data: bytes) -> dict[str, torch.Tensor]:
+def load_shard(key: str, data: bytes) -> dict[str, torch.Tensor]:
     """The tensors of the shard at ``key``, each checked finite."""
     try:
         tensors = load_safetensors(data)

@@ -20,6 +20,9 @@ in the structure as data). Rank k > 0 writes a ``PART`` record last (``RankPart`
 waits for every rank's, then writes the one COMMIT, which lists every rank's objects and
 fingerprint. A rank heals from its own part (``ShardOf``); ``diloco export`` puts the parts
 together.
+
+A replica's own state (``ReplicaStateCommit``) is laid out the same way under
+``replicas/{replica}/state/{r}/``: its ``state``, its shards, then its COMMIT.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+import crc32c
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from diloco_anywhere.bucket.framing import Count, Name
@@ -38,6 +42,9 @@ from diloco_anywhere.training.fingerprints import combine_fingerprints
 Round = Annotated[int, Field(ge=0, le=MAX_ROUND)]  # a round that has a key (``RunLayout``)
 # ``fingerprint(step, checksum)``, or ranks' fingerprints combined: the same form
 Fingerprint = Annotated[str, Field(pattern=r"^step-[0-9]{1,19}-[0-9a-f]{8}$")]
+# when it was committed (seconds since the epoch, the committer's clock), at most the last
+# second of year 9999, the last a ``datetime`` can show (``diloco launch`` does)
+CommitTime = Annotated[float, Field(ge=0, le=253_402_300_799, allow_inf_nan=False)]
 
 
 class CheckpointError(ValueError):
@@ -48,6 +55,11 @@ class StoredObject(Record):
     key: str
     size: Count
     crc32c: Annotated[int, Field(ge=0, le=2**32 - 1)]
+
+    @classmethod
+    def of(cls, key: str, data: bytes) -> StoredObject:
+        """The entry that describes ``data`` stored at ``key``."""
+        return cls(key=key, size=len(data), crc32c=crc32c.crc32c(data))
 
 
 class RankPart(Record):
@@ -67,9 +79,7 @@ class CheckpointCommit(Record):
     step: Count  # committed syncs (the manager's step)
     sync: Round  # the next round to run: round + 1
     fingerprint: Fingerprint
-    # when it was committed (seconds since the epoch, the committer's clock), at most the
-    # last second of year 9999, the last a ``datetime`` can show (``diloco launch`` does)
-    time: Annotated[float, Field(ge=0, le=253_402_300_799, allow_inf_nan=False)] = 0.0
+    time: CommitTime = 0.0
     state: StoredObject | None = None  # unsharded: the structure ...
     shards: tuple[StoredObject, ...] = Field(default=(), max_length=4096)  # ... and tensors
     ranks: tuple[RankPart, ...] = Field(default=(), max_length=MAX_RANK + 1)  # sharded
@@ -123,6 +133,30 @@ class CheckpointCommit(Record):
     def entries(self) -> list[StoredObject]:
         """Every object the COMMIT names."""
         return [entry for part in self.parts() for entry in (part.state, *part.shards)]
+
+
+class ReplicaStateCommit(Record):
+    """The last object of one replica's own state (``own_state.py``), saved after round
+    ``round``: its inner optimizer, random generators and local weights, which no other
+    replica holds. Without it, the saved state does not exist."""
+
+    run: Name
+    replica: Name
+    round: Round  # the state after this round's sync
+    step: Count  # the manager's committed syncs then
+    time: CommitTime
+    state: StoredObject  # the structure ...
+    shards: tuple[StoredObject, ...] = Field(max_length=4096)  # ... and the tensors
+
+    @model_validator(mode="after")
+    def _each_object_once(self) -> ReplicaStateCommit:
+        keys = [entry.key for entry in self.entries()]
+        if len(set(keys)) != len(keys):
+            raise ValueError("the COMMIT names one object twice")
+        return self
+
+    def entries(self) -> list[StoredObject]:
+        return [self.state, *self.shards]
 
 
 # Sees a COMMIT before its objects are read; says why it must not be used, or None.

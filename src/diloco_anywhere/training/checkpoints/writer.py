@@ -20,8 +20,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import crc32c
-
 from diloco_anywhere.bucket.framing import WireFormatError
 from diloco_anywhere.bucket.layout import MAX_ROUND, RunLayout, parse_count
 from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, decode_record, encode_record
@@ -43,10 +41,6 @@ from diloco_anywhere.training.fingerprints import combine_fingerprints, fingerpr
 from diloco_anywhere.training.global_state import tree_checksum
 
 log = logging.getLogger(__name__)
-
-
-def _entry(key: str, data: bytes) -> StoredObject:
-    return StoredObject(key=key, size=len(data), crc32c=crc32c.crc32c(data))
 
 
 def _commit_fields(layout: RunLayout, round_: int, tree: dict[str, Any]) -> dict[str, Any]:
@@ -176,8 +170,8 @@ class CheckpointWriter:
         state_key = layout.checkpoint_state(round_, rank)
         commit = _commit_fields(layout, round_, tree)
         part = RankPart(
-            state=_entry(state_key, structure),
-            shards=tuple(_entry(key, data) for key, data in objects.items()),
+            state=StoredObject.of(state_key, structure),
+            shards=tuple(StoredObject.of(key, data) for key, data in objects.items()),
             fingerprint=commit["fingerprint"],
         )
         objects[state_key] = structure
@@ -243,8 +237,9 @@ class CheckpointWriter:
             self.store.put(key, shards[key])
         state_key = f"{self.layout.checkpoint(round_)}/state"
         self.store.put(state_key, structure)
-        entries = tuple(_entry(key, data) for key, data in shards.items())
-        done = CheckpointCommit(**commit, state=_entry(state_key, structure), shards=entries)
+        entries = tuple(StoredObject.of(key, data) for key, data in shards.items())
+        state = StoredObject.of(state_key, structure)
+        done = CheckpointCommit(**commit, state=state, shards=entries)
         commit_bytes = encode_record(done)
         if not self._put_commit(done, commit_bytes):
             return
@@ -346,14 +341,25 @@ def prune_checkpoints(store: Store, layout: RunLayout, keep: int, newest: int) -
     store's newest, keeps a mirror useful when it still holds checkpoints of later rounds from
     an earlier run of the same name (started over, or resumed from an older checkpoint): those
     are replaced as the run reaches their rounds (``mirrors.copy_checkpoint``)."""
-    committed = [round_ for round_ in committed_rounds(store, layout) if round_ <= newest]
+    committed = committed_rounds(store, layout)
+    prune_rounds(store, layout.checkpoints(), committed, keep, newest, layout.checkpoint)
+
+
+def prune_rounds(
+    store: Store,
+    prefix: str,
+    committed: list[int],
+    keep: int,
+    newest: int,
+    folder: Callable[[int], str],
+) -> None:
+    """Delete every round's folder under ``prefix`` (``folder(round)``, committed or not) older
+    than the ``keep`` newest of the ``committed`` rounds up to ``newest``."""
+    committed = sorted((round_ for round_ in committed if round_ <= newest), reverse=True)
     if len(committed) < keep:
         return
     oldest_kept = committed[keep - 1]
-    folders = {
-        key.removeprefix(f"{layout.checkpoints()}/").split("/")[0]
-        for key in store.list_prefix(layout.checkpoints())
-    }
-    rounds = (parse_count(folder, MAX_ROUND) for folder in folders)  # None: no checkpoint's
+    folders = {key.removeprefix(f"{prefix}/").split("/")[0] for key in store.list_prefix(prefix)}
+    rounds = (parse_count(name, MAX_ROUND) for name in folders)  # None: no round's folder
     for round_ in sorted(r for r in rounds if r is not None and r < oldest_kept):
-        store.delete_prefix(layout.checkpoint(round_))
+        store.delete_prefix(folder(round_))
