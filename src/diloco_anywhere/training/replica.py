@@ -33,7 +33,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
@@ -110,6 +110,10 @@ class Replica:
         self.collective: BucketCollective | None = None
         self.metrics: MetricsWriter | None = None
         self.training: Training | None = None
+        # What a callback entered for the script where no `with` of its own can hold it (the
+        # Trainer's `diloco`, hf_trainer.py): unwound with the script's error before the
+        # replica records how it ended, as a `with` in the script would have been.
+        self.contexts = ExitStack()
         if self.group.is_leader or self.group.sharded:
             store, layout = Store(config.store_url()), RunLayout(config.run.name)
             if self.group.is_leader:
@@ -227,10 +231,20 @@ class Replica:
 
     def __exit__(
         self,
-        _kind: type[BaseException] | None,
+        kind: type[BaseException] | None,
         error: BaseException | None,
-        _traceback: TracebackType | None,
+        traceback: TracebackType | None,
     ) -> None:
+        """Unwind ``contexts`` with the script's error, then record how the replica ended; an
+        error raised while unwinding them is the replica's end, recorded and raised."""
+        try:
+            self.contexts.__exit__(kind, error, traceback)
+        except BaseException as unwinding:
+            self._end(unwinding)
+            raise
+        self._end(error)
+
+    def _end(self, error: BaseException | None) -> None:
         """Record how the replica ended (``done`` with what it trained, ``stopped``, ``failed``
         with the error, or with how far it got if it left training early), then leave the
         run. ``sys.exit(0)`` is a normal end. A script's mistake (``mistakes.py``) then ends
