@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,19 +10,10 @@ from pathlib import Path
 import pytest
 from matplotlib.image import imread
 
-from support import ROOT
+from support.docs import example
 from support.runs import diloco, statuses
 
 pytestmark = pytest.mark.integration  # every test here starts processes
-
-DOCS = ROOT / "docs" / "api.md"
-
-
-def example(first_line: str, language: str = "python") -> str:
-    """The docs' block whose first line starts with ``first_line``."""
-    blocks = re.findall(rf"```{language}\n(.*?)```", DOCS.read_text(), flags=re.DOTALL)
-    [block] = [block for block in blocks if block.startswith(first_line)]
-    return block
 
 
 def _plain_loop(folder: Path) -> None:
