@@ -60,7 +60,7 @@ def test_the_docs_trainer_script_is_every_replica_of_diloco_launch(
     shutil.copy(data, tmp_path / "data.jsonl")
     script = example("# hf_train.py")
     (tmp_path / "hf_train.py").write_text(script)
-    (tmp_path / "run.toml").write_text(example("# run.toml: the Trainer", "toml"))
+    (tmp_path / "run.toml").write_text(example("# hf_train.py's run.toml", "toml"))
     monkeypatch.chdir(tmp_path)
     assert "diloco_anywhere" not in _plain_script(script)  # the diff is all a replica adds
     result = diloco("launch", "--config", "run.toml")
@@ -179,3 +179,21 @@ def test_an_error_inside_train_unwinds_diloco_and_is_the_replicas_failure(hf_cor
     assert not inner._optimizer_step_post_hooks
     events = [(e.event, e.detail) for e in run_metrics(config).read()["local-0"].events]
     assert events[-1] == ("failed", "RuntimeError: the script's own error at step 2")
+
+
+def _train_added_late(config: RunConfig, corpus, tmp_path) -> None:
+    with join(config, replica_id="local-0") as replica:
+        trainer = _trainer(corpus, tmp_path, [])
+        trainer.add_callback(DilocoCallback(replica, tokens_per_step=1))
+        trainer.train()
+
+
+def test_a_callback_added_after_the_trainer_is_built_is_refused_saying_where_it_goes(
+    hf_corpus, tmp_path
+):
+    """``on_init_end`` is past: the Trainer's scheduler would span its own steps, not the run's."""
+    config = _run(tmp_path, outer_steps=1)
+    with pytest.raises(ValueError, match=r"plans \d+ optimizer steps and the run 5: give"):
+        _train_added_late(config, hf_corpus, tmp_path)
+    events = [e.event for e in run_metrics(config).read()["local-0"].events]
+    assert events == ["failed"]

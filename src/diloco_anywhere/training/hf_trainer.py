@@ -102,6 +102,7 @@ class DilocoCallback(TrainerCallback):
         DiLoCo hooks the torch optimizer's ``step``, which the wrapper's ``step`` calls. The
         context stays open until ``on_train_end``, or until the replica's ``with`` ends on an
         error inside ``trainer.train()`` (``Replica.contexts``)."""
+        self._check_max_steps(state.max_steps)
         if isinstance(optimizer, AcceleratedOptimizer):
             optimizer = optimizer.optimizer
         self.replica.contexts.enter_context(self._diloco)
@@ -111,6 +112,17 @@ class DilocoCallback(TrainerCallback):
             )
         )
         self._schedule_to_run(lr_scheduler)
+
+    def _check_max_steps(self, planned: int) -> None:
+        """The Trainer plans the run's steps, unless the callback came after ``on_init_end``
+        (``trainer.add_callback``): its scheduler would then span another length."""
+        if planned != self.replica.total_steps:
+            raise ValueError(
+                f"the Trainer plans {planned} optimizer steps and the run "
+                f"{self.replica.total_steps}: give DilocoCallback to Trainer(callbacks=[...]), "
+                f"which has the run set max_steps as the Trainer is built, not to "
+                f"trainer.add_callback afterwards"
+            )
 
     def on_step_end(
         self,
