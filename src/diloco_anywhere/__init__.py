@@ -8,7 +8,9 @@ the ``diloco`` CLI) stays quick:
 - ``Collective``: the all-reduce alone, from a store URL and this process's name;
 - ``BucketManager``: the drop-in for ``torchft.Manager``, for a script that builds torchft's
   ``DiLoCo`` itself (``BucketManager.over(collective)``);
-- ``StopRequestedError``: what SIGTERM (``diloco stop``, a preemption) raises in a replica.
+- ``StopRequestedError``: what SIGTERM (``diloco stop``, a preemption) raises in a replica;
+- ``DilocoCallback``: a Hugging Face ``transformers.Trainer`` as a replica (it needs
+  ``transformers`` and ``accelerate``, loaded only when it is used).
 """
 
 from importlib import import_module
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr__ below
     from diloco_anywhere.collective.plain import Collective
+    from diloco_anywhere.training.hf_trainer import DilocoCallback
     from diloco_anywhere.training.managers.bucket import BucketManager
     from diloco_anywhere.training.replica import Replica, StopRequestedError, join
     from diloco_anywhere.training.training import Training
@@ -25,6 +28,7 @@ __version__ = version("diloco-anywhere")
 __all__ = [
     "BucketManager",
     "Collective",
+    "DilocoCallback",
     "Replica",
     "StopRequestedError",
     "Training",
@@ -34,6 +38,7 @@ __all__ = [
 _EXPORTS = {
     "BucketManager": "diloco_anywhere.training.managers.bucket",
     "Collective": "diloco_anywhere.collective.plain",
+    "DilocoCallback": "diloco_anywhere.training.hf_trainer",
     "Replica": "diloco_anywhere.training.replica",
     "StopRequestedError": "diloco_anywhere.training.replica",
     "Training": "diloco_anywhere.training.training",

@@ -1,6 +1,7 @@
 """What several test modules share (on the path through pytest's ``pythonpath``): runs of local
 replicas driven through the CLI, checkpoints written and tampered with, the rendered template,
-a fault-injecting proxy, and checks of what an import loads. Fixtures are in conftest.py."""
+a fault-injecting proxy, checks of what an import loads, and docs/api.md's examples. Fixtures
+are in conftest.py."""
 
 from pathlib import Path
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,19 +13,10 @@ from matplotlib.image import imread
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.training.checkpoints.catalogue import newest_checkpoints
-from support import ROOT
+from support.docs import example
 from support.runs import diloco, statuses
 
 pytestmark = pytest.mark.integration  # every test here starts processes
-
-DOCS = ROOT / "docs" / "api.md"
-
-
-def example(first_line: str, language: str = "python") -> str:
-    """The docs' block whose first line starts with ``first_line``."""
-    blocks = re.findall(rf"```{language}\n(.*?)```", DOCS.read_text(), flags=re.DOTALL)
-    [block] = [block for block in blocks if block.startswith(first_line)]
-    return block
 
 
 def _plain_loop(folder: Path) -> None:

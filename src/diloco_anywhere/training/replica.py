@@ -111,8 +111,11 @@ class Replica:
         self.collective: BucketCollective | None = None
         self.metrics: MetricsWriter | None = None
         self.training: Training | None = None
-        self._started: ExitStack | None = None  # the training ``start`` entered
-        self._ended = False
+        self._started = self._ended = False  # ``start``; ``_end`` (once)
+        # What was entered for the script where no `with` of its own holds it (``start``, the
+        # Trainer's callback, hf_trainer.py): unwound with the script's error before the
+        # replica records how it ended, as a `with` in the script would have been.
+        self.contexts = ExitStack()
         if self.group.is_leader or self.group.sharded:
             store, layout = Store(config.store_url()), RunLayout(config.run.name)
             if self.group.is_leader:
@@ -220,18 +223,17 @@ class Replica:
         tokens_per_step: int = 1,
         evaluate: Callable[[nn.Module], float] | None = None,
     ) -> Training:
-        """``diloco``'s training, entered without a ``with``, for a loop that stays as it is
-        (no re-indenting): ``finish()`` ends it. A replica that never calls ``finish`` is
-        finished anyway: an error the script does not catch (a stop's included) is recorded
-        before Python prints it (``sys.excepthook``), and a normal exit at interpreter exit
-        (``atexit``), so its end is in the run's metrics either way."""
-        if self._started is not None or self._ended:
+        """``diloco``'s training, entered without a ``with`` (in ``contexts``), for a loop that
+        stays as it is (no re-indenting): ``finish()`` ends it. A replica that never calls
+        ``finish`` is finished anyway: an error the script does not catch (a stop's included)
+        is recorded before Python prints it (``sys.excepthook``), and a normal end when the
+        main thread ends, so its end is in the run's metrics either way."""
+        if self._started or self._ended:
             raise RuntimeError("replica.start(...) was called already: once per replica")
-        stack = ExitStack()
-        training = stack.enter_context(
+        training = self.contexts.enter_context(
             self.diloco(model, inner_optimizer, tokens_per_step=tokens_per_step, evaluate=evaluate)
         )
-        self._started = stack
+        self._started = True
         _finish_unfinished(self)
         return training
 
@@ -239,21 +241,6 @@ class Replica:
         """End what ``start`` began and leave the run, recording how (``done`` once the run's
         outer steps are committed): as leaving ``with join() as replica`` does."""
         self.__exit__(None, None, None)
-
-    def _end_started(self, error: BaseException | None) -> BaseException | None:
-        """Leave the training ``start`` entered, as a ``with`` would with ``error``; an error
-        leaving it raises (the last checkpoint not written) is the one to record then."""
-        stack, self._started = self._started, None
-        if stack is None:
-            return error
-        try:
-            if error is None:
-                stack.close()
-            else:
-                stack.__exit__(type(error), error, error.__traceback__)
-        except BaseException as raised:
-            return raised
-        return error
 
     def _check_initial_model(self, model: nn.Module) -> None:
         """Before the run's first checkpoint, this replica's model must be the run's: the one
@@ -273,10 +260,20 @@ class Replica:
 
     def __exit__(
         self,
-        _kind: type[BaseException] | None,
+        kind: type[BaseException] | None,
         error: BaseException | None,
-        _traceback: TracebackType | None,
+        traceback: TracebackType | None,
     ) -> None:
+        """Unwind ``contexts`` with the script's error, then record how the replica ended; an
+        error raised while unwinding them is the replica's end, recorded and raised."""
+        try:
+            self.contexts.__exit__(kind, error, traceback)
+        except BaseException as unwinding:
+            self._end(unwinding)
+            raise
+        self._end(error)
+
+    def _end(self, error: BaseException | None) -> None:
         """Record how the replica ended (``done`` with what it trained, ``stopped``, ``failed``
         with the error, or with how far it got if it left training early), then leave the
         run. ``sys.exit(0)`` is a normal end. A script's mistake (``mistakes.py``) then ends
@@ -285,7 +282,6 @@ class Replica:
         if self._ended:
             return
         self._ended = True
-        error = self._end_started(error)
         if isinstance(error, SystemExit) and error.code in (None, 0):
             error = None
         trained = error is None and self.training is not None and self.training.done

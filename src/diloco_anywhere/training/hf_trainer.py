@@ -1,0 +1,178 @@
+"""A Hugging Face ``transformers.Trainer`` as a replica: ``DilocoCallback`` (docs/api.md,
+"Hugging Face ``Trainer`` as a replica").
+
+    with diloco_anywhere.join() as replica:
+        trainer = Trainer(model, args, train_dataset=shard,
+                          callbacks=[DilocoCallback(replica, tokens_per_step=...)])
+        trainer.train()
+
+The Trainer's loop, optimizer, scheduler, data and logging stay its own; the callback trains
+them under ``replica.diloco``, which hooks the optimizer's ``step``: the Trainer steps it once
+every ``gradient_accumulation_steps`` micro-batches (``Trainer._run_epoch``), so an inner step
+of DiLoCo is an optimizer step of the Trainer. What the run decides is set through the
+Trainer's callback events (``transformers.TrainerCallback``), in the order ``Trainer`` calls
+them: ``max_steps`` at ``on_init_end`` (read by ``set_initial_training_values`` when
+``train()`` starts: the scheduler spans the run), the run's state and schedule position at
+``on_train_begin`` (the first event with the optimizer and scheduler built:
+``_prepare_for_training`` builds them just before), the end at ``on_step_end`` and
+``on_train_end``. Needs ``transformers`` and ``accelerate`` (the Trainer's own requirement):
+``pip install 'diloco-anywhere[hf_task]'``.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+from accelerate.optimizer import AcceleratedOptimizer
+from torch import nn
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from diloco_anywhere.training.replica import Replica
+from diloco_anywhere.training.training import Training
+
+log = logging.getLogger(__name__)
+
+# torch's warning when a scheduler steps before its optimizer ever has: moving the schedule
+# to where the run is, before the Trainer's first step, is meant.
+EARLY_SCHEDULER_STEP = r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`"
+# Logged values recorded with the loss: what Trainer._maybe_log_save_evaluate logs with it.
+LOGGED_WITH_LOSS = ("learning_rate", "grad_norm")
+
+
+class DilocoCallback(TrainerCallback):
+    """Makes the ``Trainer`` it is given to a DiLoCo replica of ``replica``'s run.
+
+    ``tokens_per_step``: what one optimizer step of the Trainer trains on in this process
+    (``per_device_train_batch_size x gradient_accumulation_steps x`` the sequence length; or
+    samples), which weighs the replica's contributions. ``evaluate(model)``: a held-out loss,
+    as for ``replica.diloco``.
+
+    The run decides ``args.max_steps`` (``replica.total_steps``) and where the learning-rate
+    schedule is: a replica that restarts or heals resumes the Trainer's schedule at the run's
+    inner step. The Trainer's ``state.global_step`` stays its own count of this process's
+    optimizer steps (moving it would skew the loss the Trainer averages over the steps since
+    its last log), and so does its data order: a restarted replica's Trainer starts its
+    dataset over from its first batch, as ``trainer.train()`` without
+    ``resume_from_checkpoint`` does, while its model, outer optimizer and schedule resume where
+    the run is. The Trainer stops once the run's outer steps are committed."""
+
+    def __init__(
+        self,
+        replica: Replica,
+        *,
+        tokens_per_step: int,
+        evaluate: Callable[[nn.Module], float] | None = None,
+    ) -> None:
+        self.replica, self.tokens_per_step, self.evaluate = replica, tokens_per_step, evaluate
+        self.training: Training | None = None
+        self._diloco = ExitStack()
+
+    def on_init_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any
+    ) -> None:
+        """The run decides how many optimizer steps the Trainer takes, and so what its
+        scheduler spans (``Trainer.create_scheduler(num_training_steps=max_steps)``)."""
+        total = self.replica.total_steps
+        if args.max_steps not in (-1, total):  # -1: TrainingArguments' "not set"
+            log.warning(
+                "max_steps = %d replaced by the run's %d inner steps (outer_steps x "
+                "sync_every in run.toml): the run decides how long each replica trains",
+                args.max_steps, total,
+            )  # fmt: skip
+        args.max_steps = total
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any,
+        **_: Any,
+    ) -> None:
+        """Train under ``replica.diloco`` (it heals the model to the run's state first) with
+        the Trainer's own optimizer, unwrapped from accelerate's ``AcceleratedOptimizer``:
+        DiLoCo hooks the torch optimizer's ``step``, which the wrapper's ``step`` calls. The
+        context stays open until ``on_train_end``, or until the replica's ``with`` ends on an
+        error inside ``trainer.train()`` (``Replica.contexts``)."""
+        self._check_max_steps(state.max_steps)
+        if isinstance(optimizer, AcceleratedOptimizer):
+            optimizer = optimizer.optimizer
+        self.replica.contexts.enter_context(self._diloco)
+        self.training = self._diloco.enter_context(
+            self.replica.diloco(
+                model, optimizer, tokens_per_step=self.tokens_per_step, evaluate=self.evaluate
+            )
+        )
+        self._schedule_to_run(lr_scheduler)
+
+    def _check_max_steps(self, planned: int) -> None:
+        """The Trainer plans the run's steps, unless the callback came after ``on_init_end``
+        (``trainer.add_callback``): its scheduler would then span another length."""
+        if planned != self.replica.total_steps:
+            raise ValueError(
+                f"the Trainer plans {planned} optimizer steps and the run "
+                f"{self.replica.total_steps}: give DilocoCallback to Trainer(callbacks=[...]), "
+                f"which has the run set max_steps as the Trainer is built, not to "
+                f"trainer.add_callback afterwards"
+            )
+
+    def on_step_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        *,
+        lr_scheduler: Any,
+        **_: Any,
+    ) -> None:
+        """Stop once the run's outer steps are committed; after a heal that moved this
+        replica on, its schedule follows."""
+        self._schedule_to_run(lr_scheduler)
+        if self.training.done:  # type: ignore[union-attr]
+            control.should_training_stop = True
+
+    def _schedule_to_run(self, lr_scheduler: Any) -> None:
+        """Step the Trainer's scheduler up to the run's inner step. Every schedule the Trainer
+        steps once per optimizer step (``lr_scheduler_type`` but ``reduce_lr_on_plateau`` and
+        ``greedy``, which follow the eval metric) counts its steps in ``last_epoch``."""
+        schedulers = torch.optim.lr_scheduler
+        if not isinstance(lr_scheduler, schedulers.LRScheduler) or isinstance(
+            lr_scheduler, schedulers.ReduceLROnPlateau
+        ):
+            return
+        behind = self.training.inner_steps - lr_scheduler.last_epoch  # type: ignore[union-attr]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", EARLY_SCHEDULER_STEP, UserWarning)
+            for _ in range(behind):
+                lr_scheduler.step()
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        *,
+        logs: dict[str, float],
+        **_: Any,
+    ) -> None:
+        """The Trainer's training loss (its mean over ``logging_steps``) into the run's metrics,
+        with the learning rate and gradient norm logged with it. Its other logs (evaluation,
+        the summary at the end) carry no ``loss``."""
+        if "loss" in logs:
+            values = {name: logs[name] for name in LOGGED_WITH_LOSS if name in logs}
+            self.training.log(logs["loss"], **values)  # type: ignore[union-attr]
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any
+    ) -> None:
+        """Leave ``replica.diloco``: the run's last checkpoint is written, and every process
+        checks it holds the global state."""
+        self._diloco.close()

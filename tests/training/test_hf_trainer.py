@@ -1,0 +1,198 @@
+"""A Hugging Face ``transformers.Trainer`` as a replica (``DilocoCallback``, docs/api.md): the
+page's Trainer script, run exactly as printed as 2 replicas of ``diloco launch``, and a real
+Trainer in this process for what a restart resumes and what an error leaves. Offline: a tiny
+Llama-shaped model from a config, the tokenizer and text of the ``hf_corpus`` fixture."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import (
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+    get_scheduler,
+)
+
+from diloco_anywhere import DilocoCallback, join
+from diloco_anywhere.config import RunConfig, load_config
+from diloco_anywhere.launching.launch import run_metrics
+from support.docs import example
+from support.hf import TINY_LLAMA
+from support.runs import diloco, statuses
+
+SEQ_LEN, BATCH, ACCUMULATION = 32, 4, 2
+
+
+def _diff_hunks() -> list[tuple[str, str]]:
+    """The docs' diff as (plain script's lines, replica's lines) per hunk."""
+    diff = example(" from transformers import", "diff")
+    hunks = []
+    for hunk in diff.split("@@\n"):
+        lines = [line or " " for line in hunk.splitlines()]  # an empty line: blank context
+        plain = [line[1:] for line in lines if line[0] in " -"]
+        replica = [line[1:] for line in lines if line[0] in " +"]
+        hunks.append(("\n".join(plain) + "\n", "\n".join(replica) + "\n"))
+    return hunks
+
+
+def _plain_script(script: str) -> str:
+    """The Trainer script the docs' diff starts from: the script with each hunk undone."""
+    for plain, replica in _diff_hunks():
+        assert script.count(replica) == 1, replica  # the diff is the script's, as printed
+        script = script.replace(replica, plain)
+    return script
+
+
+@pytest.mark.integration
+def test_the_docs_trainer_script_is_every_replica_of_diloco_launch(
+    hf_corpus, tmp_path, monkeypatch
+):
+    tokenizer, data = hf_corpus
+    shutil.copytree(tokenizer, tmp_path / "tokenizer")
+    shutil.copy(data, tmp_path / "data.jsonl")
+    script = example("# hf_train.py")
+    (tmp_path / "hf_train.py").write_text(script)
+    (tmp_path / "run.toml").write_text(example("# hf_train.py's run.toml", "toml"))
+    monkeypatch.chdir(tmp_path)
+    assert "diloco_anywhere" not in _plain_script(script)  # the diff is all a replica adds
+    result = diloco("launch", "--config", "run.toml")
+    assert result.exit_code == 0, result.output
+    rows = statuses("run.toml")
+    assert {(row["state"], row["outer_step"]) for row in rows.values()} == {("done", 3)}
+    total = load_config("run.toml").diloco.total_steps
+    for replica in rows:  # the Trainer took the run's inner steps, no more
+        log = (tmp_path / ".diloco" / "trainer" / "logs" / f"{replica}.log").read_text()
+        assert f"{replica} took {total} optimizer steps" in log
+    metrics = run_metrics(load_config("run.toml")).read()
+    fingerprints = {
+        (sync.outer_step, sync.fingerprint)
+        for replica in metrics.values()
+        for sync in replica.syncs
+        if sync.committed
+    }
+    assert sorted(step for step, _ in fingerprints) == [1, 2, 3]  # the same weights at each
+    for replica in metrics.values():  # the Trainer's logged loss, every logging_steps
+        assert [line.step for line in replica.steps] == [3, 6, 9, 12, 15]
+        assert set(replica.steps[0].values) == {"learning_rate", "grad_norm"}
+        assert replica.steps[-1].loss < replica.steps[0].loss - 0.3
+
+
+def _run(tmp_path, outer_steps: int) -> RunConfig:
+    """One replica's run in ``tmp_path``'s store, 5 inner steps per outer step."""
+    return RunConfig.model_validate({
+        "run": {"name": "trainer", "store": str(tmp_path / "store"), "replicas": 1,
+                "min_replicas": 1},
+        "diloco": {"sync_every": 5, "outer_steps": outer_steps},
+        "task": {"log_every": 1},
+    })  # fmt: skip
+
+
+def _trainer(corpus, tmp_path, callbacks: list[TrainerCallback]) -> Trainer:
+    """A Trainer as a user writes one: a tiny Llama, the corpus in blocks of SEQ_LEN tokens."""
+    tokenizer = AutoTokenizer.from_pretrained(corpus[0])
+    texts = [json.loads(line)["text"] for line in corpus[1].read_text().splitlines()]
+    ids = tokenizer(tokenizer.eos_token.join(texts))["input_ids"]
+    blocks = [ids[i : i + SEQ_LEN] for i in range(0, len(ids) - SEQ_LEN, SEQ_LEN)]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, "vocab_size": len(tokenizer)}))
+    args = TrainingArguments(
+        str(tmp_path / "trainer"), per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=ACCUMULATION, learning_rate=3e-3, lr_scheduler_type="cosine",
+        warmup_steps=3, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+    )  # fmt: skip
+    dataset = [{"input_ids": block, "labels": block} for block in blocks]
+    return Trainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
+
+
+class LearningRates(TrainerCallback):
+    """The learning rate of each optimizer step, as the optimizer takes it."""
+
+    def __init__(self) -> None:
+        self.rates: list[float] = []
+
+    def on_pre_optimizer_step(self, args, state, control, *, optimizer, **_):
+        self.rates.append(optimizer.param_groups[0]["lr"])
+
+
+class FailsAtStep(TrainerCallback):
+    """The script's own error, inside ``trainer.train()``; keeps the optimizer it stepped."""
+
+    def on_step_end(self, args, state, control, *, optimizer, **_):
+        if state.global_step == 2:
+            self.optimizer = optimizer
+            raise RuntimeError("the script's own error at step 2")
+
+
+def _train_as_replica(
+    config: RunConfig, corpus, tmp_path, *callbacks: TrainerCallback
+) -> tuple[Trainer, DilocoCallback]:
+    """The Trainer trained as local-0 of ``config``'s run, with ``callbacks`` after DiLoCo's."""
+    with join(config, replica_id="local-0") as replica:
+        diloco = DilocoCallback(replica, tokens_per_step=BATCH * ACCUMULATION * SEQ_LEN)
+        trainer = _trainer(corpus, tmp_path, [diloco, *callbacks])
+        trainer.train()
+    return trainer, diloco
+
+
+def _cosine(total: int) -> list[float]:
+    """The Trainer's cosine schedule over ``total`` steps, step by step."""
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=3e-3)
+    schedule = get_scheduler("cosine", optimizer, num_warmup_steps=3, num_training_steps=total)
+    rates = []
+    for _ in range(total):
+        rates.append(schedule.get_last_lr()[0])
+        optimizer.step()
+        schedule.step()
+    return rates
+
+
+def test_a_restarted_trainer_resumes_the_runs_schedule_and_stops_when_the_run_is_done(
+    hf_corpus, tmp_path
+):
+    """A run of 1 outer step, then the same run given 2: the Trainer that joins it heals to
+    outer step 1 and trains inner steps 5 to 9 only, at the learning rates of a schedule over
+    all 10."""
+    first, _ = _train_as_replica(_run(tmp_path, outer_steps=1), hf_corpus, tmp_path)
+    assert (first.state.global_step, first.args.max_steps) == (5, 5)
+    rates = LearningRates()
+    again, diloco = _train_as_replica(_run(tmp_path, outer_steps=2), hf_corpus, tmp_path, rates)
+    assert diloco.training.start_step == 5
+    assert (again.state.global_step, again.args.max_steps) == (5, 10)  # stopped by the run
+    assert rates.rates == pytest.approx(_cosine(10)[5:])
+    assert diloco.training.result().outer_steps == 2
+
+
+def test_an_error_inside_train_unwinds_diloco_and_is_the_replicas_failure(hf_corpus, tmp_path):
+    config, failing = _run(tmp_path, outer_steps=2), FailsAtStep()
+    with pytest.raises(RuntimeError, match="own error at step 2"):
+        _train_as_replica(config, hf_corpus, tmp_path, failing)
+    inner = failing.optimizer.optimizer  # the torch optimizer in accelerate's wrapper
+    assert not inner._optimizer_step_pre_hooks  # DiLoCo's hooks, removed as it was left
+    assert not inner._optimizer_step_post_hooks
+    events = [(e.event, e.detail) for e in run_metrics(config).read()["local-0"].events]
+    assert events[-1] == ("failed", "RuntimeError: the script's own error at step 2")
+
+
+def _train_added_late(config: RunConfig, corpus, tmp_path) -> None:
+    with join(config, replica_id="local-0") as replica:
+        trainer = _trainer(corpus, tmp_path, [])
+        trainer.add_callback(DilocoCallback(replica, tokens_per_step=1))
+        trainer.train()
+
+
+def test_a_callback_added_after_the_trainer_is_built_is_refused_saying_where_it_goes(
+    hf_corpus, tmp_path
+):
+    """``on_init_end`` is past: the Trainer's scheduler would span its own steps, not the run's."""
+    config = _run(tmp_path, outer_steps=1)
+    with pytest.raises(ValueError, match=r"plans \d+ optimizer steps and the run 5: give"):
+        _train_added_late(config, hf_corpus, tmp_path)
+    events = [e.event for e in run_metrics(config).read()["local-0"].events]
+    assert events == ["failed"]
