@@ -178,6 +178,14 @@ class Applied:
             "AWS_ACCESS_KEY_ID": key["AccessKey"]["AccessKeyId"],
             "AWS_SECRET_ACCESS_KEY": key["AccessKey"]["SecretAccessKey"],
         }
+        # The plan right after the apply, which must change nothing; then, as moto ignores a
+        # bucket policy's conditions (its TLS-only Deny would refuse every request), the
+        # policy is removed, before any test, whichever tests a worker runs (each pytest
+        # worker applies its own: a test that removed it left the other workers denied).
+        self.plan = terraform("plan", "-detailed-exitcode", "-var-file=run.tfvars.json")
+        s3 = self.client("s3")
+        self.tls_only_policy = json.loads(s3.get_bucket_policy(Bucket=BUCKET)["Policy"])
+        s3.delete_bucket_policy(Bucket=BUCKET)
 
     def client(self, service: str, credentials: dict[str, str] | None = None):
         return _client(service, self.endpoint, credentials or self.admin)
@@ -202,9 +210,7 @@ def applied(tmp_path_factory) -> Iterator[Applied]:
 
 
 def test_apply_creates_every_resource_and_a_plan_then_changes_nothing(applied):
-    assert (
-        applied.terraform("plan", "-detailed-exitcode", "-var-file=run.tfvars.json").returncode == 0
-    )
+    assert applied.plan.returncode == 0
     assert applied.outputs["store_url"] == f"s3://{BUCKET}/runs"
     s3 = applied.client("s3")
     assert s3.get_bucket_versioning(Bucket=BUCKET)["Status"] == "Enabled"
@@ -218,8 +224,7 @@ def test_apply_creates_every_resource_and_a_plan_then_changes_nothing(applied):
     )
     roles = {role["RoleName"] for role in applied.client("iam").list_roles()["Roles"]}
     assert roles == {f"{PROJECT}-sagemaker", f"{PROJECT}-launcher"}
-    # moto ignores the bucket policy's conditions: its TLS-only Deny would refuse everything
-    s3.delete_bucket_policy(Bucket=BUCKET)
+    assert applied.tls_only_policy["Statement"][0]["Effect"] == "Deny"  # applied, then removed
 
 
 def test_the_replica_identity_uses_the_run_prefix_and_nothing_else(applied):
