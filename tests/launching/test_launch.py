@@ -71,7 +71,10 @@ def test_a_two_replica_run_finishes_and_reports(run_toml, tmp_path):
     for replica in metrics.values():
         assert replica.incarnations == [0, 1]
         assert [sync.round for sync in replica.syncs] == [0, 1]
-        assert "healed from checkpoint 1: replayed 0 rounds" in replica.events[-2].detail
+        healed, resumed, done = replica.events[-3:]
+        assert "healed from checkpoint 1: replayed 0 rounds" in healed.detail
+        assert resumed.detail == "own state of round 1 restored: exact, the round healed to"
+        assert done.event == "done"
 
 
 @pytest.mark.integration

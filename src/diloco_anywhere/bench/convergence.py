@@ -232,7 +232,9 @@ def _diloco_config(
     config: RunConfig, study: Study, settings: dict[str, Any], name: str
 ) -> RunConfig:
     """One DiLoCo run of the study: its settings, evaluated at every outer step. Momentum 0
-    is plain SGD (Nesterov needs momentum); any other keeps the run.toml's Nesterov choice."""
+    is plain SGD (Nesterov needs momentum); any other keeps the run.toml's Nesterov choice.
+    The replicas save no own state: the study weighs the exchange's bytes against data
+    parallel's, and a restart's insurance is neither."""
     replicas, h, momentum = settings["replicas"], settings["sync_every"], settings["outer_momentum"]
     return with_changes(
         config, run__name=name, run__replicas=replicas, run__min_replicas=replicas,
@@ -241,6 +243,7 @@ def _diloco_config(
         diloco__codec=study.codec, diloco__outer_lr=settings["outer_lr"],
         diloco__outer_momentum=momentum,
         diloco__outer_nesterov=config.diloco.outer_nesterov and momentum > 0, task__eval_every=1,
+        checkpoint__own_state=False,
     )  # fmt: skip
 
 

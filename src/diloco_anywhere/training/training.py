@@ -85,14 +85,15 @@ class Training:
         self.eval_loss: float | None = None
         self.tokens_at_sync, self.time_at_sync = 0, time.perf_counter()
         self.checkpoints = GlobalCheckpoints(self.config, collective, group, self._report)
-        # a single-process replica's own state (inner optimizer, generators, local weights);
-        # not a replica of several processes, whose ranks each hold theirs (docs/checkpoints.md)
+        # a single-process replica's own state (inner optimizer, generators, local weights),
+        # unless run.toml turns it off; not a replica of several processes, whose ranks each
+        # hold theirs (docs/checkpoints.md)
         self.own_state = (
             OwnState(
                 self.config, collective.store, collective.layout, collective.me.replica,
                 parts.model, parts.inner,
             )
-            if collective is not None and group.world_size == 1
+            if collective is not None and group.world_size == 1 and self.config.checkpoint.own_state
             else None
         )  # fmt: skip
 
