@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import (
     AutoTokenizer,
     LlamaConfig,
@@ -82,6 +83,16 @@ def test_the_docs_trainer_script_is_every_replica_of_diloco_launch(
         assert [line.step for line in replica.steps] == [3, 6, 9, 12, 15]
         assert set(replica.steps[0].values) == {"learning_rate", "grad_norm"}
         assert replica.steps[-1].loss < replica.steps[0].loss - 0.3
+    # the export loads with from_pretrained, no code of ours: the callback added config.json
+    assert diloco("export", "exported", "--config", "run.toml").exit_code == 0
+    model, info = LlamaForCausalLM.from_pretrained("exported", output_loading_info=True)
+    assert [info[kind] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")] == [
+        set(), set(), set()
+    ]  # fmt: skip
+    assert model.config.vocab_size == len(AutoTokenizer.from_pretrained(tokenizer))
+    exported = load_file("exported/model.safetensors")
+    assert exported.keys() == dict(model.named_parameters()).keys()
+    assert all(torch.equal(p, exported[name]) for name, p in model.named_parameters())
 
 
 def _run(tmp_path, outer_steps: int) -> RunConfig:

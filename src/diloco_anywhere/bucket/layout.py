@@ -320,6 +320,15 @@ class RunLayout:
         the store's clock is the one every keeper shares, whatever their own say."""
         return f"{self.run}/status/clock-{check_name(nonce, 'nonce')}"
 
+    # -- files a script adds to the export (training/export_files.py) --------------------------
+
+    def export_files(self) -> str:
+        return f"{self.run}/export"
+
+    def export_file(self, name: str) -> str:
+        """A file ``diloco export`` writes beside the weights, e.g. a model's config.json."""
+        return f"{self.export_files()}/{check_name(name, 'export file')}"
+
     # -- metrics -------------------------------------------------------------------------------
 
     def metrics(self) -> str:

@@ -14,6 +14,9 @@ what every replica agreed on) by the model's parameter names the checkpoint reco
 - ``README.md``: a model card (run, round and steps, tokens, held-out loss, bytes sent against
   data parallel for the same steps, the run's configuration);
 - ``run.toml``: the configuration the run was published with;
+- the files the script added (``Replica.add_to_export``: a Hugging Face model's
+  ``config.json``, which ``DilocoCallback`` adds, so that ``from_pretrained`` loads the
+  folder);
 - the task's own files when it has a ``save`` hook (``Task.save``: a ``save_pretrained``
   folder for a Hugging Face model), under ``saved/``.
 
@@ -41,6 +44,7 @@ from diloco_anywhere.training.builders import split_fragments
 from diloco_anywhere.training.checkpoints.catalogue import newest_checkpoints
 from diloco_anywhere.training.checkpoints.reader import load_checkpoint
 from diloco_anywhere.training.checkpoints.records import Checkpoint, CheckpointError
+from diloco_anywhere.training.export_files import ExportFileError, read_export_files
 from diloco_anywhere.training.metrics import MetricsReader
 from diloco_anywhere.training.parameter_names import (
     NamesError,
@@ -160,9 +164,14 @@ def model_card(config: RunConfig, checkpoint: Checkpoint, summary: RunSummary) -
     )
 
 
-def _files(config: RunConfig, checkpoint: Checkpoint, summary: RunSummary) -> dict[str, bytes]:
+def _files(
+    config: RunConfig, checkpoint: Checkpoint, summary: RunSummary, added: dict[str, bytes]
+) -> dict[str, bytes]:
+    """The export: the weights, the card, run.toml, the files the script ``added``
+    (``export_files.py``) and the task's own format."""
     weights = global_weights(config, checkpoint)
     files = {
+        **added,
         MODEL_FILE: model_bytes(weights),
         CARD_FILE: model_card(config, checkpoint, summary).encode(),
         CONFIG_FILE: config_text(config),
@@ -228,5 +237,9 @@ def export(config: RunConfig, destination: str, round_: int | None = None) -> Ch
     with Store(config.store_url()) as store:
         checkpoint = committed_checkpoint(store, layout, round_)
         summary = summarize(MetricsReader(store, layout).read())
-    _write(destination, _files(config, checkpoint, summary))
+        try:
+            added = read_export_files(store, layout)
+        except ExportFileError as exc:
+            raise ExportError(f"{exc}: delete it, or the run's export folder") from None
+    _write(destination, _files(config, checkpoint, summary, added))
     return checkpoint

@@ -112,6 +112,17 @@ class DilocoCallback(TrainerCallback):
             )
         )
         self._schedule_to_run(lr_scheduler)
+        self._add_configs_to_export(model)
+
+    def _add_configs_to_export(self, model: nn.Module) -> None:
+        """The model's configuration files as ``save_pretrained`` writes them, for ``diloco
+        export`` to write beside the weights: ``from_pretrained`` reads ``config.json`` (and
+        a generating model's ``generation_config.json``) before any weight."""
+        for name, attribute in (("config.json", "config"),
+                                ("generation_config.json", "generation_config")):  # fmt: skip
+            config = getattr(model, attribute, None)
+            if config is not None and hasattr(config, "to_json_string"):
+                self.replica.add_to_export(name, config.to_json_string())
 
     def _check_max_steps(self, planned: int) -> None:
         """The Trainer plans the run's steps, unless the callback came after ``on_init_end``

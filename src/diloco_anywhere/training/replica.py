@@ -55,6 +55,7 @@ from diloco_anywhere.training.builders import (
 )
 from diloco_anywhere.training.checkpoints.commits import committed_rounds, retained_after
 from diloco_anywhere.training.command import DONE, JOINED, report
+from diloco_anywhere.training.export_files import add_export_file
 from diloco_anywhere.training.initial_state import check_initial_state
 from diloco_anywhere.training.metrics import MetricsWriter
 from diloco_anywhere.training.mistakes import ScriptMistakeError
@@ -241,6 +242,14 @@ class Replica:
         """End what ``start`` began and leave the run, recording how (``done`` once the run's
         outer steps are committed): as leaving ``with join() as replica`` does."""
         self.__exit__(None, None, None)
+
+    def add_to_export(self, name: str, text: str) -> None:
+        """A file ``diloco export`` writes beside the weights (``export_files.py``): what
+        loading them needs with no code of yours, e.g. a model's ``config.json`` for
+        ``from_pretrained`` (``DilocoCallback`` adds a Hugging Face model's). Recorded by the
+        replica's first process; every replica may add the same text."""
+        if self.collective is not None and self.group.is_leader:
+            add_export_file(self.collective.store, RunLayout(self.config.run.name), name, text)
 
     def _check_initial_model(self, model: nn.Module) -> None:
         """Before the run's first checkpoint, this replica's model must be the run's: the one
