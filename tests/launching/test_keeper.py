@@ -233,6 +233,10 @@ def test_keepers_racing_start_an_ended_replica_once(run_toml):
         layout = RunLayout(config.run.name)
         restarts = store.list_prefix(f"{layout.launch_folder(launch.number)}/restarts")
         assert len(restarts) == 1
+        # a launch following its run passes every 2 s, and writes the page every page_every
+        written = store.modified(layout.status_page())
+        Keeper(config, store, backends={"local": started["local"][0]}, page_every=3600.0).pass_()
+        assert store.modified(layout.status_page()) == written
     finally:
         _kill(load_handles(config) + started["local"][1])
 

@@ -119,8 +119,14 @@ class Keeper:
         run_folder: Path | None = None,
         backends: dict[str, Backend] | None = None,
         say: Callable[[str], None] = log.info,
+        page_every: float = 0.0,
     ) -> None:
+        """``page_every``: seconds from one status page to the next, the first one included;
+        0, a page every pass (a scheduled ``diloco keep``). Rendering the page's plots takes a
+        second or more, which a launch following its run (a pass every 2 s) must not spend
+        each time: its live table, its restarts and a chaos driver would wait on it."""
         self.config, self.store, self.say = config, store, say
+        self.page_every, self.page_due_at = page_every, time.monotonic() + page_every
         self.layout = RunLayout(config.run.name)
         self.launches = Launches(store, self.layout)
         self.metrics = MetricsReader(store, self.layout)
@@ -128,8 +134,9 @@ class Keeper:
         self.backends: dict[str, Backend] = dict(backends or {})
 
     def pass_(self, *, dry_run: bool = False) -> PassReport:
-        """Reconcile once, then write the status page; ``dry_run``: decide, and act on
-        nothing (no restart, no stop, no record, no alert, no page)."""
+        """Reconcile once, then write the status page (when ``page_every`` has passed, and
+        when the launch ends); ``dry_run``: decide, and act on nothing (no restart, no stop,
+        no record, no alert, no page)."""
         numbers = self.launches.numbers()
         if not numbers:
             return PassReport(None, {}, [f"run {self.config.run.name} was never launched"], None)
@@ -153,8 +160,9 @@ class Keeper:
                 return PassReport(launch.number, decisions, [], None, spent)
             notes = self._reconcile(launch, observed, decisions, metrics, now, alerts)
             report = PassReport(launch.number, decisions, notes, None, spent)
-        if not dry_run:
+        if not dry_run and (report.ended or time.monotonic() >= self.page_due_at):
             self._publish(launch, observed, report, metrics, alerts)
+            self.page_due_at = time.monotonic() + self.page_every
         return report
 
     def _reconcile(

@@ -19,6 +19,7 @@ from diloco_anywhere.launching.keeper import Keeper, PassReport
 from diloco_anywhere.launching.launch import LaunchPlan, job_state, run_launches
 
 LOCAL_KEEP_SECONDS = 2.0  # a local process's end is seen at once
+PAGE_EVERY = 60.0  # seconds between status pages while following: the live table is here
 REMOTE_KEEP_SECONDS = 60.0  # platform APIs throttle (SageMaker's DescribeTrainingJob)
 
 
@@ -40,7 +41,7 @@ class Supervisor:
         if max_restarts:
             config = with_changes(plan.config, keep__max_restarts=max_restarts)
             self.keeper = Keeper(config, Store(config.store_url()), run_folder=plan.run_dir,
-                                 backends=self.backends)  # fmt: skip
+                                 backends=self.backends, page_every=PAGE_EVERY)  # fmt: skip
         self.every = REMOTE_KEEP_SECONDS if self.remote else LOCAL_KEEP_SECONDS
         self.kept_at = -self.every
         self.last: PassReport | None = None
