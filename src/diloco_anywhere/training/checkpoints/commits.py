@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from diloco_anywhere.bucket.framing import WireFormatError
 from diloco_anywhere.bucket.layout import RunLayout
-from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, decode_record
+from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, R, decode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.training.checkpoints.records import CheckpointCommit, CheckpointError
 
@@ -27,17 +27,23 @@ def retained_after(store: Store, layout: RunLayout, keep: int) -> int:
     return committed[min(keep, len(committed)) - 1] if committed else -1
 
 
-def read_commit(store: Store, layout: RunLayout, round_: int) -> tuple[CheckpointCommit, bytes]:
-    """The COMMIT of ``round_``, checked against its key; ``CheckpointError`` if it is not one."""
-    key = layout.checkpoint_commit(round_)
+def read_commit_record(store: Store, key: str, model: type[R]) -> tuple[R, bytes]:
+    """The COMMIT-like record at ``key`` (a checkpoint's, a replica state's) and its bytes;
+    ``CheckpointError`` naming the key if it is missing or not one."""
     try:
         data = store.get(key, 0, RECORD_READ_LIMIT)
     except FileNotFoundError:
         raise CheckpointError(f"{key}: missing") from None
     try:
-        commit = decode_record(data, CheckpointCommit, key=key)
+        return decode_record(data, model, key=key), data
     except WireFormatError as exc:  # names the key
         raise CheckpointError(str(exc)) from None
+
+
+def read_commit(store: Store, layout: RunLayout, round_: int) -> tuple[CheckpointCommit, bytes]:
+    """The COMMIT of ``round_``, checked against its key; ``CheckpointError`` if it is not one."""
+    key = layout.checkpoint_commit(round_)
+    commit, data = read_commit_record(store, key, CheckpointCommit)
     if (commit.run, commit.round) != (layout.run, round_):
         raise CheckpointError(f"{key}: the COMMIT is for run {commit.run} round {commit.round}")
     return commit, data

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from diloco_anywhere.bucket.framing import WireFormatError
 from diloco_anywhere.bucket.layout import RunLayout
-from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, decode_record, encode_record
+from diloco_anywhere.bucket.record import encode_record
 from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.training.checkpoints.commits import read_commit_record
 from diloco_anywhere.training.checkpoints.reader import (
     check_keys,
     checked_object,
@@ -111,14 +111,7 @@ def read_replica_state(
 def _read_commit(store: Store, layout: RunLayout, replica: str, round_: int) -> ReplicaStateCommit:
     """The COMMIT of ``replica``'s state of ``round_``, checked against its key."""
     key = layout.replica_state_commit(replica, round_)
-    try:
-        data = store.get(key, 0, RECORD_READ_LIMIT)
-    except FileNotFoundError:
-        raise CheckpointError(f"{key}: missing") from None
-    try:
-        commit = decode_record(data, ReplicaStateCommit, key=key)
-    except WireFormatError as exc:  # names the key
-        raise CheckpointError(str(exc)) from None
+    commit, _ = read_commit_record(store, key, ReplicaStateCommit)
     if (commit.run, commit.replica, commit.round) != (layout.run, replica, round_):
         raise CheckpointError(f"{key}: the COMMIT is for run {commit.run}, replica "
                               f"{commit.replica}, round {commit.round}")  # fmt: skip
