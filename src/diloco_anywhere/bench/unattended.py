@@ -160,13 +160,21 @@ class UnattendedRun:
         self.pass_seconds.append(time.monotonic() - started)
 
 
+CLI_SECONDS = 120  # a pass takes seconds; one still running is stuck, and says where
+
+
 def cli(command: str, config_path: str, *args: str) -> str:
     """``diloco COMMAND --config CONFIG_PATH ARGS`` in a new process, in the config's folder
     (where the run's local folder lives), as a scheduler or a user runs it: its stdout."""
-    done = subprocess.run(
-        [DILOCO, command, "--config", config_path, *args], capture_output=True, text=True,
-        timeout=300, check=False, cwd=Path(config_path).parent,
-    )  # fmt: skip
+    try:
+        done = subprocess.run(
+            [DILOCO, command, "--config", config_path, *args], capture_output=True, text=True,
+            timeout=CLI_SECONDS, check=False, cwd=Path(config_path).parent,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as exc:  # what it was doing, from its own log
+        said = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr
+        raise RuntimeError(f"diloco {command} still ran after {CLI_SECONDS:g} s; its stderr "
+                           f"ends: {(said or '')[-4000:]}") from None  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"diloco {command} exited {done.returncode}: {done.stderr}")
     return done.stdout

@@ -12,7 +12,7 @@ a store that cannot be reached is not a bad checkpoint and propagates.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -165,10 +165,7 @@ def _read_checkpoint(
 def _decode_part(commit: CheckpointCommit, part: RankPart, objects: dict[str, bytes]) -> Any:
     """One part's state tree, which must hold the COMMIT's counters and fingerprint to the
     part's fingerprint: objects and a COMMIT that do not belong together are refused."""
-    tensors: dict[str, torch.Tensor] = {}
-    for entry in part.shards:
-        tensors.update(load_shard(entry.key, objects[entry.key]))
-    tree = unflatten(objects[part.state.key], tensors, part.state.key)
+    tree = decode_tree(part.state, part.shards, objects)
     _check_counters(part.state.key, tree, commit)
     _check_meshes(part.state.key, tree, len(commit.parts()))
     found = fingerprint(commit.step, tree_checksum(tree["fragments"]))
@@ -178,7 +175,18 @@ def _decode_part(commit: CheckpointCommit, part: RankPart, objects: dict[str, by
     return tree
 
 
-def load_shard(key: str, data: bytes) -> dict[str, torch.Tensor]:
+def decode_tree(
+    state: StoredObject, shards: Iterable[StoredObject], objects: dict[str, bytes]
+) -> Any:
+    """The tree a ``state`` structure and its ``shards`` hold (``objects``: their bytes, each
+    already checked against its entry), every tensor checked finite."""
+    tensors: dict[str, torch.Tensor] = {}
+    for entry in shards:
+        tensors.update(_load_shard(entry.key, objects[entry.key]))
+    return unflatten(objects[state.key], tensors, state.key)
+
+
+def _load_shard(key: str, data: bytes) -> dict[str, torch.Tensor]:
     """The tensors of the shard at ``key``, each checked finite."""
     try:
         tensors = load_safetensors(data)

@@ -17,8 +17,6 @@ import time
 from functools import partial
 from typing import Any
 
-import torch
-
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.record import encode_record
 from diloco_anywhere.bucket.store import Store
@@ -26,8 +24,8 @@ from diloco_anywhere.training.checkpoints.commits import read_commit_record
 from diloco_anywhere.training.checkpoints.reader import (
     check_keys,
     checked_object,
+    decode_tree,
     guarded,
-    load_shard,
     read_objects,
 )
 from diloco_anywhere.training.checkpoints.records import (
@@ -35,7 +33,7 @@ from diloco_anywhere.training.checkpoints.records import (
     ReplicaStateCommit,
     StoredObject,
 )
-from diloco_anywhere.training.checkpoints.tree import encode_shard, flatten, plan_shards, unflatten
+from diloco_anywhere.training.checkpoints.tree import encode_in_parts
 from diloco_anywhere.training.checkpoints.writer import prune_rounds
 
 KEEP = 2  # saved states kept per replica: the newest, and one to fall back on while it is written
@@ -54,13 +52,9 @@ def write_replica_state(
     """Save ``tree`` (on CPU) as ``replica``'s own state after ``round_`` (the manager at
     ``step``): its objects, then its COMMIT, create-only; then delete its states older than
     the ``KEEP`` newest."""
-    tensors, structure = flatten(tree)
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    plan = plan_shards(tensors, -(-total // part_bytes))
-    objects = {
-        layout.replica_state_shard(replica, round_, s): encode_shard(names, tensors)
-        for s, names in enumerate(plan)
-    }
+    objects, structure = encode_in_parts(
+        tree, part_bytes, partial(layout.replica_state_shard, replica, round_)
+    )
     state_key = layout.replica_state_structure(replica, round_)
     commit = ReplicaStateCommit(
         run=layout.run, replica=replica, round=round_, step=step, time=time.time(),
@@ -98,14 +92,7 @@ def read_replica_state(
                               f"most {limit}, what this replica's own state can hold")  # fmt: skip
     objects = guarded(key, lambda: read_objects(store, entries))
     checked = {e.key: checked_object(e.key, objects[e.key], e) for e in entries}
-
-    def decode() -> Any:
-        tensors: dict[str, torch.Tensor] = {}
-        for entry in commit.shards:
-            tensors.update(load_shard(entry.key, checked[entry.key]))
-        return unflatten(checked[commit.state.key], tensors, commit.state.key)
-
-    return commit, guarded(key, decode)
+    return commit, guarded(key, lambda: decode_tree(commit.state, commit.shards, checked))
 
 
 def _read_commit(store: Store, layout: RunLayout, replica: str, round_: int) -> ReplicaStateCommit:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -185,6 +186,18 @@ def plan_shards(tensors: dict[str, torch.Tensor], count: int) -> list[list[str]]
 
 def encode_shard(names: list[str], tensors: dict[str, torch.Tensor]) -> bytes:
     return save_safetensors({name: tensors[name] for name in names})
+
+
+def encode_in_parts(
+    tree: Any, part_bytes: int, shard_key: Callable[[int], str]
+) -> tuple[dict[str, bytes], bytes]:
+    """``tree`` as safetensors objects of about ``part_bytes`` each, shard ``s`` keyed
+    ``shard_key(s)``, and its structure: how one rank's part of a checkpoint, or one replica's
+    own state, is written."""
+    tensors, structure = flatten(tree)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    plan = plan_shards(tensors, -(-total // part_bytes))
+    return {shard_key(s): encode_shard(names, tensors) for s, names in enumerate(plan)}, structure
 
 
 # -- a sharded checkpoint's parts as one tree ---------------------------------------------

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from diloco_anywhere.bucket.framing import WireFormatError
@@ -36,7 +37,13 @@ from diloco_anywhere.training.checkpoints.records import (
     StoredObject,
     StoredPart,
 )
-from diloco_anywhere.training.checkpoints.tree import encode_shard, flatten, plan_shards, snapshot
+from diloco_anywhere.training.checkpoints.tree import (
+    encode_in_parts,
+    encode_shard,
+    flatten,
+    plan_shards,
+    snapshot,
+)
 from diloco_anywhere.training.fingerprints import combine_fingerprints, fingerprint
 from diloco_anywhere.training.global_state import tree_checksum
 
@@ -160,13 +167,9 @@ class CheckpointWriter:
         """This rank's part of a sharded replica's checkpoint: its objects, then (rank k > 0)
         its PART record, or (rank 0) the COMMIT once every rank's PART is in."""
         rank, layout = self.shard.rank, self.layout
-        tensors, structure = flatten(tree)
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        plan = plan_shards(tensors, -(-total // self.policy.part_bytes))
-        objects = {
-            layout.checkpoint_shard(round_, s, rank): encode_shard(names, tensors)
-            for s, names in enumerate(plan)
-        }
+        objects, structure = encode_in_parts(
+            tree, self.policy.part_bytes, partial(layout.checkpoint_shard, round_, rank=rank)
+        )
         state_key = layout.checkpoint_state(round_, rank)
         commit = _commit_fields(layout, round_, tree)
         part = RankPart(
