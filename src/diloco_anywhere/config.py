@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from diloco_anywhere.bucket.codec_names import DEFAULT_CODEC, CodecName
+from diloco_anywhere.bucket.codec_names import CODEC_NAMES, DEFAULT_CODEC, CodecName
 from diloco_anywhere.bucket.layout import NAME
 from diloco_anywhere.bucket.redaction import redact_url
 from diloco_anywhere.bucket.schemes import check_store_url
@@ -77,17 +77,55 @@ class RunSection(_Section):
         return self
 
 
+class SparseSection(_Section):
+    """``[diloco.sparse]``: what ``codec = "sparse"`` sends (``bucket/sparse_codec.py``) and
+    the error feedback that keeps what it leaves out (``bucket/feedback.py``). The defaults are
+    SparseLoCo's (arXiv 2508.15706): 64 values of every 4,096 (1.56%), 2 bits each, the
+    accumulator decayed by 0.95 per sync; docs/tuning.md, "Sparse", has the measurements."""
+
+    density: Annotated[float, Field(gt=0, le=1)] = 1 / 64  # kept per chunk: k = density x chunk
+    bits: Annotated[int, Field(ge=1, le=4)] = 2  # per kept value: a sign and 2^(bits-1) levels
+    chunk: Annotated[int, Field(ge=64, le=65536, multiple_of=64)] = 4096  # values per top-k
+    error_decay: Annotated[float, Field(gt=0, le=1)] = 0.95  # the accumulator's, per sync
+
+    @property
+    def k(self) -> int:
+        """Values kept per chunk."""
+        return max(1, round(self.density * self.chunk))
+
+
+# SparseLoCo's outer step (arXiv 2508.15706, Algorithm 1): the mean of the sparse updates
+# applied as it is, error feedback standing in for outer momentum. The defaults a run with
+# codec = "sparse" gets for the outer fields it does not set (docs/tuning.md, "Sparse").
+SPARSE_OUTER = {"outer_lr": 1.0, "outer_momentum": 0.0, "outer_nesterov": False}
+
+
 class DilocoSection(_Section):
     sync_every: PositiveInt = 50  # H: inner steps between two syncs of the same fragment set
     outer_steps: PositiveInt = 10  # the run ends after this many committed outer steps
     fragments: PositiveInt = 1  # > 1: Streaming DiLoCo (arXiv 2501.18512)
     fragment_sync_delay: Annotated[int, Field(ge=0)] = 0  # tau, in inner steps
     codec: CodecName = DEFAULT_CODEC
+    sparse: SparseSection = Field(default_factory=SparseSection)  # with codec = "sparse"
     inner_lr: Annotated[float, Field(gt=0)] = 1e-3
     inner_weight_decay: Annotated[float, Field(ge=0)] = 0.1
     outer_lr: Annotated[float, Field(gt=0)] = 0.7
     outer_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
     outer_nesterov: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sparse_outer_step(cls, data: Any) -> Any:
+        """With ``codec = "sparse"``, the outer fields not given are SparseLoCo's."""
+        if isinstance(data, dict) and data.get("codec") == "sparse":
+            return {**SPARSE_OUTER, **data}
+        return data
+
+    def codec_params(self) -> dict[str, int]:
+        """The wire codec's parameters beyond its name (``bucket.codec.make_codec``)."""
+        if self.codec != "sparse":
+            return {}
+        return {"chunk": self.sparse.chunk, "k": self.sparse.k, "bits": self.sparse.bits}
 
     @property
     def total_steps(self) -> int:
@@ -245,6 +283,31 @@ class AlertsSection(_Section):
     stalled_after: Seconds = 1800.0  # alert when no round has sealed for this long
 
 
+def parse_codec(spec: str) -> tuple[CodecName, SparseSection]:
+    """A benchmark's ``--codec``: a codec name, and for ``sparse`` any of its run.toml
+    settings after colons (``sparse:density=0.03:bits=4``); ``ConfigError`` naming what is
+    allowed."""
+    name, *settings = spec.split(":")
+    if name not in CODEC_NAMES:
+        raise ConfigError(f"codec {spec!r}: the name is one of {', '.join(CODEC_NAMES)}")
+    pairs = [setting.partition("=") for setting in settings]
+    allowed = sorted(SparseSection.model_fields) if name == "sparse" else []
+    if any(key not in allowed or not sep for key, sep, _ in pairs):
+        raise ConfigError(
+            f"codec {spec!r}: settings are key=value after colons, keys "
+            f"{', '.join(allowed) or f'(none for {name})'}"
+        )
+    try:
+        return name, SparseSection.model_validate({key: value for key, _, value in pairs})  # type: ignore[return-value]
+    except ValidationError as exc:
+        raise ConfigError(problems(exc, f"codec {spec!r}", "sparse")) from None
+
+
+def describe_codec(name: str, sparse: SparseSection) -> str:
+    """``int8``, or ``sparse 1.56% 2-bit``: how tables name a codec."""
+    return f"sparse {sparse.k / sparse.chunk:.2%} {sparse.bits}-bit" if name == "sparse" else name
+
+
 class RunConfig(_Section):
     run: RunSection = Field(default_factory=RunSection)
     diloco: DilocoSection = Field(default_factory=DilocoSection)
@@ -279,7 +342,8 @@ class RunConfig(_Section):
         from diloco_anywhere.bucket.codec import make_codec
 
         return CollectiveConfig(
-            codec=make_codec(self.diloco.codec), round=self.sync.round_policy(self.run),
+            codec=make_codec(self.diloco.codec, **self.diloco.codec_params()),
+            round=self.sync.round_policy(self.run),
             lease=self.sync.lease_policy(), keep_rounds=self.sync.keep_rounds,
         )  # fmt: skip
 

@@ -51,30 +51,68 @@ def test_codec_parameters_are_validated():
         make_codec("int8", block=4)
 
 
-def test_error_feedback_telescopes():
-    """Sum of what was sent + final residual == sum of the true tensors (to float rounding),
-    so over many rounds the error stays one round's worth instead of growing."""
-    feedback, codec = ErrorFeedback(), make_codec("int8", block=64)
+def sent(codec, tensor: torch.Tensor) -> torch.Tensor:
+    """What the wire carries of ``tensor`` in ``codec``."""
+    return wire.decode(wire.encode(tensor, codec, META)).tensor
+
+
+@pytest.mark.parametrize(
+    "codec", [make_codec("int8", block=64), make_codec("sparse", chunk=256, k=8, bits=2)]
+)
+def test_error_feedback_telescopes(codec):
+    """With decay 1, what was sent over many rounds plus the last residual is the sum of the
+    true tensors (to float rounding): the error stays one round's worth instead of growing,
+    and the sparse codec, which leaves out 31 of every 32 values, delivers them later."""
+    feedback = ErrorFeedback(decay=1.0)
     rounds = [sample("student_t", 4096, seed) * 1e-3 for seed in range(50)]
-    sent = torch.zeros(4096)
+    total = torch.zeros(4096)
     for tensor in rounds:
-        sent += wire.decode(feedback.encode("fragment-0", tensor, codec, META)).tensor
+        total += sent(codec, feedback.compensate(0, [tensor]).clone())
+        feedback.applied(0, codec)
     truth = torch.stack(rounds).sum(0)
-    residual = feedback.residual("fragment-0")
-    assert torch.allclose(sent + residual, truth, atol=1e-5)
-    plain = sum(wire.decode(wire.encode(t, codec, META)).tensor for t in rounds)
-    assert (sent - truth).norm() < 0.5 * (plain - truth).norm()
+    assert torch.allclose(total + feedback.residual(0), truth, atol=1e-5)
+    plain = sum(sent(codec, tensor) for tensor in rounds)
+    assert (total - truth).norm() < 0.5 * (plain - truth).norm()
 
 
-def test_error_feedback_streams_are_independent_and_shape_checked():
+def test_the_accumulator_decays_and_keeps_exactly_what_the_codec_dropped():
+    codec, decay = make_codec("sparse", chunk=64, k=4, bits=2), 0.95
+    feedback = ErrorFeedback(decay)
+    first, second = sample("gaussian", 200, 1), sample("gaussian", 200, 2)
+    compensated = feedback.compensate(0, [first[:50], first[50:]]).clone()  # tensors in order
+    assert torch.equal(compensated, first)
+    feedback.applied(0, codec)
+    assert torch.equal(feedback.residual(0), first - sent(codec, first))
+    expected = decay * (first - sent(codec, first)) + second
+    assert torch.allclose(feedback.compensate(0, [second]), expected)
+
+
+def test_a_contribution_the_mean_did_not_hold_is_kept_whole():
+    """No ``applied`` (the round failed, was not committed, or sealed without us): the next
+    round sends all of it again, decayed once."""
+    feedback = ErrorFeedback(0.5)
+    first, second = sample("gaussian", 64, 1), sample("gaussian", 64, 2)
+    feedback.compensate(0, [first])
+    assert torch.allclose(feedback.compensate(0, [second]), 0.5 * first + second)
+
+
+def test_streams_are_independent_and_one_whose_size_changed_starts_from_zero(caplog):
     feedback, codec = ErrorFeedback(), make_codec("int8", block=8)
-    feedback.encode("a", torch.randn(16), codec, META)
-    feedback.encode("b", torch.randn(4), codec, META)
-    with pytest.raises(ValueError, match="stream 'a' changed shape"):
-        feedback.encode("a", torch.randn(8), codec, META)
-    feedback.reset("a")
-    feedback.encode("a", torch.randn(8), codec, META)
-    assert feedback.residual("a").shape == (8,)
+    feedback.compensate(0, [torch.randn(16)])
+    feedback.applied(0, codec)
+    feedback.compensate(1, [torch.ones(4)])
+    assert torch.equal(feedback.compensate(0, [torch.ones(8)]), torch.ones(8))
+    assert "stream 0 held 16 values" in caplog.text
+    assert torch.equal(feedback.residual(1), torch.ones(4))
+    feedback.load_state_dict(feedback.state_dict())
+    assert set(feedback.state_dict()) == {"0", "1"}
+    feedback.clear()
+    assert feedback.residual(0) is None
+
+
+def test_the_decay_is_validated():
+    with pytest.raises(ValueError, match=r"decay 0 must be in \(0, 1\]"):
+        ErrorFeedback(0)
 
 
 def test_every_codec_name_run_toml_accepts_is_a_codec_and_back():

@@ -33,6 +33,7 @@ from diloco_anywhere.training.checkpoints.records import (
 from diloco_anywhere.training.checkpoints.writer import CheckpointPolicy, CheckpointWriter
 from diloco_anywhere.training.metrics import EventLine, MetricsChunk, StepLine, SyncLine
 from support.checkpoints import counters_after, diloco_like_state, record_bytes, rewrite_counters
+from support.wire import craft_raw
 
 KEY = "run/rounds/0000000001/0/SEAL"
 PART = PartEntry(key="run/rounds/0000000001/0/parts/a-0/0", size=300, crc32c=7, start=0, stop=64)
@@ -110,7 +111,7 @@ def test_a_record_with_bytes_changed_and_its_checksum_made_right(sample, data):
 META = wire.ObjectMeta(run="run", round=1, replica="a", incarnation=0, shard=0)
 
 
-@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8", "sparse"])
 @settings(max_examples=100, deadline=None)
 @given(data=st.data())
 def test_a_wire_object_with_bytes_changed_is_refused_or_exact(codec, data):
@@ -121,6 +122,30 @@ def test_a_wire_object_with_bytes_changed_is_refused_or_exact(codec, data):
     encoded[data.draw(st.integers(0, len(encoded) - 1))] ^= data.draw(st.integers(1, 255))
     outcome = _outcome(lambda: wire.decode(bytes(encoded), key=KEY))
     assert _refused_here(outcome) or torch.equal(outcome.tensor, original.tensor), outcome
+
+
+SPARSE = make_codec("sparse", chunk=64, k=8, bits=3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_a_sparse_object_with_payload_bytes_changed_and_its_checksum_made_right(data):
+    """Past the checksum, the sparse codec's own checks: an object refused naming its key, or
+    finite values with at most k kept per chunk of 64 (positions in range, none twice)."""
+    encoded = bytearray(wire.encode(torch.linspace(-3, 3, 150), SPARSE, META))
+    header_length = framing.PREFIX.unpack_from(encoded)[3]
+    payload_at = framing.PREFIX.size + header_length
+    for _ in range(data.draw(st.integers(1, 4))):
+        offset = data.draw(st.integers(payload_at, len(encoded) - 1))
+        encoded[offset] = data.draw(st.integers(0, 255))
+    changed = craft_raw(bytes(encoded[framing.PREFIX.size : payload_at]), encoded[payload_at:])
+    outcome = _outcome(lambda: wire.decode(changed, key=KEY))
+    if _refused_here(outcome):
+        return
+    assert isinstance(outcome, wire.Decoded), outcome
+    assert bool(torch.isfinite(outcome.tensor).all())
+    kept = (outcome.tensor != 0).view(-1)
+    assert all(int(kept[start : start + 64].sum()) <= 8 for start in range(0, 150, 64))
 
 
 @settings(max_examples=150, deadline=None)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import struct
 
-import crc32c
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -15,6 +13,7 @@ from hypothesis import strategies as st
 
 from diloco_anywhere.bucket import framing, wire
 from diloco_anywhere.bucket.codec import Bf16Codec, Fp32Codec, Int8Codec, make_codec
+from support.wire import craft, craft_raw, header_of
 
 META = wire.ObjectMeta(run="run-1", round=7, replica="modal-0", incarnation=3, shard=2)
 DTYPES = list(wire.DTYPES.values())
@@ -118,22 +117,8 @@ def floats(*values: float) -> bytes:
     return struct.pack(f"<{len(values)}f", *values)
 
 
-def craft_raw(header: bytes, payload: bytes) -> bytes:
-    """A well-checksummed object with any header, to reach the checks behind the checksum."""
-    body = header + payload
-    checksum = crc32c.crc32c(body)
-    return (
-        framing.PREFIX.pack(framing.MAGIC, framing.VERSION, bytes(3), len(header), checksum) + body
-    )
-
-
-def craft(header: dict, payload: bytes) -> bytes:
-    return craft_raw(json.dumps(header).encode(), payload)
-
-
 def good_header(**changes) -> dict:
-    header = {**META.model_dump(), "dtype": "float32", "shape": [2], "codec": {"name": "fp32"}}
-    return header | changes
+    return header_of(META, 2, {"name": "fp32"}) | changes
 
 
 def test_crafted_valid_object_decodes():

@@ -156,6 +156,30 @@ def test_survivors_of_a_sigkilled_member_seal_without_it(tmp_path):
         assert (seal.contributors, seal.mode) == (("r0-0", "r1-0"), "sharded")
 
 
+def test_a_contribution_from_another_buffer_is_averaged_into_the_tensor_and_left_as_it_was():
+    """Error feedback sends its accumulator, not DiLoCo's pseudo-gradient, and the mean goes
+    into the pseudo-gradient: ``source`` is what is sent, ``tensor`` what receives."""
+    store = Store("memory://allreduce-source")
+    config = CollectiveConfig(round=RoundPolicy(min_replicas=2, grace=30.0, timeout=30.0))
+    with (
+        BucketCollective(store, "run", "a", config) as a,
+        BucketCollective(store, "run", "b", config) as b,
+    ):
+        received = [torch.zeros(6), [torch.zeros(2), torch.zeros(4)]]
+        sources = [torch.full((6,), 1.0), torch.full((6,), 3.0)]
+        works = [
+            collective.allreduce(tensor, round_=0, source=source)
+            for collective, tensor, source in zip((a, b), received, sources, strict=True)
+        ]
+        for work in works:
+            work.wait()
+        with pytest.raises(ValueError, match="source has 5 values, the tensors 6"):
+            a.allreduce(torch.zeros(6), round_=1, source=torch.zeros(5))
+    assert received[0].tolist() == [2.0] * 6
+    assert [tensor.tolist() for tensor in received[1]] == [[2.0] * 2, [2.0] * 4]
+    assert [source.tolist() for source in sources] == [[1.0] * 6, [3.0] * 6]
+
+
 def test_a_replica_that_starts_mid_round_counts_in_it():
     """The first replica's round began when it was the only member; min_replicas = 2 and an
     hour of grace mean only a refreshed member list can let it seal (else pytest-timeout)."""

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from diloco_anywhere.bench.processes import worker_context
 from diloco_anywhere.bench.store import sample_tensor
 from diloco_anywhere.bucket import framing, wire
-from diloco_anywhere.bucket.codec import make_codec
+from diloco_anywhere.bucket.codec import make_codec, reduced_codec
 from diloco_anywhere.bucket.layout import Participant, RunLayout
 from diloco_anywhere.bucket.record import decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
@@ -31,6 +31,7 @@ from diloco_anywhere.collective.records import Manifest, PartEntry, Seal
 from diloco_anywhere.collective.round import Round, RoundPolicy, part_ranges
 
 RUN = RunLayout("run")
+META = wire.ObjectMeta(run="run", round=0, replica="a", incarnation=0, shard=0)
 NUMEL = 10_000
 PARTS = 4_096  # several parts per contribution, the last one short
 MODES = ("gather", "sharded")
@@ -322,6 +323,22 @@ def test_auto_mode_shards_when_it_saves_enough_download(contributors, payload, m
     assert RoundPolicy(mode="gather").exchange_mode(contributors, payload) == "gather"
 
 
+@pytest.mark.parametrize(
+    ("contributors", "mode"),
+    [
+        (2, "gather"),
+        (8, "gather"),  # 7 x 29 MB against 7/8 x (29 MB + 1.06 GB of int8 shards)
+        (16, "gather"),  # the others' 440 MB overflow gather_memory: still fewer bytes
+        (48, "sharded"),  # 1.4 GB and more, read again, against 1.07 GB
+    ],
+)
+def test_auto_mode_gathers_sparse_contributions_while_that_moves_fewer_bytes(contributors, mode):
+    """A sparse round's reduced shards are int8, 36 times a contribution (1B parameters)."""
+    codec = make_codec("sparse")
+    payload, reduced = (c.payload_nbytes(10**9) for c in (codec, reduced_codec(codec)))
+    assert RoundPolicy().exchange_mode(contributors, payload, reduced) == mode
+
+
 @given(
     numel=st.integers(1, 50_000),
     codec=st.sampled_from([make_codec("fp32"), make_codec("int8", block=64)]),
@@ -343,7 +360,7 @@ def test_parts_tile_the_tensor_in_whole_blocks_and_come_in_multiples(
     assert not sizes or max(sizes) - min(sizes) <= align
 
 
-def _rounds_in_threads(store, contributions, policy_fields):
+def _rounds_in_threads(store, contributions, policy_fields, codec=None):
     """Contribute a copy of each (name, tensor, fingerprint) in order, then finish all rounds
     at once; each copy receives its round's mean."""
     members = [Participant(name, 0) for name, _, _ in contributions]
@@ -351,7 +368,7 @@ def _rounds_in_threads(store, contributions, policy_fields):
     for name, tensor, fingerprint in contributions:
         rounds[name] = Round(store, RUN, 0, 0, Participant(name, 0), members, policy_fields)
         received[name] = tensor.clone()
-        rounds[name].contribute(received[name], 1.0, make_codec("fp32"), fingerprint)
+        rounds[name].contribute(received[name], 1.0, codec or make_codec("fp32"), fingerprint)
     outcomes = {}
 
     def finish(name):
@@ -366,6 +383,29 @@ def _rounds_in_threads(store, contributions, policy_fields):
     for thread in threads:
         thread.join()
     return outcomes, received
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_sparse_round_averages_what_each_replica_sent(mode):
+    """gather: the mean of the decoded contributions, bit for bit in the reference order;
+    sharded: that mean once more in int8, the reduced shards' codec, within int8's bound,
+    the same bytes on every replica."""
+    codec = make_codec("sparse", chunk=256, k=16, bits=2)
+    tensors = [sample_tensor("student_t", 3000, seed=i) for i in range(3)]
+    outcomes, received = _rounds_in_threads(
+        Store(f"memory://rounds-sparse-{mode}"),
+        [(name, tensor, "f") for name, tensor in zip("abc", tensors, strict=True)],
+        RoundPolicy(grace=30.0, timeout=30.0, mode=mode, expected_replicas=3, part_elements=512),
+        codec,
+    )
+    sent = [wire.decode(wire.encode(tensor, codec, META)).tensor for tensor in tensors]
+    exact = weighted_mean([(tensor, 1.0) for tensor in sent])
+    assert {outcome.seal.mode for outcome in outcomes.values()} == {mode}
+    assert all(torch.equal(received[name], received["a"]) for name in "bc")
+    if mode == "gather":
+        assert torch.equal(received["a"], exact)
+    else:
+        assert 0 < float((received["a"] - exact).norm() / exact.norm()) < 0.01
 
 
 def test_a_replica_whose_weights_differ_is_left_out_and_fails_loudly():

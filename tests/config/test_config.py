@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from diloco_anywhere.config import ConfigError, load_config, parse_config
+from diloco_anywhere.config import ConfigError, load_config, parse_codec, parse_config
 from diloco_anywhere.contract import replica_index, with_overrides
 
 
@@ -43,7 +43,7 @@ outer_momentum = 1.5
     assert str(caught.value).splitlines() == [
         "run.toml: run.replicas = 0: Input should be greater than or equal to 1",
         "run.toml: run.colour = 'blue': Extra inputs are not permitted",
-        "run.toml: diloco.codec = 'fp4': Input should be 'fp32', 'bf16' or 'int8'",
+        "run.toml: diloco.codec = 'fp4': Input should be 'fp32', 'bf16', 'int8' or 'sparse'",
         "run.toml: diloco.outer_momentum = 1.5: Input should be less than 1",
     ]
 
@@ -165,3 +165,56 @@ def test_every_setting_dumps_to_toml_and_loads_back_the_same():
     config = load_config()
     text = tomli_w.dumps(config.model_dump())
     assert parse_config(text, "dumped") == config
+
+
+def test_a_sparse_run_takes_sparselocos_outer_step_unless_it_sets_its_own():
+    """SparseLoCo (arXiv 2508.15706): error feedback stands in for outer momentum, and the
+    mean is applied as it is; what run.toml sets wins, and a dumped config loads the same."""
+    sparse = parse_config('[diloco]\ncodec = "sparse"\n', "run.toml")
+    diloco = sparse.diloco
+    assert (diloco.outer_lr, diloco.outer_momentum, diloco.outer_nesterov) == (1.0, 0.0, False)
+    assert parse_config(tomli_w.dumps(sparse.model_dump()), "dumped") == sparse
+    own = parse_config('[diloco]\ncodec = "sparse"\nouter_lr = 0.5\n', "run.toml").diloco
+    assert (own.outer_lr, own.outer_momentum) == (0.5, 0.0)
+    dense = parse_config('[diloco]\ncodec = "int8"\n', "run.toml").diloco
+    assert (dense.outer_lr, dense.outer_momentum, dense.outer_nesterov) == (0.7, 0.9, True)
+
+
+def test_the_sparse_settings_reach_the_codec():
+    config = parse_config(
+        '[diloco]\ncodec = "sparse"\n[diloco.sparse]\ndensity = 0.03\nbits = 3\nchunk = 2048\n',
+        "run.toml",
+    )
+    codec = config.collective_config().codec
+    assert (codec.name, codec.chunk, codec.k, codec.bits) == ("sparse", 2048, 61, 3)
+    assert config.diloco.sparse.error_decay == 0.95
+
+
+@pytest.mark.parametrize(
+    ("sparse", "message"),
+    [
+        ("bits = 5", "diloco.sparse.bits = 5: Input should be less than or equal to 4"),
+        ("chunk = 100", "diloco.sparse.chunk = 100: Input should be a multiple of 64"),
+        ("density = 0", "diloco.sparse.density = 0: Input should be greater than 0"),
+        ("error_decay = 1.5", "diloco.sparse.error_decay = 1.5: Input should be less than"),
+    ],
+)
+def test_sparse_settings_are_checked_on_load(sparse, message):
+    with pytest.raises(ConfigError, match=re.escape(f"run.toml: {message}")):
+        parse_config(f'[diloco]\ncodec = "sparse"\n[diloco.sparse]\n{sparse}\n', "run.toml")
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("fp4", "codec 'fp4': the name is one of fp32, bf16, int8, sparse"),
+        ("sparse:rate=2", "keys bits, chunk, density, error_decay"),
+        ("int8:block=64", "keys (none for int8)"),
+        ("sparse:bits=9", "codec 'sparse:bits=9': sparse.bits = '9': Input should be less"),
+    ],
+)
+def test_a_benchmarks_codec_is_a_name_and_its_run_toml_settings(spec, message):
+    assert parse_codec("sparse:density=0.03:bits=4")[1].k == 123
+    assert parse_codec("int8")[0] == "int8"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_codec(spec)

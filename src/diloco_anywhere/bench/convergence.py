@@ -9,8 +9,10 @@ interval H):
 - **the baseline per replica count and seed**: DDP over gloo with N processes, the same
   per-replica batch, AdamW and inner steps, so the same tokens. With N = 1 it is plain AdamW,
   the control the M = 1 DiLoCo runs are held to;
-- **a sweep**: every combination of replicas, H, outer learning rate and momentum, for every
-  seed, at one token budget (``steps`` inner steps per replica: H x outer steps);
+- **a sweep**: every combination of codec, replicas, H, outer learning rate and momentum, for
+  every seed, at one token budget (``steps`` inner steps per replica: H x outer steps); a
+  codec may bring its own outer step (``sparse:outer_lr=1:outer_momentum=0``, SparseLoCo's),
+  which replaces the swept rates for its runs;
 - **curves**: the held-out loss at every outer step of DiLoCo (its own metrics) and every H
   steps of the baseline, against the tokens all replicas trained on, in one PNG.
 
@@ -38,8 +40,9 @@ from diloco_anywhere.bench.train import (
     run_diloco,
     wall_seconds,
 )
-from diloco_anywhere.config import RunConfig, with_changes
+from diloco_anywhere.config import RunConfig, describe_codec, parse_codec, with_changes
 from diloco_anywhere.launching.report import summarize
+from diloco_anywhere.launching.traffic import fragment_sizes
 from diloco_anywhere.task import Task, TaskContext, build_task
 from diloco_anywhere.training.loop import backward_batch, before_inner_step
 from diloco_anywhere.training.warm_start import warm_start
@@ -61,21 +64,53 @@ class Study:
     seeds: tuple[int, ...] = (0,)
     steps: int = 500
     warm_start: int = 0
-    codec: str = "int8"
+    # ``--codec`` specs (``config.parse_codec``), each with its own outer step if it names
+    # one (``codec_outer_step``)
+    codecs: tuple[str, ...] = ("int8",)
 
     def check(self) -> None:
         for h in self.sync_every:
             if self.steps % h:
                 raise ValueError(f"steps ({self.steps}) must be a multiple of every H ({h})")
+        for spec in self.codecs:
+            codec_outer_step(spec)
 
     def runs(self) -> list[dict[str, Any]]:
         """Every DiLoCo run's settings."""
-        names = ("replicas", "sync_every", "fragments", "outer_lr", "outer_momentum", "seed")
-        product = itertools.product(
-            self.replicas, self.sync_every, self.fragments, self.outer_lr, self.outer_momentum,
-            self.seeds,
-        )  # fmt: skip
-        return [dict(zip(names, values, strict=True)) for values in product]
+        names = ("codec", "replicas", "sync_every", "fragments", "outer_lr", "outer_momentum",
+                 "seed")  # fmt: skip
+        runs = []
+        for spec in self.codecs:
+            _, outer = codec_outer_step(spec)
+            product = itertools.product(
+                [spec], self.replicas, self.sync_every, self.fragments,
+                [outer["outer_lr"]] if "outer_lr" in outer else self.outer_lr,
+                [outer["outer_momentum"]] if "outer_momentum" in outer else self.outer_momentum,
+                self.seeds,
+            )  # fmt: skip
+            runs += [dict(zip(names, values, strict=True)) for values in product]
+        return runs
+
+
+OUTER_KEYS = ("outer_lr", "outer_momentum")
+
+
+def codec_outer_step(spec: str) -> tuple[str, dict[str, float]]:
+    """A study's codec spec without its outer step, and that step: ``sparse:outer_lr=1`` is
+    ``("sparse", {"outer_lr": 1.0})``; the rest is run.toml's (``config.parse_codec``)."""
+    kept, outer = [], {}
+    for setting in spec.split(":"):
+        key, _, value = setting.partition("=")
+        if key not in OUTER_KEYS:
+            kept.append(setting)
+            continue
+        try:
+            outer[key] = float(value)
+        except ValueError:
+            raise ValueError(f"codec {spec!r}: {key} must be a number") from None
+    codec = ":".join(kept)
+    parse_codec(codec)
+    return codec, outer
 
 
 def _context(config: RunConfig, rank: int, world: int, steps: int) -> TaskContext:
@@ -165,6 +200,7 @@ def run_baseline(config: RunConfig, steps: int, every: int, folder: Path) -> dic
     return {
         "eval_loss": curve[-1][1] if curve else float("nan"),  # a task without evaluate
         "curve": curve,
+        "parameters": parameters,
         "bytes_per_replica": 2 * (world - 1) / world * 4 * parameters * steps,  # ring, fp32
     }
 
@@ -236,12 +272,13 @@ def _diloco_config(
     The replicas save no own state: the study weighs the exchange's bytes against data
     parallel's, and a restart's insurance is neither."""
     replicas, h, momentum = settings["replicas"], settings["sync_every"], settings["outer_momentum"]
+    codec, sparse = parse_codec(codec_outer_step(settings["codec"])[0])
     return with_changes(
         config, run__name=name, run__replicas=replicas, run__min_replicas=replicas,
         run__seed=settings["seed"], diloco__sync_every=h, diloco__outer_steps=study.steps // h,
         diloco__fragments=settings["fragments"], diloco__fragment_sync_delay=study.fragment_delay,
-        diloco__codec=study.codec, diloco__outer_lr=settings["outer_lr"],
-        diloco__outer_momentum=momentum,
+        diloco__codec=codec, diloco__sparse=sparse.model_dump(),
+        diloco__outer_lr=settings["outer_lr"], diloco__outer_momentum=momentum,
         diloco__outer_nesterov=config.diloco.outer_nesterov and momentum > 0, task__eval_every=1,
         checkpoint__own_state=False,
     )  # fmt: skip
@@ -262,8 +299,18 @@ def _diloco_run(
     metrics = run_diloco(run, run_folder, progress)
     summary = summarize(metrics)
     sent = summary.bytes_up_per_replica
+    rounds = run.diloco.outer_steps * run.diloco.fragments
+    payload = _payload_per_outer_step(run, baseline["parameters"])
     return {
         **settings,
+        "codec_label": describe_codec(run.diloco.codec, run.diloco.sparse),
+        # one contribution's encoded pseudo-gradient per outer step (every fragment's), and
+        # over its fp32 bytes: the codec's own ratio, without the round's records
+        "payload_per_outer_step": payload,
+        "payload_vs_fp32": payload / (4 * baseline["parameters"]),
+        # everything the replica moved (parts, records, leases, metrics), per sync
+        "sent_per_sync": sent / rounds,
+        "received_per_sync": summary.bytes_down_per_replica / rounds,
         "tokens": summary.tokens,
         "eval_loss": summary.eval_loss,
         "baseline_eval_loss": baseline["eval_loss"],
@@ -274,6 +321,20 @@ def _diloco_run(
         "seconds": statistics.fmean(map(wall_seconds, metrics.values())),
         "curve": _diloco_curve(metrics),
     }
+
+
+def _payload_per_outer_step(run: RunConfig, parameters: int) -> int:
+    """The payload bytes of one replica's contribution for every fragment once, as
+    ``Round.contribute`` splits it into parts (each part's ~300-byte header aside)."""
+    from diloco_anywhere.collective.round import part_ranges
+
+    config = run.collective_config()
+    codec, policy = config.codec, config.round
+    return sum(
+        codec.payload_nbytes(len(elements))
+        for numel in fragment_sizes(parameters, run.diloco.fragments)
+        for elements in part_ranges(numel, codec, policy.part_elements, policy.expected_replicas)
+    )
 
 
 def plot_study(result: dict[str, Any], path: Path) -> None:
@@ -290,8 +351,9 @@ def plot_study(result: dict[str, Any], path: Path) -> None:
     for run in result["runs"]:
         if run["curve"]:
             label = (
-                f"DiLoCo N={run['replicas']} H={run['sync_every']} F={run['fragments']} "
-                f"lr {run['outer_lr']} m {run['outer_momentum']} seed {run['seed']}"
+                f"{run['codec_label']} N={run['replicas']} H={run['sync_every']} "
+                f"F={run['fragments']} lr {run['outer_lr']} m {run['outer_momentum']} "
+                f"seed {run['seed']}"
             )
             axes.plot(*zip(*run["curve"], strict=True), marker=".", label=label)
     axes.set(xlabel="tokens (all replicas)", ylabel="held-out loss")

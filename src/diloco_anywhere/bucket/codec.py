@@ -7,6 +7,9 @@
   where one scale for a whole tensor does not: one outlier coarsens the steps of only its own
   block. ``diloco bench store`` measures ~1% relative L2 error on Student-t(3) data at block 64.
   Payload: ``ceil(n / block)`` float32 scales, then ``n`` int8 values: 0.266x fp32 at block 64.
+- ``sparse``: per chunk of 4,096 values the 64 largest magnitudes, 2 bits each, their positions
+  in 12 bits (``sparse_codec.py``): 1/136 of fp32. It drops most of every pseudo-gradient, so
+  a run sends it only with error feedback (``feedback.py``), which sends the rest later.
 
 A codec is a pydantic model, so its parameters travel in the wire header and are validated on
 decode. Codecs reject non-finite values both ways, including values that only overflow in the
@@ -18,7 +21,8 @@ layer can stream an object chunk by chunk. The arithmetic runs on the device of 
 GPU replica the quantization happens there, and only the encoded bytes cross to the host
 payload; decoding copies encoded bytes to the device and dequantizes there. A range starts on a
 block boundary (``align``); the bytes of a range are one contiguous span of the payload when
-``contiguous`` (the cast codecs), so a checksum can follow the chunks in order.
+``contiguous`` (the cast codecs), so a checksum can follow the chunks in order. The shared
+base, views and checks are in ``codec_base.py``.
 """
 
 from __future__ import annotations
@@ -27,57 +31,21 @@ import math
 from typing import Annotated, ClassVar, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import Field, TypeAdapter
 
+from diloco_anywhere.bucket.codec_base import (
+    CPU,
+    CodecBase,
+    CodecDataError,
+    host_view,
+    require_finite,
+    to_host,
+)
 from diloco_anywhere.bucket.codec_names import CODEC_NAMES, CodecName
-
-CPU = torch.device("cpu")
-
-
-class CodecDataError(ValueError):
-    """Payload bytes that the codec cannot turn into finite float32 values."""
+from diloco_anywhere.bucket.sparse_codec import SparseCodec
 
 
-def host_view(buffer: memoryview, dtype: torch.dtype, count: int, offset: int = 0) -> torch.Tensor:
-    """A CPU tensor aliasing ``count`` items of ``buffer`` from byte ``offset`` (no copy)."""
-    if count == 0:
-        return torch.empty(0, dtype=dtype)
-    return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
-
-
-def require_finite(
-    values: torch.Tensor, what: str, error: type[ValueError] = CodecDataError
-) -> None:
-    """Raise ``error`` naming how many values are NaN or inf.
-
-    Fast path: a sum is NaN or inf whenever any element is (one vectorised pass, ~20x faster
-    than ``isfinite(values).all()``). Only a non-finite sum, which finite values can also give by
-    overflowing, pays for the exact element-wise check.
-    """
-    if values.numel() == 0 or bool(torch.isfinite(values.sum(dtype=torch.float32))):
-        return
-    bad = int((~torch.isfinite(values)).sum())
-    if bad:
-        raise error(f"{what} has {bad} non-finite values (NaN or inf); only finite values are sent")
-
-
-def _to_host(values: torch.Tensor, out: torch.Tensor) -> None:
-    """``values`` (any device, ``out``'s dtype) into the host tensor ``out``."""
-    out.copy_(values.reshape(-1))
-
-
-class _CodecBase(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
-
-    contiguous: ClassVar[bool] = True
-
-    @property
-    def align(self) -> int:
-        """Ranges start on a multiple of this many elements."""
-        return 1
-
-
-class _CastCodec(_CodecBase):
+class _CastCodec(CodecBase):
     """Values cast to ``wire_dtype`` and sent as its raw bytes."""
 
     wire_dtype: ClassVar[torch.dtype]
@@ -100,7 +68,7 @@ class _CastCodec(_CodecBase):
         if self.narrows:
             require_finite(cast, f"tensor cast to {self.name} (beyond its range?)", ValueError)
         begin, _ = self.byte_span(start, start)
-        _to_host(cast, host_view(payload, self.wire_dtype, values.numel(), begin))
+        to_host(cast, host_view(payload, self.wire_dtype, values.numel(), begin))
 
     def decode_range(
         self, payload: memoryview, numel: int, start: int, stop: int, device: torch.device = CPU
@@ -132,7 +100,7 @@ class Bf16Codec(_CastCodec):
     narrows: ClassVar[bool] = True
 
 
-class Int8Codec(_CodecBase):
+class Int8Codec(CodecBase):
     """Blockwise absmax int8 with a float32 scale per block (the last block may be short).
 
     Payload: every block's scale, then every int8 value, so a range's bytes are two spans
@@ -182,8 +150,8 @@ class Int8Codec(_CodecBase):
             inverse = torch.where(absmax > 0, 127 / absmax, torch.zeros_like(absmax))
             levels.append((block_values * inverse[:, None]).round_().clamp_(-127, 127).reshape(-1))
             scales.append(scale)
-        _to_host(torch.cat(scales), scales_out)
-        _to_host(torch.cat(levels).to(torch.int8), quantized_out)
+        to_host(torch.cat(scales), scales_out)
+        to_host(torch.cat(levels).to(torch.int8), quantized_out)
 
     def decode_range(
         self, payload: memoryview, numel: int, start: int, stop: int, device: torch.device = CPU
@@ -205,12 +173,23 @@ class Int8Codec(_CodecBase):
         require_finite(values, "int8 payload (scale x 127 overflows)")
 
 
-Codec = Annotated[Fp32Codec | Bf16Codec | Int8Codec, Field(discriminator="name")]
+Codec = Annotated[Fp32Codec | Bf16Codec | Int8Codec | SparseCodec, Field(discriminator="name")]
 _CODEC_ADAPTER: TypeAdapter[Codec] = TypeAdapter(Codec)
+# A sparse round's reduced shards: the mean of n sparse contributions is as dense as the union
+# of their kept positions, which top-k again would cut down; int8 keeps all of it.
+_SPARSE_REDUCED = Int8Codec(block=64)
 
 
 def make_codec(name: CodecName | str, **params: int) -> Codec:
-    """A codec by name (``fp32``, ``bf16``, ``int8``) and parameters (``block`` for int8)."""
+    """A codec by name (``fp32``, ``bf16``, ``int8``, ``sparse``) and parameters (``block``
+    for int8; ``chunk``, ``k`` and ``bits`` for sparse)."""
     if name not in CODEC_NAMES:
         raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_NAMES)}")
     return _CODEC_ADAPTER.validate_python({"name": name, **params})
+
+
+def reduced_codec(codec: Codec) -> Codec:
+    """The codec a reduced shard of ``codec``'s contributions is written in (``sharded``
+    exchange): the same codec, except for ``sparse`` (int8; its blocks of 64 divide every
+    sparse chunk, so the shards' ranges suit it)."""
+    return _SPARSE_REDUCED if isinstance(codec, SparseCodec) else codec

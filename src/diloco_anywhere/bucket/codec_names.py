@@ -6,6 +6,6 @@ configuration, as every ``diloco`` command does, never loads torch.
 
 from typing import Literal, get_args
 
-CodecName = Literal["fp32", "bf16", "int8"]
+CodecName = Literal["fp32", "bf16", "int8", "sparse"]
 CODEC_NAMES: tuple[str, ...] = get_args(CodecName)
 DEFAULT_CODEC: CodecName = "fp32"

@@ -255,12 +255,12 @@ class WireReader:
             if stream_checksum:
                 span = self.payload[slice(*codec.byte_span(start, stop))]
                 checksum = crc32c.crc32c(span, checksum)
-            values = codec.decode_range(self.payload, numel, start, stop, device)
-            if check_values:
-                try:
+            try:  # decoding refuses what it cannot place (a sparse position out of range)
+                values = codec.decode_range(self.payload, numel, start, stop, device)
+                if check_values:
                     codec.check(self.payload, numel, start, values)
-                except CodecDataError as exc:
-                    raise self._error(str(exc)) from None
+            except CodecDataError as exc:
+                raise self._error(str(exc)) from None
             yield start, values
         if stream_checksum and checksum != self._stored:
             raise checksum_error(self.key, self._stored, checksum)

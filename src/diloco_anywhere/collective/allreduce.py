@@ -169,9 +169,13 @@ class BucketCollective:
         weight: float = 1.0,
         codec: Codec | None = None,
         fingerprint: str | Callable[[], str] = "",
+        source: torch.Tensor | None = None,
     ) -> Work:
         """Start round ``round_`` of ``fragment`` with this replica's ``tensor``; returns at
         once. When the round is done, ``tensor`` holds the mean, written in place.
+        ``source``: what to contribute instead of ``tensor``'s values, as many (error
+        feedback's compensated buffer, ``bucket/feedback.py``); the mean still goes into
+        ``tensor``, and ``source`` too must stay untouched until the work is done.
 
         Nothing is copied: the round's threads read ``tensor`` part by part as they upload it,
         and write the mean into it part by part as reduced parts arrive, so a sync adds a
@@ -189,10 +193,15 @@ class BucketCollective:
         until the round is done (DiLoCo changes its global state only after the round).
         """
         self.membership.check()
-        source = FlatTensors(tensor if isinstance(tensor, list) else [tensor])
+        destination = FlatTensors(tensor if isinstance(tensor, list) else [tensor])
+        contribution = destination if source is None else FlatTensors([source])
+        if contribution.numel != destination.numel:
+            raise ValueError(
+                f"source has {contribution.numel} values, the tensors {destination.numel}"
+            )
         future = self._executor.submit(
-            self._run_round, source, round_, fragment, weight, codec or self.config.codec,
-            fingerprint, self._latest.get(fragment),
+            self._run_round, contribution, destination, round_, fragment, weight,
+            codec or self.config.codec, fingerprint, self._latest.get(fragment),
         )  # fmt: skip
         self._latest[fragment] = future
         return Work(future, tensor)
@@ -200,6 +209,7 @@ class BucketCollective:
     def _run_round(
         self,
         source: FlatTensors,
+        destination: FlatTensors,
         round_: int,
         fragment: int,
         weight: float,
@@ -217,7 +227,7 @@ class BucketCollective:
             self.config.round, members, self.config.lease.period, self._transfers,
         )  # fmt: skip
         round_state.contribute(source, weight, codec, fingerprint)
-        result = finish_round(round_state)
+        result = finish_round(round_state, destination)
         self._finished[fragment] = round_
         if result.seal.contributors[0] == self.me.name:
             self._collecting.submit(self._collect_garbage, round_, fragment)

@@ -51,7 +51,14 @@ class Collective:
     ) -> None:
         """``replicas``: how many contribute to a round when all are up; ``min_replicas``
         (default: all of them) the fewest a round may seal with after ``grace`` seconds;
-        ``codec``: ``fp32``, ``bf16`` or ``int8`` on the wire."""
+        ``codec``: ``fp32``, ``bf16`` or ``int8`` on the wire (not ``sparse``: it drops
+        most values, which only a DiLoCo run's error feedback sends later)."""
+        if codec == "sparse":
+            raise ValueError(
+                "codec 'sparse' keeps 1 value in 64 and needs error feedback to send the rest "
+                'later, which a DiLoCo run has (run.toml: [diloco] codec = "sparse"); a '
+                "plain all-reduce takes fp32, bf16 or int8"
+            )
         policy = RoundPolicy(
             min_replicas=replicas if min_replicas is None else min_replicas,
             expected_replicas=replicas, grace=grace, timeout=timeout,

@@ -81,19 +81,30 @@ class RoundPolicy:
             ceiling = max(self.poll_max, self.poll_share * (clock() - started))
             upper = min(self.poll_cap, ceiling, 2 * upper)
 
-    def exchange_mode(self, contributors: int, payload_bytes: int) -> ExchangeMode:
-        """``gather`` downloads ``(n - 1) P`` per replica, ``sharded`` ``2 P (n - 1) / n`` but
-        adds a put and a get in sequence (the reduced shards). Shard when the bytes saved,
-        ``P (n - 1)(n - 2) / n``, are worth two more store round trips: at ~50 ms each and
-        ~1 GB/s per replica, that is ~100 MB; the default threshold is 64 MiB. Shard too when
-        the others' contributions, ``(n - 1) P``, would not fit ``gather_memory``: a gather
-        keeps what it checked before the SEAL, and reads the rest twice."""
+    def exchange_mode(
+        self, contributors: int, payload_bytes: int, reduced_bytes: int | None = None
+    ) -> ExchangeMode:
+        """The exchange that downloads fewer bytes per replica, by enough to pay for its
+        extra requests. ``gather`` downloads the others' contributions, ``(n - 1) P``, and
+        what of them did not fit ``gather_memory`` once more (a gather keeps what it checked
+        before the SEAL and reads the rest again). ``sharded`` downloads ``(n - 1)(P + R) / n``,
+        ``R`` being the reduced result's bytes (``reduced_bytes``: ``P`` for a dense codec,
+        int8's for a sparse one, ``codec.reduced_codec``), but adds a put and a get in
+        sequence. Shard when it saves at least ``sharded_min_saving``: two more store round
+        trips at ~50 ms each and ~1 GB/s per replica are ~100 MB; the default is 64 MiB. With
+        a dense codec that is ``P (n - 1)(n - 2) / n`` or a gather that does not fit its
+        memory; with a sparse one, whose reduced result is ~36 times its contribution,
+        gathering moves fewer bytes up to about 36 replicas, or fewer when the others'
+        contributions overflow ``gather_memory`` (32 replicas of a 1B-parameter model)."""
         if self.mode != "auto":
             return self.mode
-        n = contributors
-        saving = payload_bytes * (n - 1) * (n - 2) / n if n else 0
-        too_big = payload_bytes * (n - 1) > self.gather_memory
-        return "sharded" if saving >= self.sharded_min_saving or too_big else "gather"
+        n, reduced = contributors, payload_bytes if reduced_bytes is None else reduced_bytes
+        if n < 2:
+            return "gather"
+        others = (n - 1) * payload_bytes
+        gather = others + max(0, others - self.gather_memory)
+        sharded = (n - 1) * (payload_bytes + reduced) / n
+        return "sharded" if gather - sharded >= self.sharded_min_saving else "gather"
 
 
 @dataclass(frozen=True)

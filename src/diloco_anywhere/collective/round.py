@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from diloco_anywhere.bucket import framing, wire
-from diloco_anywhere.bucket.codec import Codec
+from diloco_anywhere.bucket.codec import Codec, reduced_codec
 from diloco_anywhere.bucket.layout import Participant, RunLayout, parse_contributor
 from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
@@ -290,12 +290,14 @@ class Round:
 
     # -- sealing -----------------------------------------------------------------------------
 
-    def _payload_bytes(self) -> int:
-        own = self.manifests.get(self.me.name)
-        return sum(part.size for part in own.parts) if own else 0
-
     def _mode_for(self, contributors: int) -> ExchangeMode:
-        return self.policy.exchange_mode(contributors, self._payload_bytes())
+        """The exchange for ``contributors`` like our own contribution: its bytes, and those
+        of the reduced shards a ``sharded`` exchange would write (``reduced_codec``)."""
+        own = self.manifests.get(self.me.name)
+        if own is None:
+            return self.policy.exchange_mode(contributors, 0)
+        reduced = reduced_codec(own.codec).payload_nbytes(own.numel)
+        return self.policy.exchange_mode(contributors, sum(p.size for p in own.parts), reduced)
 
     def _sealable(self) -> list[str]:
         """Checked contributions of members, each the newest incarnation of its replica that

@@ -2,9 +2,11 @@
 
 Shard ``s`` of the sealed layout is owned by ``contributors[s % n]`` (SEAL order). An owner
 reads shard ``s`` of every other sealed contribution, reduces it in SEAL order, and puts
-``reduced/{s}`` in the round's codec; every replica then reads the reduced shards it does not
-hold (LambdaML's ScatterReduce, SIGMOD'21, section 4.2, with the bucket as the only medium).
-Per replica: up ``P (1 + 1/n)``, down ``2 P (n - 1) / n``, whatever ``n``.
+``reduced/{s}`` in the round's codec, or int8 for a sparse round (``codec.reduced_codec``:
+the mean of sparse contributions is denser than each); every replica then reads the reduced
+shards it does not hold (LambdaML's ScatterReduce, SIGMOD'21, section 4.2, with the bucket as
+the only medium). Per replica, with contributions of ``P`` bytes and a reduced result of
+``R`` (``R = P`` but for sparse): up ``P + R/n``, down ``(P + R)(n - 1)/n``, whatever ``n``.
 
 It streams: an owner accumulates each shard as its parts arrive (one accumulator, a window of
 parts in flight), puts the reduced shard in the background while it reduces the next, and
@@ -35,6 +37,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import torch
 
 from diloco_anywhere.bucket import framing, wire
+from diloco_anywhere.bucket.codec import reduced_codec
 from diloco_anywhere.bucket.record import (
     RECORD_MAGIC,
     RECORD_READ_LIMIT,
@@ -66,6 +69,7 @@ class _ShardedExchange:
         self.round, self.seal, self.destination = round_, seal, destination
         manifests = round_.sealed_manifests(seal)
         self.reference = manifests[0]
+        self.reduced_codec = reduced_codec(self.reference.codec)
         self.weights = [manifest.weight for manifest in manifests]
         self.owners = shard_owners(seal, len(self.reference.parts))
         self.transfers = round_.parts.transfers
@@ -147,7 +151,7 @@ class _ShardedExchange:
             shard=shard,
         )
         result = mean.result()
-        codec = self.reference.codec
+        codec = self.reduced_codec
         nbytes = wire.max_object_nbytes(codec, result.numel())
         return wire.encode(result, codec, meta, into=held.allocate(nbytes))
 
@@ -187,7 +191,7 @@ class _ShardedExchange:
                 self.round.round,
                 REDUCER,
                 shard,
-            ) or header.numel != entry.stop - entry.start:
+            ) or (header.numel, header.codec) != (entry.stop - entry.start, self.reduced_codec):
                 raise framing.WireFormatError(key, "reduced shard header does not match the SEAL")
             checks = not trusted
             for start, values in reader.chunks(
@@ -202,7 +206,7 @@ class _ShardedExchange:
         codec, or a ``ShardFailure`` record; a read stops one byte past it."""
         entry = self.reference.parts[shard]
         numel = entry.stop - entry.start
-        return max(wire.max_object_nbytes(self.reference.codec, numel), RECORD_READ_LIMIT - 1)
+        return max(wire.max_object_nbytes(self.reduced_codec, numel), RECORD_READ_LIMIT - 1)
 
     def _fetch(self, shard: int) -> bool:
         """Read reduced shard ``shard`` into the destination; False while it does not exist."""

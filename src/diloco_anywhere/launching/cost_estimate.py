@@ -3,16 +3,19 @@
 traffic (``traffic``, ``model_size``) and the prices (``prices``, ``clouds``) together.
 
 Three things cost money: the replicas' hardware (replica-hours x each platform's hourly price),
-the bytes that leave a cloud (egress), and the store's requests.
+the bytes that leave a cloud (egress), and the store's requests. Egress is what the codec
+moves (``[diloco] codec``): beside the run's own, the estimate prices the same run's egress
+per day in every codec, so that the choice is made with its price in view.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from diloco_anywhere.config import BudgetSection, RunConfig
+from diloco_anywhere.bucket.codec_names import CODEC_NAMES
+from diloco_anywhere.config import BudgetSection, DilocoSection, RunConfig, describe_codec
 from diloco_anywhere.launching.clouds import GIB, Egress, egress, platform_cloud, store_cloud
 from diloco_anywhere.launching.limits import StepTime, step_time
 from diloco_anywhere.launching.model_size import parameter_count
@@ -50,6 +53,10 @@ class Estimate:
     egress_usd_per_hour: float
     requests_usd_per_hour: float
     unpriced: tuple[str, ...]  # what counted $0 for want of a price
+    codec: str = ""  # the run's, as ``egress_usd_per_day_by_codec`` names it
+    # the same run's egress per day (all replicas) in each codec, the run's own included;
+    # empty when the model's size is unknown
+    egress_usd_per_day_by_codec: dict[str, float] = field(default_factory=dict)
 
     @property
     def usd_per_hour(self) -> float:
@@ -102,6 +109,12 @@ class Estimate:
                 f"{label}: compute ${compute:,.2f} + egress ${egress_:,.2f} + requests "
                 f"${requests:,.2f} = ${compute + egress_ + requests:,.2f}"
             )
+        if self.egress_usd_per_day_by_codec:
+            by_codec = ", ".join(
+                f"{codec} ${usd:,.2f}" for codec, usd in self.egress_usd_per_day_by_codec.items()
+            )
+            lines.append(f"egress per day by codec ([diloco] codec; this run's: {self.codec}): "
+                         f"{by_codec}")  # fmt: skip
         lines.extend(f"unpriced (counted as $0): {what}" for what in self.unpriced)
         return lines
 
@@ -137,10 +150,7 @@ def estimate(
     rounds = config.diloco.outer_steps
     round_hours = config.diloco.sync_every * step.seconds / 3600
     store = store_cloud(config.store_url(), budget)
-    traffic = None if count is None else round_traffic(
-        count, config.diloco.codec, n, config.sync.mode, config.diloco.fragments,
-        int(config.sync.part_size),
-    )  # fmt: skip
+    traffic = None if count is None else _traffic(config, config.diloco, count, n)
     unpriced = [] if count is not None else [f"egress and per-round requests: {count_source}"]
     platforms = []
     for platform, (hardware, number) in replicas.items():
@@ -149,6 +159,12 @@ def estimate(
         unpriced.extend(missing)
     compute = sum((p.usd_per_replica_hour or 0.0) * p.replicas for p in platforms)
     egress_per_round = sum(p.egress_usd_per_round * p.replicas for p in platforms)
+    by_codec = {} if count is None else {
+        describe_codec(codec.codec, codec.sparse): 24 / round_hours * _egress_per_round(
+            _traffic(config, codec, count, n), replicas, store, budget, prices
+        )
+        for codec in _codecs(config.diloco)
+    }  # fmt: skip
     requests = _requests_per_hour(traffic, n, round_hours, config.sync.lease_period, store, prices)
     if requests is None:
         unpriced.append(f"requests to a store in {store} (no request prices)")
@@ -165,6 +181,38 @@ def estimate(
         egress_usd_per_hour=egress_per_round / round_hours,
         requests_usd_per_hour=requests or 0.0,
         unpriced=tuple(unpriced),
+        codec=describe_codec(config.diloco.codec, config.diloco.sparse),
+        egress_usd_per_day_by_codec=by_codec,
+    )
+
+
+def _codecs(diloco: DilocoSection) -> list[DilocoSection]:
+    """Every codec, with the run's sparse settings: the alternatives to price."""
+    return [diloco.model_copy(update={"codec": name}) for name in CODEC_NAMES]
+
+
+def _traffic(config: RunConfig, diloco: DilocoSection, count: int, replicas: int) -> RoundTraffic:
+    """One replica's traffic per outer step of ``config``'s run sent in ``diloco``'s codec."""
+    return round_traffic(
+        count, diloco.codec, replicas, config.sync.mode, diloco.fragments,
+        int(config.sync.part_size), diloco.codec_params(),
+    )  # fmt: skip
+
+
+def _egress_per_round(
+    traffic: RoundTraffic,
+    replicas: Mapping[str, tuple[str, int]],
+    store: str,
+    budget: BudgetSection,
+    prices: PriceTable,
+) -> float:
+    """All replicas' egress bill for one outer step of ``traffic`` each."""
+    return sum(
+        egress(
+            platform_cloud(platform, budget), store, traffic.up, traffic.down, budget, prices
+        ).usd
+        * number
+        for platform, (_, number) in replicas.items()
     )
 
 

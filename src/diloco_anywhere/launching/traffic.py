@@ -4,8 +4,9 @@ into dollars in the estimate (``cost_estimate``).
 
 Where the bytes go (docs/collective.md, "One round"): per outer step each replica puts its
 encoded pseudo-gradient, ``P`` bytes, and reads the others'. ``gather`` reads ``(n - 1) P``;
-``sharded`` puts ``P (1 + 1/n)`` (its contribution and its reduced shard) and reads
-``2 P (n - 1) / n``; ``[sync] mode = "auto"`` picks per round as the sealer does
+``sharded`` puts ``P + R/n`` (its contribution and its reduced shard, ``R`` bytes for the
+whole result: ``P`` but for a sparse codec, whose result is int8) and reads
+``(P + R)(n - 1) / n``; ``[sync] mode = "auto"`` picks per round as the sealer does
 (``RoundPolicy.exchange_mode``). Wire headers, manifests and records are small and not counted.
 Checkpoints (written every ``[checkpoint] every`` syncs and read when a replica heals) are not
 counted.
@@ -13,6 +14,7 @@ counted.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 # Requests of one round beyond its parts (docs/collective.md, "One round" and "What it
@@ -42,12 +44,15 @@ def fragment_sizes(parameters: int, fragments: int) -> list[int]:
     return [base + (index < extra) for index in range(fragments)]
 
 
-def exchange_bytes(mode: str, payload: int, replicas: int) -> tuple[int, int]:
-    """(up, down) bytes per replica for one round of ``payload`` bytes (docs/collective.md)."""
-    n = replicas
+def exchange_bytes(
+    mode: str, payload: int, replicas: int, reduced: int | None = None
+) -> tuple[int, int]:
+    """(up, down) bytes per replica for one round of ``payload`` bytes whose reduced result
+    takes ``reduced`` (``payload`` by default; docs/collective.md, "What it costs")."""
+    n, reduced = replicas, payload if reduced is None else reduced
     if mode == "gather":
         return payload, (n - 1) * payload
-    return payload * (n + 1) // n, 2 * payload * (n - 1) // n
+    return payload + reduced // n, (payload + reduced) * (n - 1) // n
 
 
 def exchange_requests(mode: str, parts: int, replicas: int) -> tuple[float, float]:
@@ -69,21 +74,25 @@ def round_traffic(
     mode: str = "auto",
     fragments: int = 1,
     part_size: int = 4 << 20,
+    codec_params: Mapping[str, int] | None = None,
 ) -> RoundTraffic:
     """Bytes and requests per replica per outer step: a round per fragment, each split into
-    parts and exchanged as the round does (``collective/round.py``), plus one metrics chunk."""
-    from diloco_anywhere.bucket.codec import make_codec
+    parts and exchanged as the round does (``collective/round.py``), plus one metrics chunk.
+    ``codec_params``: the codec's own (``DilocoSection.codec_params``)."""
+    from diloco_anywhere.bucket.codec import make_codec, reduced_codec
     from diloco_anywhere.collective.policy import RoundPolicy
     from diloco_anywhere.collective.round import part_ranges
 
-    encoder, policy = make_codec(codec), RoundPolicy(mode=mode)  # type: ignore[arg-type]
+    encoder = make_codec(codec, **(codec_params or {}))
+    policy = RoundPolicy(mode=mode)  # type: ignore[arg-type]
     modes, totals = [], [0.0] * 6  # payload, parts, up, down, put_list, get
     for numel in fragment_sizes(parameters, fragments):
         payload = encoder.payload_nbytes(numel)
+        reduced = reduced_codec(encoder).payload_nbytes(numel)
         parts = len(part_ranges(numel, encoder, part_size // 4, replicas))
-        chosen = policy.exchange_mode(replicas, payload)
+        chosen = policy.exchange_mode(replicas, payload, reduced)
         modes.append(chosen)
-        values = (payload, parts, *exchange_bytes(chosen, payload, replicas),
+        values = (payload, parts, *exchange_bytes(chosen, payload, replicas, reduced),
                   *exchange_requests(chosen, parts, replicas))  # fmt: skip
         totals = [total + value for total, value in zip(totals, values, strict=True)]
     payload, parts, up, down, put_list, get = totals

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torchft.local_sgd import DiLoCo
 
+from diloco_anywhere.bucket.feedback import ErrorFeedback
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.task import TaskContext
@@ -133,6 +134,14 @@ class ReplicaParts:
         return GlobalState(self.manager.state_dict_fns, self.fragments, self.outers, names)
 
 
+def error_feedback(config: RunConfig) -> ErrorFeedback | None:
+    """The error feedback a sparse codec needs (SparseLoCo, arXiv 2508.15706): without it the
+    values the top-k leaves out would be lost. None for the dense codecs."""
+    if config.diloco.codec != "sparse":
+        return None
+    return ErrorFeedback(config.diloco.sparse.error_decay)
+
+
 def build_parts(
     config: RunConfig,
     collective: BucketCollective | None,
@@ -149,6 +158,7 @@ def build_parts(
         collective.config if collective is not None else config.collective_config(),
         min_replicas=config.run.min_replicas,
         timeout=timedelta(seconds=2 * config.sync.timeout),  # a seal, then a reduce
+        feedback=error_feedback(config),
     )
     fragments = split_fragments(model, diloco.fragments)
     outers = [

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from diloco_anywhere.bucket.feedback import ErrorFeedback
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import RunConfig
@@ -85,13 +86,41 @@ def random_states() -> dict[str, Any]:
     }  # fmt: skip
 
 
-def own_tree(model: nn.Module, inner: torch.optim.Optimizer, with_weights: bool) -> dict:
-    """What a replica saves of its own (references: ``snapshot`` copies it)."""
+def own_tree(
+    model: nn.Module,
+    inner: torch.optim.Optimizer,
+    with_weights: bool,
+    feedback: ErrorFeedback | None = None,
+) -> dict:
+    """What a replica saves of its own (references: ``snapshot`` copies it): with a sparse
+    codec, its error feedback's accumulators too, by fragment."""
     return {
         "optimizer": {"class": type(inner).__qualname__, "state": inner.state_dict()},
         "random": random_states(),
         "local": local_tensors(model, with_weights),
+        "feedback": feedback.state_dict() if feedback is not None else {},
     }
+
+
+def _feedback_buffers(
+    key: str, saved: Any, fragments: list[nn.Module], device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Saved error-feedback accumulators, checked: one flat float32 tensor per fragment it
+    names, of that fragment's size, on ``device``."""
+    if not isinstance(saved, dict):
+        raise ValueError(f"{key}: the error feedback is not a table of accumulators")
+    sizes = {str(i): sum(p.numel() for p in f.parameters()) for i, f in enumerate(fragments)}
+    for stream, buffer in saved.items():
+        if stream not in sizes or not (
+            isinstance(buffer, torch.Tensor)
+            and buffer.dtype == torch.float32
+            and buffer.shape == (sizes[stream],)
+        ):
+            raise ValueError(
+                f"{key}: error feedback {stream!r} is not a float32 accumulator of a fragment "
+                f"(this model's: {sizes})"
+            )
+    return {stream: buffer.to(device) for stream, buffer in saved.items()}
 
 
 def _words(key: str, what: str, value: Any, count: int) -> list[int]:
@@ -160,12 +189,16 @@ def load_own_state(
     *,
     with_weights: bool,
     exact: bool,
+    feedback: ErrorFeedback | None = None,
+    fragments: list[nn.Module] | None = None,
 ) -> None:
     """Load a saved own state (``key``: its record, named in errors) into ``model``, ``inner``
     and the global generators, every part checked to fit first (``ValueError`` naming what
     differs, and nothing loaded): the same optimizer class, its groups' hyperparameter names,
     each parameter's state of its shape, the same local tensors (``local_tensors``). The local
-    weights only when ``exact`` (saved at the round healed to); the buffers always."""
+    weights only when ``exact`` (saved at the round healed to); the buffers always. The error
+    feedback's accumulators (of ``fragments``) only when ``exact`` too: one saved earlier
+    holds what later syncs have sent since, and would send it twice."""
     optimizer = _field(key, tree, "optimizer", dict)
     saved_class, state = _field(key, optimizer, "class", str), optimizer.get("state")
     if saved_class != type(inner).__qualname__:
@@ -183,7 +216,13 @@ def load_own_state(
     local = _field(key, tree, "local", dict)
     expected = local_tensors(model, with_weights)
     check_weights(key, local, expected, of="model's local tensors")
+    buffers = None
+    if exact and feedback is not None:
+        device = next(model.parameters()).device
+        buffers = _feedback_buffers(key, tree.get("feedback", {}), fragments or [model], device)
     inner.load_state_dict(state)
+    if buffers is not None:
+        feedback.load_state_dict(buffers)  # type: ignore[union-attr]
     generators.set()
     weights = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     with torch.no_grad():
@@ -204,20 +243,22 @@ class OwnState:
         replica: str,
         model: nn.Module,
         inner: torch.optim.Optimizer,
+        fragments: list[nn.Module] | None = None,
     ) -> None:
+        """``fragments``: the model's, as DiLoCo syncs them (the error feedback's streams)."""
         self.config, self.store, self.layout, self.replica = config, store, layout, replica
-        self.model, self.inner = model, inner
+        self.model, self.inner, self.fragments = model, inner, fragments or [model]
         self.with_weights = config.diloco.fragments > 1
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="own-state")
         self._pending: Future[None] | None = None
 
     @property
     def limit(self) -> int:
-        """The most bytes a saved state of this model may hold: five times the model's (AdamW
-        keeps two moments per weight, AMSGrad three, plus the local weights and buffers), and
-        16 MiB for the generators and step counts."""
+        """The most bytes a saved state of this model may hold: six times the model's (AdamW
+        keeps two moments per weight, AMSGrad three, plus the local weights and buffers and
+        the error feedback's accumulators), and 16 MiB for the generators and step counts."""
         tensors = [*self.model.parameters(), *self.model.buffers()]
-        return 5 * sum(t.numel() * t.element_size() for t in tensors) + (16 << 20)
+        return 6 * sum(t.numel() * t.element_size() for t in tensors) + (16 << 20)
 
     def save_if_due(self, manager: BucketManager) -> None:
         """After a committed sync at a checkpoint step: snapshot the state to CPU here, write it
@@ -235,7 +276,7 @@ class OwnState:
             return
         if self._pending is not None:
             self._pending.result()  # the run's last: after the previous one
-        tree = snapshot(own_tree(self.model, self.inner, self.with_weights))
+        tree = snapshot(own_tree(self.model, self.inner, self.with_weights, manager.feedback))
         self._pending = self._executor.submit(self._write, round_, step, tree)
 
     def _write(self, round_: int, step: int, tree: Any) -> None:
@@ -264,15 +305,17 @@ class OwnState:
                 )
                 exact = (commit.round, commit.step) == (healed, step)
                 load_own_state(key, tree, self.model, self.inner,
-                               with_weights=self.with_weights, exact=exact)  # fmt: skip
+                               with_weights=self.with_weights, exact=exact,
+                               feedback=manager.feedback, fragments=self.fragments)  # fmt: skip
             except (CheckpointError, ValueError, OSError) as exc:
                 log.warning("own state of round %d not used: %s", round_, exc)
                 continue
             if exact:
                 return f"own state of round {round_} restored: exact, the round healed to"
+            feedback = "; error feedback from zero" if manager.feedback is not None else ""
             return (f"own state of round {round_} restored, older than round {healed} healed "
                     f"to: inner optimizer, generators and buffers; local weights the healed "
-                    f"global ones")  # fmt: skip
+                    f"global ones{feedback}")  # fmt: skip
         return None
 
     def close(self) -> None:

@@ -91,7 +91,7 @@ class Training:
         self.own_state = (
             OwnState(
                 self.config, collective.store, collective.layout, collective.me.replica,
-                parts.model, parts.inner,
+                parts.model, parts.inner, parts.fragments,
             )
             if collective is not None and group.world_size == 1 and self.config.checkpoint.own_state
             else None
@@ -252,15 +252,18 @@ class Training:
     def heal(self, state: GlobalState, *, from_initial: bool) -> int:
         """Bring the global state to the run's newest sealed round (``after_sync.heal_replica``)
         and, joining (``from_initial``), the replica's own state back to where it was saved
-        (``own_state.py``; after a divergence its own state is current); the inner step the
-        data resumes at (``start_step``): every replica trains ``batches_per_round`` per
-        round."""
+        (``own_state.py``; after a divergence its own state is current, but its error
+        feedback, built on the weights it left, starts from zero); the inner step the data
+        resumes at (``start_step``): every replica trains ``batches_per_round`` per round."""
         heal_replica(
             self.collective, state, self.manager, self.group, self.checkpoints, self.metrics,
             min_replicas=self.config.run.min_replicas, from_initial=from_initial,
         )  # fmt: skip
         if from_initial and self.own_state is not None:
             self._resume_own_state(self.own_state)
+        if not from_initial and self.manager.feedback is not None:
+            log.info("error feedback from zero: the replica healed onto other global weights")
+            self.manager.feedback.clear()
         self.parts.apply_outer_hyperparameters()
         self.inner_steps = self.manager.state_dict()["sync"] * self.parts.batches_per_round
         self.tokens = self.inner_steps * self.parts.tokens_per_step * self.group.world_size

@@ -65,7 +65,15 @@ def bench_convergence_command(
             "and data parallel, starts from it. 0: from scratch.",
         ),
     ] = 0,
-    codec: Annotated[str, typer.Option(help="fp32, bf16 or int8.")] = "int8",
+    codec: Annotated[
+        list[str],
+        typer.Option(
+            help="The codec of the runs, repeatable: fp32, bf16, int8 or sparse, sparse with "
+            "its [diloco.sparse] settings after colons (sparse:density=0.03:bits=4), and any "
+            "codec with its own outer step, which replaces --outer-lr and --outer-momentum "
+            "for its runs (sparse:outer_lr=1:outer_momentum=0)."
+        ),
+    ] = ["int8"],  # noqa: B006 (typer reads the default; it is never mutated)
     config_path: Annotated[
         Path | None,
         typer.Option(
@@ -110,7 +118,7 @@ def bench_convergence_command(
         fragments=tuple(number_list(fragments, int, 1, 64, "fragment counts, e.g. 1,2")),
         fragment_delay=fragment_delay,
         seeds=tuple(number_list(seeds, int, 0, 2**31, "seeds, e.g. 0,1")),
-        steps=steps, warm_start=warm_start, codec=codec,
+        steps=steps, warm_start=warm_start, codecs=tuple(codec),
     )  # fmt: skip
     with user_errors(), progress_display() as status:
         config = load_config(config_path) if config_path else bench_config()
@@ -136,16 +144,19 @@ def _study_table(result: dict[str, Any]) -> Table:
     if study["fragment_delay"]:
         title += f", fragment delay {study['fragment_delay']} steps"
     table = Table(title=title)
-    for column in ("N", "H", "fragments", "outer lr", "momentum", "seed", "held-out loss",
-                   "data parallel", "ratio", "fewer bytes", "seconds"):  # fmt: skip
-        table.add_column(column, justify="right")
+    for column in ("codec", "N", "H", "fragments", "outer lr", "momentum", "seed",
+                   "held-out loss", "data parallel", "ratio", "payload/fp32", "fewer bytes",
+                   "seconds"):  # fmt: skip
+        table.add_column(column, justify="left" if column == "codec" else "right")
     for run in result["runs"]:
         fewer = f"{run['fewer_bytes']:.0f}x" if run["fewer_bytes"] else "-"
         table.add_row(
-            str(run["replicas"]), str(run["sync_every"]), str(run["fragments"]),
+            run["codec_label"], str(run["replicas"]), str(run["sync_every"]),
+            str(run["fragments"]),
             f"{run['outer_lr']:g}",
             f"{run['outer_momentum']:g}", str(run["seed"]), f"{run['eval_loss']:.4f}",
-            f"{run['baseline_eval_loss']:.4f}", f"{run['eval_loss_ratio']:.3f}", fewer,
+            f"{run['baseline_eval_loss']:.4f}", f"{run['eval_loss_ratio']:.3f}",
+            f"1/{1 / run['payload_vs_fp32']:.0f}", fewer,
             f"{run['seconds']:.0f}",
         )  # fmt: skip
     return table

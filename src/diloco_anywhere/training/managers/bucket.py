@@ -19,6 +19,13 @@ tensors alone from ``allreduce`` until the works are waited for (``BucketCollect
 As in torchft, a failed sync does not raise from ``allreduce`` or ``wait``: the error is kept,
 ``errored()`` returns it and ``should_commit()`` returns False.
 
+With error feedback (``codec = "sparse"``, SparseLoCo, arXiv 2508.15706) a sync sends not the
+pseudo-gradient but this fragment's accumulator, the pseudo-gradient added to what earlier
+syncs left out (``bucket/feedback.py``); the mean still goes into DiLoCo's tensors. Once the
+sync is committed with this replica's contribution in its mean, the accumulator keeps only what
+the codec dropped; otherwise it keeps everything, for the next sync of the fragment. Fragment
+``f`` is the one torchft syncs at step ``s``: ``s % fragments`` (``DiLoCo._current_fragment``).
+
 Every contribution carries a fingerprint of this replica's global state: the committed step and
 a CRC32C over the state DiLoCo registered (each fragment's global weights and outer optimizer,
 ``global_state.py``). Replicas holding the same state have the same fingerprint; one that
@@ -39,6 +46,8 @@ from typing import Any
 import torch
 from torch.distributed import ReduceOp
 
+from diloco_anywhere.bucket.codec import Codec
+from diloco_anywhere.bucket.feedback import ErrorFeedback
 from diloco_anywhere.collective.allreduce import BucketCollective, RoundResult, Work
 from diloco_anywhere.collective.plain import Collective
 from diloco_anywhere.collective.records import check_weight
@@ -46,6 +55,7 @@ from diloco_anywhere.training.fingerprints import fingerprint
 from diloco_anywhere.training.global_state import state_tree, tree_checksum
 
 log = logging.getLogger(__name__)
+FRAGMENT_KEY = "StreamingDiLoCoFragment_"  # how torchft's DiLoCo registers each fragment's state
 StateDictFns = tuple[Callable[[Any], None], Callable[[], Any]]
 Batch = list[tuple[torch.Tensor, torch.futures.Future]]
 
@@ -57,6 +67,8 @@ class _Sync:
 
     batch: Batch = field(default_factory=list)
     quantize: bool = False
+    codec: Codec | None = None  # as sent
+    stream: int | None = None  # the error-feedback stream it sent, if any
     work: Work | None = None
     result: RoundResult | None = None
     fingerprint: str = ""  # this replica's, as sent
@@ -101,8 +113,11 @@ class BucketManager:
         *,
         min_replicas: int = 1,
         timeout: timedelta = timedelta(minutes=10),
+        feedback: ErrorFeedback | None = None,
     ) -> None:
+        """``feedback``: the error feedback every sync goes through (None: none)."""
         self._collective = collective
+        self.feedback = feedback
         self._codec = collective.config.codec
         self._quantized_codec = collective.config.quantized_codec
         self._min_replicas, self._timeout = min_replicas, timeout
@@ -161,16 +176,28 @@ class BucketManager:
         if sync.work is not None or not sync.batch:
             return
         started, step = time.perf_counter(), self._step
+        tensors = [tensor for tensor, _ in sync.batch]
+        sync.codec = self._quantized_codec if sync.quantize else self._codec
+        source = None
+        if self.feedback is not None:
+            sync.stream = self._fragment()
+            source = self.feedback.compensate(sync.stream, tensors)
         sync.work = self._collective.allreduce(
-            [tensor for tensor, _ in sync.batch],
+            tensors,
             round_=self._sync,
             weight=self._weight,
-            codec=self._quantized_codec if sync.quantize else self._codec,
+            codec=sync.codec,
             fingerprint=lambda: self._fingerprint_for(sync, step),
+            source=source,
         )
         self._sync += 1
         sync.work.add_done_callback(lambda work: self._complete(sync, work))
         self.exposed_seconds += time.perf_counter() - started
+
+    def _fragment(self) -> int:
+        """The fragment torchft's DiLoCo syncs now: its step modulo its fragments."""
+        fragments = sum(key.startswith(FRAGMENT_KEY) for key in self._state_dict_fns)
+        return self._step % max(1, fragments)
 
     def _fingerprint_for(self, sync: _Sync, step: int) -> str:
         """Checksummed on the round's thread: DiLoCo changes its state only after the round."""
@@ -222,7 +249,11 @@ class BucketManager:
         return self.conclude(sync, commit)
 
     def conclude(self, sync: _Sync, commit: bool) -> bool:
-        """Account for the sync decided ``commit`` and start a fresh one."""
+        """Account for the sync decided ``commit`` and start a fresh one; the error feedback
+        keeps what the codec dropped of a contribution the committed mean holds, and all of
+        one it does not."""
+        if commit and sync.stream is not None and self._holds_us(sync.result):
+            self.feedback.applied(sync.stream, sync.codec)  # type: ignore[union-attr, arg-type]
         self.syncs_attempted += 1
         self.last_result, self.last_fingerprint = sync.result, sync.fingerprint
         if commit:
@@ -257,10 +288,13 @@ class BucketManager:
         me = self._collective.me.name
         return names.index(me) if me in names else None
 
+    def _holds_us(self, result: RoundResult | None) -> bool:
+        """Whether a round's SEAL holds this replica's contribution."""
+        return result is not None and self._collective.me.name in result.seal.contributors
+
     def contributed(self) -> bool:
         """Whether this replica's contribution is in the last sync's SEAL."""
-        result = self.last_result
-        return result is not None and self._collective.me.name in result.seal.contributors
+        return self._holds_us(self.last_result)
 
     def traffic(self) -> tuple[int, int]:
         """Bytes this replica sent and received through the bucket so far."""
