@@ -327,13 +327,13 @@ def test_auto_mode_shards_when_it_saves_enough_download(contributors, payload, m
     ("contributors", "mode"),
     [
         (2, "gather"),
-        (8, "gather"),  # 7 x 29 MB against 7/8 x (29 MB + 1.06 GB of int8 shards)
-        (16, "gather"),  # the others' 440 MB overflow gather_memory: still fewer bytes
-        (48, "sharded"),  # 1.4 GB and more, read again, against 1.07 GB
+        (8, "gather"),  # 7 x 21 MB against 7/8 x (21 MB + 1.06 GB of int8 shards)
+        (33, "gather"),  # 688 MB, 420 MB of it read twice: 1.107 GB against 1.051 GB
+        (34, "sharded"),  # 1.150 GB against 1.052 GB: the 64 MiB it saves pay
     ],
 )
 def test_auto_mode_gathers_sparse_contributions_while_that_moves_fewer_bytes(contributors, mode):
-    """A sparse round's reduced shards are int8, 36 times a contribution (1B parameters)."""
+    """A sparse round's reduced shards are int8, 49 times a contribution (1B parameters)."""
     codec = make_codec("sparse")
     payload, reduced = (c.payload_nbytes(10**9) for c in (codec, reduced_codec(codec)))
     assert RoundPolicy().exchange_mode(contributors, payload, reduced) == mode

@@ -25,8 +25,11 @@ def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
     """``values`` (rows x m non-negative integers, each below ``2**bits``) as rows x
     ``row_bytes(m, bits)`` uint8."""
     rows, count = values.shape
-    shifts = torch.arange(bits, device=values.device, dtype=values.dtype)
-    expanded = ((values.unsqueeze(-1) >> shifts) & 1).to(torch.uint8).view(rows, count * bits)
+    if bits == 1:  # already one bit each: no expansion
+        expanded = values.to(torch.uint8)
+    else:
+        shifts = torch.arange(bits, device=values.device, dtype=values.dtype)
+        expanded = ((values.unsqueeze(-1) >> shifts) & 1).to(torch.uint8).view(rows, count * bits)
     nbytes = row_bytes(count, bits)
     if nbytes * 8 > count * bits:
         expanded = torch.nn.functional.pad(expanded, (0, nbytes * 8 - count * bits))
@@ -34,10 +37,18 @@ def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
     return (expanded.view(rows, nbytes, 8) * weights).sum(-1, dtype=torch.uint8)
 
 
-def unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """The rows x ``count`` integers (int64) that ``pack`` turned into ``packed``."""
+def unpack_bits(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """The first ``count`` bits of each row of ``packed``, as booleans."""
     rows, nbytes = packed.shape
     weights = _BYTE_WEIGHTS.to(packed.device)
-    expanded = (packed.unsqueeze(-1) & weights).ne(0).view(rows, nbytes * 8)[:, : count * bits]
+    return (packed.unsqueeze(-1) & weights).ne(0).view(rows, nbytes * 8)[:, :count]
+
+
+def unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """The rows x ``count`` integers (int64) that ``pack`` turned into ``packed``."""
+    rows = packed.shape[0]
+    expanded = unpack_bits(packed, count * bits)
+    if bits == 1:
+        return expanded.to(torch.int64)
     shifts = torch.arange(bits, device=packed.device, dtype=torch.int64)
     return (expanded.view(rows, count, bits).to(torch.int64) << shifts).sum(-1)

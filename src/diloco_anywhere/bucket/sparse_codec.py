@@ -37,7 +37,7 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field, model_validator
 
-from diloco_anywhere.bucket import bitpack
+from diloco_anywhere.bucket import bitpack, elias_fano
 from diloco_anywhere.bucket.codec_base import (
     CPU,
     CodecBase,
@@ -86,10 +86,6 @@ class SparseCodec(CodecBase):
         return self.chunk
 
     @property
-    def position_bits(self) -> int:
-        return max(1, (self.chunk - 1).bit_length())
-
-    @property
     def levels(self) -> int:
         """Magnitude levels per chunk: what the bits other than the sign can name."""
         return 1 << (self.bits - 1)
@@ -100,8 +96,10 @@ class SparseCodec(CodecBase):
 
     def _row_bytes(self, length: int) -> tuple[int, int]:
         """(position bytes, code bytes) of a chunk of ``length`` values."""
+        if length == 0:
+            return 0, 0
         kept = min(self.k, length)
-        return bitpack.row_bytes(kept, self.position_bits), bitpack.row_bytes(kept, self.bits)
+        return elias_fano.row_bytes(kept, length), bitpack.row_bytes(kept, self.bits)
 
     def _chunk_bytes(self, length: int) -> int:
         return 4 * self.levels + sum(self._row_bytes(length))
@@ -142,9 +140,13 @@ class SparseCodec(CodecBase):
 
     # -- encoding ----------------------------------------------------------------------------
 
-    def _nearest(self, magnitudes: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-        """Each of ``magnitudes`` (rows x m): the index of its nearest level (rows x L)."""
-        return (magnitudes.unsqueeze(-1) - levels.unsqueeze(1)).abs().argmin(-1)
+    @staticmethod
+    def _nearest(magnitudes: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+        """Each of ``magnitudes`` (rows x m): the index of its nearest of ``levels`` (each row
+        ascending, as Lloyd-Max steps from ascending means keep them): how many of the
+        midpoints between neighbouring levels it lies above."""
+        midpoints = (levels[:, 1:] + levels[:, :-1]) / 2
+        return (magnitudes.unsqueeze(-1) > midpoints.unsqueeze(1)).sum(-1)
 
     def _fit_levels(self, magnitudes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's levels for its ``magnitudes`` (rows x m), and each magnitude's level:
@@ -152,6 +154,8 @@ class SparseCodec(CodecBase):
         magnitude to its nearest level, each level to the mean of its magnitudes; a level
         that draws none stays). Sums over one-hot masks, not scatters: deterministic on GPUs."""
         count, levels = magnitudes.shape[1], self.levels
+        if levels == 1:  # the mean, which minimises a sign's squared error: no search
+            return magnitudes.mean(1, keepdim=True), torch.zeros_like(magnitudes, dtype=torch.int64)
         names = torch.arange(levels, device=magnitudes.device)
         groups = torch.arange(count, device=magnitudes.device) * levels // count
         assigned = groups.expand_as(magnitudes)
@@ -178,7 +182,7 @@ class SparseCodec(CodecBase):
         codes = assigned | (negative.to(torch.int64) << (self.bits - 1))
         return (
             levels,
-            bitpack.pack(positions, self.position_bits),
+            elias_fano.encode(positions, values.shape[1]),
             bitpack.pack(codes, self.bits),
         )
 
@@ -200,7 +204,7 @@ class SparseCodec(CodecBase):
     def _positions(self, rows: _Rows, device: torch.device) -> torch.Tensor:
         """The kept positions of ``rows``; ``CodecDataError`` unless each chunk's are strictly
         ascending and inside it (checked before anything is written at them)."""
-        positions = bitpack.unpack(rows.positions.to(device), self.position_bits, rows.kept)
+        positions = elias_fano.decode(rows.positions.to(device), rows.kept, rows.length)
         if bool((positions[:, 1:] <= positions[:, :-1]).any()):
             raise CodecDataError(
                 "sparse positions must be strictly ascending within each chunk (none twice)"

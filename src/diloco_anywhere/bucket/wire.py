@@ -36,7 +36,7 @@ import crc32c
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from diloco_anywhere.bucket.codec import CPU, Codec, CodecDataError, require_finite
+from diloco_anywhere.bucket.codec import CPU, Codec, CodecDataError, Fp32Codec, require_finite
 from diloco_anywhere.bucket.framing import (
     MAGIC,
     MAX_HEADER_BYTES,
@@ -271,7 +271,8 @@ def decode(data: bytes | bytearray | memoryview, *, key: str = "<bytes>") -> Dec
 
     With a writable buffer (``bytearray``) the fp32 tensor is a view of it: no copy. Read-only
     ``bytes`` are copied once, so the returned tensor never aliases immutable memory. The
-    checksum is verified before the header is parsed.
+    checksum is verified before the header is parsed. Other codecs decode chunk by chunk into
+    the result, so what decoding adds beyond it is a chunk's temporaries, whatever the size.
     """
     view = _byte_view(data)
     check_prefix(view, key)
@@ -279,7 +280,11 @@ def decode(data: bytes | bytearray | memoryview, *, key: str = "<bytes>") -> Dec
         view = memoryview(bytearray(view))
     reader = WireReader(view, key)
     numel = reader.header.numel
-    chunks = reader.chunks(check_checksum=False, step=max(numel, 1))
-    values = [chunk for _, chunk in chunks]
-    flat = values[0] if values else torch.empty(0)
+    if isinstance(reader.header.codec, Fp32Codec):
+        chunks = reader.chunks(check_checksum=False, step=max(numel, 1))
+        flat = next((chunk for _, chunk in chunks), torch.empty(0))
+    else:
+        flat = torch.empty(numel)
+        for start, chunk in reader.chunks(check_checksum=False):
+            flat[start : start + chunk.numel()] = chunk
     return Decoded(reader.header, flat.view(reader.header.shape))

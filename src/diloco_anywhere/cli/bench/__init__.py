@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from diloco_anywhere.cli.bench.store import bench_store_command
+from diloco_anywhere.cli.bench.store import bench_codecs_command, bench_store_command
 from diloco_anywhere.cli.bench.sync import bench_sharded_command, bench_sync_command
 from diloco_anywhere.cli.bench.training import (
     bench_chaos_command,
@@ -25,6 +25,7 @@ bench_app = typer.Typer(
 )
 # in this order in `diloco bench --help`
 bench_app.command("store")(bench_store_command)
+bench_app.command("codecs")(bench_codecs_command)
 bench_app.command("sync")(bench_sync_command)
 bench_app.command("sharded")(bench_sharded_command)
 bench_app.command("convergence")(bench_convergence_command)
