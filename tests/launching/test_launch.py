@@ -26,8 +26,10 @@ from diloco_anywhere.launching.launch import (
     start,
 )
 from diloco_anywhere.launching.launches import Launches, LaunchTakenError
+from diloco_anywhere.launching.model_size import parameter_count
 from diloco_anywhere.launching.supervisor import Supervisor
 from diloco_anywhere.training.checkpoints.commits import committed_rounds
+from diloco_anywhere.training.checkpoints.replica_states import read_replica_state, saved_rounds
 from support.runs import as_streaming, diloco, evaluated_losses, kill_all, statuses
 
 
@@ -88,6 +90,30 @@ def test_a_streaming_run_evaluates_the_weights_every_replica_agreed_on(run_toml)
     losses = evaluated_losses(config)
     assert sorted(losses) == [1, 2]
     assert all(len(values) == 1 for values in losses.values()), losses
+
+
+@pytest.mark.integration
+def test_a_sparse_streaming_run_agrees_and_keeps_each_fragments_accumulator(run_toml):
+    """SparseLoCo over two fragments: every replica reports the same held-out loss at every
+    outer step (their global weights agree), and each saved its error feedback with its own
+    state: one accumulator per fragment, the two the model's size together."""
+    config = as_streaming(run_toml())
+    path = Path(config)
+    path.write_text(path.read_text().replace('codec = "fp32"', 'codec = "sparse"'))
+    result = diloco("launch", "--config", config)
+    assert result.exit_code == 0, result.output
+    losses = evaluated_losses(config)
+    assert sorted(losses) == [1, 2]
+    assert all(len(values) == 1 for values in losses.values()), losses
+    loaded = load_config(config)
+    store, layout = Store(loaded.store_url()), RunLayout(loaded.run.name)
+    for replica in ("local-0", "local-1"):
+        newest = saved_rounds(store, layout, replica)[0]
+        _, tree = read_replica_state(store, layout, replica, newest, limit=1 << 30)
+        sizes = {stream: buffer.numel() for stream, buffer in tree["feedback"].items()}
+        assert sorted(sizes) == ["0", "1"]
+        assert sum(sizes.values()) == parameter_count(loaded)[0]
+        assert all(float(buffer.abs().sum()) > 0 for buffer in tree["feedback"].values())
 
 
 @pytest.mark.integration

@@ -24,6 +24,7 @@ from torch import nn
 import diloco_anywhere
 from diloco_anywhere import BucketManager, Collective
 from diloco_anywhere.bench.processes import worker_context
+from diloco_anywhere.bucket.feedback import ErrorFeedback
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import RunConfig, load_config
@@ -294,6 +295,44 @@ def test_a_state_that_does_not_fit_is_passed_over_and_the_replica_starts_fresh(
     assert "own state of round 3 not used: own/replicas/local-1/state/0000000003/COMMIT: the " \
         "inner optimizer's exp_avg of parameter 0 (0.weight)" in caplog.text  # fmt: skip
     assert optimizer.state_dict()["state"] == {}
+
+
+def accumulated(model: nn.Module) -> ErrorFeedback:
+    """Error feedback holding an accumulator for the whole model (one fragment)."""
+    feedback = ErrorFeedback(0.95)
+    numel = sum(p.numel() for p in model.parameters())
+    feedback.compensate(0, [torch.linspace(-1.0, 1.0, numel)])
+    return feedback
+
+
+def test_the_error_feedback_comes_back_only_from_the_round_healed_to(store, trained, manager):
+    """Saved at round 3: a replica healed to round 3 sends on what its accumulator held; one
+    healed further starts it from zero, since later syncs sent part of it already."""
+    model, inner = trained
+    feedback = accumulated(model)
+    write_replica_state(store, LAYOUT, REPLICA, 3, 4,
+                        snapshot(own_tree(model, inner, False, feedback)))  # fmt: skip
+    manager.feedback = ErrorFeedback(0.95)
+    state = own_state(store, model, inner)
+    assert state.resume(at(manager, 3)).endswith("exact, the round healed to")
+    assert torch.equal(manager.feedback.residual(0), feedback.residual(0))
+    manager.feedback = ErrorFeedback(0.95)
+    assert state.resume(at(manager, 5)).endswith("; error feedback from zero")
+    assert manager.feedback.residual(0) is None
+
+
+def test_an_accumulator_of_another_size_is_refused_naming_the_key(store, trained, manager, caplog):
+    caplog.set_level(logging.WARNING)
+    model, inner = trained
+    feedback = ErrorFeedback(0.95)
+    feedback.compensate(0, [torch.ones(5)])
+    write_replica_state(store, LAYOUT, REPLICA, 3, 4,
+                        snapshot(own_tree(model, inner, False, feedback)))  # fmt: skip
+    manager.feedback = ErrorFeedback(0.95)
+    assert own_state(store, model, inner).resume(at(manager, 3)) is None
+    assert "own/replicas/local-1/state/0000000003/COMMIT: error feedback '0' is not a float32 " \
+        "accumulator of a fragment" in caplog.text  # fmt: skip
+    assert manager.feedback.residual(0) is None
 
 
 # -- exactness across processes ---------------------------------------------------------------
