@@ -11,6 +11,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from diloco_anywhere.bucket.codec import make_codec
 from diloco_anywhere.cli import app, parse_size
 
 runner = CliRunner()
@@ -36,11 +37,32 @@ def test_bench_store_json_has_the_documented_keys(tmp_path):
     assert report["store"]["requests_per_round"]["puts"] == 4
     assert report["store"]["raw_copy"]["put_mib_s"] > 0
     codecs = report["codecs"]
-    assert set(codecs) == {"fp32", "bf16", "int8"}
+    assert set(codecs) == {"fp32", "bf16", "int8", "sparse"}
     assert codecs["fp32"]["rel_l2_gaussian"] == 0
     assert codecs["int8"]["ratio"] <= 0.27
     assert codecs["int8"]["rel_l2_student_t"] <= 0.02
+    assert codecs["sparse"]["ratio"] < 1 / 50  # 16,384 values: 4 chunks and a header
     assert list(tmp_path.iterdir()) == []  # the benchmark cleans up after itself
+
+
+@pytest.mark.integration
+def test_bench_codecs_measures_each_codec_per_gib_against_int8():
+    result = run("bench", "codecs", "--size", "4MiB", "--repeats", "1", "--codec", "sparse",
+                 "--codec", "sparse:density=0.08", "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    rows = {row["codec"]: row for row in report["codecs"]}
+    assert list(rows) == ["int8", "sparse", "sparse:density=0.08"]
+    assert rows["int8"]["encode_plus_decode_vs_int8"] == 1.0
+    assert rows["sparse"]["label"] == "sparse 1.56% 2-bit"
+    assert rows["sparse"]["ratio"] < rows["sparse:density=0.08"]["ratio"] < 1 / 50
+    for row in rows.values():
+        assert row["encode_seconds_per_gib"] > 0
+        assert row["feedback_seconds_per_gib"] > 0
+        assert 0 < row["rel_l2_gaussian"] < 1
+    bad = run("bench", "codecs", "--codec", "sparse:k=64")
+    assert bad.exit_code == 1
+    assert "keys bits, chunk, density, error_decay" in bad.output
 
 
 @pytest.mark.integration
@@ -104,6 +126,31 @@ def test_bench_sync_json_reports_traffic_near_the_mode_bound(tmp_path, mode, rep
         assert ratio < 1.05
     assert report["round_seconds"] > 0
     assert report["raw_copy_seconds"] > 0
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("mode", "replicas"), [("gather", 3), ("sharded", 3)])
+def test_bench_sync_of_sparse_contributions_stays_near_its_bound(tmp_path, mode, replicas):
+    """64 MiB of float32 is 360 kB sparse; sharded, the reduced shards are int8 (R = 17 MB):
+    up P + R/n, down (P + R)(n - 1)/n."""
+    result = run("bench", "sync", "--replicas", str(replicas), "--size", "64MiB",
+                 "--rounds", "1", "--mode", mode, "--codec", "sparse", "--store", str(tmp_path),
+                 "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    numel = (64 << 20) // 4
+    payload = make_codec("sparse").payload_nbytes(numel)
+    reduced = make_codec("int8", block=64).payload_nbytes(numel)
+    n = replicas
+    bound = (payload, (n - 1) * payload) if mode == "gather" else (
+        payload + reduced / n, (payload + reduced) * (n - 1) / n
+    )  # fmt: skip
+    assert report["payload_bytes"] == payload
+    assert (report["bound_up_per_replica"], report["bound_down_per_replica"]) == tuple(
+        map(int, bound)
+    )
+    for ratio in (report["up_vs_bound"], report["down_vs_bound"]):
+        assert 1 <= ratio < 1.05
 
 
 @pytest.mark.integration

@@ -4,7 +4,8 @@ Each replica is its own OS process with its own ``BucketCollective``. Every roun
 barrier, so a round's wall time is the exchange alone (encode, put, poll, seal, fetch, reduce).
 Traffic comes from each replica's store counters (lease heartbeats, manifests, SEAL and polls
 included; they are bytes) and is compared with the bound of the mode for the encoded payload
-``P``: gather up ``P``, down ``(n - 1) P``; sharded up ``P (1 + 1/n)``, down ``2 P (n - 1) / n``.
+``P``: gather up ``P``, down ``(n - 1) P``; sharded up ``P + R/n``, down ``(P + R)(n - 1) / n``,
+``R`` the reduced result's bytes (``P``; int8's for a sparse codec: ``traffic_bound``).
 The raw copy, in the same run, moves the same per-replica bytes with plain files and threads:
 every replica writes what it uploaded, then reads what it downloaded, in part-sized files,
 ``window`` at a time, from and into reused buffers (``_raw_copy_seconds``); with a WAN, it
@@ -39,11 +40,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from diloco_anywhere.bench.codecs import codec_of
 from diloco_anywhere.bench.memory import PeakMemory, resident_bytes
 from diloco_anywhere.bench.store import BENCH_META
 from diloco_anywhere.bench.wan import WanShape
 from diloco_anywhere.bucket import wire
-from diloco_anywhere.bucket.codec import make_codec
+from diloco_anywhere.bucket.codec import reduced_codec
 from diloco_anywhere.bucket.redaction import redact_url
 from diloco_anywhere.bucket.stats import StoreStats
 from diloco_anywhere.bucket.store import Store
@@ -93,7 +95,7 @@ class RoundMeasure:
 def _replica(url, options, index, bench: SyncBench, barrier, results) -> None:
     store = Store(url, storage_options=options)
     # keep_rounds=1: a large benchmark's rounds must fit the store (tmpfs is memory)
-    config = CollectiveConfig(codec=make_codec(bench.codec), round=bench.policy(), keep_rounds=1)
+    config = CollectiveConfig(codec=codec_of(bench.codec), round=bench.policy(), keep_rounds=1)
     late = bench.straggler if index == bench.replicas - 1 else 0.0
     try:
         with BucketCollective(store, f"bench-{bench.replicas}", f"r{index}", config) as collective:
@@ -247,9 +249,9 @@ def _local_folder(url: str) -> str | None:
     )
 
 
-def _codec_seconds(numel: int, codec_name: str) -> tuple[float, float]:
+def _codec_seconds(numel: int, spec: str) -> tuple[float, float]:
     """(encode, decode) seconds of the whole payload, each alone, on one thread here."""
-    codec = make_codec(codec_name)
+    codec = codec_of(spec)
     tensor = torch.from_numpy(np.random.default_rng(0).standard_normal(numel, dtype=np.float32))
     torch.set_num_threads(1)  # as a round's threads run
     # into a buffer touched before, as the sync's pooled buffers are
@@ -272,11 +274,15 @@ def codec_passes(mode: str, replicas: int) -> tuple[float, float]:
     return 2.0, float(n)
 
 
-def traffic_bound(mode: str, replicas: int, payload: int) -> tuple[float, float]:
-    """(up, down) bytes per replica per round that the mode cannot go below."""
-    n = replicas
+def traffic_bound(
+    mode: str, replicas: int, payload: int, reduced: int | None = None
+) -> tuple[float, float]:
+    """(up, down) bytes per replica per round that the mode cannot go below, for
+    contributions of ``payload`` bytes whose reduced result takes ``reduced`` (``payload``
+    but for a sparse codec, whose reduced shards are int8)."""
+    n, reduced = replicas, payload if reduced is None else reduced
     if mode == "sharded":
-        return payload * (1 + 1 / n), 2 * payload * (n - 1) / n
+        return payload + reduced / n, (payload + reduced) * (n - 1) / n
     return payload, payload * (n - 1)
 
 
@@ -325,8 +331,10 @@ def bench_sync(url: str, options: list[dict[str, Any]], bench: SyncBench, progre
     # the codec work of one round, every replica's, spread over this machine's cores
     codec_floor = bench.replicas * (encodes * encode + decodes * decode) / (os.cpu_count() or 1)
     added = [row.memory_added for m in outcomes for row in m if row.memory_added is not None]
-    payload = make_codec(bench.codec).payload_nbytes(bench.size // 4)
-    bound_up, bound_down = traffic_bound(sealed_mode, bench.replicas, payload)
+    codec = codec_of(bench.codec)
+    payload = codec.payload_nbytes(bench.size // 4)
+    reduced = reduced_codec(codec).payload_nbytes(bench.size // 4)
+    bound_up, bound_down = traffic_bound(sealed_mode, bench.replicas, payload, reduced)
     requests = _median_requests(rows)
     result = {
         "url": redact_url(url),

@@ -118,9 +118,10 @@ def bench_codecs_command(
     codec: Annotated[
         list[str],
         typer.Option(
+            metavar="CODEC",
             help="A codec to measure, repeatable: fp32, bf16, int8 or sparse, sparse with its "
             "[diloco.sparse] settings after colons (sparse:density=0.03:bits=4). int8 is "
-            "always measured: the others are compared with it."
+            "always measured: the others are compared with it.",
         ),
     ] = ["sparse"],  # noqa: B006 (typer reads the default; it is never mutated)
     size: Annotated[

@@ -9,7 +9,6 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from diloco_anywhere.bucket.codec_names import CODEC_NAMES
 from diloco_anywhere.cli.bench.options import (
     STANDIN_OPTION,
     STORE_OPTION,
@@ -23,6 +22,7 @@ from diloco_anywhere.cli.bench.options import (
     wan_shape,
 )
 from diloco_anywhere.cli.common import parse_size, print_json, progress_display, stdout, user_errors
+from diloco_anywhere.config import ConfigError, parse_codec
 
 
 def _sync_table(result: dict[str, Any]) -> Table:
@@ -74,7 +74,14 @@ def bench_sync_command(
             "sharding saves."
         ),
     ] = "auto",
-    codec: Annotated[str, typer.Option(help="fp32, bf16 or int8.")] = "fp32",
+    codec: Annotated[
+        str,
+        typer.Option(
+            metavar="CODEC",
+            help="fp32, bf16, int8 or sparse; sparse with its [diloco.sparse] settings after "
+            "colons (sparse:density=0.08). No error feedback here: the bytes and the time.",
+        ),
+    ] = "fp32",
     rounds: Annotated[int, typer.Option(min=1, help="Rounds to take medians over.")] = 3,
     window: Annotated[
         int, typer.Option(min=1, help="Parts in flight per round (memory and concurrency).")
@@ -109,8 +116,10 @@ def bench_sync_command(
 
     if mode not in MODES:
         raise typer.BadParameter(f"--mode {mode!r}: this build has {', '.join(MODES)}")
-    if codec not in CODEC_NAMES:
-        raise typer.BadParameter(f"--codec {codec!r}: choose one of {', '.join(CODEC_NAMES)}")
+    try:
+        parse_codec(codec)
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--codec") from None
     shape = wan_shape(bandwidth, latency, link)
     bench = SyncBench(
         replicas, size, rounds, codec, mode, window, part_size, straggler, shape

@@ -68,10 +68,11 @@ def bench_convergence_command(
     codec: Annotated[
         list[str],
         typer.Option(
+            metavar="CODEC",
             help="The codec of the runs, repeatable: fp32, bf16, int8 or sparse, sparse with "
             "its [diloco.sparse] settings after colons (sparse:density=0.03:bits=4), and any "
             "codec with its own outer step, which replaces --outer-lr and --outer-momentum "
-            "for its runs (sparse:outer_lr=1:outer_momentum=0)."
+            "for its runs (sparse:outer_lr=1:outer_momentum=0).",
         ),
     ] = ["int8"],  # noqa: B006 (typer reads the default; it is never mutated)
     config_path: Annotated[
