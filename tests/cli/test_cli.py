@@ -41,7 +41,7 @@ def test_bench_store_json_has_the_documented_keys(tmp_path):
     assert codecs["fp32"]["rel_l2_gaussian"] == 0
     assert codecs["int8"]["ratio"] <= 0.27
     assert codecs["int8"]["rel_l2_student_t"] <= 0.02
-    assert codecs["sparse"]["ratio"] < 1 / 50  # 16,384 values: 4 chunks and a header
+    assert codecs["sparse"]["ratio"] < 1 / 40  # 16,384 values: 4 chunks and the header
     assert list(tmp_path.iterdir()) == []  # the benchmark cleans up after itself
 
 

@@ -172,7 +172,7 @@ def test_a_sparse_run_takes_sparselocos_outer_step_unless_it_sets_its_own():
     mean is applied as it is; what run.toml sets wins, and a dumped config loads the same."""
     sparse = parse_config('[diloco]\ncodec = "sparse"\n', "run.toml")
     diloco = sparse.diloco
-    assert (diloco.outer_lr, diloco.outer_momentum, diloco.outer_nesterov) == (1.0, 0.0, False)
+    assert (diloco.outer_lr, diloco.outer_momentum, diloco.outer_nesterov) == (2.0, 0.0, False)
     assert parse_config(tomli_w.dumps(sparse.model_dump()), "dumped") == sparse
     own = parse_config('[diloco]\ncodec = "sparse"\nouter_lr = 0.5\n', "run.toml").diloco
     assert (own.outer_lr, own.outer_momentum) == (0.5, 0.0)

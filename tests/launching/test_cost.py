@@ -147,22 +147,24 @@ def test_fragments_split_the_bytes_not_add_to_them():
     assert (whole.up, whole.down) == (bf16 * 9 // 8, 2 * bf16 * 7 // 8)
 
 
-# SparseLoCo's default: per chunk of 4,096, 2 float32 levels (8 bytes), 64 positions in
-# Elias-Fano form (64 bytes) and 64 codes of 2 bits (16 bytes); the last chunk (1,000,000,000 -
-# 244,140 x 4,096 = 2,560 values) keeps 64 too, its positions in 58 bytes
-SPARSE_1B = 244_140 * 88 + 8 + 58 + 16
+# The run's default, 8% of each chunk of 4,096 at 2 bits: per chunk 2 float32 levels (8 bytes),
+# 328 positions in Elias-Fano form (228 bytes) and 328 codes of 2 bits (82 bytes); the last
+# chunk (1,000,000,000 - 244,140 x 4,096 = 2,560 values) keeps 328 too, its positions in 203
+SPARSE_1B = 244_140 * 318 + 8 + 203 + 82
 
 
 def test_a_1b_model_in_sparse_among_8_replicas_gathers():
-    """Reading the others' 21 MB contributions beats a scatter-reduce whose result is int8."""
-    traffic = round_traffic(BILLION, "sparse", 8, codec_params={"chunk": 4096, "k": 64, "bits": 2})
+    """Reading the others' 78 MB contributions beats a scatter-reduce whose result is int8."""
+    traffic = round_traffic(BILLION, "sparse", 8)
     assert traffic.mode == "gather"
-    assert traffic.payload == SPARSE_1B == 21_484_402
+    assert traffic.payload == SPARSE_1B == 77_636_813
     assert (traffic.up, traffic.down) == (SPARSE_1B, 7 * SPARSE_1B)
     forced = round_traffic(BILLION, "sparse", 8, mode="sharded")
     assert (forced.up, forced.down) == (
         SPARSE_1B + INT8_1B // 8, (SPARSE_1B + INT8_1B) * 7 // 8
     )  # fmt: skip
+    sparseloco = round_traffic(BILLION, "sparse", 8, codec_params={"k": 64})
+    assert sparseloco.payload == 244_140 * 88 + 8 + 58 + 16  # 1.56%: 88 bytes a chunk
 
 
 # -- Egress --------------------------------------------------------------------------------
@@ -278,16 +280,16 @@ def test_the_estimate_of_a_mixed_run_by_hand():
 
 def test_the_estimate_prices_the_same_runs_egress_in_every_codec():
     """Per day, all replicas: the run's own codec as its egress per hour says; the others as
-    their traffic would bill (sparse gathers 4 x 21 MB where int8 shards 2 x 1.06 GB)."""
+    their traffic would bill (sparse gathers 4 x 78 MB where int8 shards 2 x 1.06 GB)."""
     result = estimate(_mixed_run(), MIXED)
     by_codec = result.egress_usd_per_day_by_codec
-    assert list(by_codec) == ["fp32", "bf16", "int8", "sparse 1.56% 2-bit"]
+    assert list(by_codec) == ["fp32", "bf16", "int8", "sparse 8.01% 2-bit"]
     assert by_codec["int8"] == pytest.approx(24 * result.egress_usd_per_hour)
     round_hours = 100 * 1.0 / 3600
     sparse_per_round = 3 * 4 * SPARSE_1B / GIB * 0.09  # 3 replicas outside AWS read 4 P each
-    assert by_codec["sparse 1.56% 2-bit"] == pytest.approx(24 / round_hours * sparse_per_round)
+    assert by_codec["sparse 8.01% 2-bit"] == pytest.approx(24 / round_hours * sparse_per_round)
     assert (
-        by_codec["fp32"] > by_codec["bf16"] > by_codec["int8"] > 10 * by_codec["sparse 1.56% 2-bit"]
+        by_codec["fp32"] > by_codec["bf16"] > by_codec["int8"] > 5 * by_codec["sparse 8.01% 2-bit"]
     )
     assert any(
         "egress per day by codec ([diloco] codec; this run's: int8): fp32 $" in line

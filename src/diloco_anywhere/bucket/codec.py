@@ -7,9 +7,10 @@
   where one scale for a whole tensor does not: one outlier coarsens the steps of only its own
   block. ``diloco bench store`` measures ~1% relative L2 error on Student-t(3) data at block 64.
   Payload: ``ceil(n / block)`` float32 scales, then ``n`` int8 values: 0.266x fp32 at block 64.
-- ``sparse``: per chunk of 4,096 values the 64 largest magnitudes, 2 bits each, their positions
-  in 12 bits (``sparse_codec.py``): 1/136 of fp32. It drops most of every pseudo-gradient, so
-  a run sends it only with error feedback (``feedback.py``), which sends the rest later.
+- ``sparse``: per chunk of 4,096 values the 328 largest magnitudes (8%), 2 bits each, their
+  positions in Elias-Fano form (``sparse_codec.py``): 1/51 of fp32. It leaves out most of every
+  pseudo-gradient, so a run sends it only with error feedback (``feedback.py``), which sends
+  the rest later.
 
 A codec is a pydantic model, so its parameters travel in the wire header and are validated on
 decode. Codecs reject non-finite values both ways, including values that only overflow in the

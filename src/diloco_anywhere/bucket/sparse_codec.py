@@ -3,8 +3,10 @@
 SparseLoCo (arXiv 2508.15706, section 3) sends per chunk of 4,096 values the top 64 by
 magnitude (1.56%), each in 2 bits, and keeps what it did not send in an error-feedback buffer
 that it sends later (``feedback.py``); Templar's Covenant-72B run sent 1.56% of its gradients
-this way over object storage. Without error feedback the dropped 98% would be lost, so a run
-sends ``sparse`` only with it (``training/managers/bucket.py``).
+this way over object storage. The default here keeps 8% (328 of 4,096), the most that fits
+1/50 of fp32, which measured better at this project's scale (docs/tuning.md, "Sparse").
+Without error feedback the values left out would be lost, so a run sends ``sparse`` only
+with it (``training/managers/bucket.py``).
 
 A value kept is a sign bit and ``bits - 1`` bits naming one of the chunk's ``2**(bits - 1)``
 magnitude levels. The levels are the chunk's own codebook, fitted to its kept magnitudes by a
@@ -17,12 +19,13 @@ Payload for ``n`` values in ``c = ceil(n / chunk)`` chunks, the last of which ma
 (it keeps ``min(k, its length)``):
 
 1. per chunk, its ``2**(bits - 1)`` magnitude levels, float32;
-2. per chunk, its kept positions within the chunk, ascending, ``ceil(log2(chunk))`` bits each
-   (12 for 4,096), the chunk's row padded to a byte (``bitpack.py``);
+2. per chunk, its kept positions within the chunk, ascending, in Elias-Fano form
+   (``elias_fano.py``: about ``2 + log2(chunk / k)`` bits each), the row padded to a byte;
 3. per chunk, each kept value's ``bits`` bits (its level, then the sign in the top bit), in the
    same order, the row padded to a byte.
 
-At the defaults a chunk of 16 KiB of float32 takes 8 + 96 + 16 = 120 bytes: 1/136 of fp32.
+At the defaults a chunk of 16 KiB of float32 takes 8 + 228 + 82 = 318 bytes: 1/51 of fp32
+(SparseLoCo's 64 of 4,096: 8 + 64 + 16 = 88 bytes, 1/186).
 Reading trusts nothing: positions in range and strictly ascending within their chunk (no
 position twice), every level finite and at least 0; the payload's length is fixed by ``n`` and
 the parameters, so every count and size follows from the header. Encoding is deterministic
@@ -69,7 +72,7 @@ class SparseCodec(CodecBase):
 
     name: Literal["sparse"] = "sparse"
     chunk: int = Field(default=4096, ge=64, le=65536)
-    k: int = Field(default=64, ge=1, le=65536)
+    k: int = Field(default=328, ge=1, le=65536)  # 8%: the most that fits 1/50 of fp32
     bits: int = Field(default=2, ge=1, le=4)
     contiguous: ClassVar[bool] = False
 
