@@ -48,14 +48,14 @@ def test_bench_store_json_has_the_documented_keys(tmp_path):
 @pytest.mark.integration
 def test_bench_codecs_measures_each_codec_per_gib_against_int8():
     result = run("bench", "codecs", "--size", "4MiB", "--repeats", "1", "--codec", "sparse",
-                 "--codec", "sparse:density=0.08", "--json")  # fmt: skip
+                 "--codec", "sparse:density=0.015625", "--json")  # fmt: skip
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     rows = {row["codec"]: row for row in report["codecs"]}
-    assert list(rows) == ["int8", "sparse", "sparse:density=0.08"]
+    assert list(rows) == ["int8", "sparse", "sparse:density=0.015625"]
     assert rows["int8"]["encode_plus_decode_vs_int8"] == 1.0
-    assert rows["sparse"]["label"] == "sparse 1.56% 2-bit"
-    assert rows["sparse"]["ratio"] < rows["sparse:density=0.08"]["ratio"] < 1 / 50
+    assert rows["sparse"]["label"] == "sparse 8.01% 2-bit"
+    assert rows["sparse:density=0.015625"]["ratio"] < rows["sparse"]["ratio"] < 1 / 50
     for row in rows.values():
         assert row["encode_seconds_per_gib"] > 0
         assert row["feedback_seconds_per_gib"] > 0

@@ -251,9 +251,12 @@ class BucketManager:
     def conclude(self, sync: _Sync, commit: bool) -> bool:
         """Account for the sync decided ``commit`` and start a fresh one; the error feedback
         keeps what the codec dropped of a contribution the committed mean holds, and all of
-        one it does not."""
+        one it does not (on the training thread: an encode and a decode of the fragment,
+        counted as exposed sync time)."""
         if commit and sync.stream is not None and self._holds_us(sync.result):
+            started = time.perf_counter()
             self.feedback.applied(sync.stream, sync.codec)  # type: ignore[union-attr, arg-type]
+            self.exposed_seconds += time.perf_counter() - started
         self.syncs_attempted += 1
         self.last_result, self.last_fingerprint = sync.result, sync.fingerprint
         if commit:
