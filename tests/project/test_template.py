@@ -113,6 +113,20 @@ def test_the_outer_learning_rate_follows_the_replica_count_and_the_task(
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize(("answers", "outer_lr"), [({}, 2.0), (HF_ANSWERS, 1.0)])
+def test_a_sparse_run_gets_sparselocos_outer_step_and_h_10(tmp_path, answers, outer_lr) -> None:
+    """The codec question: sparse brings its own outer step (no momentum: the error feedback
+    stands in for it), its settings written out, and H 10, where it measured best."""
+    project = render(tmp_path, codec="sparse", **answers)
+    config = parse_config((project / "run.toml").read_text(), "run.toml")
+    diloco = config.diloco
+    assert (diloco.codec, diloco.sync_every) == ("sparse", 10)
+    assert (diloco.outer_lr, diloco.outer_momentum, diloco.outer_nesterov) == (outer_lr, 0, False)
+    assert config.collective_config().codec.k == 328
+    assert answers_of(project)["codec"] == "sparse"
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("storage", "backends"),
     [
