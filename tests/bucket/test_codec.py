@@ -89,11 +89,13 @@ def test_the_accumulator_decays_and_keeps_exactly_what_the_codec_dropped():
 
 def test_a_contribution_the_mean_did_not_hold_is_kept_whole():
     """No ``applied`` (the round failed, was not committed, or sealed without us): the next
-    round sends all of it again, decayed once."""
+    round sends all of it again, decayed once, from a tensor of its own, so a round given up
+    on that still reads the last one reads what it was given."""
     feedback = ErrorFeedback(0.5)
     first, second = sample("gaussian", 64, 1), sample("gaussian", 64, 2)
-    feedback.compensate(0, [first])
+    given_up = feedback.compensate(0, [first])
     assert torch.allclose(feedback.compensate(0, [second]), 0.5 * first + second)
+    assert torch.equal(given_up, first)
 
 
 def test_streams_are_independent_and_one_whose_size_changed_starts_from_zero(caplog):

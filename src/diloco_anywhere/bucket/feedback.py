@@ -39,27 +39,25 @@ class ErrorFeedback:
 
     def compensate(self, stream: int, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """``e = decay * e + x``, with ``x`` the ``tensors`` flattened in order: what this
-        round sends, as one flat float32 tensor on their device. It must not change until
-        the round is done (the round reads it part by part). A stream whose size changed
-        starts again from zero, logged."""
-        numel = sum(tensor.numel() for tensor in tensors)
-        buffer = self._buffers.get(stream)
-        if buffer is not None and (buffer.numel(), buffer.device) != (numel, tensors[0].device):
+        round sends, as one flat float32 tensor on their device, which must not change until
+        the round is done (the round reads it part by part). A new tensor every round: a
+        round given up on (a sync that timed out) may still be reading the last one. A stream
+        whose size changed starts again from zero, logged."""
+        numel, device = sum(tensor.numel() for tensor in tensors), tensors[0].device
+        previous = self._buffers.get(stream)
+        if previous is not None and (previous.numel(), previous.device) != (numel, device):
             log.warning(
                 "error feedback stream %d held %d values on %s, the round %d on %s: "
-                "starting it again from zero", stream, buffer.numel(), buffer.device, numel,
-                tensors[0].device,
+                "starting it again from zero", stream, previous.numel(), previous.device,
+                numel, device,
             )  # fmt: skip
-            buffer = None
-        if buffer is None:
-            buffer = torch.zeros(numel, device=tensors[0].device)
-            self._buffers[stream] = buffer
-        else:
-            buffer.mul_(self.decay)
+            previous = None
+        buffer = torch.zeros(numel, device=device) if previous is None else previous * self.decay
         start = 0
         for tensor in tensors:
             buffer[start : start + tensor.numel()].add_(tensor.detach().reshape(-1))
             start += tensor.numel()
+        self._buffers[stream] = buffer
         return buffer
 
     def applied(self, stream: int, codec: Codec) -> None:
