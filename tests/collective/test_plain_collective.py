@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from diloco_anywhere import Collective
@@ -54,3 +55,10 @@ def test_a_late_replica_gets_the_others_mean_and_a_restarted_one_joins_the_next_
         restarted.allreduce(torch.zeros(1))
         round_.wait()
         assert round_.result().seal.round == 3
+
+
+def test_the_sparse_codec_is_refused_without_error_feedback(tmp_path):
+    """A plain all-reduce would lose what the top-k leaves out: only a DiLoCo run, whose
+    error feedback sends it later, takes ``sparse``."""
+    with pytest.raises(ValueError, match='which a DiLoCo run has .* codec = "sparse"'):
+        Collective(str(tmp_path), "a", replicas=1, codec="sparse")

@@ -55,9 +55,9 @@ class Collective:
         most values, which only a DiLoCo run's error feedback sends later)."""
         if codec == "sparse":
             raise ValueError(
-                "codec 'sparse' keeps 1 value in 64 and needs error feedback to send the rest "
-                'later, which a DiLoCo run has (run.toml: [diloco] codec = "sparse"); a '
-                "plain all-reduce takes fp32, bf16 or int8"
+                "codec 'sparse' sends only the largest values of each chunk and needs error "
+                "feedback to send the rest later, which a DiLoCo run has (run.toml: [diloco] "
+                'codec = "sparse"); a plain all-reduce takes fp32, bf16 or int8'
             )
         policy = RoundPolicy(
             min_replicas=replicas if min_replicas is None else min_replicas,
