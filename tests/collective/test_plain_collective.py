@@ -60,5 +60,5 @@ def test_a_late_replica_gets_the_others_mean_and_a_restarted_one_joins_the_next_
 def test_the_sparse_codec_is_refused_without_error_feedback(tmp_path):
     """A plain all-reduce would lose what the top-k leaves out: only a DiLoCo run, whose
     error feedback sends it later, takes ``sparse``."""
-    with pytest.raises(ValueError, match='which a DiLoCo run has .* codec = "sparse"'):
+    with pytest.raises(ValueError, match=r'which a DiLoCo run has .* codec = "sparse"'):
         Collective(str(tmp_path), "a", replicas=1, codec="sparse")
