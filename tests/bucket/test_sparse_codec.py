@@ -37,14 +37,14 @@ def test_packed_integers_come_back_and_each_row_starts_on_a_byte(bits, rows, cou
     assert torch.equal(bitpack.unpack(packed, bits, count), values)
 
 
-@settings(max_examples=150, deadline=None)
-@given(data=st.data(), universe=st.integers(1, 5000), rows=st.integers(1, 3))
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), universe=st.integers(1, 4096), rows=st.integers(1, 3))
 def test_ascending_positions_come_back_from_their_elias_fano_form(data, universe, rows):
     count = data.draw(st.integers(1, universe))
+    seeds = data.draw(st.lists(st.integers(0, 2**31), min_size=rows, max_size=rows))
     positions = torch.stack([
-        torch.tensor(sorted(data.draw(st.sets(st.integers(0, universe - 1), min_size=count,
-                                              max_size=count))))
-        for _ in range(rows)
+        torch.randperm(universe, generator=torch.Generator().manual_seed(seed))[:count].sort()[0]
+        for seed in seeds
     ])  # fmt: skip
     packed = elias_fano.encode(positions, universe)
     assert packed.shape == (rows, elias_fano.row_bytes(count, universe))
