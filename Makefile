@@ -18,7 +18,7 @@ CHECKOV_VERSION := 3.3.30
 CHECKOV := .tools/checkov/bin/checkov
 LINTED := src tests template/tests .github/smoke
 
-.PHONY: setup demo test lint format lock clean
+.PHONY: setup demo test image-test lint format lock clean
 
 setup: $(STAMP)
 
@@ -81,6 +81,13 @@ format: setup
 # rather than compute, so two at a time fit two cores; worksteal evens out the long ones.
 test: lint $(AZURITE) $(ACTIONLINT) $(CHECKOV)
 	$(PY) -m pytest -n 2 --dist worksteal
+
+# The image built with podman from a Debian base made here, then started as each platform
+# starts it (tests/image, docs/ci.md); as root it installs podman, runc and debootstrap from
+# Debian's packages where missing. A build takes minutes: the tests' time limit is raised.
+image-test: setup
+	.ci/install-image-tools
+	$(PY) -m pytest tests/image --image --timeout 3600 -v
 
 clean:
 	rm -rf $(VENV) .tools .diloco .pytest_cache .ruff_cache .hypothesis

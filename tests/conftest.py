@@ -15,6 +15,7 @@ import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,6 +32,22 @@ os.environ.update(GCS_EMULATOR_ENV)
 
 LOCAL_BACKENDS = ("path", "file", "memory")
 SERVER_BACKENDS = ("s3", "gcs", "azure", "hf")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--image",
+        action="store_true",
+        help="collect tests/image: build the project image with podman and run replicas in it "
+        "(make image-test); without it those tests are not collected, so make test needs no "
+        "container engine",
+    )
+
+
+def pytest_ignore_collect(collection_path, config: pytest.Config) -> bool | None:
+    if collection_path.name == "image" and collection_path.parent == Path(__file__).parent:
+        return not config.getoption("--image")
+    return None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -14,7 +14,7 @@ the ``diloco`` CLI) stays quick:
 """
 
 from importlib import import_module
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, packages_distributions, version
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr__ below
@@ -24,7 +24,18 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr_
     from diloco_anywhere.training.replica import Replica, StopRequestedError, join
     from diloco_anywhere.training.training import Training
 
-__version__ = version("diloco-anywhere")
+
+def _installed_version() -> str:
+    """The version of the distribution that installed this package: diloco-anywhere, or a
+    project rendered from the template, which ships this runtime under its own name."""
+    try:
+        return version("diloco-anywhere")
+    except PackageNotFoundError:
+        names = packages_distributions().get(__name__, ["diloco-anywhere"])
+        return version(names[0])
+
+
+__version__ = _installed_version()
 __all__ = [
     "BucketManager",
     "Collective",

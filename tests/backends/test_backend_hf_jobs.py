@@ -190,7 +190,7 @@ def test_check_without_the_sdk_says_how_to_install_it(monkeypatch):
     with pytest.raises(BackendUnavailableError) as error:
         HfJobsBackend(parse_config("", "run.toml")).check()
     assert str(error.value) == (
-        "backend hf_jobs needs the huggingface_hub package: pip install 'diloco-anywhere[hf_jobs]'"
+        "backend hf_jobs needs the huggingface_hub package: pip install 'diloco-anywhere[hf-jobs]'"
     )
 
 

@@ -325,12 +325,13 @@ class Backend(abc.ABC):
 
     def import_sdk(self, module: str) -> ModuleType:
         """The platform's SDK, or ``BackendUnavailableError`` saying which extra installs it."""
+        extra = self.name.replace("_", "-")  # extras are named normalized (PEP 685)
         try:
             return import_module(module)
         except ImportError:
             raise BackendUnavailableError(
                 f"backend {self.name} needs the {module.split('.')[0]} package: "
-                f"pip install 'diloco-anywhere[{self.name}]'"
+                f"pip install 'diloco-anywhere[{extra}]'"
             ) from None
 
     def settings_error(self, field: str, message: str) -> ConfigError:

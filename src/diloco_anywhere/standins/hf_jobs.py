@@ -10,7 +10,8 @@ running ``timeoutSeconds`` after it started is ended (SIGTERM, then SIGKILL afte
 ``TIMEOUT_GRACE``) and, once its process has gone, reported in stage ERROR with a message
 saying it timed out (``TIMED_OUT``: huggingface_hub's JobStage has no stage of its own for
 it, and the hub documents no wording), with its running time in ``durations``. Not modelled:
-images (this Python runs every job), flavors and their hardware, attempts (a failed job is not
+images (this Python runs every job, or with ``DILOCO_STANDIN_ENGINE`` the job's image:
+``containers``), flavors and their hardware, attempts (a failed job is not
 restarted), scheduling delay, authentication beyond requiring a bearer token.
 """
 
@@ -47,7 +48,13 @@ class _Job:
         self.started, self.ended = time.monotonic(), None
         self.timed_out = False
         env = {**spec.get("environment", {}), **spec.get("secrets", {})}
-        self.container = ContainerProcess(spec["command"], env, folder / f"{job_id}.log")
+        self.container = ContainerProcess(
+            spec["command"],
+            env,
+            folder / f"{job_id}.log",
+            image=spec.get("dockerImage"),
+            replaces_entrypoint=False,
+        )
         timeout = spec.get("timeoutSeconds")
         threading.Thread(target=self._watch, args=(timeout,), daemon=True).start()
 

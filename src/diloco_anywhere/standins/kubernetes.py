@@ -15,7 +15,8 @@ then, once they have ended, the Failed condition with that reason. Deleting a Jo
 once and terminates its pods' processes (SIGTERM), as background propagation does. Every
 request is kept in ``.requests`` as (method, path with query, JSON body as sent).
 
-Not modelled: images (this Python runs every pod), scheduling, resources and GPUs, queues
+Not modelled: images (this Python runs every pod, or with ``DILOCO_STANDIN_ENGINE`` the pod's
+image: ``containers``), scheduling, resources and GPUs, queues
 (Kueue), service accounts, the rest of the pod failure policy (there are no disruptions here),
 other completion modes (refused), set-based label selectors, watches, missing Secrets,
 authentication beyond requiring a bearer token.
@@ -199,7 +200,13 @@ class _Pod:
             "spec": template["spec"],
             "status": {"phase": "Pending"},
         }
-        self.container = ContainerProcess(container["command"], env, folder / f"{self.name}.log")
+        self.container = ContainerProcess(
+            container["command"],
+            env,
+            folder / f"{self.name}.log",
+            image=container.get("image"),
+            replaces_entrypoint=True,
+        )
         self.record["status"]["phase"] = "Running"
 
 

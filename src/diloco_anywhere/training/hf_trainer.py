@@ -16,7 +16,7 @@ them: ``max_steps`` at ``on_init_end`` (read by ``set_initial_training_values`` 
 ``on_train_begin`` (the first event with the optimizer and scheduler built:
 ``_prepare_for_training`` builds them just before), the end at ``on_step_end`` and
 ``on_train_end``. Needs ``transformers`` and ``accelerate`` (the Trainer's own requirement):
-``pip install 'diloco-anywhere[hf_task]'``.
+``pip install 'diloco-anywhere[hf-task]'``.
 """
 
 from __future__ import annotations
