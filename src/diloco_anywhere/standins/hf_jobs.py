@@ -48,12 +48,9 @@ class _Job:
         self.started, self.ended = time.monotonic(), None
         self.timed_out = False
         env = {**spec.get("environment", {}), **spec.get("secrets", {})}
+        log, image = folder / f"{job_id}.log", spec.get("dockerImage")
         self.container = ContainerProcess(
-            spec["command"],
-            env,
-            folder / f"{job_id}.log",
-            image=spec.get("dockerImage"),
-            replaces_entrypoint=False,
+            spec["command"], env, log, image=image, replaces_entrypoint=False
         )
         timeout = spec.get("timeoutSeconds")
         threading.Thread(target=self._watch, args=(timeout,), daemon=True).start()

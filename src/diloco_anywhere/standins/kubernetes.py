@@ -200,12 +200,9 @@ class _Pod:
             "spec": template["spec"],
             "status": {"phase": "Pending"},
         }
+        log, image = folder / f"{self.name}.log", container.get("image")
         self.container = ContainerProcess(
-            container["command"],
-            env,
-            folder / f"{self.name}.log",
-            image=container.get("image"),
-            replaces_entrypoint=True,
+            container["command"], env, log, image=image, replaces_entrypoint=True
         )
         self.record["status"]["phase"] = "Running"
 
