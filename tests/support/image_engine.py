@@ -22,7 +22,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,8 +200,3 @@ def build(context: Path, tag: str, *, extras: str, env: dict[str, str], work: Pa
     require(cached, f"{what} (the builder stage again, from the cache)", hint)
     final = require(run([*common, "-t", tag, str(context)], env=env), what)
     return Ran(final.code, final.output, time.monotonic() - started)
-
-
-def work_folder() -> Path:
-    """Where the engine's settings and the base's rootfs live between steps."""
-    return Path(tempfile.mkdtemp(prefix="diloco-image-"))
