@@ -52,6 +52,12 @@ def test_every_way_in_reaches_the_replica(podman, image, args):
     assert USAGE in ran.output, said(ran)
 
 
+def test_the_command_replaces_the_entrypoint_as_pid_1(podman, image):
+    """The entrypoint execs, so what it starts is PID 1 and gets the platform's SIGTERM."""
+    ran = in_image(podman, image, "python", "-c", "import os; print(os.getpid())")
+    assert ran.output.split() == ["1"], said(ran)
+
+
 def test_no_arguments_start_the_replica_itself(podman, image):
     """``docker run IMAGE``: the replica, which without a run says what it needs."""
     ran = in_image(podman, image)
