@@ -51,8 +51,10 @@ def engine_run(
     names = [flag for variable in env for flag in ("--env", variable)]
     start = [engine, "run", "--rm", "--name", name, "--network", "host", *names]
     if replaces_entrypoint:  # Kubernetes ``command``, SageMaker ``ContainerEntrypoint``
-        return [*start, "--entrypoint", json.dumps(command), image], {**os.environ, **env}
-    return [*start, image, *command], {**os.environ, **env}  # HF Jobs, Modal: the image's CMD
+        argv = [*start, "--entrypoint", json.dumps(command), image]
+    else:  # HF Jobs, Modal: the command is given to the image's ENTRYPOINT
+        argv = [*start, image, *command]
+    return argv, {**os.environ, **env}
 
 
 def standin_engine() -> str | None:
