@@ -18,7 +18,7 @@ CHECKOV_VERSION := 3.3.30
 CHECKOV := .tools/checkov/bin/checkov
 LINTED := src tests template/tests .github/smoke
 
-.PHONY: setup demo test image-test lint format lock clean
+.PHONY: setup demo test image-test gpu-wheels gpu-check lint format lock clean
 
 setup: $(STAMP)
 
@@ -89,5 +89,17 @@ image-test: setup
 	.ci/install-image-tools
 	$(PY) -m pytest tests/image --image --timeout 3600 -v
 
+# A lent GPU machine (the device tool) has the image's CUDA PyTorch and reaches no registry:
+# gpu-wheels downloads here, into the git-ignored .whl, the wheels it lacks for its Python 3.12
+# (torchft, pydantic, ..., this project); gpu-check installs them there and runs every check
+# of ../shared/GPU-CHECKS.md (docs/benchmarks.md, "GPU"). Here, `make gpu-check DEVICE=cpu`
+# runs the same checks at tiny sizes (make test does, in tests/bench/test_gpu_check.py).
+DEVICE ?= cuda
+gpu-wheels: setup
+	$(PY) .ci/gpu-wheels
+
+gpu-check:
+	.ci/gpu-check --device $(DEVICE)
+
 clean:
-	rm -rf $(VENV) .tools .diloco .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .tools .diloco .pytest_cache .ruff_cache .hypothesis .whl

@@ -214,6 +214,10 @@ class TaskSection(_Section):
         "diloco_anywhere.tasks.gpt:build"
     )
     device: str = "auto"  # auto: cuda when there is one, else cpu
+    # torch.compile the module the built-in loop's inner steps run through (a script of one's
+    # own compiles its model itself): the first steps compile (a minute or so), later ones run
+    # faster on a GPU. Checkpoints and exports hold the model's own names either way.
+    compile: bool = False
     options: dict[str, Any] = Field(default_factory=dict)
     log_every: PositiveInt = 10  # inner steps between two loss lines in the metrics
     # Outer steps between held-out evaluations (and always the last one); 0: never.

@@ -71,6 +71,7 @@ class SyncBench:
     part_bytes: int = 4 * RoundPolicy.part_elements
     straggler: float = 0.0  # seconds the last replica is late every round
     wan: WanShape | None = None
+    device: str = "cpu"  # where each replica's pseudo-gradient is: "cuda" syncs from GPU tensors
 
     def policy(self) -> RoundPolicy:
         return RoundPolicy(
@@ -100,13 +101,12 @@ def _replica(url, options, index, bench: SyncBench, barrier, results) -> None:
     try:
         with BucketCollective(store, f"bench-{bench.replicas}", f"r{index}", config) as collective:
             measured = []
-            tensor = torch.empty(bench.size // 4)  # one pseudo-gradient, refilled every round
+            # one pseudo-gradient, refilled every round
+            tensor = torch.empty(bench.size // 4, device=bench.device)
             baseline = None
             for round_ in range(bench.rounds):
-                # drawn straight into the tensor: no float64 temporaries 3x its size
-                generator = np.random.default_rng(1000 * round_ + index)
-                generator.standard_normal(dtype=np.float32, out=tensor.numpy())
-                baseline = baseline or resident_bytes()
+                fill_gaussian(tensor, seed=1000 * round_ + index)
+                baseline = baseline or resident_bytes()  # with the device's context, if any
                 barrier.wait()
                 time.sleep(late)
                 before, started = store.stats(), time.perf_counter()
@@ -125,6 +125,15 @@ def _replica(url, options, index, bench: SyncBench, barrier, results) -> None:
         results.put((index, measured))
     except Exception as exc:  # reported to the parent instead of a silent hang
         results.put((index, f"{type(exc).__name__}: {exc}"))
+
+
+def fill_gaussian(tensor: torch.Tensor, seed: int) -> None:
+    """Standard normal values drawn straight into ``tensor`` where it is: no float64
+    temporaries 3x its size on the host, no host copy of a GPU tensor."""
+    if tensor.device.type == "cpu":
+        np.random.default_rng(seed).standard_normal(dtype=np.float32, out=tensor.numpy())
+    else:
+        tensor.normal_(generator=torch.Generator(tensor.device).manual_seed(seed))
 
 
 def _run_replicas(url, options: list[dict[str, Any]], bench: SyncBench, progress) -> list:
@@ -249,10 +258,12 @@ def _local_folder(url: str) -> str | None:
     )
 
 
-def _codec_seconds(numel: int, spec: str) -> tuple[float, float]:
-    """(encode, decode) seconds of the whole payload, each alone, on one thread here."""
+def _codec_seconds(numel: int, spec: str, device: str) -> tuple[float, float]:
+    """(encode, decode) seconds of the whole payload, each alone, on one thread here: encoded
+    from ``device``, decoded on the host, as a round does (its reduction is the host's)."""
     codec = codec_of(spec)
-    tensor = torch.from_numpy(np.random.default_rng(0).standard_normal(numel, dtype=np.float32))
+    tensor = torch.empty(numel, device=device)
+    fill_gaussian(tensor, seed=0)
     torch.set_num_threads(1)  # as a round's threads run
     # into a buffer touched before, as the sync's pooled buffers are
     buffer = memoryview(bytearray(b"\x01") * wire.max_object_nbytes(codec, numel))
@@ -326,7 +337,7 @@ def bench_sync(url: str, options: list[dict[str, Any]], bench: SyncBench, progre
         )
     raw = statistics.median(raw_each)
     sealed_mode = statistics.mode(row.mode for row in rows)
-    encode, decode = _codec_seconds(bench.size // 4, bench.codec)
+    encode, decode = _codec_seconds(bench.size // 4, bench.codec, bench.device)
     encodes, decodes = codec_passes(sealed_mode, bench.replicas)
     # the codec work of one round, every replica's, spread over this machine's cores
     codec_floor = bench.replicas * (encodes * encode + decodes * decode) / (os.cpu_count() or 1)
@@ -340,6 +351,7 @@ def bench_sync(url: str, options: list[dict[str, Any]], bench: SyncBench, progre
         "url": redact_url(url),
         "mode": sealed_mode,
         "codec": bench.codec,
+        "device": bench.device,
         "replicas": bench.replicas,
         "size_bytes": bench.size,
         "payload_bytes": payload,

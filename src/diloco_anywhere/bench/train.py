@@ -18,12 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import tomli_w
-import torch
 
 from diloco_anywhere.backends.local import LocalBackend
+from diloco_anywhere.bench.plain_loop import plain_loop
 from diloco_anywhere.config import RunConfig, load_config, validate_config, with_changes
 from diloco_anywhere.launching.launch import LaunchPlan, plan_launch, run_metrics
-from diloco_anywhere.task import Task, TaskContext, build_task
 from diloco_anywhere.training.metrics import ReplicaMetrics
 
 Progress = Callable[[str], None]
@@ -70,19 +69,6 @@ def wall_seconds(metrics: ReplicaMetrics) -> float:
     """From the replica's task being built to the end of its training."""
     started = next(e.time for e in metrics.events if e.event == "started")
     return next(e.time for e in metrics.events if e.event == "done") - started
-
-
-def _train(task: Task, model: torch.nn.Module, optimizer, steps: int, timed_from: int) -> float:
-    """The baselines' plain training loop; seconds from step ``timed_from`` to the end."""
-    started, batches = time.perf_counter(), task.batches(0)
-    for step in range(1, steps + 1):
-        loss = task.loss(model, next(batches))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if step == timed_from:
-            started = time.perf_counter()
-    return time.perf_counter() - started
 
 
 def bench_overlap(config: RunConfig, fragments: int, delay: int, progress: Progress) -> dict:
@@ -132,19 +118,10 @@ def results_of(processes: list[Any], results: Any) -> list[Any]:
 
 
 def _plain_loop(config: RunConfig, steps: int, results) -> None:
-    task = build_task(
-        config.task.entrypoint,
-        TaskContext(
-            0, 1, config.run.seed, torch.device("cpu"), config.task.options, total_steps=steps
-        ),
-    )
-    optimizer = torch.optim.AdamW(
-        task.model.parameters(), lr=config.diloco.inner_lr,
-        weight_decay=config.diloco.inner_weight_decay,
-    )  # fmt: skip
-    first = config.task.log_every  # measured like the replica's step lines: warm-up excluded
-    seconds = _train(task, task.model, optimizer, steps, timed_from=first)
-    results.put(task.tokens_per_batch * (steps - first) / seconds)
+    """Tokens/s of the plain loop from its first logged step (after warm-up) to its last."""
+    lines = plain_loop(config, 0, steps)
+    first, last = lines[1], lines[-1]
+    results.put((last.tokens - first.tokens) / (last.time - first.time))
 
 
 def _plain_tokens_per_second(config: RunConfig, steps: int) -> float:

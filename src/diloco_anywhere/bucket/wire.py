@@ -266,13 +266,17 @@ class WireReader:
             raise checksum_error(self.key, self._stored, checksum)
 
 
-def decode(data: bytes | bytearray | memoryview, *, key: str = "<bytes>") -> Decoded:
-    """Check and decode a wire object into its header and a float32 tensor of its shape.
+def decode(
+    data: bytes | bytearray | memoryview, *, key: str = "<bytes>", device: torch.device = CPU
+) -> Decoded:
+    """Check and decode a wire object into its header and a float32 tensor of its shape, on
+    ``device`` (a GPU dequantizes there: only the encoded bytes cross to it).
 
-    With a writable buffer (``bytearray``) the fp32 tensor is a view of it: no copy. Read-only
-    ``bytes`` are copied once, so the returned tensor never aliases immutable memory. The
-    checksum is verified before the header is parsed. Other codecs decode chunk by chunk into
-    the result, so what decoding adds beyond it is a chunk's temporaries, whatever the size.
+    With a writable buffer (``bytearray``) the fp32 tensor is a view of it on the CPU: no
+    copy. Read-only ``bytes`` are copied once, so the returned tensor never aliases immutable
+    memory. The checksum is verified before the header is parsed. Other codecs decode chunk by
+    chunk into the result, so what decoding adds beyond it is a chunk's temporaries, whatever
+    the size.
     """
     view = _byte_view(data)
     check_prefix(view, key)
@@ -281,10 +285,10 @@ def decode(data: bytes | bytearray | memoryview, *, key: str = "<bytes>") -> Dec
     reader = WireReader(view, key)
     numel = reader.header.numel
     if isinstance(reader.header.codec, Fp32Codec):
-        chunks = reader.chunks(check_checksum=False, step=max(numel, 1))
-        flat = next((chunk for _, chunk in chunks), torch.empty(0))
+        chunks = reader.chunks(device, check_checksum=False, step=max(numel, 1))
+        flat = next((chunk for _, chunk in chunks), torch.empty(0, device=device))
     else:
-        flat = torch.empty(numel)
-        for start, chunk in reader.chunks(check_checksum=False):
+        flat = torch.empty(numel, device=device)
+        for start, chunk in reader.chunks(device, check_checksum=False):
             flat[start : start + chunk.numel()] = chunk
     return Decoded(reader.header, flat.view(reader.header.shape))

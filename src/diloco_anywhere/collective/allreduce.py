@@ -43,6 +43,7 @@ from diloco_anywhere.collective.policy import CollectiveConfig
 from diloco_anywhere.collective.records import Seal
 from diloco_anywhere.collective.round import Round
 from diloco_anywhere.collective.sharded import sharded_mean
+from diloco_anywhere.collective.stream_order import StreamOrder
 
 EXCHANGES = {"gather": gather_mean, "sharded": sharded_mean}
 log = logging.getLogger(__name__)
@@ -202,6 +203,7 @@ class BucketCollective:
         future = self._executor.submit(
             self._run_round, contribution, destination, round_, fragment, weight,
             codec or self.config.codec, fingerprint, self._latest.get(fragment),
+            StreamOrder(destination.device),
         )  # fmt: skip
         self._latest[fragment] = future
         return Work(future, tensor)
@@ -216,9 +218,11 @@ class BucketCollective:
         codec: Codec,
         fingerprint: str | Callable[[], str],
         previous: Future[RoundResult] | None,
+        order: StreamOrder,
     ) -> RoundResult:
         if previous is not None:  # submitted earlier, so running or done: no deadlock
             wait([previous])
+        order.before_reading()  # the caller's queued GPU work first (``stream_order.py``)
         if callable(fingerprint):
             fingerprint = fingerprint()
         members = self.membership.members  # raises SupersededError: a zombie contributes nothing
@@ -228,6 +232,7 @@ class BucketCollective:
         )  # fmt: skip
         round_state.contribute(source, weight, codec, fingerprint)
         result = finish_round(round_state, destination)
+        order.after_writing()
         self._finished[fragment] = round_
         if result.seal.contributors[0] == self.me.name:
             self._collecting.submit(self._collect_garbage, round_, fragment)

@@ -24,7 +24,7 @@ def train(replica: Replica) -> TrainingResult:
     )
     if replica.config.task.init_from:
         warm_start(task.model, replica.config.resolve(replica.config.task.init_from))
-    trained = replica.parallelize(task.model)
+    trained = compiled(replica.parallelize(task.model), replica.config.task.compile)
     inner = inner_optimizer(replica.config, task.model)
     with replica.diloco(
         task.model, inner, tokens_per_step=task.tokens_per_batch, evaluate=task.evaluate
@@ -36,6 +36,13 @@ def train(replica: Replica) -> TrainingResult:
             inner.step()  # DiLoCo's hook syncs here every sync_every / fragments steps
             training.log(loss, lr=inner.param_groups[0]["lr"])
     return training.result()
+
+
+def compiled(module: nn.Module, compile_module: bool) -> nn.Module:
+    """``module`` through ``torch.compile`` when run.toml's ``[task] compile`` asks: the
+    compiled wrapper runs the forward and backward; DiLoCo, the outer step, checkpoints and the
+    held-out evaluation work on the module's own parameters, which it shares."""
+    return torch.compile(module) if compile_module else module
 
 
 def backward_batch(task: Task, model: nn.Module, batch: Batch) -> torch.Tensor:

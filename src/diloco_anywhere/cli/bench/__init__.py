@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import typer
 
+from diloco_anywhere.cli.bench.gpu import bench_gpu_command
 from diloco_anywhere.cli.bench.store import bench_codecs_command, bench_store_command
 from diloco_anywhere.cli.bench.sync import bench_sharded_command, bench_sync_command
 from diloco_anywhere.cli.bench.training import (
@@ -33,3 +34,4 @@ bench_app.command("overlap")(bench_overlap_command)
 bench_app.command("throughput")(bench_throughput_command)
 bench_app.command("chaos")(bench_chaos_command)
 bench_app.command("unattended")(bench_unattended_command)
+bench_app.command("gpu")(bench_gpu_command)

@@ -102,6 +102,13 @@ def bench_sync_command(
     link: Link = None,
     store_url: Annotated[str | None, STORE_OPTION] = None,
     standin_name: Annotated[str | None, STANDIN_OPTION] = None,
+    device: Annotated[
+        str,
+        typer.Option(
+            help="Where each replica's pseudo-gradient lives: cpu, or cuda (encoded on the "
+            "GPU, one copy of each part to pinned host memory)."
+        ),
+    ] = "cpu",
     json_output: JsonOutput = False,
 ) -> None:
     """Measure N replica processes all-reducing through one store for R rounds.
@@ -120,9 +127,11 @@ def bench_sync_command(
         parse_codec(codec)
     except ConfigError as exc:
         raise typer.BadParameter(str(exc), param_hint="--codec") from None
+    if device not in ("cpu", "cuda"):
+        raise typer.BadParameter(f"{device!r}: cpu or cuda", param_hint="--device")
     shape = wan_shape(bandwidth, latency, link)
     bench = SyncBench(
-        replicas, size, rounds, codec, mode, window, part_size, straggler, shape
+        replicas, size, rounds, codec, mode, window, part_size, straggler, shape, device
     )  # fmt: skip
     with user_errors(), ExitStack() as stack, progress_display() as status:
         url, options = bench_target(stack, store_url, standin_name, status)
