@@ -17,7 +17,7 @@ from diloco_anywhere.bench.gpu.compiled_loop import missing_compiler
 from diloco_anywhere.bench.gpu.outcome import Judge
 from diloco_anywhere.bench.gpu.plan import CHECK_NAMES, Check
 from diloco_anywhere.bench.gpu.runner import run_one, running
-from diloco_anywhere.bench.plain_loop import StepTime, inner_tokens_per_second
+from diloco_anywhere.bench.plain_loop import StepTime, inner_intervals, inner_tokens_per_second
 from support.runs import diloco
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,17 +58,19 @@ def test_every_gpu_check_passes_on_the_cpu_through_make_gpu_checks_script(tmp_pa
         assert "exact" in numbers["compile"]["resumed"][0]
 
 
-def test_inner_throughput_counts_the_intervals_free_of_syncs_after_the_first():
+def test_inner_throughput_counts_the_intervals_free_of_syncs_between_two_syncs():
     """Syncs (and what follows them: evaluation, checkpoints) happen inside every H-th step:
-    an interval holding one, or starting before the first, is left out; plain loops are
+    an interval holding one, or outside the span asked for, is left out; plain loops are
     measured over the same intervals."""
     times = [(0, 0.0), (2, 1.0), (4, 9.0), (6, 10.0), (8, 19.0), (10, 20.0), (12, 29.0)]
     lines = [StepTime(step, time, step * 10) for step, time in times]
-    # H = 4: (4, 6] and (8, 10] count, 1 s each; (6, 8] and (10, 12] hold syncs (8 s each),
-    # (0, 2] and (2, 4] come before the first
-    assert inner_tokens_per_second(lines, 4) == (40 / 2, 4)
+    # H = 4: (4, 6] and (8, 10] are free of syncs, 1 s each; (6, 8] and (10, 12] hold one
+    assert [a.step for a, _ in inner_intervals(lines, 4)] == [4, 8]
+    assert inner_tokens_per_second(inner_intervals(lines, 4)) == (40 / 2, 4)
+    assert [a.step for a, _ in inner_intervals(lines, 4, first=2)] == [8]
+    assert [a.step for a, _ in inner_intervals(lines, 4, first=1, last=2)] == [4]
     with pytest.raises(ValueError, match="no logged interval free of syncs"):
-        inner_tokens_per_second(lines[:3], 4)
+        inner_tokens_per_second(inner_intervals(lines[:3], 4))
 
 
 @pytest.mark.parametrize(("device", "status"), [("cuda", "FAIL"), ("cpu", "PASS")])

@@ -56,21 +56,30 @@ def plain_loop(
     return lines
 
 
-def inner_tokens_per_second(lines: list[StepTime], sync_every: int) -> tuple[float, int]:
-    """Tokens/s of inner steps alone, and the steps measured: over the intervals between
-    logged steps that start after the first sync (every replica has started by then) and hold
-    no sync (a replica syncs, evaluates and checkpoints inside its every ``sync_every``-th
-    step). The same intervals of a plain loop are its baseline."""
-    tokens = seconds = steps = 0
-    for before, after in itertools.pairwise(lines):
-        if before.step < sync_every or after.step // sync_every > before.step // sync_every:
-            continue
-        tokens += after.tokens - before.tokens
-        seconds += after.time - before.time
-        steps += after.step - before.step
+def inner_intervals(
+    lines: list[StepTime], sync_every: int, first: int = 1, last: int | None = None
+) -> list[tuple[StepTime, StepTime]]:
+    """The intervals between logged steps that hold no sync (a replica syncs, evaluates and
+    checkpoints inside its every ``sync_every``-th step), from the ``first``-th sync on (every
+    replica has started by the first) and before the ``last``-th. The same intervals of a
+    plain loop are its baseline."""
+    last_step = float("inf") if last is None else last * sync_every
+    return [
+        (before, after)
+        for before, after in itertools.pairwise(lines)
+        if first * sync_every <= before.step
+        and after.step <= last_step
+        and after.step // sync_every == before.step // sync_every
+    ]
+
+
+def inner_tokens_per_second(intervals: list[tuple[StepTime, StepTime]]) -> tuple[float, int]:
+    """Tokens/s over ``intervals`` (``inner_intervals``), and the inner steps they hold."""
+    seconds = sum(after.time - before.time for before, after in intervals)
     if not seconds:
         raise ValueError(
-            f"no logged interval free of syncs after step {sync_every}: log more often than "
-            f"every {sync_every} steps, over more than one outer step"
+            "no logged interval free of syncs to measure: log more often than every sync_every "
+            "steps, over more outer steps"
         )
-    return tokens / seconds, steps
+    tokens = sum(after.tokens - before.tokens for before, after in intervals)
+    return tokens / seconds, sum(after.step - before.step for before, after in intervals)

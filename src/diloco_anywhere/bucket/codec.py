@@ -146,7 +146,9 @@ class Int8Codec(CodecBase):
         scales, levels = [], []
         for block_values in blocks:
             absmax = torch.linalg.vector_norm(block_values, ord=math.inf, dim=1)
-            scale = absmax / 127
+            # by a tensor, not a Python number: CUDA divides by a number as a multiply by its
+            # reciprocal (1 ulp off the quotient), so a GPU's scales would differ from a CPU's
+            scale = absmax / absmax.new_tensor(127.0)
             require_finite(scale * 127, "int8 block range (beyond float32?)", ValueError)
             inverse = torch.where(absmax > 0, 127 / absmax, torch.zeros_like(absmax))
             levels.append((block_values * inverse[:, None]).round_().clamp_(-127, 127).reshape(-1))

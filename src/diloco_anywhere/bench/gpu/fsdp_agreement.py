@@ -1,9 +1,15 @@
 """Check 4: FSDP2 on the device. One replica of the built-in GPT, one rank under ``torchrun``
 with ``[run] sharding = "fsdp"`` (its process group on NCCL on a GPU, ``replica_group.py``),
-trains a few outer steps; the same run then trains on the CPU (gloo). The two must agree
-within rounding: their final global weights differ by at most 5% of how far training moved
-them, and their held-out losses by at most 1%. (On ``--device cpu`` the one CPU run is
-compared with itself: there the script is what is checked.)
+trains two outer steps; the same run then trains on the CPU (gloo). The two must agree within
+rounding: their final global weights differ by at most 1% of how far training moved them, and
+their held-out losses by at most 1%. (On ``--device cpu`` the one CPU run is compared with
+itself: there the script is what is checked.)
+
+Short and gentle on purpose: rounding differences grow with every step of a run that trains
+fast enough to be chaotic. The same small GPT on the same CPU with one intra-op thread and
+then two (which changes only the order of the matmuls' sums) ended 23% of its update apart
+after 3 outer steps of 20 at an inner rate of 3e-3, and 6.5e-5 apart after 2 of 10 at 1e-3;
+on an H200 against its CPU, 41% at the former. The latter is what this check runs.
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ from diloco_anywhere.task import build_task
 from diloco_anywhere.training.builders import SINGLE_PROCESS, task_context
 
 log = logging.getLogger(__name__)
-UPDATE_AGREEMENT = 0.05  # |w_device - w_cpu| over |w_cpu - w_initial|
+UPDATE_AGREEMENT = 0.01  # |w_device - w_cpu| over |w_cpu - w_initial|
 LOSS_AGREEMENT = 0.01  # relative
+SYNC_EVERY, OUTER_STEPS, INNER_LR = 10, 2, 1e-3  # see the module docstring
 
 
 def initial_weights(config: RunConfig) -> dict[str, torch.Tensor]:
@@ -43,8 +50,8 @@ def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 def _train(device: str, sizes: Sizes, folder: Path) -> tuple[RunConfig, float]:
     config = gpt_config(
-        device, sizes, folder, outer_steps=sizes.gpt_outer_steps, run={"sharding": "fsdp"},
-        diloco={"codec": "int8"}, task={},
+        device, sizes, folder, outer_steps=OUTER_STEPS, run={"sharding": "fsdp"},
+        diloco={"codec": "int8", "sync_every": SYNC_EVERY, "inner_lr": INNER_LR}, task={},
     )  # fmt: skip
     started = time.perf_counter()
     config = run_under_torchrun(config, folder, timeout=600)
@@ -76,7 +83,7 @@ def check(device: torch.device, sizes: Sizes, work: Path) -> Outcome:
         f"{reference_losses[-1]:.5f}",
     )
     numbers = {
-        "outer_steps": sizes.gpt_outer_steps, "sync_every": sizes.gpt_sync_every,
+        "outer_steps": OUTER_STEPS, "sync_every": SYNC_EVERY, "inner_lr": INNER_LR,
         "preset": sizes.gpt_preset, "seconds": device_seconds, "cpu_seconds": cpu_seconds,
         "eval_losses": losses, "cpu_eval_losses": reference_losses,
         "weights_apart": apart, "weights_moved": moved, "apart_vs_moved": apart / moved,
@@ -86,7 +93,7 @@ def check(device: torch.device, sizes: Sizes, work: Path) -> Outcome:
         "loss_gap": loss_gap,
     }  # fmt: skip
     summary = (
-        f"{device.type} vs cpu after {sizes.gpt_outer_steps} outer steps: weights apart "
+        f"{device.type} vs cpu after {OUTER_STEPS} outer steps: weights apart "
         f"{apart / moved:.2e} of their update, held-out loss {losses[-1]:.4f} vs "
         f"{reference_losses[-1]:.4f} ({device_seconds:.0f} s vs {cpu_seconds:.0f} s)"
     )

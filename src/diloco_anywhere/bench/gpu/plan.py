@@ -39,7 +39,7 @@ SIZES = {
             "max_position_embeddings": 1024,
         },  # 85M in the layers, 13M in the untied embeddings of 8,192 tokens
         vocab=8192, corpus_bytes=8 << 20, seq_len=512, batch_size=16, sync_every=50,
-        outer_steps=3, log_every=10, codec_bytes=1 << 30, codec_repeats=3,
+        outer_steps=4, log_every=10, codec_bytes=1 << 30, codec_repeats=3,
         sync_bytes=4 << 30, sync_rounds=2, gpt_preset="base", gpt_batch=32,
         gpt_sync_every=20, gpt_outer_steps=3,
     ),
@@ -50,7 +50,7 @@ SIZES = {
             "max_position_embeddings": 64,
         },
         vocab=320, corpus_bytes=1 << 20, seq_len=32, batch_size=4, sync_every=6,
-        outer_steps=3, log_every=2, codec_bytes=8 << 20, codec_repeats=1,
+        outer_steps=4, log_every=2, codec_bytes=8 << 20, codec_repeats=1,
         sync_bytes=16 << 20, sync_rounds=2, gpt_preset="tiny", gpt_batch=4,
         gpt_sync_every=4, gpt_outer_steps=2,
     ),
