@@ -15,7 +15,7 @@ import torch
 
 from diloco_anywhere.bench.gpu.compiled_loop import missing_compiler
 from diloco_anywhere.bench.gpu.outcome import Judge
-from diloco_anywhere.bench.gpu.plan import CHECK_NAMES, Check
+from diloco_anywhere.bench.gpu.plan import CHECK_NAMES, SIZES, Check
 from diloco_anywhere.bench.gpu.runner import run_one, running
 from diloco_anywhere.bench.plain_loop import StepTime, inner_intervals, inner_tokens_per_second
 from support.runs import diloco
@@ -47,7 +47,7 @@ def test_every_gpu_check_passes_on_the_cpu_through_make_gpu_checks_script(tmp_pa
 
     numbers = {row["name"]: row["numbers"] for row in summary["checks"]}
     losses = numbers["replica"]["eval_losses"]
-    assert len(losses) == 3
+    assert len(losses) == SIZES["cpu"].outer_steps
     assert losses[-1] < losses[0]
     assert numbers["replica"]["plain_tokens_per_second"] > 0
     assert numbers["codecs"]["codecs"]["int8"]["bytes_equal_to_host"]

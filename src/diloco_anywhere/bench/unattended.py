@@ -89,7 +89,7 @@ deadline_hours = {k8s_deadline_hours}
 [keep]
 backoff = 1.0
 max_backoff = 4.0
-hung_after = 12.0
+hung_after = {hung_after}
 max_restarts = 20
 [alerts]
 stalled_after = 30.0
@@ -97,13 +97,46 @@ stalled_after = 30.0
 
 
 def unattended_toml(
-    store: str, outer_steps: int = 55, hf_jobs_timeout: str = "20s", k8s_deadline_s: int = 90
-) -> str:
+    store: str, outer_steps: int = 55, hf_jobs_timeout: str = "20s", k8s_deadline_s: int = 90,
+    hung_after: float = 12.0,
+) -> str:  # fmt: skip
     """The run's run.toml: HF Jobs attempts end after ``hf_jobs_timeout``, Kubernetes Jobs
-    after ``k8s_deadline_s`` seconds."""
+    after ``k8s_deadline_s`` seconds, and the keeper restarts a replica with no sign of life
+    for ``hung_after`` seconds."""
     return RUN_TOML.format(
         store=store, outer_steps=outer_steps, hf_jobs_timeout=hf_jobs_timeout,
         secrets=json.dumps(list(BUCKET_SECRETS)), k8s_deadline_hours=k8s_deadline_s / 3600,
+        hung_after=hung_after,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MachineLimits:
+    """The run's limits in seconds, for how fast this machine starts a replica now."""
+
+    hung_after: float
+    hf_jobs_timeout: float
+    deadline: float  # the keeper is left alone this long at most
+
+
+def startup_seconds() -> float:
+    """Seconds a fresh interpreter takes here, now, to import the replica entrypoint (torch,
+    torchft and every layer): most of what starting a replica takes."""
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import diloco_anywhere.replica"], check=True)
+    return time.perf_counter() - started
+
+
+def machine_limits(startup: float) -> MachineLimits:
+    """Limits that let each attempt start, claim and sync whatever the machine's speed: 12 s
+    hung, 20 s per HF Jobs attempt and 600 s for the run where a replica starts in 3 s, at
+    least 4, 6 and 200 start-ups. Fixed at 12 and 20, a machine three times slower and busy
+    with other tests took longer than 12 s to start k8s-0, which the keeper then restarted as
+    hung 18 times in a row while every HF Jobs attempt ended before a round could seal: with
+    every round needing all three replicas, the run never ended."""
+    return MachineLimits(
+        hung_after=max(12.0, 4 * startup), hf_jobs_timeout=max(20.0, 6 * startup),
+        deadline=max(600.0, 200 * startup),
     )  # fmt: skip
 
 

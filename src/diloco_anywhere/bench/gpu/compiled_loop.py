@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -38,6 +39,8 @@ def missing_compiler(device: torch.device) -> str | None:
 def check(device: torch.device, sizes: Sizes, work: Path) -> Outcome:
     if reason := missing_compiler(device):
         return skipped(reason)
+    if device.type == "cpu":  # tiny sizes, run beside other tests: no pool of compile workers
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     folder, seconds = work / "run", []
     folder.mkdir(parents=True)
     first, then = (
