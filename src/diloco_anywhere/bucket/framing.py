@@ -18,7 +18,10 @@ from pydantic import Field, ValidationError
 from diloco_anywhere.bucket.layout import NAME
 
 MAGIC = b"DLAW"
-KINDS = {MAGIC: "diloco-anywhere wire object", b"DLAR": "diloco-anywhere record"}
+KINDS = {
+    MAGIC: "diloco-anywhere wire object", b"DLAR": "diloco-anywhere record",
+    b"DLTK": "diloco-anywhere token shard",
+}  # fmt: skip
 VERSION = 1
 PREFIX = struct.Struct("<4sB3sII")
 MAX_HEADER_BYTES = 64 * 1024

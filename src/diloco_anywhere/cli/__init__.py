@@ -1,5 +1,6 @@
 """The ``diloco`` command line: run commands (``run.py``, printing ``tables.py``), keeping a
-run going (``keep.py``), cloud resources (``infra.py``) and benchmarks (``bench/``). Nothing
+run going (``keep.py``), training data (``data.py``), cloud resources (``infra.py``) and
+benchmarks (``bench/``). Nothing
 here imports torch until a command needs it: ``diloco --help`` answers at once."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import typer
 from diloco_anywhere.cli import keep, run
 from diloco_anywhere.cli.bench import bench_app
 from diloco_anywhere.cli.common import parse_size
+from diloco_anywhere.cli.data import data_app
 from diloco_anywhere.cli.infra import infra_app
 
 app = typer.Typer(
@@ -20,6 +22,7 @@ app = typer.Typer(
 for command in (run.launch, run.status, run.logs, run.stop, keep.keep, keep.replace, run.report,
                 run.export):  # fmt: skip
     app.command()(command)
+app.add_typer(data_app, name="data")
 app.add_typer(infra_app, name="infra")
 app.add_typer(bench_app, name="bench")
 

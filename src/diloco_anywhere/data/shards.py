@@ -1,0 +1,91 @@
+"""A token shard: consecutive tokens of one split of a corpus, as one checked object.
+
+Layout: the prefix every object of this tool starts with (``bucket/framing.py``), with magic
+``DLTK``; a JSON header (``ShardHeader``); then the tokens, little-endian, of the header's
+``dtype``. The prefix's CRC32C covers the header and the tokens. The tokens are also checked in
+blocks of ``block_tokens``, each block's CRC32C in the header and in the corpus's manifest
+(``manifest.py``), so a reader that fetches one block by a ranged read checks what it got
+without the rest: a replica reads only what it trains on.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import crc32c
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from diloco_anywhere.bucket.framing import (
+    MAX_HEADER_BYTES,
+    PREFIX,
+    VERSION,
+    Count,
+    WireFormatError,
+    check_prefix,
+    field_errors,
+)
+from diloco_anywhere.data.tokenizers import DtypeName
+
+TOKENS_MAGIC = b"DLTK"
+Split = Literal["train", "heldout"]
+Checksum = Field(ge=0, lt=2**32)
+
+
+class ShardHeader(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    split: Split
+    source: Count  # the corpus file's number in the manifest
+    part: Count  # the shard's number among that file's shards of its split
+    dtype: DtypeName
+    tokens: Count
+    block_tokens: Count = Field(ge=1)
+    blocks: tuple[int, ...]  # each block's CRC32C, in order
+
+
+def block_checksums(payload: memoryview, itemsize: int, block_tokens: int) -> tuple[int, ...]:
+    step = itemsize * block_tokens
+    return tuple(crc32c.crc32c(payload[start : start + step])
+                 for start in range(0, len(payload), step))  # fmt: skip
+
+
+def encode_shard(
+    tokens: np.ndarray, split: Split, source: int, part: int, block_tokens: int
+) -> tuple[bytes, ShardHeader]:
+    """The shard object of ``tokens`` (already of the corpus's dtype), and its header."""
+    payload = memoryview(np.ascontiguousarray(tokens, dtype=tokens.dtype.newbyteorder("<")))
+    payload = payload.cast("B")
+    header = ShardHeader(
+        split=split, source=source, part=part, dtype=str(tokens.dtype), tokens=len(tokens),
+        block_tokens=block_tokens,
+        blocks=block_checksums(payload, tokens.dtype.itemsize, block_tokens),
+    )  # fmt: skip
+    header_bytes = header.model_dump_json().encode()
+    if len(header_bytes) > MAX_HEADER_BYTES:
+        raise ValueError(f"a shard's header is {len(header_bytes)} bytes: raise block_tokens")
+    checksum = crc32c.crc32c(payload, crc32c.crc32c(header_bytes))
+    prefix = PREFIX.pack(TOKENS_MAGIC, VERSION, bytes(3), len(header_bytes), checksum)
+    return prefix + header_bytes + bytes(payload), header
+
+
+def decode_shard(data: bytes | bytearray | memoryview, key: str) -> tuple[ShardHeader, np.ndarray]:
+    """Check a whole shard object (checksum, header, length, every block); its header and
+    tokens (a read-only view of ``data``). ``WireFormatError`` naming ``key`` otherwise."""
+    view = memoryview(data).cast("B")
+    header_length = check_prefix(view, key, magic=TOKENS_MAGIC)
+    try:
+        header = ShardHeader.model_validate_json(
+            bytes(view[PREFIX.size : PREFIX.size + header_length])
+        )
+    except ValidationError as exc:
+        raise WireFormatError(key, field_errors(exc)) from None
+    payload = view[PREFIX.size + header_length :]
+    itemsize = np.dtype(header.dtype).itemsize
+    if len(payload) != header.tokens * itemsize:
+        raise WireFormatError(
+            key, f"{len(payload)} bytes of tokens; the header says {header.tokens} {header.dtype}"
+        )
+    if block_checksums(payload, itemsize, header.block_tokens) != header.blocks:
+        raise WireFormatError(key, "block checksums differ from the header's: corrupt")
+    return header, np.frombuffer(payload, dtype=np.dtype(header.dtype).newbyteorder("<"))
