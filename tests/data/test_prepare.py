@@ -9,11 +9,12 @@ import json
 import random
 from pathlib import Path
 
+import crc32c
 import numpy as np
 import pytest
 import zstandard
 
-from diloco_anywhere.bucket.framing import WireFormatError
+from diloco_anywhere.bucket.framing import PREFIX, WireFormatError
 from diloco_anywhere.bucket.record import decode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.data.documents import DataSourceError, kind_of, pieces, sources
@@ -156,8 +157,10 @@ def test_prepare_with_bytes_keeps_every_document_once_in_order_and_in_checked_sh
     for shard in manifest.shards("train") + manifest.shards("heldout"):
         data = store.get(shard.key)
         header, tokens = decode_shard(data, shard.key)
-        assert (shard.size, shard.tokens, shard.blocks) == (len(data), len(tokens), header.blocks)
+        assert (shard.size, shard.tokens) == (len(data), len(tokens))
         assert data[shard.payload_offset :] == tokens.tobytes()
+        assert crc32c.crc32c(data[PREFIX.size : shard.payload_offset]) == shard.header_crc32c
+        assert len(header.blocks) == -(-shard.tokens // 64)
     stored = decode_record(store.get("manifest"), Manifest, key="manifest")
     assert stored == manifest
 
@@ -208,6 +211,11 @@ def test_an_interrupted_prepare_goes_on_without_reading_a_done_file_or_writing_a
     # the settings (an idempotent put of the same bytes), b's entry, the manifest; no shard twice
     assert puts == new_shards + 3
     assert manifest.sources[0].documents == 80
+
+
+def test_a_shards_block_checksums_must_fit_its_header():
+    with pytest.raises(ValueError, match="shard_tokens / block_tokens is at most 4096"):
+        _bytes_settings(shard_tokens=4097 * 64, block_tokens=64)
 
 
 def test_a_folder_refuses_other_settings_and_a_finished_one_another_corpus(tmp_path):

@@ -71,7 +71,7 @@ def prepare_command(
             help="Tokens per checksummed block: the most a replica reads at "
             "once; far more than a sequence.",
         ),
-    ] = 1 << 20,
+    ] = 1 << 16,
     json_output: JsonOutput = False,
 ) -> None:
     """Tokenize a corpus once into token shards and a manifest in a store folder.

@@ -11,14 +11,16 @@ Keys under the corpus's folder (a store URL, ``prepare.py``):
     manifest               the whole corpus (``Manifest``): the settings and every source
                            entry, written last, create-only: a corpus never changes under a run
 
-Every record is a checked record (``bucket/record.py``); nothing is pickled.
+Every record is a checked record (``bucket/record.py``); nothing is pickled. The manifest
+holds a few hundred bytes per shard, whatever the corpus's size (a shard's block checksums are
+in its own header): 8 MiB, the most a record holds, is tens of thousands of shards.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from diloco_anywhere.bucket.framing import Count
 from diloco_anywhere.bucket.record import Record
@@ -36,6 +38,9 @@ def shard_key(split: Split, source: int, part: int) -> str:
     return f"{split}/{source:05d}-{part:04d}"
 
 
+MAX_BLOCKS_PER_SHARD = 4096  # their checksums fit a shard's header (64 KiB at most)
+
+
 class PrepareSettings(Record):
     tokenizer: TokenizerIdentity
     dtype: DtypeName
@@ -44,14 +49,27 @@ class PrepareSettings(Record):
     shard_tokens: Count = Field(ge=1)
     block_tokens: Count = Field(ge=1)
 
+    @model_validator(mode="after")
+    def _blocks_fit_a_header(self) -> PrepareSettings:
+        if -(-self.shard_tokens // self.block_tokens) > MAX_BLOCKS_PER_SHARD:
+            raise ValueError(
+                f"shard_tokens / block_tokens is at most {MAX_BLOCKS_PER_SHARD} (each block's "
+                f"checksum is in its shard's header): raise block_tokens or lower shard_tokens"
+            )
+        return self
+
 
 class ShardEntry(Record):
+    """A shard as a reader fetches it: its header by a ranged read of its first
+    ``payload_offset`` bytes, checked against ``header_crc32c`` (the header holds each block's
+    checksum), then any block by a ranged read, checked against the header's."""
+
     key: str = Field(min_length=1, max_length=1024)
     tokens: Count
     size: Count  # bytes of the whole object
     crc32c: int = Field(ge=0, lt=2**32)  # the object's prefix checksum
-    payload_offset: Count  # where its tokens start: blocks are read from here
-    blocks: tuple[int, ...]  # each block's CRC32C
+    payload_offset: Count  # where its tokens start: the prefix and the header come before
+    header_crc32c: int = Field(ge=0, lt=2**32)  # of the header's JSON
 
 
 class SourceEntry(Record):

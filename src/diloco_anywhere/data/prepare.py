@@ -20,9 +20,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import crc32c
 import numpy as np
 
-from diloco_anywhere.bucket.framing import stored_checksum
+from diloco_anywhere.bucket.framing import PREFIX, stored_checksum
 from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.data.documents import Piece, Source, pieces, sources
@@ -97,10 +98,10 @@ class _ShardWriter:
             self._settings.block_tokens,
         )  # fmt: skip
         key = shard_key(self._split, self._source, part)
+        offset = len(data) - header.tokens * self._buffer.itemsize
         entry = ShardEntry(
             key=key, tokens=header.tokens, size=len(data), crc32c=stored_checksum(data),
-            payload_offset=len(data) - header.tokens * self._buffer.itemsize,
-            blocks=header.blocks,
+            payload_offset=offset, header_crc32c=crc32c.crc32c(data[PREFIX.size : offset]),
         )  # fmt: skip
         self._pending.append(self._uploads.submit(self._upload, key, data, entry))
         self._filled = 0

@@ -3,9 +3,9 @@
 Layout: the prefix every object of this tool starts with (``bucket/framing.py``), with magic
 ``DLTK``; a JSON header (``ShardHeader``); then the tokens, little-endian, of the header's
 ``dtype``. The prefix's CRC32C covers the header and the tokens. The tokens are also checked in
-blocks of ``block_tokens``, each block's CRC32C in the header and in the corpus's manifest
-(``manifest.py``), so a reader that fetches one block by a ranged read checks what it got
-without the rest: a replica reads only what it trains on.
+blocks of ``block_tokens``, each block's CRC32C in the header, whose own CRC32C the corpus's
+manifest holds (``manifest.py``): a reader that fetches the header and then one block by
+ranged reads checks what it got without the rest, so a replica reads only what it trains on.
 """
 
 from __future__ import annotations
