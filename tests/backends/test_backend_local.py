@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco_anywhere.backends.local import LocalBackend, _zombie
+from diloco_anywhere.backends.local import LocalBackend, zombie
 from diloco_anywhere.config import load_config
 from diloco_anywhere.launching.launch import plan_launch, run_metrics
 from support.runs import RUN_TOML, wait_for_starts
@@ -52,9 +52,9 @@ def test_an_ended_process_nobody_reaped_reads_as_ended_not_running():
     zombie, which ``kill(pid, 0)`` still finds: /proc says it ended."""
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     deadline = time.monotonic() + 60
-    while not _zombie(child.pid):  # ended, and not reaped: this test is its parent
+    while not zombie(child.pid):  # ended, and not reaped: this test is its parent
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    assert not _zombie(os.getpid())
+    assert not zombie(os.getpid())
     child.wait()
-    assert not _zombie(child.pid)  # reaped: gone
+    assert not zombie(child.pid)  # reaped: gone

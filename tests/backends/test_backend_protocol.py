@@ -207,3 +207,13 @@ def test_remote_replicas_need_buckets_without_credentials_in_their_urls(store, a
             check_remote_store(config, ["modal"])
         assert "secret" not in str(error.value)
         assert "sig=abc" not in str(error.value)
+
+
+def test_a_replica_runs_under_torchrun_with_several_processes_or_when_asked():
+    entrypoint = ["-m", "diloco_anywhere.replica", "--config", "run.toml"]
+    one = ReplicaSpec("local-0", 0, "local", {}, ("--config", "run.toml"))
+    torchrun = ["python", "-m", "torch.distributed.run", "--standalone"]
+    assert one.command() == ["python", *entrypoint]
+    assert one.command(torchrun=True) == [*torchrun, "--nproc-per-node=1", *entrypoint]
+    two = ReplicaSpec("local-0", 0, "local", {}, ("--config", "run.toml"), processes=2)
+    assert two.command() == [*torchrun, "--nproc-per-node=2", *entrypoint]

@@ -58,11 +58,12 @@ class ReplicaSpec:
     args: tuple[str, ...]  # after ``python -m diloco_anywhere.replica``
     processes: int = 1  # > 1: one per GPU under torchrun, DDP inside the replica
 
-    def command(self, python: str = "python") -> list[str]:
+    def command(self, python: str = "python", torchrun: bool = False) -> list[str]:
         """The replica's command: the entrypoint, under ``torchrun`` (``torch.distributed.run``,
-        one node, a free port) when the replica has several processes."""
+        one node, a free port) when the replica has several processes, or when asked (a
+        sharded replica of one process needs its process group for FSDP2's device mesh)."""
         entrypoint = ["-m", "diloco_anywhere.replica", *self.args]
-        if self.processes == 1:
+        if self.processes == 1 and not torchrun:
             return [python, *entrypoint]
         torchrun = ["-m", "torch.distributed.run", "--standalone"]
         return [python, *torchrun, f"--nproc-per-node={self.processes}", *entrypoint]

@@ -108,7 +108,7 @@ class LocalBackend(Backend):
             return "exited"
         except PermissionError:
             return "unknown"
-        return "exited" if _zombie(pid) else "running"
+        return "exited" if zombie(pid) else "running"
 
     def exit_code(self, handle: ReplicaHandle) -> int | None:
         process = self._processes.get(handle.job["pid"])
@@ -164,7 +164,7 @@ def threads_per_replica(processes: int) -> int:
     return max(1, (os.cpu_count() or 1) // processes)
 
 
-def _zombie(pid: int) -> bool:
+def zombie(pid: int) -> bool:
     """Whether ``pid`` has ended but not been reaped: a replica a keeper process started (from
     cron) outlives that process, and where nothing reaps orphans (a container's first process
     may not) it stays a zombie, which ``kill(pid, 0)`` still finds. /proc tells, where there is

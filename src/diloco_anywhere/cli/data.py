@@ -113,8 +113,7 @@ def _summary(manifest: Any, seconds: float, tokenized: int, where: str) -> dict[
     text = sum(source.text_bytes for source in manifest.sources)
     splits = {
         split: {
-            "documents": sum(s.heldout_documents if split == "heldout"
-                             else s.documents - s.heldout_documents for s in manifest.sources),
+            "documents": manifest.documents(split),
             "tokens": manifest.tokens(split),
             "shards": len(manifest.shards(split)),
             "bytes": sum(shard.size for shard in manifest.shards(split)),

@@ -92,3 +92,7 @@ class Manifest(Record):
 
     def tokens(self, split: Split) -> int:
         return sum(shard.tokens for shard in self.shards(split))
+
+    def documents(self, split: Split) -> int:
+        held = sum(source.heldout_documents for source in self.sources)
+        return held if split == "heldout" else sum(s.documents for s in self.sources) - held

@@ -47,10 +47,7 @@ def run_under_torchrun(config: RunConfig, folder: Path, timeout: float) -> RunCo
     folder.mkdir(parents=True, exist_ok=True)
     plan = local_plan(config, folder)
     spec = plan.specs[0]
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-        "-m", "diloco_anywhere.replica", *spec.args,
-    ]  # fmt: skip
+    command = spec.command(sys.executable, torchrun=True)
     log_path = folder / "torchrun.log"
     log.info("%s", " ".join(command))
     with log_path.open("wb") as output:

@@ -6,7 +6,6 @@ reason), so the next check still runs."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import sys
@@ -17,14 +16,14 @@ import torch
 
 from diloco_anywhere.bench.gpu.outcome import Outcome, skipped
 from diloco_anywhere.bench.gpu.plan import SIZES
+from diloco_anywhere.task import load_entrypoint
 
 
 def run_check(target: str, device: torch.device, work: Path) -> Outcome:
     if device.type == "cuda" and not torch.cuda.is_available():
         return skipped("no CUDA device here (torch.cuda.is_available() is False)")
-    module, function = target.split(":")
     try:
-        return getattr(importlib.import_module(module), function)(device, SIZES[device.type], work)
+        return load_entrypoint(target)(device, SIZES[device.type], work)
     except Exception as exc:
         traceback.print_exc()
         return Outcome("FAIL", reason=f"{type(exc).__name__}: {exc}"[-3000:])

@@ -21,10 +21,11 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from diloco_anywhere.backends.local import zombie
 from diloco_anywhere.bench.gpu.outcome import Outcome, skipped
 from diloco_anywhere.bench.gpu.plan import CHECKS, LIMIT_SCALE, Check
 
@@ -41,7 +42,7 @@ class Ran:
     title: str
     limit: float
     seconds: float
-    outcome: Outcome = field(default_factory=lambda: skipped(""))
+    outcome: Outcome
 
     def as_dict(self) -> dict[str, Any]:
         row = {"name": self.name, "title": self.title, "limit": self.limit}
@@ -70,10 +71,10 @@ def kill_marked(marker: str, wait: float = 30.0) -> None:
 def running(pid: int) -> bool:
     """Whether ``pid`` exists and has not ended (a zombie has: it waits to be reaped)."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0]
-    except (OSError, IndexError):
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return False
-    return state not in "ZX"
+    return not zombie(pid)
 
 
 def _tail(path: Path) -> str:
@@ -102,16 +103,15 @@ def run_one(check: Check, device: str, work: Path, limit: float, out: Path) -> R
         finally:
             kill_marked(marker)
             process.wait()
-    ran = Ran(check.name, check.title, limit, time.monotonic() - started)
     if timed_out:
-        ran.outcome = Outcome("FAIL", reason=f"timed out after {limit:.0f} s; its log ends:\n"
-                                             f"{_tail(log_path)}")  # fmt: skip
+        outcome = Outcome("FAIL", reason=f"timed out after {limit:.0f} s; its log ends:\n"
+                                         f"{_tail(log_path)}")  # fmt: skip
     elif result.exists():
-        ran.outcome = Outcome(**json.loads(result.read_text()))
+        outcome = Outcome(**json.loads(result.read_text()))
     else:
-        ran.outcome = Outcome("FAIL", reason=f"exited {process.returncode} with no outcome; "
-                                             f"its log ends:\n{_tail(log_path)}")  # fmt: skip
-    return ran
+        outcome = Outcome("FAIL", reason=f"exited {process.returncode} with no outcome; its "
+                                         f"log ends:\n{_tail(log_path)}")  # fmt: skip
+    return Ran(check.name, check.title, limit, time.monotonic() - started, outcome)
 
 
 def run_checks(
