@@ -234,6 +234,11 @@ class TaskSection(_Section):
     # run.toml's folder, or a store URL: e.g. the model.safetensors `diloco export` writes)
     # that the built-in loop loads into every replica's model before training.
     init_from: str = ""
+    # The training data: a corpus prepared once by `diloco data prepare` (a store URL, or a
+    # path relative to run.toml's folder). Replicas stream it by ranged reads and claim their
+    # parts of the run's one order of it in the bucket (docs/data.md); the built-in tasks
+    # read it in place of their `corpus` / `data` option.
+    data: str = ""
 
 
 class ImageSection(_Section):

@@ -26,6 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from diloco_anywhere.data.source import DataSource
+from diloco_anywhere.data.stream import Stream
+from diloco_anywhere.data.tokenizers import TokenizerIdentity
+
 Batch = Any  # whatever the task's ``loss`` takes
 
 
@@ -42,6 +46,21 @@ class TaskContext:
     ranks: int = 1
     # The run's inner steps (outer_steps x sync_every): what a learning-rate schedule spans.
     total_steps: int = 0
+    # run.toml's ``[task] data``, a prepared corpus (``diloco data prepare``), if it gives one
+    data: DataSource | None = None
+
+    def stream(
+        self, seq_len: int, batch_sequences: int, tokenizer: TokenizerIdentity | None = None
+    ) -> Stream:
+        """This process's share of the run's data (``data/stream.py``): ``stream.batches``
+        is a ``Task``'s ``batches``, each a ``[batch_sequences, seq_len + 1]`` tensor of
+        token ids; ``stream.evaluation(n)`` the held-out batches."""
+        if self.data is None:
+            raise ValueError(
+                "run.toml [task] data is not set: prepare the corpus with `diloco data "
+                'prepare CORPUS URL --tokenizer NAME` and set data = "URL"'
+            )
+        return self.data.open(seq_len, batch_sequences, tokenizer)
 
 
 @dataclass
@@ -72,6 +91,14 @@ def windows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets) at ``offsets``: targets are the inputs shifted on by one token."""
     rows = tokens[offsets[:, None] + torch.arange(seq_len + 1)].to(device).long()
+    return rows[:, :-1], rows[:, 1:]
+
+
+def inputs_and_targets(
+    rows: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stream's ``[batch, seq_len + 1]`` rows as (inputs, targets) on ``device``."""
+    rows = rows.to(device, non_blocking=True)
     return rows[:, :-1], rows[:, 1:]
 
 

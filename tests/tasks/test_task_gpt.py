@@ -9,6 +9,12 @@ from typing import Any
 import pytest
 import torch
 
+from diloco_anywhere.bucket.record import encode_record
+from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.data.manifest import MANIFEST, Manifest
+from diloco_anywhere.data.prepare import settings_for
+from diloco_anywhere.data.source import DataSource, fixed_units
+from diloco_anywhere.data.tokenizers import ByteTokenizer
 from diloco_anywhere.task import Task, TaskContext
 from diloco_anywhere.tasks.gpt import build
 
@@ -122,3 +128,22 @@ def test_corpus_too_small_for_the_replicas(tmp_path: Path) -> None:
     make(replicas=2, corpus=str(corpus))  # fine for two
     with pytest.raises(ValueError, match="too small for 64 replicas"):
         make(replicas=64, corpus=str(corpus))
+
+
+def test_a_corpus_prepared_with_another_tokenizer_or_given_twice_is_refused(tmp_path) -> None:
+    """The byte-level model reads bytes: a corpus of another tokenizer's ids is refused before
+    training, as is a `corpus` option beside run.toml's [task] data."""
+    (tmp_path / "text.jsonl").write_text("".join(f'{{"text": "line {i}"}}\n' for i in range(99)))
+    settings = settings_for(ByteTokenizer(), text_field="text", heldout_fraction=0.1,
+                            shard_tokens=4096, block_tokens=64)  # fmt: skip
+    tampered = settings.model_copy(update={"tokenizer": settings.tokenizer.model_copy(
+        update={"name": "gpt2", "sha256": "1" * 64})})  # fmt: skip
+    with Store(str(tmp_path / "corpus")) as store:
+        store.put(MANIFEST, encode_record(Manifest(settings=tampered, sources=())))
+    source = DataSource(str(tmp_path / "corpus"), seed=0, batches_per_round=2, rounds=None,
+                        assign=fixed_units(0, 1, 0, 1))  # fmt: skip
+    context = TaskContext(0, 1, 0, torch.device("cpu"), {}, data=source)
+    with pytest.raises(ValueError, match="prepared with tokenizer 'gpt2'"):
+        build(context)
+    with pytest.raises(ValueError, match=r"\['corpus'\] and run.toml \[task\] data"):
+        build(TaskContext(0, 1, 0, torch.device("cpu"), {"corpus": "stdlib"}, data=source))

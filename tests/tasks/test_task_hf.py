@@ -11,6 +11,10 @@ import re
 import pytest
 import torch
 
+from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.data.prepare import prepare, settings_for
+from diloco_anywhere.data.source import DataSource, fixed_units
+from diloco_anywhere.data.tokenizers import HfTokenizer
 from diloco_anywhere.task import TaskContext
 from diloco_anywhere.tasks.hf_causal_lm import build, inner_lr_schedule, read_documents
 from support.hf import TINY_LLAMA
@@ -45,6 +49,28 @@ def test_replicas_build_the_same_model_and_resume_their_own_data_at_any_batch(hf
     assert not torch.equal(next(neighbour.batches(5))[0][0], from_five[0][0])
     assert task.tokens_per_batch == 4 * 32 * 2
     assert task.evaluate(task.model) == pytest.approx(neighbour.evaluate(task.model))
+
+
+def test_a_prepared_corpus_streams_micro_batches_of_the_task_s_tokens(hf_corpus, tmp_path):
+    """run.toml's ``[task] data``: the corpus prepared with the task's tokenizer, each inner
+    step's sequences cut into its micro-batches; the raw ``data`` option is then refused."""
+    tokenizer = HfTokenizer(str(hf_corpus[0]))
+    settings = settings_for(tokenizer, text_field="text", heldout_fraction=0.1,
+                            shard_tokens=2000, block_tokens=128)  # fmt: skip
+    with Store(str(tmp_path / "corpus")) as store:
+        prepare(str(hf_corpus[1]), store, tokenizer, settings)
+    source = DataSource(str(tmp_path / "corpus"), seed=7, batches_per_round=5, rounds=None,
+                        assign=fixed_units(0, 2, 0, 1))  # fmt: skip
+    options = {k: v for k, v in _options(hf_corpus).items() if k != "data"}
+    context = TaskContext(0, 2, 7, torch.device("cpu"), options, total_steps=30, data=source)
+    task = build(context)
+    batch = next(task.batches(3))
+    assert [inputs.shape for inputs, _ in batch] == [(4, 32), (4, 32)]
+    assert torch.equal(batch[0][0][:, 1:], batch[0][1][:, :-1])  # targets: inputs shifted
+    assert int(max(inputs.max() for inputs, _ in batch)) < tokenizer.identity.vocab
+    assert math.isfinite(task.evaluate(task.model))
+    with pytest.raises(ValueError, match=r"\['data'\] and run.toml \[task\] data"):
+        build(TaskContext(0, 2, 7, torch.device("cpu"), _options(hf_corpus), data=source))
 
 
 def test_the_inner_learning_rate_warms_up_then_follows_a_cosine_over_the_run():

@@ -248,6 +248,31 @@ class RunLayout:
             return parse_count(parts[0], MAX_ROUND)
         return None
 
+    # -- the training data's stream (data/claims.py) -----------------------------------------
+
+    def data_plan(self) -> str:
+        """How the run's data stream is cut (corpus, seq_len, unit size), as its first replica
+        planned it: every later one must match (create-only)."""
+        return f"{self.run}/data/plan"
+
+    def data_claims(self) -> str:
+        return f"{self.run}/data/claims"
+
+    def data_claim(self, unit: int, attempt: int) -> str:
+        """Attempt ``attempt`` at training unit ``unit`` of the data stream (create-only: taking
+        it is taking the unit)."""
+        unit, attempt = _check_count(unit, "unit"), _check_count(attempt, "attempt", MAX_LAUNCH)
+        return f"{self.data_claims()}/{unit:012d}-{attempt:06d}"
+
+    def parse_data_claim(self, key: str) -> tuple[int, int] | None:
+        """``data/claims/{unit}-{attempt}`` -> (unit, attempt); anything else -> None."""
+        name = key.removeprefix(f"{self.data_claims()}/")
+        unit, _, attempt = name.partition("-")
+        if not key.startswith(f"{self.data_claims()}/") or "/" in name:
+            return None
+        numbers = parse_count(unit), parse_count(attempt, MAX_LAUNCH)
+        return None if None in numbers else numbers  # type: ignore[return-value]
+
     # -- launches (launching/launches.py) ----------------------------------------------------
 
     def launches(self) -> str:

@@ -24,6 +24,7 @@ from diloco_anywhere.bucket.framing import (
     WireFormatError,
     check_prefix,
     field_errors,
+    prefix_fields,
 )
 from diloco_anywhere.data.tokenizers import DtypeName
 
@@ -89,3 +90,46 @@ def decode_shard(data: bytes | bytearray | memoryview, key: str) -> tuple[ShardH
     if block_checksums(payload, itemsize, header.block_tokens) != header.blocks:
         raise WireFormatError(key, "block checksums differ from the header's: corrupt")
     return header, np.frombuffer(payload, dtype=np.dtype(header.dtype).newbyteorder("<"))
+
+
+def decode_header(data: bytes, key: str, header_crc32c: int) -> ShardHeader:
+    """A shard's header from a ranged read of its first ``payload_offset`` bytes, checked
+    against the checksum its corpus's manifest holds (the prefix's own checksum covers the
+    tokens too, which a ranged reader does not fetch)."""
+    view = memoryview(data).cast("B")
+    header_length, _ = prefix_fields(view, key, TOKENS_MAGIC)
+    header_bytes = view[PREFIX.size :]
+    if len(header_bytes) != header_length:
+        raise WireFormatError(
+            key, f"header of {len(header_bytes)} bytes; its prefix says {header_length}"
+        )
+    if crc32c.crc32c(header_bytes) != header_crc32c:
+        raise WireFormatError(
+            key,
+            "header checksum differs from the manifest's: corrupt, or the shard was replaced "
+            "after its corpus's manifest was written",
+        )
+    try:
+        return ShardHeader.model_validate_json(bytes(header_bytes))
+    except ValidationError as exc:
+        raise WireFormatError(key, field_errors(exc)) from None
+
+
+def decode_blocks(data: bytes, header: ShardHeader, first_block: int, key: str) -> np.ndarray:
+    """The tokens of consecutive blocks from ``first_block`` on, each block checked against its
+    checksum in the header: what a ranged read of part of a shard's tokens returns."""
+    itemsize = np.dtype(header.dtype).itemsize
+    checksums = block_checksums(memoryview(data), itemsize, header.block_tokens)
+    expected = header.blocks[first_block : first_block + len(checksums)]
+    for number, (got, want) in enumerate(zip(checksums, expected, strict=False), first_block):
+        if got != want:
+            raise WireFormatError(
+                key, f"token block {number} is corrupt: its checksum differs from the header's"
+            )
+    last = first_block + len(checksums) == len(header.blocks)
+    whole = len(data) == len(checksums) * itemsize * header.block_tokens
+    if len(checksums) > len(expected) or not (whole or last) or len(data) % itemsize:
+        raise WireFormatError(
+            key, f"{len(data)} bytes read from token block {first_block}: not whole blocks"
+        )
+    return np.frombuffer(data, dtype=np.dtype(header.dtype).newbyteorder("<"))

@@ -70,11 +70,7 @@ class HfTokenizer:
                 f"give one that has it, or set its eos_token"
             )
         self._backend: Any = wrapped.backend_tokenizer
-        serialized = self._backend.to_str().encode()
-        self.identity = TokenizerIdentity(
-            name=name, sha256=hashlib.sha256(serialized).hexdigest(), vocab=len(wrapped),
-            end_of_document=wrapped.eos_token_id,
-        )  # fmt: skip
+        self.identity = hf_identity(name, wrapped)
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
         encode = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
@@ -82,6 +78,16 @@ class HfTokenizer:
             np.asarray(encoding.ids, dtype=np.uint32)
             for encoding in encode(texts, add_special_tokens=False)
         ]
+
+
+def hf_identity(name: str, wrapped: Any) -> TokenizerIdentity:
+    """What identifies a loaded Hugging Face tokenizer: a corpus prepared with it records it,
+    and a task that encodes with it checks the corpus's against it."""
+    serialized = wrapped.backend_tokenizer.to_str().encode()
+    return TokenizerIdentity(
+        name=name, sha256=hashlib.sha256(serialized).hexdigest(), vocab=len(wrapped),
+        end_of_document=wrapped.eos_token_id,
+    )  # fmt: skip
 
 
 def load_tokenizer(name: str) -> ByteTokenizer | HfTokenizer:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import os
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +27,15 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from diloco_anywhere.task import Task, TaskContext, batch_generator, held_out_loss, windows
+from diloco_anywhere.data.tokenizers import ByteTokenizer
+from diloco_anywhere.task import (
+    Task,
+    TaskContext,
+    batch_generator,
+    held_out_loss,
+    inputs_and_targets,
+    windows,
+)
 
 VOCAB = 256  # one token per byte value
 EVAL_FRACTION = 0.05
@@ -143,7 +151,44 @@ def build(context: TaskContext) -> Task:
         raise ValueError("task options seq_len, batch_size and eval_batches must be at least 1")
     preset = Preset(preset.layers, preset.d_model, preset.heads, seq_len)
     model = GPT(preset, torch.Generator().manual_seed(context.seed)).to(context.device)
+    if context.data is not None:
+        batches, eval_set = _streamed(context, seq_len, batch_size, eval_batches)
+    else:
+        batches, eval_set = _in_memory(context, seq_len, batch_size, eval_batches)
 
+    def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, targets = batch
+        return F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+
+    return Task(model, batches, loss, batch_size * seq_len, held_out_loss(loss, eval_set))
+
+
+Batches = Callable[[int], Iterator[tuple[torch.Tensor, torch.Tensor]]]
+
+
+def _streamed(
+    context: TaskContext, seq_len: int, batch_size: int, eval_batches: int
+) -> tuple[Batches, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """run.toml's ``[task] data``: a corpus prepared with the ``bytes`` tokenizer, streamed."""
+    if given := sorted({"corpus", "corpus_bytes"} & set(context.options)):
+        raise ValueError(
+            f"task options {given} and run.toml [task] data both say what to train on: give one"
+        )
+    stream = context.stream(seq_len, batch_size, ByteTokenizer.identity)
+    device = context.device
+
+    def batches(start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return (inputs_and_targets(rows, device) for rows in stream.batches(start))
+
+    return batches, [inputs_and_targets(rows, device) for rows in stream.evaluation(eval_batches)]
+
+
+def _in_memory(
+    context: TaskContext, seq_len: int, batch_size: int, eval_batches: int
+) -> tuple[Batches, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The ``corpus`` option's text, held in memory: this replica's slice of it, windows
+    drawn at random."""
+    options = context.options
     corpus = options.get("corpus", "stdlib")
     data = load_corpus(corpus, int(options.get("corpus_bytes", 8_000_000)))
     train_end = len(data) - int(len(data) * EVAL_FRACTION)
@@ -167,15 +212,10 @@ def build(context: TaskContext) -> Task:
             offsets = torch.randint(len(shard) - seq_len, (batch_size,), generator=generator)
             yield windows(shard, offsets, seq_len, context.device)
 
-    def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        inputs, targets = batch
-        return F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
-
     # Evenly spaced windows over the eval split: the same on every replica and every call.
     last = len(held_out) - seq_len - 1  # float64: exact offsets even in a multi-GB corpus
     offsets = torch.linspace(0, last, eval_batches * batch_size, dtype=torch.float64).long()
     eval_set = [
         windows(held_out, part, seq_len, context.device) for part in offsets.split(batch_size)
     ]
-
-    return Task(model, batches, loss, batch_size * seq_len, held_out_loss(loss, eval_set))
+    return batches, eval_set

@@ -40,7 +40,15 @@ import fsspec
 import torch
 from torch import nn
 
-from diloco_anywhere.task import Task, TaskContext, batch_generator, held_out_loss, windows
+from diloco_anywhere.data.tokenizers import hf_identity
+from diloco_anywhere.task import (
+    Task,
+    TaskContext,
+    batch_generator,
+    held_out_loss,
+    inputs_and_targets,
+    windows,
+)
 
 OPTIONS = (
     "model", "config", "tokenizer", "data", "eval_data", "text_field", "eval_fraction",
@@ -175,19 +183,44 @@ def _random_windows(
     return windows(tokens, offsets, seq_len, device)
 
 
-def build(context: TaskContext) -> Task:
-    options = context.options
-    if unknown := sorted(set(options) - set(OPTIONS)):
-        raise ValueError(f"task options {unknown} unknown; hf_causal_lm takes {list(OPTIONS)}")
+Batches = Callable[[int], Iterator[Batch]]
+
+
+def _streamed(
+    context: TaskContext, tokenizer: Any, seq_len: int, batch_size: int, accumulation: int
+) -> tuple[Batches, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """run.toml's ``[task] data``: a corpus prepared with the task's tokenizer, streamed; each
+    inner step's sequences cut into its micro-batches."""
+    if given := sorted(
+        {"data", "eval_data", "text_field", "eval_fraction"} & context.options.keys()
+    ):
+        raise ValueError(
+            f"task options {given} and run.toml [task] data both say what to train on: give "
+            f"one (a prepared corpus holds its own held-out split)"
+        )
+    name = context.options.get("tokenizer", context.options.get("model"))
+    stream = context.stream(seq_len, batch_size * accumulation, hf_identity(name, tokenizer))
+    device = context.device
+
+    def batches(start: int) -> Iterator[Batch]:
+        for rows in stream.batches(start):
+            yield [inputs_and_targets(part, device) for part in rows.split(batch_size)]
+
+    evaluation = stream.evaluation(int(context.options.get("eval_batches", 8)), batch_size)
+    return batches, [inputs_and_targets(rows, device) for rows in evaluation]
+
+
+def _in_memory(
+    context: TaskContext, tokenizer: Any, seq_len: int, batch_size: int, accumulation: int
+) -> tuple[Batches, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The ``data`` option's text, tokenized and held in memory: this replica's documents,
+    windows drawn at random."""
+    options, device = context.options, context.device
     if "data" not in options:
-        raise ValueError("task options need `data`: the text to train on (a path, URL or glob)")
-    seq_len, batch_size = int(options.get("seq_len", 512)), int(options.get("batch_size", 8))
-    accumulation = int(options.get("grad_accumulation", 1))
-    eval_batches = int(options.get("eval_batches", 8))
-    _check_model_options(options)
-    tokenizer = _tokenizer(options)
-    model = _model(options, tokenizer, context.seed, context.device)
-    _check_fits(model, tokenizer, seq_len)
+        raise ValueError(
+            "task options need `data` (the text to train on: a path, URL or glob), or "
+            "run.toml [task] data a prepared corpus"
+        )
     field = options.get("text_field", "text")
     documents = read_documents(options["data"], field)
     if "eval_data" in options:
@@ -203,7 +236,6 @@ def build(context: TaskContext) -> Task:
                 f"task data: {name} has {len(tokens)} tokens, not more than seq_len = "
                 f"{seq_len}: give more text or a smaller seq_len"
             )
-    device = context.device
 
     def batches(start: int) -> Iterator[Batch]:
         for index in itertools.count(start):
@@ -211,15 +243,33 @@ def build(context: TaskContext) -> Task:
             yield [_random_windows(shard, generator, batch_size, seq_len, device)
                    for _ in range(accumulation)]  # fmt: skip
 
+    generator = torch.Generator().manual_seed(context.seed)  # the same windows everywhere
+    eval_set = [_random_windows(held_out, generator, batch_size, seq_len, device)
+                for _ in range(int(options.get("eval_batches", 8)))]  # fmt: skip
+    return batches, eval_set
+
+
+def build(context: TaskContext) -> Task:
+    options = context.options
+    if unknown := sorted(set(options) - set(OPTIONS)):
+        raise ValueError(f"task options {unknown} unknown; hf_causal_lm takes {list(OPTIONS)}")
+    seq_len, batch_size = int(options.get("seq_len", 512)), int(options.get("batch_size", 8))
+    accumulation = int(options.get("grad_accumulation", 1))
+    _check_model_options(options)
+    tokenizer = _tokenizer(options)
+    model = _model(options, tokenizer, context.seed, context.device)
+    _check_fits(model, tokenizer, seq_len)
+    if context.data is not None:
+        batches, eval_set = _streamed(context, tokenizer, seq_len, batch_size, accumulation)
+    else:
+        batches, eval_set = _in_memory(context, tokenizer, seq_len, batch_size, accumulation)
+    device = context.device
+
     def loss(model: nn.Module, micro_batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         inputs, targets = micro_batch
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits = model(input_ids=inputs).logits
         return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-    generator = torch.Generator().manual_seed(context.seed)  # the same windows everywhere
-    eval_set = [_random_windows(held_out, generator, batch_size, seq_len, device)
-                for _ in range(eval_batches)]  # fmt: skip
 
     def save(model: nn.Module, folder: Path) -> None:
         model.save_pretrained(folder)

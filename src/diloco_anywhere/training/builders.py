@@ -19,7 +19,9 @@ from torchft.local_sgd import DiLoCo
 from diloco_anywhere.bucket.feedback import ErrorFeedback
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.config import RunConfig
+from diloco_anywhere.data.source import DataSource, fixed_units
 from diloco_anywhere.task import TaskContext
+from diloco_anywhere.training.data_units import claimed_units
 from diloco_anywhere.training.global_state import GlobalState
 from diloco_anywhere.training.managers.bucket import BucketManager
 from diloco_anywhere.training.managers.group import make_manager
@@ -186,8 +188,14 @@ def inner_optimizer(config: RunConfig, model: nn.Module) -> torch.optim.Optimize
     )
 
 
-def task_context(config: RunConfig, replica_index: int, group: ReplicaGroup) -> TaskContext:
-    """What the task's ``build`` function is told about this replica."""
+def task_context(
+    config: RunConfig,
+    replica_index: int,
+    group: ReplicaGroup,
+    collective: BucketCollective | None = None,
+) -> TaskContext:
+    """What the task's ``build`` function is told about this replica: with ``collective``, its
+    data is claimed through the run's bucket, else it takes a fixed share."""
     return TaskContext(
         replica_index=replica_index,
         replicas=config.run.replicas,
@@ -197,7 +205,26 @@ def task_context(config: RunConfig, replica_index: int, group: ReplicaGroup) -> 
         rank=group.rank,
         ranks=group.world_size,
         total_steps=config.diloco.total_steps,
+        data=data_source(config, replica_index, group, collective) if config.task.data else None,
     )
+
+
+def data_source(
+    config: RunConfig, replica_index: int, group: ReplicaGroup, collective: BucketCollective | None
+) -> DataSource:
+    """run.toml's ``[task] data`` as this process opens it: in a replica, its units claimed in
+    the bucket by the replica's leader for all its processes (``data_units.py``); a process
+    on its own without a bucket (a benchmark's) takes a fixed share."""
+    diloco = config.diloco
+    if collective is None and group.world_size == 1:
+        assign = fixed_units(replica_index, config.run.replicas, group.rank, group.world_size)
+    else:
+        assign = claimed_units(config, group, collective)
+    return DataSource(
+        corpus=config.resolve(config.task.data), seed=config.run.seed,
+        batches_per_round=diloco.sync_every // diloco.fragments,
+        rounds=diloco.outer_steps * diloco.fragments, assign=assign,
+    )  # fmt: skip
 
 
 def parallelize(model: nn.Module, group: ReplicaGroup) -> nn.Module:

@@ -20,7 +20,7 @@ def train(replica: Replica) -> TrainingResult:
     run's outer steps are committed."""
     task = build_task(
         replica.config.task.entrypoint,
-        task_context(replica.config, replica.index, replica.group),
+        task_context(replica.config, replica.index, replica.group, replica.collective),
     )
     if replica.config.task.init_from:
         warm_start(task.model, replica.config.resolve(replica.config.task.init_from))

@@ -1,0 +1,181 @@
+"""Which replica trains which part of the run's data: claims on units of the stream, in the bucket.
+
+The data stream (``order.py``) is cut into units of ``unit_sequences`` consecutive positions: what
+one process of a replica trains in one round (``batches_per_round x sequences per batch``).
+At the start of each round a replica claims one unit per process with a create-only write of
+``data/claims/{unit}-{attempt}`` naming the round and itself (``Replica-incarnation``), taking
+the lowest unit that is free: one nobody claimed yet, or one given back. No server decides:
+two replicas racing for a unit both try the same key, and the store lets one create it.
+
+A claim stands or falls with its round (the SEAL, ``collective/round.py``):
+
+- the round is sealed with the claimer's contribution, by at least ``min_replicas``: the unit
+  is trained, for good;
+- the round is sealed without it (the replica died, was late, diverged, or was superseded):
+  the unit is given back, and the next claim on it is its next attempt;
+- the round is not sealed yet: the unit is taken.
+
+An attempt is only ever written by a replica that saw every earlier attempt given back, and a
+sealed round never changes, so a unit is trained by at most one sealed contribution, and none
+is skipped: whatever the replicas do (restart, heal, leave, join late, change in number between
+launches), every sequence of an epoch is trained once. Claims and SEALs never change once
+written, so each replica reads each of them once (``Claims`` keeps what it read).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from pydantic import Field
+
+from diloco_anywhere.bucket.framing import Count
+from diloco_anywhere.bucket.layout import RunLayout, parse_contributor
+from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
+from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.collective.records import Seal
+
+
+class DataPlan(Record):
+    """How the run's data stream is cut: the same for every replica of a run."""
+
+    corpus: str = Field(min_length=1, max_length=4096)  # where it was read first (for errors)
+    manifest_crc32c: int = Field(ge=0, lt=2**32)  # which corpus it is, wherever it is read
+    seq_len: Count
+    unit_sequences: Count
+    chunk_sequences: Count
+    window_chunks: Count
+    seed: int
+
+
+class DataPlanError(ValueError):
+    """This replica would cut the run's data otherwise than the run does."""
+
+
+class UnitClaim(Record):
+    unit: Count
+    attempt: Count
+    contributor: str = Field(min_length=1, max_length=256)  # '<replica>-<incarnation>'
+    round: Count
+    rank: Count
+
+
+def agree_on_plan(store: Store, layout: RunLayout, plan: DataPlan) -> None:
+    """Record the run's data plan, or check this replica's against the one recorded."""
+    key = layout.data_plan()
+    try:
+        store.put(key, encode_record(plan))
+        return
+    except FileExistsError:
+        theirs = decode_record(store.get(key, 0, RECORD_READ_LIMIT), DataPlan, key=key)
+    fields = [name for name in DataPlan.model_fields if name != "corpus"]
+    differ = [name for name in fields if getattr(theirs, name) != getattr(plan, name)]
+    if differ:
+        shown = ", ".join(f"{n} {getattr(theirs, n)} (here {getattr(plan, n)})" for n in differ)
+        raise DataPlanError(
+            f"the run's data stream was cut with {shown}, the corpus first read at "
+            f"{theirs.corpus}: a run's data never changes under it, or sequences would be "
+            f"trained twice or never; go back to those settings, or start a new run "
+            f"(another run.name)"
+        )
+
+
+@dataclass(frozen=True)
+class ClaimState:
+    """A unit as the claims and SEALs say."""
+
+    unit: int
+    attempts: int  # claims written on it
+    trained: bool  # its last claim's round sealed with the claim's contribution
+    taken: bool  # its last claim's round not sealed yet
+
+    @property
+    def free(self) -> bool:
+        return not (self.trained or self.taken)
+
+
+class Claims:
+    """This replica incarnation's claims on the run's data stream."""
+
+    def __init__(
+        self, store: Store, layout: RunLayout, contributor: str, min_replicas: int
+    ) -> None:
+        parse_contributor(contributor)
+        self.store, self.layout, self.contributor = store, layout, contributor
+        self.min_replicas = min_replicas
+        self._claims: dict[str, UnitClaim] = {}  # every claim read, by key
+        self._seals: dict[int, Seal] = {}  # every SEAL read, by round
+        self._mine: dict[int, list[int]] = {}  # round -> units this incarnation claimed
+
+    def units(self, round_: int, count: int) -> list[int]:
+        """``count`` units to train in round ``round_`` (one per process of the replica): those
+        this incarnation claimed for it already (a heal reopens a round's data), else new ones."""
+        if round_ not in self._mine:
+            self._mine[round_] = self._claim(round_, count)
+        return self._mine[round_]
+
+    def _claim(self, round_: int, count: int) -> list[int]:
+        taken: list[int] = []
+        for unit, attempt in self._candidates():
+            claim = UnitClaim(
+                unit=unit, attempt=attempt, contributor=self.contributor, round=round_,
+                rank=len(taken),
+            )  # fmt: skip
+            key = self.layout.data_claim(unit, attempt)
+            try:
+                self.store.put(key, encode_record(claim))
+            except FileExistsError:  # another replica took it first: on to the next
+                continue
+            self._claims[key] = claim
+            taken.append(unit)
+            if len(taken) == count:
+                return taken
+        raise AssertionError("the candidates never end")  # pragma: no cover
+
+    def _candidates(self) -> Iterator[tuple[int, int]]:
+        """(unit, attempt) to try, lowest first: units given back, then the never claimed."""
+        states = self.states()
+        for state in states:
+            if state.free:
+                yield state.unit, state.attempts
+        unit = states[-1].unit + 1 if states else 0
+        while True:
+            yield unit, 0
+            unit += 1
+
+    def states(self) -> list[ClaimState]:
+        """Every claimed unit's state, by unit."""
+        newest: dict[int, tuple[int, str]] = {}
+        for key in self.store.list_prefix(self.layout.data_claims()):
+            parsed = self.layout.parse_data_claim(key)
+            if parsed is not None and parsed[1] >= newest.get(parsed[0], (-1, ""))[0]:
+                newest[parsed[0]] = (parsed[1], key)
+        self._read_claims([key for _, key in newest.values()])
+        self._read_seals({self._claims[key].round for _, key in newest.values()})
+        return [self._state(unit, attempt, key) for unit, (attempt, key) in sorted(newest.items())]
+
+    def _state(self, unit: int, attempt: int, key: str) -> ClaimState:
+        claim = self._claims[key]
+        seal = self._seals.get(claim.round)
+        trained = (
+            seal is not None
+            and claim.contributor in seal.contributors
+            and len(seal.contributors) >= self.min_replicas
+        )
+        return ClaimState(unit, attempt + 1, trained=trained, taken=seal is None)
+
+    def _read_claims(self, keys: list[str]) -> None:
+        unread = [key for key in keys if key not in self._claims]
+        for key, data in self.store.get_many(unread, limit=RECORD_READ_LIMIT).items():
+            if data is None:
+                raise FileNotFoundError(f"{self.store.url}/{key} was listed, then was gone")
+            claim = decode_record(data, UnitClaim, key=key)
+            if self.layout.data_claim(claim.unit, claim.attempt) != key:
+                raise ValueError(f"{key} holds the claim of unit {claim.unit} {claim.attempt}")
+            self._claims[key] = claim
+
+    def _read_seals(self, rounds: set[int]) -> None:
+        unread = {self.layout.seal(round_, 0): round_ for round_ in rounds - self._seals.keys()}
+        for key, data in self.store.get_many(unread, limit=RECORD_READ_LIMIT).items():
+            if data is not None:
+                self._seals[unread[key]] = decode_record(data, Seal, key=key)

@@ -1,0 +1,118 @@
+"""A process's batches from a prepared corpus: its units of the run's one order, read ahead.
+
+Inner step ``s`` of a replica is batch ``s % batches_per_round`` of round
+``s // batches_per_round`` (every replica trains ``batches_per_round`` per round, and a heal
+or restart resumes at its round's first step). The round's unit (``claims.py``, or a fixed
+one without a bucket) says which ``unit_sequences`` positions of the order (``order.py``) it
+trains; batch ``b`` of the round is positions ``b x batch_sequences`` onward of it. So where a
+replica's data resumes is the round it resumes at, which the run's state already holds: no
+data position of its own to save, and none to get wrong.
+
+Batches are read by a background thread ``READ_AHEAD`` steps ahead of training, by ranged reads
+(``reader.py``); a round's unit is asked for in the caller's thread (a replica of several
+processes shares its leader's claims through a collective, which must not run elsewhere),
+``READ_AHEAD`` steps before the round begins.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from diloco_anywhere.data.order import Order
+from diloco_anywhere.data.reader import TokenReader
+
+READ_AHEAD = 4
+WINDOW_CHUNKS = 16  # chunks a batch's sequences are shuffled among (``order.py``)
+
+
+@dataclass(frozen=True)
+class StreamShape:
+    """How a process's steps draw on the order."""
+
+    seq_len: int
+    batch_sequences: int  # sequences in one inner step of one process (micro-batches included)
+    batches_per_round: int
+
+    @property
+    def unit_sequences(self) -> int:
+        return self.batch_sequences * self.batches_per_round
+
+
+class Stream:
+    """Batches of ``[batch_sequences, seq_len + 1]`` tokens (int64) from the training split,
+    and the held-out split's evaluation batches."""
+
+    def __init__(
+        self,
+        train: TokenReader,
+        heldout: TokenReader,
+        order: Order,
+        shape: StreamShape,
+        unit_of_round: Callable[[int], int],
+        rounds: int | None = None,
+    ) -> None:
+        self.train, self.heldout, self.order, self.shape = train, heldout, order, shape
+        self.unit_of_round, self.rounds = unit_of_round, rounds
+        self._units: dict[int, int] = {}
+
+    def batches(self, start: int) -> Iterator[torch.Tensor]:
+        """The batches of inner steps ``start`` onward, until the run's last round (or without
+        end). Closing the iterator (a heal reopens the data elsewhere) stops the reading."""
+        last = None if self.rounds is None else self.rounds * self.shape.batches_per_round
+        steps = itertools.count(start) if last is None else iter(range(start, last))
+        with ThreadPoolExecutor(1, thread_name_prefix="diloco-data") as reader:
+            ahead: deque[Future[torch.Tensor]] = deque()
+
+            def read_next() -> None:
+                step = next(steps, None)
+                if step is not None:
+                    ahead.append(reader.submit(self._batch, self._unit_at(step), step))
+
+            for _ in range(READ_AHEAD):
+                read_next()
+            while ahead:
+                batch = ahead.popleft().result()
+                read_next()
+                yield batch
+
+    def _unit_at(self, step: int) -> int:
+        round_ = step // self.shape.batches_per_round
+        if round_ not in self._units:
+            self._units = {round_: self.unit_of_round(round_)}  # one round ahead at most
+        return self._units[round_]
+
+    def _batch(self, unit: int, step: int) -> torch.Tensor:
+        shape = self.shape
+        first = unit * shape.unit_sequences
+        first += (step % shape.batches_per_round) * shape.batch_sequences
+        sequences = self.order.sequences(first, first + shape.batch_sequences)
+        return self._rows(self.train, sequences)
+
+    def _rows(self, reader: TokenReader, sequences: np.ndarray) -> torch.Tensor:
+        length = self.shape.seq_len
+        rows = np.empty((len(sequences), length + 1), dtype=np.int64)
+        for row, sequence in zip(rows, sequences.tolist(), strict=True):
+            row[:] = reader.read(sequence * length, sequence * length + length + 1)
+        return torch.from_numpy(rows)
+
+    def evaluation(self, batches: int, size: int | None = None) -> list[torch.Tensor]:
+        """``batches`` batches of ``size`` held-out sequences (a training batch's, unless
+        given) spread evenly over the held-out split: the same on every replica, reading only
+        them."""
+        length, size = self.shape.seq_len, size or self.shape.batch_sequences
+        available = max(0, self.heldout.tokens - 1) // length
+        if available < 1:
+            raise ValueError(
+                f"the corpus's held-out split has {self.heldout.tokens} tokens, fewer than "
+                f"seq_len + 1 = {length + 1}: prepare it with a larger --heldout-fraction, or "
+                f"use a smaller seq_len"
+            )
+        picks = np.linspace(0, available - 1, batches * size).round().astype(np.int64)
+        return [self._rows(self.heldout, part) for part in np.split(picks, batches)]

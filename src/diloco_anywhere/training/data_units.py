@@ -1,0 +1,39 @@
+"""The units of the run's data a replica trains, claimed in the bucket (``data/claims.py``).
+
+The replica's leader (its only process, or rank 0 of a ``torchrun`` replica) records or checks
+the run's data plan, then claims one unit per process at each round and hands each process its
+own: the other ranks hold no store of their own, and one replica's processes must never race
+each other for units.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.collective.allreduce import BucketCollective
+from diloco_anywhere.config import RunConfig
+from diloco_anywhere.data.claims import Claims, DataPlan, agree_on_plan
+from diloco_anywhere.data.source import Assigner
+from diloco_anywhere.training.replica_group import ReplicaGroup
+
+
+def claimed_units(
+    config: RunConfig, group: ReplicaGroup, collective: BucketCollective | None
+) -> Assigner:
+    def assign(plan: DataPlan) -> Callable[[int], int]:
+        claims = None
+        if group.is_leader:
+            if collective is None:
+                raise ValueError("a replica's leader claims its data through its collective")
+            layout = RunLayout(config.run.name)
+            agree_on_plan(collective.store, layout, plan)
+            claims = Claims(collective.store, layout, collective.me.name, config.run.min_replicas)
+
+        def unit_of_round(round_: int) -> int:
+            units = claims.units(round_, group.world_size) if claims is not None else None
+            return group.broadcast(units)[group.rank]
+
+        return unit_of_round
+
+    return assign

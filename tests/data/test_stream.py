@@ -1,0 +1,264 @@
+"""Streaming a prepared corpus: one order of its sequences, every one once an epoch whatever the
+number of replicas; tokens read by checked ranged reads; units of the order claimed through the
+bucket so that no sequence is trained by two sealed contributions and none is skipped."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from diloco_anywhere.bucket.framing import WireFormatError
+from diloco_anywhere.bucket.layout import RunLayout, contributor
+from diloco_anywhere.bucket.record import encode_record
+from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.collective.records import Seal
+from diloco_anywhere.data.claims import Claims, DataPlan, DataPlanError, agree_on_plan
+from diloco_anywhere.data.order import Order, permute
+from diloco_anywhere.data.prepare import prepare, settings_for
+from diloco_anywhere.data.reader import CorpusNotPreparedError, TokenReader, read_manifest
+from diloco_anywhere.data.shards import decode_shard
+from diloco_anywhere.data.source import DataSource, fixed_units
+from diloco_anywhere.data.tokenizers import ByteTokenizer
+from support.runs import RUN_TOML, diloco
+
+WORDS = "the cat sat on a mat while dogs ran far away from home and back again".split()  # noqa: SIM905
+
+
+@pytest.fixture
+def corpus(tmp_path) -> str:
+    """About 60 KB of text in 270 documents prepared with the bytes tokenizer, in shards of
+    5,000 tokens and blocks of 256."""
+    rng = random.Random(0)
+    folder = tmp_path / "text"
+    folder.mkdir()
+    for number in range(3):
+        lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60))) for _ in range(90)]
+        (folder / f"part-{number}.jsonl").write_text(
+            "".join(json.dumps({"text": t}) + "\n" for t in lines)
+        )
+    settings = settings_for(
+        ByteTokenizer(), text_field="text", heldout_fraction=0.1, shard_tokens=5000,
+        block_tokens=256,
+    )  # fmt: skip
+    url = str(tmp_path / "corpus")
+    with Store(url) as store:
+        prepare(str(folder / "*.jsonl"), store, ByteTokenizer(), settings)
+    return url
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 16, 17, 1000, 4099])
+def test_the_keyed_permutation_is_a_bijection_of_every_size(size):
+    for key in (0, 1, 2**63 + 5):
+        shuffled = permute(np.arange(size), size, key)
+        assert sorted(shuffled.tolist()) == list(range(size))
+    if size > 16:
+        assert not np.array_equal(
+            permute(np.arange(size), size, 1), permute(np.arange(size), size, 2)
+        )
+
+
+def test_every_epoch_visits_every_sequence_once_in_an_order_of_its_own():
+    order = Order(chunks=23, chunk_sequences=7, window_chunks=4, seed=5)
+    total = order.epoch_sequences
+    stream = order.sequences(0, 3 * total)
+    epochs = [stream[e * total : (e + 1) * total] for e in range(3)]
+    for epoch in epochs:
+        assert sorted(epoch.tolist()) == list(range(total))
+    assert not np.array_equal(epochs[0], epochs[1])
+    # any slice of the stream is the same sequences, however it is cut
+    assert np.array_equal(order.sequences(100, 250), stream[100:250])
+    assert np.array_equal(Order(23, 7, 4, seed=5).sequences(0, total), epochs[0])
+    assert not np.array_equal(Order(23, 7, 4, seed=6).sequences(0, total), epochs[0])
+
+
+def test_a_batch_mixes_sequences_from_its_window_of_chunks():
+    order = Order(chunks=1000, chunk_sequences=32, window_chunks=16, seed=0)
+    batch = order.sequences(0, 64)
+    chunks = set((batch // 32).tolist())
+    assert len(chunks) >= 8  # 64 sequences drawn from 16 chunks, not 2 runs of one
+    assert len(set((order.sequences(0, 16 * 32) // 32).tolist())) == 16
+
+
+def test_the_reader_returns_the_shards_tokens_by_ranged_reads(corpus):
+    store = Store(corpus)
+    manifest = read_manifest(store)
+    expected = np.concatenate([
+        decode_shard(store.get(shard.key), shard.key)[1] for shard in manifest.shards("train")
+    ])  # fmt: skip
+    reader = TokenReader(store, manifest, "train")
+    assert reader.tokens == len(expected) > 10_000
+    rng = random.Random(1)
+    for _ in range(50):
+        start = rng.randrange(reader.tokens)
+        stop = min(reader.tokens, start + rng.randrange(1, 12_000))  # across shards too
+        assert np.array_equal(reader.read(start, stop), expected[start:stop])
+    fresh = Store(corpus)
+    TokenReader(fresh, manifest, "train").read(7000, 7100)
+    assert fresh.stats().bytes_down < 2 * 256 + 16_000  # a header and a block or two
+
+
+def test_a_corrupt_block_is_refused_naming_its_shard(corpus):
+    store = Store(corpus)
+    manifest = read_manifest(store)
+    shard = manifest.shards("train")[1]
+    path = Path(corpus) / shard.key
+    data = bytearray(path.read_bytes())
+    data[shard.payload_offset + 300] ^= 0x20  # a byte of block 1
+    path.write_bytes(bytes(data))
+    reader = TokenReader(store, manifest, "train")
+    reader.read(shard.tokens + 10, shard.tokens + 200)  # block 0 of that shard is intact
+    with pytest.raises(WireFormatError, match=rf"{shard.key}.*token block 1 is corrupt"):
+        reader.read(
+            manifest.shards("train")[0].tokens + 260, manifest.shards("train")[0].tokens + 270
+        )
+
+
+def test_a_folder_without_a_manifest_says_how_to_prepare_one(tmp_path):
+    with pytest.raises(CorpusNotPreparedError, match="diloco data prepare"):
+        read_manifest(Store(str(tmp_path / "nothing")))
+
+
+def _source(corpus: str, replica: int, replicas: int, rounds: int | None = None) -> DataSource:
+    return DataSource(corpus, seed=3, batches_per_round=4, rounds=rounds,
+                      assign=fixed_units(replica, replicas, 0, 1))  # fmt: skip
+
+
+def test_replicas_with_fixed_shares_train_each_sequence_once_an_epoch(corpus):
+    seq_len, batch = 32, 4
+    streams = [_source(corpus, replica, 3).open(seq_len, batch) for replica in range(3)]
+    order = streams[0].order
+    rounds = -(-order.epoch_sequences // (3 * 16))
+    seen: Counter[bytes] = Counter()
+    for stream in streams:
+        for rows in _take(stream.batches(0), rounds * 4):
+            assert rows.shape == (batch, seq_len + 1)
+            assert rows.dtype == torch.int64
+            seen.update(bytes(row.numpy().astype(np.uint8)) for row in rows)
+    expected = Counter()
+    reader = streams[0].train
+    for sequence in range(order.epoch_sequences):
+        expected[bytes(reader.read(sequence * seq_len, sequence * seq_len + seq_len + 1))] += 1
+    # the first epoch whole (and the next one begun): every sequence of it read, as it is
+    assert expected - seen == Counter()
+
+
+def test_a_stream_resumed_mid_round_gives_the_same_batches(corpus):
+    stream = _source(corpus, 0, 2).open(16, 3)
+    from_start = _take(stream.batches(0), 12)
+    resumed = _take(_source(corpus, 0, 2).open(16, 3).batches(6), 6)
+    assert all(torch.equal(a, b) for a, b in zip(from_start[6:], resumed, strict=True))
+
+
+def test_a_stream_ends_with_the_run_s_rounds(corpus):
+    assert len(list(_source(corpus, 0, 2, rounds=3).open(16, 2).batches(5))) == 3 * 4 - 5
+
+
+def test_the_held_out_batches_are_the_same_everywhere_and_from_the_held_out_split(corpus):
+    one, other = _source(corpus, 0, 2).open(16, 3), _source(corpus, 1, 2).open(16, 3)
+    evaluation = one.evaluation(4)
+    assert [rows.shape for rows in evaluation] == [(3, 17)] * 4
+    assert all(torch.equal(a, b) for a, b in zip(evaluation, other.evaluation(4), strict=True))
+    train = bytes(one.train.read(0, one.train.tokens))
+    assert bytes(evaluation[0][0].numpy().astype(np.uint8)) not in train
+
+
+def test_a_task_s_tokenizer_unlike_the_corpus_s_is_refused(corpus):
+    other = ByteTokenizer.identity.model_copy(update={"sha256": "0" * 64})
+    with pytest.raises(ValueError, match="prepared with tokenizer 'bytes'"):
+        _source(corpus, 0, 1).open(16, 2, tokenizer=other)
+
+
+# -- claims ------------------------------------------------------------------------------------
+
+LAYOUT = RunLayout("run")
+
+
+def _seal(store: Store, round_: int, *names: str) -> None:
+    seal = Seal(run="run", round=round_, fragment=0, contributors=tuple(sorted(names)),
+                mode="gather", sealed_by=names[0] if names else "x-0")  # fmt: skip
+    store.put(LAYOUT.seal(round_, 0), encode_record(seal))
+
+
+def test_racing_replicas_never_claim_one_unit_twice(tmp_path):
+    store = Store(str(tmp_path))
+    claimers = [Claims(store, LAYOUT, contributor(f"r{i}", 0), 1) for i in range(6)]
+    taken: list[list[int]] = [[] for _ in claimers]
+
+    def claim(index: int) -> None:
+        for round_ in range(5):
+            taken[index] += claimers[index].units(round_, 2)
+
+    threads = [threading.Thread(target=claim, args=(i,)) for i in range(len(claimers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    units = [unit for mine in taken for unit in mine]
+    assert sorted(units) == list(range(6 * 5 * 2))  # each once, none skipped
+
+
+def test_a_unit_left_out_of_its_round_is_given_back_and_a_trained_one_never(tmp_path):
+    store = Store(str(tmp_path))
+    a, b = contributor("a", 0), contributor("b", 4)
+    first, second = Claims(store, LAYOUT, a, 1), Claims(store, LAYOUT, b, 1)
+    assert first.units(0, 1) == [0]
+    assert second.units(0, 1) == [1]
+    assert first.units(0, 1) == [0]  # a round's claim again (a heal): the same unit
+    _seal(store, 0, a)  # b was left out of round 0
+    third = Claims(store, LAYOUT, contributor("c", 0), 1)
+    assert third.units(1, 2) == [1, 2]  # b's unit first, as its second attempt
+    assert store.get(LAYOUT.data_claim(1, 1))
+    states = {state.unit: state for state in third.states()}
+    assert states[0].trained
+    assert (states[1].taken, states[1].attempts) == (True, 2)
+
+
+def test_a_round_sealed_by_fewer_than_min_replicas_gives_its_units_back(tmp_path):
+    store = Store(str(tmp_path))
+    a = contributor("a", 0)
+    assert Claims(store, LAYOUT, a, 2).units(0, 1) == [0]
+    _seal(store, 0, a)
+    assert Claims(store, LAYOUT, contributor("b", 0), 2).units(1, 1) == [0]
+
+
+def test_a_replica_planning_the_data_otherwise_is_refused_naming_what_differs(tmp_path):
+    store = Store(str(tmp_path))
+    plan = DataPlan(corpus="s3://b/c", manifest_crc32c=7, seq_len=128, unit_sequences=64,
+                    chunk_sequences=4, window_chunks=16, seed=0)  # fmt: skip
+    agree_on_plan(store, LAYOUT, plan)
+    agree_on_plan(store, LAYOUT, plan.model_copy(update={"corpus": "/mnt/c"}))  # same corpus
+    with pytest.raises(DataPlanError, match=r"seq_len 128 \(here 256\).*another run.name"):
+        agree_on_plan(store, LAYOUT, plan.model_copy(update={"seq_len": 256}))
+
+
+def _take(batches, count: int) -> list[torch.Tensor]:
+    taken = []
+    for batch in batches:
+        taken.append(batch)
+        if len(taken) == count:
+            break
+    batches.close()
+    return taken
+
+
+@pytest.mark.integration
+def test_a_run_s_replicas_train_each_unit_of_the_order_once(tmp_path, monkeypatch, corpus):
+    """Two local replicas of the built-in task on a prepared corpus: every round, each claims a
+    unit of the run's order, and the run's sealed rounds hold every unit once, in order."""
+    monkeypatch.chdir(tmp_path)
+    text = RUN_TOML.format(replicas=2, outer_steps=3).replace("corpus_bytes = 300000\n", "")
+    (tmp_path / "run.toml").write_text(text.replace("[task]\n", '[task]\ndata = "corpus"\n'))
+    result = diloco("launch", "--config", "run.toml")
+    assert result.exit_code == 0, result.output
+    store = Store(str(tmp_path / "store"))
+    claims = Claims(store, RunLayout("t"), contributor("judge", 0), 2)
+    states = claims.states()
+    assert [state.unit for state in states] == list(range(6))  # 3 rounds x 2 replicas
+    assert all(state.trained and state.attempts == 1 for state in states)
