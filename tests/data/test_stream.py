@@ -78,6 +78,14 @@ def test_every_epoch_visits_every_sequence_once_in_an_order_of_its_own():
     assert not np.array_equal(Order(23, 7, 4, seed=6).sequences(0, total), epochs[0])
 
 
+def test_chunks_are_a_block_of_sequences_and_smaller_in_a_small_corpus():
+    assert Order.of(2**30, 1024, 2**16, 16, 0).chunk_sequences == 64
+    small = Order.of(20_000, 32, 2**16, 16, 0)  # 624 sequences: 2,048 would be one chunk
+    assert (small.chunk_sequences, small.chunks) == (2, 312)
+    with pytest.raises(ValueError, match="no sequence of seq_len 64"):
+        Order.of(60, 64, 2**16, 16, 0)
+
+
 def test_a_batch_mixes_sequences_from_its_window_of_chunks():
     order = Order(chunks=1000, chunk_sequences=32, window_chunks=16, seed=0)
     batch = order.sequences(0, 64)

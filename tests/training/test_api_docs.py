@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,8 +11,9 @@ from pathlib import Path
 import pytest
 from matplotlib.image import imread
 
-from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.layout import RunLayout, contributor
 from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.data.claims import Claims
 from diloco_anywhere.training.checkpoints.catalogue import newest_checkpoints
 from support.docs import example
 from support.runs import diloco, statuses
@@ -70,6 +72,26 @@ def test_a_plain_loop_trains_as_two_replicas_started_by_hand(tmp_path, monkeypat
     rows = statuses("run.toml")
     assert {(row["state"], row["outer_step"]) for row in rows.values()} == {("done", 5)}
     assert all(row["loss"] is not None for row in rows.values())
+
+
+def test_a_loop_of_your_own_streams_the_run_s_prepared_corpus(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "text").mkdir()
+    lines = [f'{{"text": "line {i} of the text, and more words {i * i}"}}' for i in range(400)]
+    (tmp_path / "text" / "a.jsonl").write_text("\n".join(lines))
+    (tmp_path / "train_stream.py").write_text(example("# train_stream.py"))
+    run = example("# run.toml", "toml").replace("train.py", "train_stream.py")
+    (tmp_path / "run.toml").write_text(run.replace("[task]", '[task]\ndata = "corpus"'))
+    for line in example("diloco data prepare 'text/*.jsonl'", "bash").splitlines():
+        words = [word.strip("'") for word in line.split("#")[0].split()]
+        result = diloco(*words[1:])
+        assert result.exit_code == 0, result.output
+    store = Store(str(tmp_path / "store"))
+    states = Claims(store, RunLayout("plain-loop"), contributor("judge", 0), 2).states()
+    rounds = int(re.search(r"outer_steps = (\d+)", run).group(1))
+    assert [state.unit for state in states] == list(range(2 * rounds))
+    assert all(state.trained for state in states)
+    assert {row["state"] for row in statuses("run.toml").values()} == {"done"}
 
 
 def test_an_existing_loop_started_and_finished_trains_as_the_with_blocks_do(tmp_path, monkeypatch):

@@ -4,7 +4,8 @@ number of replicas.
 The split's tokens, taken end to end, are cut into sequences of ``seq_len + 1`` tokens at a
 stride of ``seq_len`` (each sequence's targets are its inputs shifted by one). Sequences are
 grouped in chunks of ``chunk_sequences`` consecutive ones (about one checksummed block of
-tokens, so one ranged read serves a chunk), and the sequences left over after the last whole
+tokens, so one ranged read serves a chunk; smaller in a corpus of fewer than ``MIN_CHUNKS``
+blocks), and the sequences left over after the last whole
 chunk, fewer than a chunk's, are not trained. The order is an endless stream of positions:
 position ``p`` is in epoch ``p // sequences``; each epoch visits the chunks in a keyed random
 permutation of its own and, within each window of ``window_chunks`` consecutive chunks of that
@@ -28,6 +29,7 @@ import numpy as np
 ROUNDS = 4  # Luby-Rackoff: four rounds make a Feistel network a strong pseudorandom permutation
 _GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _MASK64 = 2**64 - 1
+MIN_CHUNKS = 256  # a small corpus is cut into chunks smaller than a block, to be shuffled still
 
 
 def _splitmix(values: np.ndarray, key: int) -> np.ndarray:
@@ -84,14 +86,14 @@ class Order:
     def of(cls, tokens: int, seq_len: int, block_tokens: int, window: int, seed: int) -> Order:
         """The order of a split of ``tokens`` tokens; an error saying what to change when it
         holds not even one chunk."""
-        chunk_sequences = max(1, block_tokens // seq_len)
-        chunks = max(0, tokens - 1) // seq_len // chunk_sequences
-        if chunks == 0:
+        sequences = max(0, tokens - 1) // seq_len
+        if sequences == 0:
             raise ValueError(
-                f"the corpus's {tokens} training tokens hold no chunk of {chunk_sequences} "
-                f"sequences of seq_len {seq_len}: give more text or a smaller seq_len"
+                f"the corpus's {tokens} training tokens hold no sequence of seq_len {seq_len} "
+                f"+ 1: give more text or a smaller seq_len"
             )
-        return cls(chunks, chunk_sequences, window, seed)
+        chunk_sequences = max(1, min(block_tokens // seq_len, sequences // MIN_CHUNKS))
+        return cls(sequences // chunk_sequences, chunk_sequences, window, seed)
 
     @property
     def epoch_sequences(self) -> int:

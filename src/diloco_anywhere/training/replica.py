@@ -48,10 +48,12 @@ from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.membership import SupersededError
 from diloco_anywhere.config import RunConfig
+from diloco_anywhere.data.stream import Stream
 from diloco_anywhere.training.builders import (
     build_parts,
     parallelize,
     resolve_device,
+    task_context,
 )
 from diloco_anywhere.training.checkpoints.commits import committed_rounds, retained_after
 from diloco_anywhere.training.command import DONE, JOINED, report
@@ -242,6 +244,16 @@ class Replica:
         """End what ``start`` began and leave the run, recording how (``done`` once the run's
         outer steps are committed): as leaving ``with join() as replica`` does."""
         self.__exit__(None, None, None)
+
+    def stream(self, seq_len: int, batch_sequences: int) -> Stream:
+        """run.toml's ``[task] data`` (a corpus ``diloco data prepare`` wrote) as this
+        process's share of the run's one order of it (docs/data.md): pass ``stream.batches``
+        to ``training.batches``; each batch is a ``[batch_sequences, seq_len + 1]`` tensor of
+        token ids. Its units are claimed in the bucket at each round, so no sequence is
+        trained twice or skipped whatever the replicas do; ``stream.evaluation(n)`` gives
+        held-out batches, the same on every replica."""
+        context = task_context(self.config, self.index, self.group, self.collective)
+        return context.stream(seq_len, batch_sequences)
 
     def add_to_export(self, name: str, text: str) -> None:
         """A file ``diloco export`` writes beside the weights (``export_files.py``): what
