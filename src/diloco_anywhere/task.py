@@ -28,7 +28,7 @@ from torch import nn
 
 from diloco_anywhere.data.source import DataSource
 from diloco_anywhere.data.stream import Stream
-from diloco_anywhere.data.tokenizers import TokenizerIdentity
+from diloco_anywhere.data.tokenizers import ByteTokenizer, HfTokenizer
 
 Batch = Any  # whatever the task's ``loss`` takes
 
@@ -50,17 +50,19 @@ class TaskContext:
     data: DataSource | None = None
 
     def stream(
-        self, seq_len: int, batch_sequences: int, tokenizer: TokenizerIdentity | None = None
-    ) -> Stream:
+        self, seq_len: int, batch_sequences: int, tokenizer: ByteTokenizer | HfTokenizer,
+        **raw: Any,
+    ) -> Stream:  # fmt: skip
         """This process's share of the run's data (``data/stream.py``): ``stream.batches``
         is a ``Task``'s ``batches``, each a ``[batch_sequences, seq_len + 1]`` tensor of
-        token ids; ``stream.evaluation(n)`` the held-out batches."""
+        token ids; ``stream.evaluation(n)`` the held-out batches. ``raw``: the task's own data
+        where run.toml gives none, and how to prepare raw text (``DataSource.open``)."""
         if self.data is None:
             raise ValueError(
-                "run.toml [task] data is not set: prepare the corpus with `diloco data "
-                'prepare CORPUS URL --tokenizer NAME` and set data = "URL"'
+                "this task context has no data source: build it with "
+                "diloco_anywhere.training.builders.task_context(config, ...)"
             )
-        return self.data.open(seq_len, batch_sequences, tokenizer)
+        return self.data.open(seq_len, batch_sequences, tokenizer, **raw)
 
 
 @dataclass

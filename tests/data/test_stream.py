@@ -9,6 +9,7 @@ import random
 import threading
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,18 +17,20 @@ import torch
 
 from diloco_anywhere.bucket.framing import WireFormatError
 from diloco_anywhere.bucket.layout import RunLayout, contributor
-from diloco_anywhere.bucket.record import encode_record
+from diloco_anywhere.bucket.record import decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.records import Seal
 from diloco_anywhere.data.claims import Claims, DataPlan, DataPlanError, agree_on_plan
 from diloco_anywhere.data.order import Order, permute
-from diloco_anywhere.data.prepare import prepare, settings_for
+from diloco_anywhere.data.prepare import PrepareError, prepare, settings_for
+from diloco_anywhere.data.prepare_once import PREPARING, Preparing, prepare_once
 from diloco_anywhere.data.reader import CorpusNotPreparedError, TokenReader, read_manifest
 from diloco_anywhere.data.shards import decode_shard
 from diloco_anywhere.data.source import DataSource, fixed_units
 from diloco_anywhere.data.tokenizers import ByteTokenizer
 from support.runs import RUN_TOML, diloco
 
+BYTES = ByteTokenizer()
 WORDS = "the cat sat on a mat while dogs ran far away from home and back again".split()  # noqa: SIM905
 
 
@@ -140,7 +143,7 @@ def _source(corpus: str, replica: int, replicas: int, rounds: int | None = None)
 
 def test_replicas_with_fixed_shares_train_each_sequence_once_an_epoch(corpus):
     seq_len, batch = 32, 4
-    streams = [_source(corpus, replica, 3).open(seq_len, batch) for replica in range(3)]
+    streams = [_source(corpus, replica, 3).open(seq_len, batch, BYTES) for replica in range(3)]
     order = streams[0].order
     rounds = -(-order.epoch_sequences // (3 * 16))
     seen: Counter[bytes] = Counter()
@@ -158,18 +161,18 @@ def test_replicas_with_fixed_shares_train_each_sequence_once_an_epoch(corpus):
 
 
 def test_a_stream_resumed_mid_round_gives_the_same_batches(corpus):
-    stream = _source(corpus, 0, 2).open(16, 3)
+    stream = _source(corpus, 0, 2).open(16, 3, BYTES)
     from_start = _take(stream.batches(0), 12)
-    resumed = _take(_source(corpus, 0, 2).open(16, 3).batches(6), 6)
+    resumed = _take(_source(corpus, 0, 2).open(16, 3, BYTES).batches(6), 6)
     assert all(torch.equal(a, b) for a, b in zip(from_start[6:], resumed, strict=True))
 
 
 def test_a_stream_ends_with_the_run_s_rounds(corpus):
-    assert len(list(_source(corpus, 0, 2, rounds=3).open(16, 2).batches(5))) == 3 * 4 - 5
+    assert len(list(_source(corpus, 0, 2, rounds=3).open(16, 2, BYTES).batches(5))) == 3 * 4 - 5
 
 
 def test_the_held_out_batches_are_the_same_everywhere_and_from_the_held_out_split(corpus):
-    one, other = _source(corpus, 0, 2).open(16, 3), _source(corpus, 1, 2).open(16, 3)
+    one, other = _source(corpus, 0, 2).open(16, 3, BYTES), _source(corpus, 1, 2).open(16, 3, BYTES)
     evaluation = one.evaluation(4)
     assert [rows.shape for rows in evaluation] == [(3, 17)] * 4
     assert all(torch.equal(a, b) for a, b in zip(evaluation, other.evaluation(4), strict=True))
@@ -178,9 +181,62 @@ def test_the_held_out_batches_are_the_same_everywhere_and_from_the_held_out_spli
 
 
 def test_a_task_s_tokenizer_unlike_the_corpus_s_is_refused(corpus):
-    other = ByteTokenizer.identity.model_copy(update={"sha256": "0" * 64})
+    other = SimpleNamespace(identity=BYTES.identity.model_copy(update={"sha256": "0" * 64}))
     with pytest.raises(ValueError, match="prepared with tokenizer 'bytes'"):
-        _source(corpus, 0, 1).open(16, 2, tokenizer=other)
+        _source(corpus, 0, 1).open(16, 2, other)
+
+
+# -- raw text, prepared once for the run -------------------------------------------------------
+
+
+def _raw(tmp_path) -> str:
+    folder = tmp_path / "raw"
+    folder.mkdir(exist_ok=True)
+    rng = random.Random(2)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60))) for _ in range(300)]
+    (folder / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    return str(folder / "*.jsonl")
+
+
+def _raw_source(raw: str, copy: Path, holder: str = "me-0") -> DataSource:
+    return DataSource(raw, seed=0, batches_per_round=2, rounds=None,
+                      assign=fixed_units(0, 1, 0, 1), copy=str(copy), holder=holder)  # fmt: skip
+
+
+def test_raw_text_is_prepared_into_the_run_s_copy_once_and_checked_after(tmp_path):
+    raw, copy = _raw(tmp_path), tmp_path / "store" / "run" / "data" / "corpus"
+    first = _raw_source(raw, copy).open(16, 2, BYTES, heldout_fraction=0.1)
+    assert first.train.tokens > 10_000
+    assert decode_record((copy / PREPARING).read_bytes(), Preparing, key="p").holder == "me-0"
+    shards = sorted(p.stat().st_mtime_ns for p in (copy / "train").iterdir())
+    again = _raw_source(raw, copy, holder="other-0").open(16, 2, BYTES, heldout_fraction=0.1)
+    assert torch.equal(next(again.batches(0)), next(first.batches(0)))
+    assert sorted(p.stat().st_mtime_ns for p in (copy / "train").iterdir()) == shards
+    (tmp_path / "raw" / "b.jsonl").write_text('{"text": "more"}\n')
+    with pytest.raises(PrepareError, match="a corpus never changes under a run"):
+        _raw_source(raw, copy).open(16, 2, BYTES, heldout_fraction=0.1)
+    with pytest.raises(ValueError, match=r"diloco data prepare .* --tokenizer bytes"):
+        DataSource(raw, 0, 2, None, fixed_units(0, 1, 0, 1)).open(16, 2, BYTES)
+
+
+def test_a_replica_waits_for_the_one_preparing_then_reads_its_copy(tmp_path):
+    raw, copy = _raw(tmp_path), Store(str(tmp_path / "copy"))
+    copy.put(PREPARING, encode_record(Preparing(holder="first-0", text_bytes=0)))
+    settings = settings_for(BYTES, "text", 0.1, 5000, 256)
+    holder = threading.Thread(target=prepare, args=(raw, copy, BYTES, settings))
+    holder.start()  # the first replica, preparing as the second one waits
+    manifest = prepare_once(raw, copy, BYTES, settings, "second-0")
+    holder.join()
+    assert manifest == read_manifest(copy)
+
+
+def test_a_stalled_prepare_is_taken_over(tmp_path):
+    raw, copy = _raw(tmp_path), Store(str(tmp_path / "copy"))
+    copy.put(PREPARING, encode_record(Preparing(holder="gone-0", text_bytes=0)))
+    ticks = iter(range(0, 10**6, 100))  # the waiter's clock: 100 s a look
+    settings = settings_for(BYTES, "text", 0.1, 5000, 256)
+    manifest = prepare_once(raw, copy, BYTES, settings, "second-0", clock=lambda: next(ticks))
+    assert manifest.tokens("train") > 10_000
 
 
 # -- claims ------------------------------------------------------------------------------------
@@ -257,15 +313,23 @@ def _take(batches, count: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.integration
-def test_a_run_s_replicas_train_each_unit_of_the_order_once(tmp_path, monkeypatch, corpus):
-    """Two local replicas of the built-in task on a prepared corpus: every round, each claims a
-    unit of the run's order, and the run's sealed rounds hold every unit once, in order."""
+@pytest.mark.parametrize("given", ["prepared", "raw"])
+def test_a_run_s_replicas_train_each_unit_of_the_order_once(tmp_path, monkeypatch, corpus, given):
+    """Two local replicas of the built-in task on a prepared corpus, or on raw text one of
+    them prepares into the run's store: every round, each claims a unit of the run's order,
+    and the run's sealed rounds hold every unit once, in order."""
     monkeypatch.chdir(tmp_path)
+    data = "corpus" if given == "prepared" else _raw(tmp_path)
     text = RUN_TOML.format(replicas=2, outer_steps=3).replace("corpus_bytes = 300000\n", "")
-    (tmp_path / "run.toml").write_text(text.replace("[task]\n", '[task]\ndata = "corpus"\n'))
+    (tmp_path / "run.toml").write_text(text.replace("[task]\n", f'[task]\ndata = "{data}"\n'))
     result = diloco("launch", "--config", "run.toml")
     assert result.exit_code == 0, result.output
     store = Store(str(tmp_path / "store"))
+    copy = tmp_path / "store" / "t" / "data" / "corpus"
+    if given == "raw":
+        holder = decode_record((copy / PREPARING).read_bytes(), Preparing, key="p").holder
+        assert holder.rpartition("-")[0] in ("local-0", "local-1")
+    assert copy.exists() == (given == "raw")
     claims = Claims(store, RunLayout("t"), contributor("judge", 0), 2)
     states = claims.states()
     assert [state.unit for state in states] == list(range(6))  # 3 rounds x 2 replicas

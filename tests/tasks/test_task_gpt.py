@@ -11,7 +11,7 @@ import torch
 
 from diloco_anywhere.bucket.record import encode_record
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.data.manifest import MANIFEST, Manifest
+from diloco_anywhere.data.manifest import MANIFEST, SETTINGS, Manifest
 from diloco_anywhere.data.prepare import settings_for
 from diloco_anywhere.data.source import DataSource, fixed_units
 from diloco_anywhere.data.tokenizers import ByteTokenizer
@@ -139,6 +139,7 @@ def test_a_corpus_prepared_with_another_tokenizer_or_given_twice_is_refused(tmp_
     tampered = settings.model_copy(update={"tokenizer": settings.tokenizer.model_copy(
         update={"name": "gpt2", "sha256": "1" * 64})})  # fmt: skip
     with Store(str(tmp_path / "corpus")) as store:
+        store.put(SETTINGS, encode_record(tampered))
         store.put(MANIFEST, encode_record(Manifest(settings=tampered, sources=())))
     source = DataSource(str(tmp_path / "corpus"), seed=0, batches_per_round=2, rounds=None,
                         assign=fixed_units(0, 1, 0, 1))  # fmt: skip

@@ -258,6 +258,10 @@ class RunLayout:
     def data_claims(self) -> str:
         return f"{self.run}/data/claims"
 
+    def data_corpus(self) -> str:
+        """The run's own copy of a raw corpus, prepared on the fly (data/prepare_once.py)."""
+        return f"{self.run}/data/corpus"
+
     def data_claim(self, unit: int, attempt: int) -> str:
         """Attempt ``attempt`` at training unit ``unit`` of the data stream (create-only: taking
         it is taking the unit)."""

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from diloco_anywhere.cli.bench.options import JsonOutput
 from diloco_anywhere.cli.common import print_json, stderr, stdout, user_errors
+from diloco_anywhere.data.defaults import BLOCK_TOKENS, HELDOUT_FRACTION, SHARD_TOKENS
 
 data_app = typer.Typer(
     rich_markup_mode=None,
@@ -60,10 +61,10 @@ def prepare_command(
             help="Share of documents held out for evaluation, chosen by "
             "a hash of each document's text: adding files moves none.",
         ),
-    ] = 0.01,
+    ] = HELDOUT_FRACTION,
     shard_tokens: Annotated[
         int, typer.Option(min=1, help="Tokens per shard (a shard is one object).")
-    ] = 1 << 26,
+    ] = SHARD_TOKENS,
     block_tokens: Annotated[
         int,
         typer.Option(
@@ -71,7 +72,7 @@ def prepare_command(
             help="Tokens per checksummed block: the most a replica reads at "
             "once; far more than a sequence.",
         ),
-    ] = 1 << 16,
+    ] = BLOCK_TOKENS,
     json_output: JsonOutput = False,
 ) -> None:
     """Tokenize a corpus once into token shards and a manifest in a store folder.

@@ -1,10 +1,12 @@
-"""The run's data as a task or a script opens it: run.toml's ``[task] data``, a prepared corpus.
+"""The run's data as a task or a script opens it: run.toml's ``[task] data``.
 
-A task knows its sequence length and batch; the replica knows its round length, the run's
-seed and who decides which units it trains (``claims.py`` through the bucket, or a fixed share
-where there is none). ``DataSource`` brings the two together: ``open(seq_len, batch_sequences)``
-reads the corpus's manifest (a few hundred bytes a shard), agrees on the run's data plan and
-returns the process's ``Stream``, without reading a token yet.
+A task knows its sequence length, batch and tokenizer; the replica knows its round length, the
+run's seed, its store and who decides which units it trains (``claims.py`` through the bucket,
+or a fixed share where there is none). ``DataSource`` brings the two together:
+``open(seq_len, batch_sequences, tokenizer)`` finds the prepared corpus (the one named, or the
+run's copy of raw text, prepared once by the first replica: ``prepare_once.py``), reads its
+manifest (a few hundred bytes a shard), agrees on the run's data plan and returns the
+process's ``Stream``, without reading a token yet.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ import crc32c
 from diloco_anywhere.bucket.record import encode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.data.claims import DataPlan
+from diloco_anywhere.data.defaults import BLOCK_TOKENS, HELDOUT_FRACTION, SHARD_TOKENS
 from diloco_anywhere.data.manifest import Manifest
 from diloco_anywhere.data.order import Order
+from diloco_anywhere.data.prepare import settings_for
+from diloco_anywhere.data.prepare_once import is_prepared, prepare_once
 from diloco_anywhere.data.reader import TokenReader, read_manifest
 from diloco_anywhere.data.stream import WINDOW_CHUNKS, Stream, StreamShape
-from diloco_anywhere.data.tokenizers import TokenizerIdentity
+from diloco_anywhere.data.tokenizers import ByteTokenizer, HfTokenizer, TokenizerIdentity
 
 # Given the run's data plan: the unit this process trains in a round.
 Assigner = Callable[[DataPlan], Callable[[int], int]]
@@ -47,29 +52,30 @@ def same_tokens(ours: TokenizerIdentity, theirs: TokenizerIdentity) -> bool:
 
 @dataclass(frozen=True)
 class DataSource:
-    corpus: str  # the prepared corpus's folder: a store URL or an absolute path
+    corpus: str  # run.toml's [task] data: a prepared folder or raw text ("": the task's own)
     seed: int
     batches_per_round: int
     rounds: int | None  # the run's rounds: no unit is claimed past them
     assign: Assigner
-
-    def manifest(self) -> tuple[Store, Manifest]:
-        store = Store(self.corpus)
-        return store, read_manifest(store)
+    copy: str | None = None  # where raw text is prepared for the run (none outside a run)
+    holder: str = "this process"  # who prepares it here, as waiters are told
 
     def open(
-        self, seq_len: int, batch_sequences: int, tokenizer: TokenizerIdentity | None = None
-    ) -> Stream:
+        self, seq_len: int, batch_sequences: int, tokenizer: ByteTokenizer | HfTokenizer, *,
+        default: str = "", text_field: str = "text", heldout_fraction: float = HELDOUT_FRACTION,
+    ) -> Stream:  # fmt: skip
         """This process's stream of ``batch_sequences`` sequences of ``seq_len + 1`` tokens a
-        step; ``tokenizer``: the one the task encodes with, which must be the corpus's."""
-        store, manifest = self.manifest()
-        if tokenizer is not None and not same_tokens(tokenizer, manifest.settings.tokenizer):
+        step, of the run's data or else ``default`` (the task's own); raw text is prepared
+        with ``tokenizer`` (and ``text_field``, ``heldout_fraction``) into the run's copy, and
+        a prepared corpus must have been prepared with it."""
+        store, manifest = self._corpus(tokenizer, default, text_field, heldout_fraction)
+        theirs = manifest.settings.tokenizer
+        if not same_tokens(tokenizer.identity, theirs):
             raise ValueError(
-                f"the corpus at {self.corpus} was prepared with tokenizer "
-                f"{manifest.settings.tokenizer.name!r} (sha256 "
-                f"{manifest.settings.tokenizer.sha256[:12]}...), the task's is "
-                f"{tokenizer.name!r} ({tokenizer.sha256[:12]}...): prepare it again with the "
-                f"task's tokenizer, or give the task that one"
+                f"the corpus at {store.url} was prepared with tokenizer {theirs.name!r} (sha256 "
+                f"{theirs.sha256[:12]}...), the task's is {tokenizer.identity.name!r} "
+                f"({tokenizer.identity.sha256[:12]}...): prepare it again with the task's "
+                f"tokenizer, or give the task that one"
             )
         shape = StreamShape(seq_len, batch_sequences, self.batches_per_round)
         train = TokenReader(store, manifest, "train")
@@ -77,10 +83,34 @@ class DataSource:
             train.tokens, seq_len, manifest.settings.block_tokens, WINDOW_CHUNKS, self.seed
         )
         plan = DataPlan(
-            corpus=self.corpus, manifest_crc32c=crc32c.crc32c(encode_record(manifest)),
+            corpus=store.url, manifest_crc32c=crc32c.crc32c(encode_record(manifest)),
             seq_len=seq_len, unit_sequences=shape.unit_sequences,
             chunk_sequences=order.chunk_sequences, window_chunks=order.window_chunks,
             seed=self.seed,
         )  # fmt: skip
         heldout = TokenReader(store, manifest, "heldout")
         return Stream(train, heldout, order, shape, self.assign(plan), self.rounds)
+
+    def _corpus(
+        self, tokenizer: ByteTokenizer | HfTokenizer, default: str, text_field: str,
+        heldout_fraction: float,
+    ) -> tuple[Store, Manifest]:  # fmt: skip
+        """The prepared corpus to read: the one named, or the run's copy of raw text."""
+        url = self.corpus or default
+        if not url:
+            raise ValueError(
+                "no training data: set run.toml [task] data to a corpus (raw text, or a folder "
+                "`diloco data prepare` wrote)"
+            )
+        if is_prepared(url):
+            store = Store(url)
+            return store, read_manifest(store)
+        if self.copy is None:
+            raise ValueError(
+                f"{url} is raw text, which a run's replicas prepare into its store; outside a "
+                f"run, prepare it with `diloco data prepare {url} FOLDER --tokenizer "
+                f"{tokenizer.identity.name}` and give FOLDER"
+            )
+        settings = settings_for(tokenizer, text_field, heldout_fraction, SHARD_TOKENS, BLOCK_TOKENS)
+        store = Store(self.copy)
+        return store, prepare_once(url, store, tokenizer, settings, self.holder)

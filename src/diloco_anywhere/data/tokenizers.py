@@ -57,13 +57,9 @@ class HfTokenizer:
     """A fast Hugging Face tokenizer, its special tokens not added (documents are joined with
     its end-of-sequence token instead)."""
 
-    def __init__(self, name: str) -> None:
-        from transformers import AutoTokenizer
-
-        try:
-            wrapped = AutoTokenizer.from_pretrained(name)
-        except OSError as exc:  # no such folder or Hub id, or no network to reach it
-            raise ValueError(f"tokenizer {name}: cannot load it ({exc})") from None
+    def __init__(self, name: str, loaded: Any = None) -> None:
+        """``name``'s tokenizer, or ``loaded``, one already loaded from ``name``."""
+        wrapped = loaded if loaded is not None else _load(name)
         if wrapped.eos_token_id is None:
             raise ValueError(
                 f"tokenizer {name}: no end-of-sequence token (documents are ended with it): "
@@ -78,6 +74,15 @@ class HfTokenizer:
             np.asarray(encoding.ids, dtype=np.uint32)
             for encoding in encode(texts, add_special_tokens=False)
         ]
+
+
+def _load(name: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except OSError as exc:  # no such folder or Hub id, or no network to reach it
+        raise ValueError(f"tokenizer {name}: cannot load it ({exc})") from None
 
 
 def hf_identity(name: str, wrapped: Any) -> TokenizerIdentity:

@@ -169,12 +169,13 @@ Batches = Callable[[int], Iterator[tuple[torch.Tensor, torch.Tensor]]]
 def _streamed(
     context: TaskContext, seq_len: int, batch_size: int, eval_batches: int
 ) -> tuple[Batches, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """run.toml's ``[task] data``: a corpus prepared with the ``bytes`` tokenizer, streamed."""
+    """run.toml's ``[task] data``, streamed: a corpus prepared with the ``bytes`` tokenizer, or
+    raw text the run prepares with it (``EVAL_FRACTION`` of its documents held out)."""
     if given := sorted({"corpus", "corpus_bytes"} & set(context.options)):
         raise ValueError(
             f"task options {given} and run.toml [task] data both say what to train on: give one"
         )
-    stream = context.stream(seq_len, batch_size, ByteTokenizer.identity)
+    stream = context.stream(seq_len, batch_size, ByteTokenizer(), heldout_fraction=EVAL_FRACTION)
     device = context.device
 
     def batches(start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

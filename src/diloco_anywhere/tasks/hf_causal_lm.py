@@ -40,7 +40,8 @@ import fsspec
 import torch
 from torch import nn
 
-from diloco_anywhere.data.tokenizers import hf_identity
+from diloco_anywhere.data.defaults import HELDOUT_FRACTION
+from diloco_anywhere.data.tokenizers import HfTokenizer
 from diloco_anywhere.task import (
     Task,
     TaskContext,
@@ -189,17 +190,21 @@ Batches = Callable[[int], Iterator[Batch]]
 def _streamed(
     context: TaskContext, tokenizer: Any, seq_len: int, batch_size: int, accumulation: int
 ) -> tuple[Batches, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """run.toml's ``[task] data``: a corpus prepared with the task's tokenizer, streamed; each
-    inner step's sequences cut into its micro-batches."""
-    if given := sorted(
-        {"data", "eval_data", "text_field", "eval_fraction"} & context.options.keys()
-    ):
+    """run.toml's ``[task] data``, streamed: a corpus prepared with the task's tokenizer, or raw
+    text the run prepares with it (``text_field``; ``eval_fraction`` of the documents held
+    out); each inner step's sequences cut into its micro-batches."""
+    options = context.options
+    if given := sorted({"data", "eval_data"} & options.keys()):
         raise ValueError(
             f"task options {given} and run.toml [task] data both say what to train on: give "
-            f"one (a prepared corpus holds its own held-out split)"
+            f"one (a corpus holds its own held-out split: eval_fraction of its documents)"
         )
-    name = context.options.get("tokenizer", context.options.get("model"))
-    stream = context.stream(seq_len, batch_size * accumulation, hf_identity(name, tokenizer))
+    name = options.get("tokenizer", options.get("model"))
+    stream = context.stream(
+        seq_len, batch_size * accumulation, HfTokenizer(name, tokenizer),
+        text_field=options.get("text_field", "text"),
+        heldout_fraction=float(options.get("eval_fraction", HELDOUT_FRACTION)),
+    )  # fmt: skip
     device = context.device
 
     def batches(start: int) -> Iterator[Batch]:

@@ -10,6 +10,8 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from os import getpid
+from socket import gethostname
 
 import torch
 import torch.distributed as dist
@@ -17,6 +19,7 @@ from torch import nn
 from torchft.local_sgd import DiLoCo
 
 from diloco_anywhere.bucket.feedback import ErrorFeedback
+from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.data.source import DataSource, fixed_units
@@ -220,10 +223,13 @@ def data_source(
         assign = fixed_units(replica_index, config.run.replicas, group.rank, group.world_size)
     else:
         assign = claimed_units(config, group, collective)
+    store = config.store_url().rstrip("/")
     return DataSource(
         corpus=config.resolve(config.task.data), seed=config.run.seed,
         batches_per_round=diloco.sync_every // diloco.fragments,
         rounds=diloco.outer_steps * diloco.fragments, assign=assign,
+        copy=f"{store}/{RunLayout(config.run.name).data_corpus()}",
+        holder=collective.me.name if collective is not None else f"{gethostname()}:{getpid()}",
     )  # fmt: skip
 
 
