@@ -20,7 +20,8 @@ from diloco_anywhere.bucket.layout import RunLayout, contributor
 from diloco_anywhere.bucket.record import decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.records import Seal
-from diloco_anywhere.data.claims import Claims, DataPlan, DataPlanError, agree_on_plan
+from diloco_anywhere.data.claims import Claims, DataPlan, DataPlanError, UnitClaim, agree_on_plan
+from diloco_anywhere.data.coverage import read_coverage
 from diloco_anywhere.data.order import Order, permute
 from diloco_anywhere.data.prepare import PrepareError, prepare, settings_for
 from diloco_anywhere.data.prepare_once import PREPARING, Preparing, prepare_once
@@ -295,7 +296,7 @@ def test_a_round_sealed_by_fewer_than_min_replicas_gives_its_units_back(tmp_path
 def test_a_replica_planning_the_data_otherwise_is_refused_naming_what_differs(tmp_path):
     store = Store(str(tmp_path))
     plan = DataPlan(corpus="s3://b/c", manifest_crc32c=7, seq_len=128, unit_sequences=64,
-                    chunk_sequences=4, window_chunks=16, seed=0)  # fmt: skip
+                    epoch_sequences=6400, chunk_sequences=4, window_chunks=16, seed=0)  # fmt: skip
     agree_on_plan(store, LAYOUT, plan)
     agree_on_plan(store, LAYOUT, plan.model_copy(update={"corpus": "/mnt/c"}))  # same corpus
     with pytest.raises(DataPlanError, match=r"seq_len 128 \(here 256\).*another run.name"):
@@ -334,3 +335,39 @@ def test_a_run_s_replicas_train_each_unit_of_the_order_once(tmp_path, monkeypatc
     states = claims.states()
     assert [state.unit for state in states] == list(range(6))  # 3 rounds x 2 replicas
     assert all(state.trained and state.attempts == 1 for state in states)
+    report = diloco("report", "--config", "run.toml", "--json")
+    assert report.exit_code == 0, report.output
+    [epoch] = json.loads(report.stdout)["data"]["epochs"]
+    assert (epoch["trained_once"], epoch["trained_more"], epoch["lost_tokens"]) == (6 * 20, 0, 0)
+    assert "data: epoch 0" in diloco("status", "--config", "run.toml").output
+
+
+def _claim(store: Store, unit: int, attempt: int, who: str, round_: int) -> None:
+    claim = UnitClaim(unit=unit, attempt=attempt, contributor=who, round=round_, rank=0)
+    store.put(LAYOUT.data_claim(unit, attempt), encode_record(claim))
+
+
+def test_coverage_counts_each_epoch_s_sequences_by_what_came_of_their_claims(tmp_path):
+    """Units of 30 sequences, epochs of 100: unit 3 straddles epochs 0 and 1."""
+    store = Store(str(tmp_path))
+    plan = DataPlan(corpus="c", manifest_crc32c=0, seq_len=8, unit_sequences=30,
+                    epoch_sequences=100, chunk_sequences=1, window_chunks=1, seed=0)  # fmt: skip
+    agree_on_plan(store, LAYOUT, plan)
+    a, b = contributor("a", 0), contributor("b", 0)
+    _claim(store, 0, 0, a, 0)
+    _claim(store, 1, 0, b, 0)  # b left out of round 0: given back
+    _claim(store, 1, 1, a, 1)
+    _claim(store, 3, 0, a, 2)
+    _claim(store, 2, 0, b, 3)  # round 3 not sealed yet
+    for round_ in range(3):
+        _seal(store, round_, a)
+    first, second = read_coverage(store, LAYOUT, 1).epochs
+    assert (first.trained_once, first.in_flight, first.not_trained) == (70, 30, 0)
+    assert first.lost_tokens == 30 * 8
+    assert (second.trained_once, second.not_trained, second.lost_tokens) == (20, 80, 0)
+    _claim(store, 0, 1, b, 4)  # what the claims prevent, written by hand: counted, not hidden
+    _seal(store, 4, b)
+    coverage = read_coverage(store, LAYOUT, 1)
+    assert (coverage.epochs[0].trained_more, coverage.epochs[0].trained_once) == (30, 40)
+    assert "30 sequences trained twice" in coverage.summary()
+    assert read_coverage(Store(str(tmp_path / "none")), LAYOUT, 1) is None

@@ -32,7 +32,12 @@ from diloco_anywhere.cli.common import (
     stdout,
     user_errors,
 )
-from diloco_anywhere.cli.tables import markdown_table, status_table, summary_table
+from diloco_anywhere.cli.tables import (
+    coverage_table,
+    markdown_table,
+    status_table,
+    summary_table,
+)
 from diloco_anywhere.config import RunConfig, load_config, validate_config
 from diloco_anywhere.contract import ENV_STORE
 from diloco_anywhere.launching.forecast import forecast
@@ -53,7 +58,7 @@ from diloco_anywhere.launching.launch import (
     run_skews,
     start,
 )
-from diloco_anywhere.launching.report import RunSummary, plot_losses, summarize
+from diloco_anywhere.launching.report import RunSummary, data_coverage, plot_losses, summarize
 from diloco_anywhere.launching.status import replica_statuses
 from diloco_anywhere.launching.status_page import page_url
 from diloco_anywhere.launching.supervisor import Supervisor
@@ -318,6 +323,8 @@ def status(
         stdout.print(f"run {config.run.name}: no replicas launched or reporting yet")
     else:
         stdout.print(status_table(rows, f"run {config.run.name}"))
+    if not markdown and (coverage := data_coverage(config)) is not None:
+        print(coverage.summary())
     if launch.end is not None:
         print(f"\nlaunch ended ({launch.end.reason}): {launch.end.detail}")
 
@@ -378,6 +385,8 @@ def _print_report(config: RunConfig, output: Path) -> RunSummary:
     summary = summarize(metrics)
     plot_losses(metrics, output, f"run {config.run.name}")
     stdout.print(summary_table(summary))
+    if (coverage := data_coverage(config)) is not None:
+        stdout.print(coverage_table(coverage))
     stdout.print(f"loss plot: {output}")
     return summary
 
@@ -450,7 +459,9 @@ def report(
         if json_output:
             metrics = run_metrics(config).read()
             plot_losses(metrics, path, f"run {config.run.name}")
-            print_json({**summarize(metrics).as_dict(), "plot": str(path)})
+            coverage = data_coverage(config)
+            data = None if coverage is None else coverage.as_dict()
+            print_json({**summarize(metrics).as_dict(), "plot": str(path), "data": data})
         else:
             _print_report(config, path)
         if tensorboard is not None or wandb is not None:

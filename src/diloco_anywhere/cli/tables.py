@@ -11,6 +11,7 @@ from rich import box
 from rich.table import Table
 
 from diloco_anywhere.collective.membership import SKEW_SHOWN
+from diloco_anywhere.data.coverage import Coverage
 from diloco_anywhere.launching.report import RunSummary
 from diloco_anywhere.launching.status import ReplicaStatus
 
@@ -90,6 +91,21 @@ def summary_table(summary: RunSummary) -> Table:
         ("sync time exposed per replica", f"{summary.sync_exposed_seconds:.2f} s"),
     ):  # fmt: skip
         table.add_row(name, value)
+    return table
+
+
+def coverage_table(coverage: Coverage) -> Table:
+    """Per epoch of the run's data: its sequences trained once, more than once (never, unless
+    something is wrong), in flight and not (yet) trained, and the tokens trained in vain."""
+    table = Table(title=f"Data (sequences of {coverage.seq_len} tokens)")
+    for name in ("epoch", "sequences", "trained once", "more than once", "in flight",
+                 "not trained", "tokens lost"):  # fmt: skip
+        table.add_column(name, justify="right")
+    for epoch in coverage.epochs:
+        table.add_row(*(f"{value:,}" for value in (
+            epoch.epoch, epoch.sequences, epoch.trained_once, epoch.trained_more,
+            epoch.in_flight, epoch.not_trained, epoch.lost_tokens,
+        )))  # fmt: skip
     return table
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import Field
 
@@ -43,6 +44,7 @@ class DataPlan(Record):
     manifest_crc32c: int = Field(ge=0, lt=2**32)  # which corpus it is, wherever it is read
     seq_len: Count
     unit_sequences: Count
+    epoch_sequences: Count = Field(ge=1)
     chunk_sequences: Count
     window_chunks: Count
     seed: int
@@ -78,6 +80,10 @@ def agree_on_plan(store: Store, layout: RunLayout, plan: DataPlan) -> None:
             f"trained twice or never; go back to those settings, or start a new run "
             f"(another run.name)"
         )
+
+
+Outcome = Literal["trained", "given back", "taken"]
+TRAINED, GIVEN_BACK, TAKEN = "trained", "given back", "taken"
 
 
 @dataclass(frozen=True)
@@ -144,25 +150,42 @@ class Claims:
             unit += 1
 
     def states(self) -> list[ClaimState]:
-        """Every claimed unit's state, by unit."""
+        """Every claimed unit's state, by unit: from its newest claim alone (every earlier
+        one was given back)."""
         newest: dict[int, tuple[int, str]] = {}
-        for key in self.store.list_prefix(self.layout.data_claims()):
-            parsed = self.layout.parse_data_claim(key)
-            if parsed is not None and parsed[1] >= newest.get(parsed[0], (-1, ""))[0]:
-                newest[parsed[0]] = (parsed[1], key)
-        self._read_claims([key for _, key in newest.values()])
-        self._read_seals({self._claims[key].round for _, key in newest.values()})
-        return [self._state(unit, attempt, key) for unit, (attempt, key) in sorted(newest.items())]
+        for key, (unit, attempt) in self._listed():
+            if attempt >= newest.get(unit, (-1, ""))[0]:
+                newest[unit] = (attempt, key)
+        claims = self._read([key for _, key in newest.values()])
+        states = []
+        for unit, (attempt, key) in sorted(newest.items()):
+            outcome = self.outcome(claims[key])
+            states.append(ClaimState(unit, attempt + 1, outcome == TRAINED, outcome == TAKEN))
+        return states
 
-    def _state(self, unit: int, attempt: int, key: str) -> ClaimState:
-        claim = self._claims[key]
+    def every_claim(self) -> list[tuple[UnitClaim, Outcome]]:
+        """Every claim written in the run, each with what came of it (``coverage.py``)."""
+        claims = self._read([key for key, _ in self._listed()])
+        return [(claim, self.outcome(claim)) for claim in claims.values()]
+
+    def outcome(self, claim: UnitClaim) -> Outcome:
+        """What the claim's round made of it: trained, given back, or taken (not sealed)."""
         seal = self._seals.get(claim.round)
-        trained = (
-            seal is not None
-            and claim.contributor in seal.contributors
-            and len(seal.contributors) >= self.min_replicas
-        )
-        return ClaimState(unit, attempt + 1, trained=trained, taken=seal is None)
+        if seal is None:
+            return TAKEN
+        held = claim.contributor in seal.contributors
+        return TRAINED if held and len(seal.contributors) >= self.min_replicas else GIVEN_BACK
+
+    def _listed(self) -> list[tuple[str, tuple[int, int]]]:
+        keys = self.store.list_prefix(self.layout.data_claims())
+        parsed = ((key, self.layout.parse_data_claim(key)) for key in keys)
+        return [(key, numbers) for key, numbers in parsed if numbers is not None]
+
+    def _read(self, keys: list[str]) -> dict[str, UnitClaim]:
+        """The claims at ``keys``, and the SEALs of their rounds, read once each."""
+        self._read_claims(keys)
+        self._read_seals({self._claims[key].round for key in keys})
+        return {key: self._claims[key] for key in keys}
 
     def _read_claims(self, keys: list[str]) -> None:
         unread = [key for key in keys if key not in self._claims]

@@ -85,8 +85,8 @@ class DataSource:
         plan = DataPlan(
             corpus=store.url, manifest_crc32c=crc32c.crc32c(encode_record(manifest)),
             seq_len=seq_len, unit_sequences=shape.unit_sequences,
-            chunk_sequences=order.chunk_sequences, window_chunks=order.window_chunks,
-            seed=self.seed,
+            epoch_sequences=order.epoch_sequences, chunk_sequences=order.chunk_sequences,
+            window_chunks=order.window_chunks, seed=self.seed,
         )  # fmt: skip
         heldout = TokenReader(store, manifest, "heldout")
         return Stream(train, heldout, order, shape, self.assign(plan), self.rounds)

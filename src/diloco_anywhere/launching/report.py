@@ -1,4 +1,5 @@
-"""``diloco report``: a run's loss curves as a PNG, and what its syncs cost.
+"""``diloco report``: a run's loss curves as a PNG, what its syncs cost, and how much of each
+epoch of its data it trained (``data/coverage.py``).
 
 Communication is set against synchronous data parallel on the same replicas and steps: a ring
 all-reduce of fp32 gradients after every inner step sends ``2 (N - 1) / N x 4 x parameters``
@@ -12,6 +13,10 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.config import RunConfig
+from diloco_anywhere.data.coverage import Coverage, read_coverage
 from diloco_anywhere.training.metrics import ReplicaMetrics
 
 
@@ -68,6 +73,12 @@ def summarize(metrics: dict[str, ReplicaMetrics]) -> RunSummary:
         data_parallel_bytes_per_replica=round(2 * (n - 1) / n * 4 * parameters * steps) if n else 0,
         sync_exposed_seconds=mean([_over_incarnations(m, "sync_exposed_seconds") for m in synced]),
     )
+
+
+def data_coverage(config: RunConfig) -> Coverage | None:
+    """Each epoch's coverage of a run that streams a prepared corpus (``[task] data``)."""
+    with Store(config.store_url()) as store:
+        return read_coverage(store, RunLayout(config.run.name), config.run.min_replicas)
 
 
 def plot_losses(metrics: dict[str, ReplicaMetrics], path: Path, title: str) -> Path:
