@@ -342,6 +342,28 @@ def test_a_run_s_replicas_train_each_unit_of_the_order_once(tmp_path, monkeypatc
     assert "data: epoch 0" in diloco("status", "--config", "run.toml").output
 
 
+@pytest.mark.integration
+def test_a_run_relaunched_with_fewer_replicas_goes_on_where_the_data_was(tmp_path, monkeypatch):
+    """Four replicas train 3 rounds; the run is launched again with three for 3 more: the
+    second launch's units follow the first's, every one trained once. Each launch's rounds
+    wait for all its replicas (min_replicas), so that none is left out on a slow machine."""
+    monkeypatch.chdir(tmp_path)
+    data = _raw(tmp_path)
+    for replicas, outer_steps in ((4, 3), (3, 6)):
+        text = RUN_TOML.format(replicas=replicas, outer_steps=outer_steps)
+        text = text.replace("corpus_bytes = 300000\n", "")
+        text = text.replace("min_replicas = 2", f"min_replicas = {replicas}")
+        (tmp_path / "run.toml").write_text(text.replace("[task]\n", f'[task]\ndata = "{data}"\n'))
+        result = diloco("launch", "--config", "run.toml")
+        assert result.exit_code == 0, result.output
+    store = Store(str(tmp_path / "store"))
+    claims = Claims(store, RunLayout("t"), contributor("judge", 0), 3).every_claim()
+    assert sorted(claim.unit for claim, _ in claims) == list(range(4 * 3 + 3 * 3))
+    assert {outcome for _, outcome in claims} == {"trained"}
+    rounds = {claim.round for claim, _ in claims if claim.unit >= 12}
+    assert rounds == {3, 4, 5}
+
+
 def _claim(store: Store, unit: int, attempt: int, who: str, round_: int) -> None:
     claim = UnitClaim(unit=unit, attempt=attempt, contributor=who, round=round_, rank=0)
     store.put(LAYOUT.data_claim(unit, attempt), encode_record(claim))
