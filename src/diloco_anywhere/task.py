@@ -4,13 +4,15 @@ A task is the user's code; everything around it (DiLoCo, the bucket, metrics) is
 names the function (``[task] entrypoint``); the replica imports it and calls it with a
 ``TaskContext``. The built-in task is ``diloco_anywhere.tasks.gpt:build``.
 
-Data must be sharded by ``context.replica_index`` so replicas see different data (DiLoCo's
-workers each train on their own shard, arXiv 2311.08105 section 2), and must be deterministic
-for a given ``context.seed``, so a run can be reproduced; a replica of several processes
-(``context.ranks``) draws different batches on each ``context.rank``. ``batches(start)`` begins at
-batch ``start``: a replica that restarts or heals resumes its data where its round is (every
-replica trains ``sync_every / fragments`` batches per round), without replaying the batches
-before.
+Replicas must train on different data (DiLoCo's workers each train on their own shard, arXiv
+2311.08105 section 2), deterministic for a given ``context.seed``, so a run can be
+reproduced; ``batches(start)`` begins at batch ``start``: a replica that restarts or heals
+resumes its data where its round is (every replica trains ``sync_every / fragments`` batches
+per round), without replaying the batches before. ``context.stream(...)`` gives all of that
+for token data (``data/``: a corpus prepared once, shared out through the bucket so that
+every sequence is trained once an epoch whatever the replicas do); a task that draws its own
+data shards it by ``context.replica_index`` and, in a replica of several processes, by
+``context.rank``.
 The model's initial weights must be the same on every replica (seed them from ``context.seed``):
 a replica joining a run with no checkpoint yet replays the rounds from its own initial weights.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +49,13 @@ class TaskContext:
     ranks: int = 1
     # The run's inner steps (outer_steps x sync_every): what a learning-rate schedule spans.
     total_steps: int = 0
-    # run.toml's ``[task] data``, a prepared corpus (``diloco data prepare``), if it gives one
+    # The run's data and where its raw text is prepared (``training.builders.task_context``);
+    # none for a task built only for its model (``diloco export``)
     data: DataSource | None = None
 
     def stream(
-        self, seq_len: int, batch_sequences: int, tokenizer: ByteTokenizer | HfTokenizer,
-        **raw: Any,
+        self, seq_len: int, batch_sequences: int,
+        tokenizer: ByteTokenizer | HfTokenizer | None = None, **raw: Any,
     ) -> Stream:  # fmt: skip
         """This process's share of the run's data (``data/stream.py``): ``stream.batches``
         is a ``Task``'s ``batches``, each a ``[batch_sequences, seq_len + 1]`` tensor of
@@ -88,14 +92,6 @@ class Task:
 # -- building blocks for token tasks ---------------------------------------------------------
 
 
-def windows(
-    tokens: torch.Tensor, offsets: torch.Tensor, seq_len: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) at ``offsets``: targets are the inputs shifted on by one token."""
-    rows = tokens[offsets[:, None] + torch.arange(seq_len + 1)].to(device).long()
-    return rows[:, :-1], rows[:, 1:]
-
-
 def inputs_and_targets(
     rows: torch.Tensor, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,25 +100,21 @@ def inputs_and_targets(
     return rows[:, :-1], rows[:, 1:]
 
 
-def batch_generator(context: TaskContext, index: int) -> torch.Generator:
-    """The generator batch ``index`` draws from, seeded by (seed, replica, rank, index): any
-    batch can be the first, at no cost, and replays the same after a heal or restart."""
-    seed = hash((context.seed, context.replica_index, context.rank, index)) & (2**63 - 1)
-    return torch.Generator().manual_seed(seed)
-
-
 def held_out_loss(
-    loss: Callable[[nn.Module, Batch], torch.Tensor], eval_set: list[Batch]
+    loss: Callable[[nn.Module, Batch], torch.Tensor], eval_set: Callable[[], list[Batch]]
 ) -> Callable[[nn.Module], float]:
-    """``evaluate``: the mean loss over ``eval_set`` in eval mode, without gradients."""
+    """``evaluate``: the mean loss over ``eval_set()`` (made at the first evaluation, then kept)
+    in eval mode, without gradients."""
+    batches = cache(eval_set)
 
     def evaluate(model: nn.Module) -> float:
         was_training = model.training
         model.eval()
         with torch.no_grad():
-            total = sum(float(loss(model, batch)) for batch in eval_set)
+            chosen = batches()
+            total = sum(float(loss(model, batch)) for batch in chosen)
         model.train(was_training)
-        return total / len(eval_set)
+        return total / len(chosen)
 
     return evaluate
 

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 
 from diloco_anywhere.cli import app
 from diloco_anywhere.config import load_config, validate_config
-from diloco_anywhere.task import TaskContext, build_task
+from diloco_anywhere.task import build_task
+from diloco_anywhere.training.builders import SINGLE_PROCESS, task_context
 
 PROJECT = Path(__file__).resolve().parents[1]
 PLATFORMS = sorted(load_config(PROJECT / "run.toml").backends) or ["local"]
@@ -25,12 +26,13 @@ def test_run_toml_loads() -> None:
     assert config.run.replicas >= 1
 
 
-def test_the_task_builds_and_its_loss_falls() -> None:
-    config = load_config(PROJECT / "run.toml")
-    options = {**config.task.options, "preset": "tiny", "batch_size": 4, "corpus_bytes": 200_000}
-    task = build_task(
-        config.task.entrypoint, TaskContext(0, 2, config.run.seed, torch.device("cpu"), options)
-    )
+def test_the_task_builds_and_its_loss_falls(tmp_path) -> None:
+    """The task as one replica builds it, its data prepared into a store of its own."""
+    data = load_config(PROJECT / "run.toml").model_dump()
+    data["run"]["store"] = str(tmp_path / "store")
+    data["task"]["options"].update(preset="tiny", batch_size=4, corpus_bytes=200_000)
+    config = validate_config(data, "task check")
+    task = build_task(config.task.entrypoint, task_context(config, 0, SINGLE_PROCESS))
     optimizer = torch.optim.AdamW(task.model.parameters(), lr=3e-3)
     batches, losses = task.batches(0), []
     for _ in range(30):

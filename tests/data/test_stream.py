@@ -137,8 +137,8 @@ def test_a_folder_without_a_manifest_says_how_to_prepare_one(tmp_path):
         read_manifest(Store(str(tmp_path / "nothing")))
 
 
-def _source(corpus: str, replica: int, replicas: int, rounds: int | None = None) -> DataSource:
-    return DataSource(corpus, seed=3, batches_per_round=4, rounds=rounds,
+def _source(corpus: str, replica: int, replicas: int) -> DataSource:
+    return DataSource(corpus, seed=3, batches_per_round=4,
                       assign=fixed_units(replica, replicas, 0, 1))  # fmt: skip
 
 
@@ -168,8 +168,18 @@ def test_a_stream_resumed_mid_round_gives_the_same_batches(corpus):
     assert all(torch.equal(a, b) for a, b in zip(from_start[6:], resumed, strict=True))
 
 
-def test_a_stream_ends_with_the_run_s_rounds(corpus):
-    assert len(list(_source(corpus, 0, 2, rounds=3).open(16, 2, BYTES).batches(5))) == 3 * 4 - 5
+def test_a_round_s_unit_is_asked_for_only_when_a_batch_of_it_is(corpus):
+    """Reading ahead stays within the round: a run that ends after round 1 claims no round 2."""
+    asked: list[int] = []
+
+    def unit_of_round(round_: int) -> int:
+        asked.append(round_)
+        return round_
+
+    source = DataSource(corpus, seed=3, batches_per_round=4, assign=lambda _: unit_of_round)
+    batches = source.open(16, 2, BYTES).batches(2)
+    _take(batches, 2 + 4)  # the rest of round 0, then round 1
+    assert asked == [0, 1]
 
 
 def test_the_held_out_batches_are_the_same_everywhere_and_from_the_held_out_split(corpus):
@@ -200,7 +210,7 @@ def _raw(tmp_path) -> str:
 
 
 def _raw_source(raw: str, copy: Path, holder: str = "me-0") -> DataSource:
-    return DataSource(raw, seed=0, batches_per_round=2, rounds=None,
+    return DataSource(raw, seed=0, batches_per_round=2,
                       assign=fixed_units(0, 1, 0, 1), copy=str(copy), holder=holder)  # fmt: skip
 
 
@@ -217,7 +227,7 @@ def test_raw_text_is_prepared_into_the_run_s_copy_once_and_checked_after(tmp_pat
     with pytest.raises(PrepareError, match="a corpus never changes under a run"):
         _raw_source(raw, copy).open(16, 2, BYTES, heldout_fraction=0.1)
     with pytest.raises(ValueError, match=r"diloco data prepare .* --tokenizer bytes"):
-        DataSource(raw, 0, 2, None, fixed_units(0, 1, 0, 1)).open(16, 2, BYTES)
+        DataSource(raw, 0, 2, fixed_units(0, 1, 0, 1)).open(16, 2, BYTES)
 
 
 def test_a_replica_waits_for_the_one_preparing_then_reads_its_copy(tmp_path):
@@ -291,6 +301,19 @@ def test_a_round_sealed_by_fewer_than_min_replicas_gives_its_units_back(tmp_path
     assert Claims(store, LAYOUT, a, 2).units(0, 1) == [0]
     _seal(store, 0, a)
     assert Claims(store, LAYOUT, contributor("b", 0), 2).units(1, 1) == [0]
+
+
+def test_a_round_whose_seal_no_replica_can_read_gives_its_units_back(tmp_path):
+    """Such a round fails on every replica alike (``collective/round.py``): nothing of it
+    was applied."""
+    store = Store(str(tmp_path))
+    a = contributor("a", 0)
+    assert Claims(store, LAYOUT, a, 1).units(0, 1) == [0]
+    seal = bytearray(encode_record(Seal(run="run", round=0, fragment=0, contributors=(a,),
+                                        mode="gather", sealed_by=a)))  # fmt: skip
+    seal[-2] ^= 1  # its checksum fails
+    store.put(LAYOUT.seal(0, 0), bytes(seal))
+    assert Claims(store, LAYOUT, contributor("b", 0), 1).units(1, 1) == [0]
 
 
 def test_a_replica_planning_the_data_otherwise_is_refused_naming_what_differs(tmp_path):

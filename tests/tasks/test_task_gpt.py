@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,23 @@ from diloco_anywhere.data.tokenizers import ByteTokenizer
 from diloco_anywhere.task import Task, TaskContext
 from diloco_anywhere.tasks.gpt import build
 
+COPIES = Path()  # where ``make`` prepares each corpus, once for the module
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _copies(tmp_path_factory) -> None:
+    """One folder per corpus for the whole module, as a run's store holds its copy."""
+    global COPIES
+    COPIES = tmp_path_factory.mktemp("copies")
+
 
 def make(replica: int = 0, replicas: int = 2, seed: int = 0, **options: Any) -> Task:
-    return build(TaskContext(replica, replicas, seed, torch.device("cpu"), options))
+    """The task as replica ``replica`` of ``replicas`` builds it, its data a fixed share."""
+    corpus = str(options.get("corpus", "stdlib"))
+    copy = COPIES / hashlib.sha256(corpus.encode()).hexdigest()[:12]
+    source = DataSource("", seed=seed, batches_per_round=4,
+                        assign=fixed_units(replica, replicas, 0, 1), copy=str(copy))  # fmt: skip
+    return build(TaskContext(replica, replicas, seed, torch.device("cpu"), options, data=source))
 
 
 def first_batches(task: Task, count: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -53,23 +68,20 @@ def test_batches_differ_by_replica_and_repeat_by_seed() -> None:
     assert replica0.tokens_per_batch == 16 * 64
 
 
-def test_targets_are_the_next_bytes(tmp_path: Path) -> None:
-    corpus = tmp_path / "ramp.txt"
-    corpus.write_bytes(bytes(range(256)) * 64)  # each byte's successor is known
-    task = make(corpus=str(corpus), seq_len=32, batch_size=8)
-    for inputs, targets in first_batches(task):
-        assert torch.equal(targets, (inputs + 1) % 256)
+def _lines(path: Path, count: int = 300) -> Path:
+    path.write_text("".join(f'{{"text": "line {i}: the quick brown fox"}}\n' for i in range(count)))
+    return path
+
+
+def test_rows_are_the_corpus_s_bytes_and_targets_the_next_ones(tmp_path: Path) -> None:
+    corpus = _lines(tmp_path / "lines.jsonl")
+    text = b"\n".join(f"line {i}: the quick brown fox".encode() for i in range(300))
+    for inputs, targets in first_batches(make(corpus=str(corpus), seq_len=16, batch_size=8)):
+        assert torch.equal(inputs[:, 1:], targets[:, :-1])
+        for row in torch.cat([inputs, targets[:, -1:]], dim=1):
+            assert bytes(row.tolist()) in text + b"\n"
     inputs, targets = next(make().batches(0))  # and on the stdlib corpus
     assert torch.equal(inputs[:, 1:], targets[:, :-1])
-
-
-def test_shards_are_contiguous_slices_before_the_eval_split(tmp_path: Path) -> None:
-    corpus = tmp_path / "regions.txt"
-    corpus.write_bytes(b"a" * 950 + b"b" * 950 + b"c" * 100)  # 95% train in 2 shards, 5% eval
-    for replica, byte in enumerate(b"ab"):
-        for inputs, targets in first_batches(make(replica, corpus=str(corpus), seq_len=16)):
-            assert bool((inputs == byte).all())
-            assert bool((targets == byte).all())
 
 
 def test_untrained_eval_is_shared_and_near_uniform() -> None:
@@ -108,9 +120,8 @@ def test_batches_start_anywhere() -> None:
 
 
 def test_custom_corpus_file(tmp_path: Path) -> None:
-    corpus = tmp_path / "text.txt"
-    corpus.write_bytes(b"the quick brown fox jumps over the lazy dog\n" * 500)
-    task = make(corpus=str(corpus), seq_len=32, batch_size=4, eval_batches=2)
+    task = make(corpus=str(_lines(tmp_path / "text.jsonl")), seq_len=32, batch_size=4,
+                eval_batches=2)  # fmt: skip
     inputs, _ = next(task.batches(0))
     assert inputs.shape == (4, 32)
     assert math.isfinite(task.evaluate(task.model))
@@ -118,16 +129,14 @@ def test_custom_corpus_file(tmp_path: Path) -> None:
 
 def test_missing_corpus_names_the_path(tmp_path: Path) -> None:
     missing = tmp_path / "nowhere.txt"
-    with pytest.raises(ValueError, match=r"nowhere\.txt.*'stdlib'.*fsspec URL"):
-        make(corpus=str(missing))
+    with pytest.raises(ValueError, match=r"nowhere\.txt: no file there"):
+        next(make(corpus=str(missing)).batches(0))
 
 
-def test_corpus_too_small_for_the_replicas(tmp_path: Path) -> None:
-    corpus = tmp_path / "small.txt"
-    corpus.write_bytes(b"x" * 3000)
-    make(replicas=2, corpus=str(corpus))  # fine for two
-    with pytest.raises(ValueError, match="too small for 64 replicas"):
-        make(replicas=64, corpus=str(corpus))
+def test_a_corpus_too_small_for_a_sequence_says_so(tmp_path: Path) -> None:
+    corpus = _lines(tmp_path / "small.jsonl", count=3)
+    with pytest.raises(ValueError, match="no sequence of seq_len 64"):
+        next(make(corpus=str(corpus)).batches(0))
 
 
 def test_a_corpus_prepared_with_another_tokenizer_or_given_twice_is_refused(tmp_path) -> None:
@@ -141,10 +150,11 @@ def test_a_corpus_prepared_with_another_tokenizer_or_given_twice_is_refused(tmp_
     with Store(str(tmp_path / "corpus")) as store:
         store.put(SETTINGS, encode_record(tampered))
         store.put(MANIFEST, encode_record(Manifest(settings=tampered, sources=())))
-    source = DataSource(str(tmp_path / "corpus"), seed=0, batches_per_round=2, rounds=None,
+    source = DataSource(str(tmp_path / "corpus"), seed=0, batches_per_round=2,
                         assign=fixed_units(0, 1, 0, 1))  # fmt: skip
     context = TaskContext(0, 1, 0, torch.device("cpu"), {}, data=source)
     with pytest.raises(ValueError, match="prepared with tokenizer 'gpt2'"):
-        build(context)
+        next(build(context).batches(0))
+    both = build(TaskContext(0, 1, 0, torch.device("cpu"), {"corpus": "stdlib"}, data=source))
     with pytest.raises(ValueError, match=r"\['corpus'\] and run.toml \[task\] data"):
-        build(TaskContext(0, 1, 0, torch.device("cpu"), {"corpus": "stdlib"}, data=source))
+        next(both.batches(0))

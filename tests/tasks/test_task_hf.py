@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from diloco_anywhere.data.prepare import prepare, settings_for
 from diloco_anywhere.data.source import DataSource, fixed_units
 from diloco_anywhere.data.tokenizers import HfTokenizer
 from diloco_anywhere.task import TaskContext
-from diloco_anywhere.tasks.hf_causal_lm import build, inner_lr_schedule, read_documents
+from diloco_anywhere.tasks.hf_causal_lm import build, inner_lr_schedule
 from support.hf import TINY_LLAMA
 from support.runs import diloco, statuses
 
@@ -29,7 +30,13 @@ def _options(corpus) -> dict:
 
 
 def _context(corpus, replica_index: int = 0) -> TaskContext:
-    return TaskContext(replica_index, 2, 7, torch.device("cpu"), _options(corpus), total_steps=30)
+    """Replica ``replica_index`` of 2, its data a fixed share of the corpus, prepared once for
+    the module next to it."""
+    source = DataSource("", seed=7, batches_per_round=5,
+                        assign=fixed_units(replica_index, 2, 0, 1),
+                        copy=str(corpus[0].parent / "copy"))  # fmt: skip
+    return TaskContext(replica_index, 2, 7, torch.device("cpu"), _options(corpus), total_steps=30,
+                       data=source)  # fmt: skip
 
 
 def test_replicas_build_the_same_model_and_resume_their_own_data_at_any_batch(hf_corpus):
@@ -59,7 +66,7 @@ def test_a_prepared_corpus_streams_micro_batches_of_the_task_s_tokens(hf_corpus,
                             shard_tokens=2000, block_tokens=128)  # fmt: skip
     with Store(str(tmp_path / "corpus")) as store:
         prepare(str(hf_corpus[1]), store, tokenizer, settings)
-    source = DataSource(str(tmp_path / "corpus"), seed=7, batches_per_round=5, rounds=None,
+    source = DataSource(str(tmp_path / "corpus"), seed=7, batches_per_round=5,
                         assign=fixed_units(0, 2, 0, 1))  # fmt: skip
     options = {k: v for k, v in _options(hf_corpus).items() if k != "data"}
     context = TaskContext(0, 2, 7, torch.device("cpu"), options, total_steps=30, data=source)
@@ -69,8 +76,12 @@ def test_a_prepared_corpus_streams_micro_batches_of_the_task_s_tokens(hf_corpus,
     assert torch.equal(batch[0][0][:, 1:], batch[0][1][:, :-1])  # targets: inputs shifted
     assert int(max(inputs.max() for inputs, _ in batch)) < tokenizer.identity.vocab
     assert math.isfinite(task.evaluate(task.model))
-    with pytest.raises(ValueError, match=r"\['data'\] and run.toml \[task\] data"):
-        build(TaskContext(0, 2, 7, torch.device("cpu"), _options(hf_corpus), data=source))
+    both = build(TaskContext(0, 2, 7, torch.device("cpu"), _options(hf_corpus), data=source))
+    with pytest.raises(ValueError, match=r"task option data and run.toml \[task\] data"):
+        next(both.batches(0))
+    gone = build(replace(context, options={**options, "eval_data": "x.jsonl"}))
+    with pytest.raises(ValueError, match="eval_data is gone: a corpus holds its own held-out"):
+        next(gone.batches(0))
 
 
 def test_the_inner_learning_rate_warms_up_then_follows_a_cosine_over_the_run():
@@ -153,20 +164,3 @@ def test_two_replicas_train_it_and_export_a_save_pretrained_folder(
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model" / "saved")
     inputs = tokenizer("the cat sat on the mat", return_tensors="pt")
     assert model(**inputs).logits.shape[-1] == 120
-
-
-def test_text_comes_from_parquet_jsonl_and_txt_files_by_path_or_glob(tmp_path):
-    import pyarrow
-    import pyarrow.parquet
-
-    table = pyarrow.table({"body": ["first document", "second document"]})
-    pyarrow.parquet.write_table(table, tmp_path / "a.parquet")
-    (tmp_path / "b.jsonl").write_text('{"body": "third"}\n\n{"body": "fourth"}\n')
-    (tmp_path / "c.txt").write_text("a whole file is one document")
-    assert read_documents(str(tmp_path / "*"), "body") == [
-        "first document", "second document", "third", "fourth", "a whole file is one document",
-    ]  # fmt: skip
-    with pytest.raises(ValueError, match="a line without a string 'text' field"):
-        read_documents(str(tmp_path / "b.jsonl"), "text")
-    with pytest.raises(ValueError, match="no file there"):
-        read_documents(str(tmp_path / "missing-*.jsonl"), "text")

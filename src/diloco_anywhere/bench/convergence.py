@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from diloco_anywhere.config import RunConfig, describe_codec, parse_codec, with_
 from diloco_anywhere.launching.report import summarize
 from diloco_anywhere.launching.traffic import fragment_sizes
 from diloco_anywhere.task import Task, TaskContext, build_task
+from diloco_anywhere.training.builders import SINGLE_PROCESS, task_context
 from diloco_anywhere.training.loop import backward_batch, before_inner_step
 from diloco_anywhere.training.warm_start import warm_start
 
@@ -114,13 +115,12 @@ def codec_outer_step(spec: str) -> tuple[str, dict[str, float]]:
 
 
 def _context(config: RunConfig, rank: int, world: int, steps: int) -> TaskContext:
-    """What a benchmark's own training loop builds the task with: ``steps`` is the run's
-    length, over which a task's learning-rate schedule runs (the HF task's cosine), exactly as
-    a replica's task is told its run's inner steps."""
-    return TaskContext(
-        rank, world, config.run.seed, torch.device("cpu"), config.task.options,
-        total_steps=steps,
-    )  # fmt: skip
+    """What a benchmark's own training loop builds the task with: the share of the run's data
+    of replica ``rank`` of ``world`` (fixed: no bucket to claim in), prepared into the run's
+    store; ``steps`` is the run's length, over which a task's learning-rate schedule runs (the
+    HF task's cosine), exactly as a replica's task is told its run's inner steps."""
+    sized = with_changes(config, run__replicas=world, run__min_replicas=1)
+    return replace(task_context(sized, rank, SINGLE_PROCESS), total_steps=steps)
 
 
 def _train_alone(config: RunConfig, steps: int, path: str, results: Any) -> None:
@@ -188,7 +188,9 @@ def _baseline_rank(
 
 
 def run_baseline(config: RunConfig, steps: int, every: int, folder: Path) -> dict[str, Any]:
-    """Data parallel over ``config.run.replicas`` processes at ``steps`` steps each."""
+    """Data parallel over ``config.run.replicas`` processes at ``steps`` steps each, on the
+    data a DiLoCo run of as many replicas trains (prepared into a store in ``folder``)."""
+    config = with_changes(config, run__store=str(folder / "baseline-store"))
     world, context = config.run.replicas, worker_context()
     results, init = context.Queue(), str(folder / f"ddp-init-{world}-{config.run.seed}")
     processes = [
@@ -212,6 +214,7 @@ def _warm_start(
     if not study.warm_start:
         return None
     progress(f"warm start: one model, {study.warm_start} steps")
+    config = with_changes(config, run__store=str(folder / "warm-start-store"))
     context, path = worker_context(), str(folder / "warm-start.safetensors")
     results = context.Queue()
     process = context.Process(target=_train_alone, args=(config, study.warm_start, path, results))

@@ -24,17 +24,20 @@ written, so each replica reads each of them once (``Claims`` keeps what it read)
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import Field
 
-from diloco_anywhere.bucket.framing import Count
+from diloco_anywhere.bucket.framing import Count, WireFormatError
 from diloco_anywhere.bucket.layout import RunLayout, parse_contributor
 from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.records import Seal
+
+log = logging.getLogger(__name__)
 
 
 class DataPlan(Record):
@@ -110,7 +113,9 @@ class Claims:
         self.store, self.layout, self.contributor = store, layout, contributor
         self.min_replicas = min_replicas
         self._claims: dict[str, UnitClaim] = {}  # every claim read, by key
-        self._seals: dict[int, Seal] = {}  # every SEAL read, by round
+        # every sealed round read: the contributors it applied (none for a round sealed by
+        # fewer than min_replicas, or whose SEAL no replica can read: no replica applied it)
+        self._applied: dict[int, frozenset[str]] = {}
         self._mine: dict[int, list[int]] = {}  # round -> units this incarnation claimed
 
     def units(self, round_: int, count: int) -> list[int]:
@@ -170,11 +175,10 @@ class Claims:
 
     def outcome(self, claim: UnitClaim) -> Outcome:
         """What the claim's round made of it: trained, given back, or taken (not sealed)."""
-        seal = self._seals.get(claim.round)
-        if seal is None:
+        applied = self._applied.get(claim.round)
+        if applied is None:
             return TAKEN
-        held = claim.contributor in seal.contributors
-        return TRAINED if held and len(seal.contributors) >= self.min_replicas else GIVEN_BACK
+        return TRAINED if claim.contributor in applied else GIVEN_BACK
 
     def _listed(self) -> list[tuple[str, tuple[int, int]]]:
         keys = self.store.list_prefix(self.layout.data_claims())
@@ -198,7 +202,19 @@ class Claims:
             self._claims[key] = claim
 
     def _read_seals(self, rounds: set[int]) -> None:
-        unread = {self.layout.seal(round_, 0): round_ for round_ in rounds - self._seals.keys()}
+        unread = {self.layout.seal(round_, 0): round_ for round_ in rounds - self._applied.keys()}
         for key, data in self.store.get_many(unread, limit=RECORD_READ_LIMIT).items():
             if data is not None:
-                self._seals[unread[key]] = decode_record(data, Seal, key=key)
+                self._applied[unread[key]] = self._contributors_applied(key, data)
+
+    def _contributors_applied(self, key: str, data: bytes) -> frozenset[str]:
+        """Whose contributions the sealed round applied. A SEAL that cannot be read fails the
+        round on every replica alike (``collective/round.py``): its units are given back."""
+        try:
+            seal = decode_record(data, Seal, key=key)
+        except WireFormatError as exc:
+            log.warning("%s: its units are given back (the round failed everywhere)", exc)
+            return frozenset()
+        if len(seal.contributors) < self.min_replicas:
+            return frozenset()
+        return frozenset(seal.contributors)

@@ -7,7 +7,8 @@ its suffix says, decompressed as its last suffix says, one document at a time.
 - ``.parquet``: one document per row of its ``text_field`` column, read a batch of rows at a
   time (pyarrow);
 - then ``.gz``, ``.bz2``, ``.xz`` or ``.zst`` after the suffix (``data.jsonl.zst``), inferred
-  by fsspec from the name (zstandard for ``.zst``).
+  by fsspec from the name (zstandard for ``.zst``);
+- ``stdlib``, a name of its own: the interpreter's standard library (``stdlib.py``).
 
 Any other name is refused before anything is read, naming the file and what is read: a file read
 as the wrong kind would be trained on as garbage.
@@ -23,6 +24,9 @@ from typing import Any
 
 import fsspec
 from fsspec.utils import infer_compression
+
+from diloco_anywhere.data import stdlib
+from diloco_anywhere.data.stdlib import STDLIB, stdlib_files
 
 KINDS = (".txt", ".jsonl", ".parquet")
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
@@ -40,7 +44,7 @@ class Source:
 
     path: str  # as fsspec names it (no credentials)
     size: int
-    kind: str  # one of KINDS
+    kind: str  # one of KINDS, or STDLIB
     compression: str | None
 
 
@@ -65,9 +69,29 @@ def kind_of(path: str) -> tuple[str, str | None]:
     return kind, infer_compression(path) if compressed else None
 
 
-def sources(url: str, storage_options: dict[str, Any] | None = None) -> list[Source]:
-    """The files of ``url`` (a file, a folder, whose files are all read, or a glob), sorted by
-    path: the corpus's order. Every name is checked before any file is read."""
+def sources(
+    url: str, storage_options: dict[str, Any] | None = None, max_bytes: int | None = None
+) -> list[Source]:
+    """The files of ``url`` (a file, a folder, whose files are all read, a glob, or
+    ``stdlib``), sorted by path: the corpus's order. Every name is checked before any file is
+    read. ``max_bytes``: the first files only, until their sizes reach it."""
+    listed = _stdlib() if url == STDLIB else _files(url, storage_options)
+    if max_bytes is None:
+        return listed
+    kept, size = [], 0
+    for source in listed:
+        if size >= max_bytes:
+            break
+        kept.append(source)
+        size += source.size
+    return kept
+
+
+def _stdlib() -> list[Source]:
+    return [Source(str(path), path.stat().st_size, STDLIB, None) for path in stdlib_files()]
+
+
+def _files(url: str, storage_options: dict[str, Any] | None) -> list[Source]:
     fs, path = fsspec.url_to_fs(url, **(storage_options or {}))
     if fs.isdir(path):
         found = fs.find(path, detail=True)
@@ -98,6 +122,8 @@ def pieces(source: Source, text_field: str = "text", **storage_options: Any) -> 
         ) as file:  # fmt: skip
             if binary:
                 yield from _parquet(file, source.path, text_field)
+            elif source.kind == STDLIB:
+                yield from (Piece(text) for text in stdlib.documents(file))
             elif source.kind == ".jsonl":
                 yield from _jsonl(file, source.path, text_field)
             else:

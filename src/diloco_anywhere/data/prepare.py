@@ -239,12 +239,13 @@ def _finished_manifest(store: Store, files: list[Source]) -> Manifest | None:
 
 def prepare(
     corpus: str, store: Store, tokenizer: ByteTokenizer | HfTokenizer, settings: PrepareSettings,
-    advance: Advance = lambda _: None,
+    advance: Advance = lambda _: None, max_bytes: int | None = None,
 ) -> Manifest:  # fmt: skip
-    """Every file of ``corpus`` (a path, URL or glob) into ``store``'s folder; its manifest."""
+    """Every file of ``corpus`` (a path, URL or glob; its first files up to ``max_bytes``) into
+    ``store``'s folder; its manifest."""
     if settings.tokenizer != tokenizer.identity:
         raise ValueError("the settings are another tokenizer's")
-    files = sources(corpus)
+    files = sources(corpus, max_bytes=max_bytes)
     claim_settings(store, settings)
     if (manifest := _finished_manifest(store, files)) is not None:
         return manifest

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 
 from pydantic import Field
 
@@ -59,10 +60,13 @@ def prepare_once(
     settings: PrepareSettings,
     holder: str,
     clock: Callable[[], float] = time.monotonic,
+    max_bytes: int | None = None,
 ) -> Manifest:
-    """The run's copy of ``raw`` in ``copy``: prepared here, or by whoever took it first."""
+    """The run's copy of ``raw`` (its first files up to ``max_bytes``) in ``copy``: prepared
+    here, or by whoever took it first."""
+    prepared = partial(_prepare, raw, copy, tokenizer, settings, holder, max_bytes)
     if _finished(copy) or _take(copy, holder):
-        return _prepare(raw, copy, tokenizer, settings, holder)
+        return prepared()
     seen, since = b"", clock()
     while not _finished(copy):
         current = _lock_bytes(copy)
@@ -71,9 +75,9 @@ def prepare_once(
             _say_who_prepares(raw, copy, current)
         elif clock() - since > STALE_SECONDS:
             log.warning("the prepare of %s stalled for %.0f s: taking it over", raw, STALE_SECONDS)
-            return _prepare(raw, copy, tokenizer, settings, holder)
+            return prepared()
         time.sleep(POLL_SECONDS)
-    return _prepare(raw, copy, tokenizer, settings, holder)
+    return prepared()
 
 
 def _say_who_prepares(raw: str, copy: Store, lock: bytes) -> None:
@@ -110,7 +114,7 @@ def _lock_bytes(copy: Store) -> bytes:
 
 def _prepare(
     raw: str, copy: Store, tokenizer: ByteTokenizer | HfTokenizer, settings: PrepareSettings,
-    holder: str,
+    holder: str, max_bytes: int | None,
 ) -> Manifest:  # fmt: skip
     """Prepare (or check a finished copy against ``raw``), beating every ``BEAT_SECONDS``."""
     done, last_beat = 0, time.monotonic()
@@ -122,4 +126,4 @@ def _prepare(
             copy.overwrite(PREPARING, encode_record(Preparing(holder=holder, text_bytes=done)))
             last_beat = time.monotonic()
 
-    return prepare(raw, copy, tokenizer, settings, advance)
+    return prepare(raw, copy, tokenizer, settings, advance, max_bytes)

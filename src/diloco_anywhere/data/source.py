@@ -51,26 +51,38 @@ def same_tokens(ours: TokenizerIdentity, theirs: TokenizerIdentity) -> bool:
 
 
 @dataclass(frozen=True)
+class RawText:
+    """How raw text is prepared for a run: what a task says of its own data."""
+
+    text_field: str
+    heldout_fraction: float
+    max_bytes: int | None  # of the task's own text (``default``): its first files up to it
+
+
+@dataclass(frozen=True)
 class DataSource:
     corpus: str  # run.toml's [task] data: a prepared folder or raw text ("": the task's own)
     seed: int
     batches_per_round: int
-    rounds: int | None  # the run's rounds: no unit is claimed past them
     assign: Assigner
     copy: str | None = None  # where raw text is prepared for the run (none outside a run)
     holder: str = "this process"  # who prepares it here, as waiters are told
 
     def open(
-        self, seq_len: int, batch_sequences: int, tokenizer: ByteTokenizer | HfTokenizer, *,
-        default: str = "", text_field: str = "text", heldout_fraction: float = HELDOUT_FRACTION,
+        self, seq_len: int, batch_sequences: int,
+        tokenizer: ByteTokenizer | HfTokenizer | None = None, *, default: str = "",
+        text_field: str = "text", heldout_fraction: float = HELDOUT_FRACTION,
+        max_bytes: int | None = None,
     ) -> Stream:  # fmt: skip
         """This process's stream of ``batch_sequences`` sequences of ``seq_len + 1`` tokens a
-        step, of the run's data or else ``default`` (the task's own); raw text is prepared
-        with ``tokenizer`` (and ``text_field``, ``heldout_fraction``) into the run's copy, and
-        a prepared corpus must have been prepared with it."""
-        store, manifest = self._corpus(tokenizer, default, text_field, heldout_fraction)
+        step, of the run's data or else ``default`` (the task's own); raw text (its first files
+        up to ``max_bytes``) is prepared with ``tokenizer`` (and ``text_field``,
+        ``heldout_fraction``) into the run's copy, and a prepared corpus must have been
+        prepared with it (any, without one)."""
+        raw = RawText(text_field, heldout_fraction, max_bytes)
+        store, manifest = self._corpus(tokenizer, default, raw)
         theirs = manifest.settings.tokenizer
-        if not same_tokens(tokenizer.identity, theirs):
+        if tokenizer is not None and not same_tokens(tokenizer.identity, theirs):
             raise ValueError(
                 f"the corpus at {store.url} was prepared with tokenizer {theirs.name!r} (sha256 "
                 f"{theirs.sha256[:12]}...), the task's is {tokenizer.identity.name!r} "
@@ -89,12 +101,11 @@ class DataSource:
             window_chunks=order.window_chunks, seed=self.seed,
         )  # fmt: skip
         heldout = TokenReader(store, manifest, "heldout")
-        return Stream(train, heldout, order, shape, self.assign(plan), self.rounds)
+        return Stream(train, heldout, order, shape, self.assign(plan))
 
     def _corpus(
-        self, tokenizer: ByteTokenizer | HfTokenizer, default: str, text_field: str,
-        heldout_fraction: float,
-    ) -> tuple[Store, Manifest]:  # fmt: skip
+        self, tokenizer: ByteTokenizer | HfTokenizer | None, default: str, raw: RawText
+    ) -> tuple[Store, Manifest]:
         """The prepared corpus to read: the one named, or the run's copy of raw text."""
         url = self.corpus or default
         if not url:
@@ -105,12 +116,18 @@ class DataSource:
         if is_prepared(url):
             store = Store(url)
             return store, read_manifest(store)
-        if self.copy is None:
+        if self.copy is None or tokenizer is None:
+            name = "NAME" if tokenizer is None else tokenizer.identity.name
             raise ValueError(
-                f"{url} is raw text, which a run's replicas prepare into its store; outside a "
-                f"run, prepare it with `diloco data prepare {url} FOLDER --tokenizer "
-                f"{tokenizer.identity.name}` and give FOLDER"
+                f"{url} is raw text, which a run's replicas prepare into its store with their "
+                f"task's tokenizer (a script gives it: replica.stream(..., tokenizer=NAME)); or "
+                f"prepare it with `diloco data prepare {url} FOLDER --tokenizer {name}` and "
+                f"give FOLDER"
             )
-        settings = settings_for(tokenizer, text_field, heldout_fraction, SHARD_TOKENS, BLOCK_TOKENS)
+        settings = settings_for(
+            tokenizer, raw.text_field, raw.heldout_fraction, SHARD_TOKENS, BLOCK_TOKENS
+        )
         store = Store(self.copy)
-        return store, prepare_once(url, store, tokenizer, settings, self.holder)
+        max_bytes = None if self.corpus else raw.max_bytes  # the task's own text's cap
+        manifest = prepare_once(url, store, tokenizer, settings, self.holder, max_bytes=max_bytes)
+        return store, manifest

@@ -8,15 +8,15 @@ trains; batch ``b`` of the round is positions ``b x batch_sequences`` onward of 
 replica's data resumes is the round it resumes at, which the run's state already holds: no
 data position of its own to save, and none to get wrong.
 
-Batches are read by a background thread ``READ_AHEAD`` steps ahead of training, by ranged reads
-(``reader.py``); a round's unit is asked for in the caller's thread (a replica of several
-processes shares its leader's claims through a collective, which must not run elsewhere),
-``READ_AHEAD`` steps before the round begins.
+Batches are read by a background thread up to ``READ_AHEAD`` steps ahead of training, by
+ranged reads (``reader.py``), within the round; a round's unit is asked for in the caller's
+thread (a replica of several processes shares its leader's claims through a collective, which
+must not run elsewhere) when the caller asks for the round's first batch, so a run that ends
+leaves no claim behind.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -56,37 +56,27 @@ class Stream:
         order: Order,
         shape: StreamShape,
         unit_of_round: Callable[[int], int],
-        rounds: int | None = None,
     ) -> None:
         self.train, self.heldout, self.order, self.shape = train, heldout, order, shape
-        self.unit_of_round, self.rounds = unit_of_round, rounds
-        self._units: dict[int, int] = {}
+        self.unit_of_round = unit_of_round
 
     def batches(self, start: int) -> Iterator[torch.Tensor]:
-        """The batches of inner steps ``start`` onward, until the run's last round (or without
-        end). Closing the iterator (a heal reopens the data elsewhere) stops the reading."""
-        last = None if self.rounds is None else self.rounds * self.shape.batches_per_round
-        steps = itertools.count(start) if last is None else iter(range(start, last))
+        """The batches of inner steps ``start`` onward, without end. A round's unit is asked
+        for when its first batch is (never before the caller wants a batch of it: a run that
+        ends claims nothing more), then its batches are read ahead. Closing the iterator (a
+        heal reopens the data elsewhere) stops the reading."""
+        per_round = self.shape.batches_per_round
         with ThreadPoolExecutor(1, thread_name_prefix="diloco-data") as reader:
             ahead: deque[Future[torch.Tensor]] = deque()
-
-            def read_next() -> None:
-                step = next(steps, None)
-                if step is not None:
-                    ahead.append(reader.submit(self._batch, self._unit_at(step), step))
-
-            for _ in range(READ_AHEAD):
-                read_next()
-            while ahead:
-                batch = ahead.popleft().result()
-                read_next()
-                yield batch
-
-    def _unit_at(self, step: int) -> int:
-        round_ = step // self.shape.batches_per_round
-        if round_ not in self._units:
-            self._units = {round_: self.unit_of_round(round_)}  # one round ahead at most
-        return self._units[round_]
+            step, unit, round_end = start, 0, start  # the next step to read; its round's
+            while True:
+                if not ahead:  # every batch of the round is out: the next round's first
+                    unit = self.unit_of_round(step // per_round)
+                    round_end = (step // per_round + 1) * per_round
+                while len(ahead) < READ_AHEAD and step < round_end:
+                    ahead.append(reader.submit(self._batch, unit, step))
+                    step += 1
+                yield ahead.popleft().result()
 
     def _batch(self, unit: int, step: int) -> torch.Tensor:
         shape = self.shape

@@ -1,44 +1,39 @@
 """The built-in task: a byte-level GPT trained on text that every machine already has.
 
-The default corpus is the running interpreter's own standard library (its ``.py`` sources), so a
-demo needs no download and no credentials. Replicas only agree on the corpus, and so on the eval
-split, if they run the same Python version; give ``corpus`` a shared file or URL otherwise.
+The default corpus is the running interpreter's own standard library (its ``.py`` sources,
+``data/stdlib.py``), so a demo needs no download and no credentials. Like any raw text, the
+run's first replica prepares it into the run's store (``data/prepare_once.py``) and every
+replica streams that copy (``data/stream.py``): every sequence once an epoch, in one order
+whatever the replicas do, and the same held-out text for all, whatever their Python version.
 
 The model is GPT-2's decoder (Radford et al. 2019 (GPT-2)): pre-LayerNorm blocks, a final
 LayerNorm, and an output head tied to the token embedding. Bytes are the tokens (vocabulary 256),
 so no tokenizer has to be shipped or agreed on.
 
 ``[task.options]``: ``preset`` (tiny | small | base), ``seq_len``, ``batch_size``, ``corpus``
-("stdlib", a path or an fsspec URL of one text file), ``corpus_bytes`` (cap on what is read) and
+("stdlib", or a path, URL or glob of .txt / .jsonl / .parquet files: raw text, when run.toml's
+``[task] data`` names none), ``corpus_bytes`` (its first files up to this size) and
 ``eval_batches``.
 """
 
 from __future__ import annotations
 
-import itertools
-import os
-import sysconfig
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from functools import cache
 
-import fsspec
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
+from diloco_anywhere.data.stdlib import STDLIB
+from diloco_anywhere.data.stream import Stream
 from diloco_anywhere.data.tokenizers import ByteTokenizer
-from diloco_anywhere.task import (
-    Task,
-    TaskContext,
-    batch_generator,
-    held_out_loss,
-    inputs_and_targets,
-    windows,
-)
+from diloco_anywhere.task import Task, TaskContext, held_out_loss, inputs_and_targets
 
 VOCAB = 256  # one token per byte value
 EVAL_FRACTION = 0.05
+CORPUS_BYTES = 8_000_000  # of the default corpus: its first files up to this size
 OPTIONS = ("preset", "seq_len", "batch_size", "corpus", "corpus_bytes", "eval_batches")
 
 
@@ -104,39 +99,6 @@ class GPT(nn.Module):
         return self.ln_final(x) @ self.token_embedding.weight.T  # head tied to the embedding
 
 
-def stdlib_files() -> list[Path]:
-    """The standard library's .py files in sorted order, without site-packages and tests."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for directory, subdirectories, names in os.walk(root):
-        subdirectories[:] = [
-            name for name in subdirectories if name not in ("site-packages", "test", "tests")
-        ]
-        files.extend(Path(directory, name) for name in names if name.endswith(".py"))
-    return sorted(files)
-
-
-def load_corpus(corpus: str, limit: int) -> torch.Tensor:
-    """The first ``limit`` bytes of the corpus as a uint8 tensor."""
-    data = bytearray()
-    if corpus == "stdlib":
-        for path in stdlib_files():
-            if len(data) >= limit:
-                break
-            data += path.read_bytes() + b"\n"
-    else:
-        try:
-            with fsspec.open(corpus, "rb") as file:
-                data += file.read(limit)
-        except FileNotFoundError:
-            raise ValueError(
-                f"task corpus {corpus!r} not found; set corpus to 'stdlib' or to the local path "
-                f"or fsspec URL (e.g. s3://bucket/file.txt) of one text file"
-            ) from None
-    del data[limit:]
-    return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-
-
 def build(context: TaskContext) -> Task:
     options = context.options
     if unknown := sorted(set(options) - set(OPTIONS)):
@@ -151,10 +113,14 @@ def build(context: TaskContext) -> Task:
         raise ValueError("task options seq_len, batch_size and eval_batches must be at least 1")
     preset = Preset(preset.layers, preset.d_model, preset.heads, seq_len)
     model = GPT(preset, torch.Generator().manual_seed(context.seed)).to(context.device)
-    if context.data is not None:
-        batches, eval_set = _streamed(context, seq_len, batch_size, eval_batches)
-    else:
-        batches, eval_set = _in_memory(context, seq_len, batch_size, eval_batches)
+    stream = cache(lambda: _stream(context, seq_len, batch_size))  # opened when first read
+    device = context.device
+
+    def batches(start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return (inputs_and_targets(rows, device) for rows in stream().batches(start))
+
+    def eval_set() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [inputs_and_targets(rows, device) for rows in stream().evaluation(eval_batches)]
 
     def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         inputs, targets = batch
@@ -163,60 +129,18 @@ def build(context: TaskContext) -> Task:
     return Task(model, batches, loss, batch_size * seq_len, held_out_loss(loss, eval_set))
 
 
-Batches = Callable[[int], Iterator[tuple[torch.Tensor, torch.Tensor]]]
-
-
-def _streamed(
-    context: TaskContext, seq_len: int, batch_size: int, eval_batches: int
-) -> tuple[Batches, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """run.toml's ``[task] data``, streamed: a corpus prepared with the ``bytes`` tokenizer, or
-    raw text the run prepares with it (``EVAL_FRACTION`` of its documents held out)."""
-    if given := sorted({"corpus", "corpus_bytes"} & set(context.options)):
+def _stream(context: TaskContext, seq_len: int, batch_size: int) -> Stream:
+    """The run's data (run.toml's ``[task] data``, prepared with the ``bytes`` tokenizer, or
+    raw text the run prepares with it), else the ``corpus`` option's text, prepared the same
+    way into the run's store: ``EVAL_FRACTION`` of its documents held out."""
+    options = context.options
+    given = sorted({"corpus", "corpus_bytes"} & options.keys())
+    if given and context.data is not None and context.data.corpus:
         raise ValueError(
             f"task options {given} and run.toml [task] data both say what to train on: give one"
         )
-    stream = context.stream(seq_len, batch_size, ByteTokenizer(), heldout_fraction=EVAL_FRACTION)
-    device = context.device
-
-    def batches(start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return (inputs_and_targets(rows, device) for rows in stream.batches(start))
-
-    return batches, [inputs_and_targets(rows, device) for rows in stream.evaluation(eval_batches)]
-
-
-def _in_memory(
-    context: TaskContext, seq_len: int, batch_size: int, eval_batches: int
-) -> tuple[Batches, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The ``corpus`` option's text, held in memory: this replica's slice of it, windows
-    drawn at random."""
-    options = context.options
-    corpus = options.get("corpus", "stdlib")
-    data = load_corpus(corpus, int(options.get("corpus_bytes", 8_000_000)))
-    train_end = len(data) - int(len(data) * EVAL_FRACTION)
-    shard_bytes = train_end // context.replicas
-    shard = data[context.replica_index * shard_bytes :][:shard_bytes]
-    held_out = data[train_end:]
-    if shard_bytes < seq_len + 1:
-        raise ValueError(
-            f"task corpus {corpus!r} ({len(data)} bytes) is too small for {context.replicas} "
-            f"replicas: each shard has {shard_bytes} bytes, fewer than seq_len + 1 = {seq_len + 1}"
-        )
-    if len(held_out) < seq_len + 1:
-        raise ValueError(
-            f"task corpus {corpus!r} ({len(data)} bytes) is too small: its eval split has "
-            f"{len(held_out)} bytes, fewer than seq_len + 1 = {seq_len + 1}"
-        )
-
-    def batches(start: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for index in itertools.count(start):
-            generator = batch_generator(context, index)
-            offsets = torch.randint(len(shard) - seq_len, (batch_size,), generator=generator)
-            yield windows(shard, offsets, seq_len, context.device)
-
-    # Evenly spaced windows over the eval split: the same on every replica and every call.
-    last = len(held_out) - seq_len - 1  # float64: exact offsets even in a multi-GB corpus
-    offsets = torch.linspace(0, last, eval_batches * batch_size, dtype=torch.float64).long()
-    eval_set = [
-        windows(held_out, part, seq_len, context.device) for part in offsets.split(batch_size)
-    ]
-    return batches, eval_set
+    return context.stream(
+        seq_len, batch_size, ByteTokenizer(), default=options.get("corpus", STDLIB),
+        heldout_fraction=EVAL_FRACTION,
+        max_bytes=int(options.get("corpus_bytes", CORPUS_BYTES)),
+    )  # fmt: skip

@@ -208,16 +208,17 @@ def task_context(
         rank=group.rank,
         ranks=group.world_size,
         total_steps=config.diloco.total_steps,
-        data=data_source(config, replica_index, group, collective) if config.task.data else None,
+        data=data_source(config, replica_index, group, collective),
     )
 
 
 def data_source(
     config: RunConfig, replica_index: int, group: ReplicaGroup, collective: BucketCollective | None
 ) -> DataSource:
-    """run.toml's ``[task] data`` as this process opens it: in a replica, its units claimed in
-    the bucket by the replica's leader for all its processes (``data_units.py``); a process
-    on its own without a bucket (a benchmark's) takes a fixed share."""
+    """The run's data (``[task] data``, else the task's own) as this process opens it, raw text
+    prepared into the run's store: in a replica, its units claimed in the bucket by the
+    replica's leader for all its processes (``data_units.py``); a process on its own without a
+    bucket (a benchmark's) takes a fixed share."""
     diloco = config.diloco
     if collective is None and group.world_size == 1:
         assign = fixed_units(replica_index, config.run.replicas, group.rank, group.world_size)
@@ -225,9 +226,10 @@ def data_source(
         assign = claimed_units(config, group, collective)
     store = config.store_url().rstrip("/")
     return DataSource(
-        corpus=config.resolve(config.task.data), seed=config.run.seed,
+        corpus=config.resolve(config.task.data) if config.task.data else "",
+        seed=config.run.seed,
         batches_per_round=diloco.sync_every // diloco.fragments,
-        rounds=diloco.outer_steps * diloco.fragments, assign=assign,
+        assign=assign,
         copy=f"{store}/{RunLayout(config.run.name).data_corpus()}",
         holder=collective.me.name if collective is not None else f"{gethostname()}:{getpid()}",
     )  # fmt: skip

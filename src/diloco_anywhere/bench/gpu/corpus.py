@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from diloco_anywhere.tasks.gpt import stdlib_files
+from diloco_anywhere.data.stdlib import stdlib_files
 
 END_OF_TEXT = "<|endoftext|>"
 

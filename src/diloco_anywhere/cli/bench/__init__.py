@@ -1,13 +1,14 @@
 """``diloco bench ...``: measured numbers (docs/benchmarks.md), never timed tests.
 
-The commands live by group (store.py; sync.py: sync and sharded; training.py: the benches that
-train runs), and each imports its bench's code (torch and the rest) only when it runs.
+The commands live by group (store.py; data.py; sync.py: sync and sharded; training.py: the
+benches that train runs), and each imports its bench's code (torch and the rest) only when it runs.
 """
 
 from __future__ import annotations
 
 import typer
 
+from diloco_anywhere.cli.bench.data import bench_data_command
 from diloco_anywhere.cli.bench.gpu import bench_gpu_command
 from diloco_anywhere.cli.bench.store import bench_codecs_command, bench_store_command
 from diloco_anywhere.cli.bench.sync import bench_sharded_command, bench_sync_command
@@ -27,6 +28,7 @@ bench_app = typer.Typer(
 # in this order in `diloco bench --help`
 bench_app.command("store")(bench_store_command)
 bench_app.command("codecs")(bench_codecs_command)
+bench_app.command("data")(bench_data_command)
 bench_app.command("sync")(bench_sync_command)
 bench_app.command("sharded")(bench_sharded_command)
 bench_app.command("convergence")(bench_convergence_command)
