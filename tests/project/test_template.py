@@ -169,6 +169,34 @@ def test_answer_sets_render_only_what_they_chose(tmp_path, storage, backends) ->
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize(
+    ("answers", "prepare"),
+    [
+        ({}, "diloco data prepare 'corpus/*.jsonl.zst' .diloco/my-diloco-run/corpus "
+             "--tokenizer bytes"),
+        ({"storage": "s3", "prepared_data": "s3://my-bucket/corpora/web", **ACCOUNT},
+         "diloco data prepare 'corpus/*.jsonl.zst' s3://my-diloco-run-diloco/corpora/main "
+         "--tokenizer bytes"),
+        ({**HF_ANSWERS, "prepared_data": "gs://b/c"}, "--tokenizer org/model"),
+        (HF_ANSWERS, "diloco data prepare 'data.jsonl' .diloco/my-diloco-run/corpus "
+                     "--tokenizer org/model"),
+    ],
+)  # fmt: skip
+def test_the_data_answer_renders_the_run_s_data_and_its_prepare_step(
+    tmp_path, answers, prepare
+) -> None:
+    """A prepared corpus becomes run.toml's [task] data (and the HF task's raw `data` option
+    is then not asked for: giving both is refused); the README shows the prepare step."""
+    project = render(tmp_path, **answers)
+    assert_clean(project)
+    config = parse_config((project / "run.toml").read_text(), "run.toml")
+    prepared = answers.get("prepared_data", "")
+    assert config.task.data == prepared
+    assert ("data" in config.task.options) == (bool(answers.get("task")) and not prepared)
+    assert prepare in " ".join((project / "README.md").read_text().split())
+
+
+@pytest.mark.integration
 def test_k8s_gpus_become_processes_per_replica(tmp_path) -> None:
     project = render(tmp_path, storage="gcs", backends=["k8s"], k8s_gpus_per_pod=4)
     config = parse_config((project / "run.toml").read_text(), "run.toml")
