@@ -11,6 +11,7 @@ after it, and reports its peak resident set: what must not grow with the corpus.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import resource
@@ -47,7 +48,8 @@ def write_text(folder: Path, size: int, seed: int = 0) -> None:
     lines = []
     for number in range(4096):
         chosen = rng.integers(0, WORDS, rng.integers(50, 400))
-        lines.append(f'{{"text": "@@@@@@@@ {number} {" ".join(words[i] for i in chosen)}"}}\n')
+        text = " ".join(words[i] for i in chosen)
+        lines.append(json.dumps({"text": f"@@@@@@@@ {number} {text}"}) + "\n")
     block = "".join(lines).encode()
     folder.mkdir(parents=True, exist_ok=True)
     written, copy = 0, 0
