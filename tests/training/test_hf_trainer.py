@@ -22,7 +22,10 @@ from transformers import (
 )
 
 from diloco_anywhere import DilocoCallback, join
+from diloco_anywhere.bucket.layout import RunLayout, contributor
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import RunConfig, load_config
+from diloco_anywhere.data.claims import Claims
 from diloco_anywhere.launching.launch import run_metrics
 from support.docs import example
 from support.hf import TINY_LLAMA
@@ -93,6 +96,34 @@ def test_the_docs_trainer_script_is_every_replica_of_diloco_launch(
     exported = load_file("exported/model.safetensors")
     assert exported.keys() == dict(model.named_parameters()).keys()
     assert all(torch.equal(p, exported[name]) for name, p in model.named_parameters())
+
+
+@pytest.mark.integration
+def test_a_trainer_on_the_run_s_data_trains_each_unit_of_it_once(hf_corpus, tmp_path, monkeypatch):
+    """The docs' Trainer on ``DilocoCallback.dataset``: raw text one replica prepares with the
+    script's tokenizer, every round's unit claimed and trained once by a sealed contribution."""
+    tokenizer, data = hf_corpus
+    shutil.copytree(tokenizer, tmp_path / "tokenizer")
+    shutil.copy(data, tmp_path / "data.jsonl")
+    (tmp_path / "hf_train_stream.py").write_text(example("# hf_train_stream.py"))
+    run = example("# hf_train.py's run.toml", "toml").replace("hf_train.py", "hf_train_stream.py")
+    (tmp_path / "run.toml").write_text(run.replace("[task]", '[task]\ndata = "data.jsonl"'))
+    monkeypatch.chdir(tmp_path)
+    result = diloco("launch", "--config", "run.toml")
+    assert result.exit_code == 0, result.output
+    assert {row["state"] for row in statuses("run.toml").values()} == {"done"}
+    store = Store(str(tmp_path / "store"))
+    claims = Claims(store, RunLayout("trainer"), contributor("judge", 0), 2).every_claim()
+    trained = sorted(claim.unit for claim, outcome in claims if outcome == "trained")
+    assert trained == list(range(2 * 3))  # 2 replicas x 3 rounds, each unit once
+    # accelerate's loader reads a batch ahead: a claim on the round after the run's last,
+    # which a longer run would seal without it and so give back
+    assert {(claim.round, outcome) for claim, outcome in claims if claim.unit >= 6} <= {
+        (3, "taken")
+    }
+    metrics = run_metrics(load_config("run.toml")).read()
+    for replica in metrics.values():
+        assert replica.steps[-1].loss < replica.steps[0].loss
 
 
 def _run(tmp_path, outer_steps: int) -> RunConfig:

@@ -23,15 +23,17 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from typing import Any
 
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
+from torch.utils.data import IterableDataset
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from diloco_anywhere.data.stream import Stream
 from diloco_anywhere.training.replica import Replica
 from diloco_anywhere.training.training import Training
 
@@ -71,6 +73,13 @@ class DilocoCallback(TrainerCallback):
         self.replica, self.tokens_per_step, self.evaluate = replica, tokens_per_step, evaluate
         self.training: Training | None = None
         self._diloco = ExitStack()
+
+    def dataset(self, stream: Stream) -> RunDataset:
+        """The run's data for the Trainer's ``train_dataset``: ``stream``
+        (``replica.stream(seq_len, batch_sequences)``, ``batch_sequences`` being one optimizer
+        step's: ``per_device_train_batch_size x gradient_accumulation_steps``), resumed
+        with the replica (``RunDataset``)."""
+        return RunDataset(self, stream)
 
     def on_init_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any
@@ -187,3 +196,39 @@ class DilocoCallback(TrainerCallback):
         """Leave ``replica.diloco``: the run's last checkpoint is written, and every process
         checks it holds the global state."""
         self._diloco.close()
+
+
+class RunDataset(IterableDataset):
+    """The run's data as a ``Trainer`` reads it: examples ``{"input_ids", "labels"}`` of
+    ``seq_len + 1`` tokens (the model shifts the labels itself), an optimizer step's
+    sequences at a time, from the inner step the run is at. Opened when ``trainer.train()``
+    begins (the callback has healed the replica by then) and opened again where the run is
+    after a heal, so a restarted or healed replica trains what the run's claims say, never
+    its dataset again from the start. For one process's ``DataLoader`` (the Trainer's own,
+    ``dataloader_num_workers = 0``)."""
+
+    def __init__(self, callback: DilocoCallback, stream: Stream) -> None:
+        super().__init__()
+        self.callback, self.stream = callback, stream
+
+    def __len__(self) -> int:
+        """The examples one replica trains over the run, if it never restarts (the Trainer
+        wants a length, or ``max_steps`` before the callback sets it)."""
+        return self.callback.replica.total_steps * self.stream.shape.batch_sequences
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        training = self.callback.training
+        if training is None:
+            raise RuntimeError(
+                "the run's dataset is read once trainer.train() has begun: give it to the "
+                "Trainer with DilocoCallback in Trainer(callbacks=[...])"
+            )
+        while not training.done:
+            heals = training.heals
+            batches = self.stream.batches(training.start_step)
+            # asked before each step's sequences are: after a heal the data goes on where the
+            # run is. (accelerate's loader reads a batch ahead, so the round after the run's
+            # last is claimed anyway: in flight at the end, given back if the run goes on.)
+            while training.heals == heals and not training.done:
+                yield from ({"input_ids": row, "labels": row} for row in next(batches))
+            batches.close()
