@@ -279,6 +279,26 @@ def test_racing_replicas_never_claim_one_unit_twice(tmp_path):
     assert sorted(units) == list(range(6 * 5 * 2))  # each once, none skipped
 
 
+def test_replicas_that_all_train_every_round_claim_their_own_share_whatever_their_order(
+    tmp_path,
+):
+    """Round r's units are r x 3 .. r x 3 + 2: replica i takes the i-th, whoever comes first,
+    so a run is the same each time it is run; a round a replica missed is made up first."""
+    store = Store(str(tmp_path))
+    claims = [Claims(store, LAYOUT, contributor(f"r{i}", 0), 1, index=i, replicas=3)
+              for i in range(3)]  # fmt: skip
+    for round_, order in enumerate([(2, 0, 1), (1, 2, 0), (0, 1, 2)]):
+        for index in order:
+            assert claims[index].units(round_, 1) == [round_ * 3 + index]
+    claims[0].units(3, 1), claims[1].units(3, 1)  # replica 2 misses round 3: unit 11 skipped
+    assert claims[1].units(4, 1) == [11]  # behind comes first
+    assert claims[2].units(4, 1) == [14]
+    assert claims[0].units(4, 1) == [12]
+    assert claims[0].units(5, 1) == [13]  # round 4's share taken by the catch-up: made up
+    units = sorted(state.unit for state in claims[0].states())
+    assert units == list(range(units[-1] + 1))  # nothing skipped
+
+
 def test_a_unit_left_out_of_its_round_is_given_back_and_a_trained_one_never(tmp_path):
     store = Store(str(tmp_path))
     a, b = contributor("a", 0), contributor("b", 4)

@@ -107,11 +107,14 @@ class Claims:
     """This replica incarnation's claims on the run's data stream."""
 
     def __init__(
-        self, store: Store, layout: RunLayout, contributor: str, min_replicas: int
-    ) -> None:
+        self, store: Store, layout: RunLayout, contributor: str, min_replicas: int,
+        index: int = 0, replicas: int = 1,
+    ) -> None:  # fmt: skip
+        """``index`` of ``replicas``: the replica's own share of each round, tried first once
+        nothing is behind (``_candidates``)."""
         parse_contributor(contributor)
         self.store, self.layout, self.contributor = store, layout, contributor
-        self.min_replicas = min_replicas
+        self.min_replicas, self.index, self.replicas = min_replicas, index, replicas
         self._claims: dict[str, UnitClaim] = {}  # every claim read, by key
         # every sealed round read: the contributors it applied (none for a round sealed by
         # fewer than min_replicas, or whose SEAL no replica can read: no replica applied it)
@@ -127,7 +130,7 @@ class Claims:
 
     def _claim(self, round_: int, count: int) -> list[int]:
         taken: list[int] = []
-        for unit, attempt in self._candidates():
+        for unit, attempt in self._candidates(round_, count):
             claim = UnitClaim(
                 unit=unit, attempt=attempt, contributor=self.contributor, round=round_,
                 rank=len(taken),
@@ -143,13 +146,26 @@ class Claims:
                 return taken
         raise AssertionError("the candidates never end")  # pragma: no cover
 
-    def _candidates(self) -> Iterator[tuple[int, int]]:
-        """(unit, attempt) to try, lowest first: units given back, then the never claimed."""
+    def _candidates(self, round_: int, count: int) -> Iterator[tuple[int, int]]:
+        """(unit, attempt) to try: first the free units before the round's shares (given back,
+        or skipped by an absent replica), lowest first; then this replica's own share of the
+        round (``round x replicas + index``, times ``count``), so that a run whose replicas all
+        train every round trains the same units in the same replicas each time it is run;
+        then every other free unit, lowest first, and the never claimed."""
         states = self.states()
-        for state in states:
-            if state.free:
-                yield state.unit, state.attempts
-        unit = states[-1].unit + 1 if states else 0
+        claimed = {state.unit: state for state in states}
+        frontier = states[-1].unit + 1 if states else 0
+        first = round_ * self.replicas * count
+        free = [
+            (unit, claimed[unit].attempts if unit in claimed else 0)
+            for unit in range(max(frontier, first))
+            if unit not in claimed or claimed[unit].free
+        ]
+        share = range(first + self.index * count, first + (self.index + 1) * count)
+        yield from ((unit, attempt) for unit, attempt in free if unit < first)
+        yield from ((unit, 0) for unit in share if unit >= frontier or unit not in claimed)
+        yield from ((unit, attempt) for unit, attempt in free if unit >= first)
+        unit = frontier
         while True:
             yield unit, 0
             unit += 1

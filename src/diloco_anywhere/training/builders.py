@@ -223,7 +223,7 @@ def data_source(
     if collective is None and group.world_size == 1:
         assign = fixed_units(replica_index, config.run.replicas, group.rank, group.world_size)
     else:
-        assign = claimed_units(config, group, collective)
+        assign = claimed_units(config, replica_index, group, collective)
     store = config.store_url().rstrip("/")
     return DataSource(
         corpus=config.resolve(config.task.data) if config.task.data else "",

@@ -19,8 +19,11 @@ from diloco_anywhere.training.replica_group import ReplicaGroup
 
 
 def claimed_units(
-    config: RunConfig, group: ReplicaGroup, collective: BucketCollective | None
+    config: RunConfig, index: int, group: ReplicaGroup, collective: BucketCollective | None
 ) -> Assigner:
+    """``index``: the replica's data shard, whose share of each round it claims first
+    (``Claims._candidates``)."""
+
     def assign(plan: DataPlan) -> Callable[[int], int]:
         claims = None
         if group.is_leader:
@@ -28,7 +31,10 @@ def claimed_units(
                 raise ValueError("a replica's leader claims its data through its collective")
             layout = RunLayout(config.run.name)
             agree_on_plan(collective.store, layout, plan)
-            claims = Claims(collective.store, layout, collective.me.name, config.run.min_replicas)
+            claims = Claims(
+                collective.store, layout, collective.me.name, config.run.min_replicas,
+                index=index, replicas=config.run.replicas,
+            )  # fmt: skip
 
         def unit_of_round(round_: int) -> int:
             units = claims.units(round_, group.world_size) if claims is not None else None
