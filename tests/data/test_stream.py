@@ -299,6 +299,19 @@ def test_replicas_that_all_train_every_round_claim_their_own_share_whatever_thei
     assert units == list(range(units[-1] + 1))  # nothing skipped
 
 
+def test_a_run_resumed_into_a_new_store_goes_on_from_its_round_s_shares(tmp_path):
+    """From a mirror's checkpoint of round 3 into an empty store: round 4's shares, not the
+    units of rounds the checkpoint already holds; but a share missed in the store's first
+    round is made up."""
+    store = Store(str(tmp_path))
+    one, two = (Claims(store, LAYOUT, contributor(f"r{i}", 0), 1, index=i, replicas=2)
+                for i in range(2))  # fmt: skip
+    assert two.units(4, 1) == [9]
+    assert one.units(5, 1) == [8]  # replica 0 missed round 4: its share first
+    assert two.units(5, 1) == [11]
+    assert sorted(state.unit for state in one.states()) == [8, 9, 11]
+
+
 def test_a_unit_left_out_of_its_round_is_given_back_and_a_trained_one_never(tmp_path):
     store = Store(str(tmp_path))
     a, b = contributor("a", 0), contributor("b", 4)

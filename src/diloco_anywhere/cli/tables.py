@@ -7,13 +7,17 @@ row fits an 80-column terminal, and which notes fold into a replica's state, liv
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich import box
 from rich.table import Table
 
 from diloco_anywhere.collective.membership import SKEW_SHOWN
-from diloco_anywhere.data.coverage import Coverage
 from diloco_anywhere.launching.report import RunSummary
 from diloco_anywhere.launching.status import ReplicaStatus
+
+if TYPE_CHECKING:
+    from diloco_anywhere.data.coverage import Coverage
 
 
 def status_table(rows: list[ReplicaStatus], title: str) -> Table:

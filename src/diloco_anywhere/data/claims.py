@@ -148,17 +148,23 @@ class Claims:
 
     def _candidates(self, round_: int, count: int) -> Iterator[tuple[int, int]]:
         """(unit, attempt) to try: first the free units before the round's shares (given back,
-        or skipped by an absent replica), lowest first; then this replica's own share of the
-        round (``round x replicas + index``, times ``count``), so that a run whose replicas all
-        train every round trains the same units in the same replicas each time it is run;
-        then every other free unit, lowest first, and the never claimed."""
+        or skipped by an absent replica, from the store's first round on), lowest first; then
+        this replica's own share of the round (``round x replicas + index``, times ``count``),
+        so that a run whose replicas all train every round trains the same units in the same
+        replicas each time it is run; then every other free unit, lowest first, and the never
+        claimed."""
         states = self.states()
         claimed = {state.unit: state for state in states}
-        frontier = states[-1].unit + 1 if states else 0
         first = round_ * self.replicas * count
+        # the run's data in this store begins with the shares of its first round claimed: a
+        # run resumed into a new store from a mirror's checkpoint goes on where the checkpoint
+        # is, not from unit 0
+        lowest = min((claim.round for claim in self._claims.values()), default=round_)
+        floor = lowest * self.replicas * count
+        frontier = states[-1].unit + 1 if states else first
         free = [
             (unit, claimed[unit].attempts if unit in claimed else 0)
-            for unit in range(max(frontier, first))
+            for unit in range(floor, max(frontier, first))
             if unit not in claimed or claimed[unit].free
         ]
         share = range(first + self.index * count, first + (self.index + 1) * count)

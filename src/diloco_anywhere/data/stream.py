@@ -101,8 +101,9 @@ class Stream:
         if available < 1:
             raise ValueError(
                 f"the corpus's held-out split has {self.heldout.tokens} tokens, fewer than "
-                f"seq_len + 1 = {length + 1}: prepare it with a larger --heldout-fraction, or "
-                f"use a smaller seq_len"
+                f"seq_len + 1 = {length + 1}: hold out more of its documents (diloco data "
+                f"prepare --heldout-fraction; the HF task's eval_fraction), give it more "
+                f"documents, or use a smaller seq_len"
             )
         picks = np.linspace(0, available - 1, batches * size).round().astype(np.int64)
         return [self._rows(self.heldout, part) for part in np.split(picks, batches)]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -39,8 +39,8 @@ from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.launching.report import RunSummary, summarize
 from diloco_anywhere.published_config import config_text
-from diloco_anywhere.task import Task, TaskContext, build_task
-from diloco_anywhere.training.builders import split_fragments
+from diloco_anywhere.task import Task, build_task
+from diloco_anywhere.training.builders import SINGLE_PROCESS, split_fragments, task_context
 from diloco_anywhere.training.checkpoints.catalogue import newest_checkpoints
 from diloco_anywhere.training.checkpoints.reader import load_checkpoint
 from diloco_anywhere.training.checkpoints.records import Checkpoint, CheckpointError
@@ -115,10 +115,8 @@ def global_weights(config: RunConfig, checkpoint: Checkpoint) -> GlobalWeights:
 
 
 def _task(config: RunConfig) -> Task:
-    context = TaskContext(
-        replica_index=0, replicas=config.run.replicas, seed=config.run.seed,
-        device=torch.device("cpu"), options=config.task.options,
-    )  # fmt: skip
+    """The run's task on CPU, its data the run's (read only if it is evaluated)."""
+    context = replace(task_context(config, 0, SINGLE_PROCESS), device=torch.device("cpu"))
     return build_task(config.task.entrypoint, context)
 
 

@@ -12,12 +12,15 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import RunConfig
-from diloco_anywhere.data.coverage import Coverage, read_coverage
 from diloco_anywhere.training.metrics import ReplicaMetrics
+
+if TYPE_CHECKING:
+    from diloco_anywhere.data.coverage import Coverage
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,9 @@ def summarize(metrics: dict[str, ReplicaMetrics]) -> RunSummary:
 
 
 def data_coverage(config: RunConfig) -> Coverage | None:
-    """Each epoch's coverage of a run that streams a prepared corpus (``[task] data``)."""
+    """Each epoch's coverage of the run's data, from its claims (None before the first)."""
+    from diloco_anywhere.data.coverage import read_coverage  # SEALs: torch, loaded on use
+
     with Store(config.store_url()) as store:
         return read_coverage(store, RunLayout(config.run.name), config.run.min_replicas)
 

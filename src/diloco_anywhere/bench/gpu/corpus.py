@@ -7,19 +7,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from diloco_anywhere.data import stdlib
 from diloco_anywhere.data.stdlib import stdlib_files
 
 END_OF_TEXT = "<|endoftext|>"
 
 
 def stdlib_documents(limit: int) -> list[str]:
-    """Standard-library source files, one document each, until ``limit`` characters."""
+    """Standard-library source files in documents of about 2 KB (``data/stdlib.py``: enough of
+    them for a held-out split chosen by document), until ``limit`` characters."""
     documents, size = [], 0
     for path in stdlib_files():
         if size >= limit:
             break
-        documents.append(path.read_text(encoding="utf-8", errors="replace"))
-        size += len(documents[-1])
+        with path.open(encoding="utf-8", errors="replace") as file:
+            documents += stdlib.documents(file)
+        size = sum(map(len, documents))
     return documents
 
 
