@@ -29,7 +29,6 @@ from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.data.defaults import BLOCK_TOKENS, HELDOUT_FRACTION, SHARD_TOKENS
 from diloco_anywhere.data.documents import pieces, sources
 from diloco_anywhere.data.prepare import prepare, settings_for
-from diloco_anywhere.data.reader import read_manifest
 from diloco_anywhere.data.source import DataSource, fixed_units
 from diloco_anywhere.data.tokenizers import load_tokenizer
 
@@ -83,10 +82,8 @@ def _stream(url: str, seq_len: int, batch: int, batches: int, results: Any) -> N
     """In a fresh interpreter: open the corpus as a replica does; time its first batch and
     the batches after it; the process's peak resident set."""
     started = time.perf_counter()
-    with Store(url) as store:
-        name = read_manifest(store).settings.tokenizer.name
     source = DataSource(url, seed=0, batches_per_round=batches, assign=fixed_units(0, 1, 0, 1))
-    stream = source.open(seq_len, batch, load_tokenizer(name)).batches(0)
+    stream = source.open(seq_len, batch).batches(0)
     next(stream)
     first = time.perf_counter() - started
     started = time.perf_counter()

@@ -31,6 +31,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from diloco_anywhere.bucket.first_written import first_written
 from diloco_anywhere.bucket.framing import Count, WireFormatError
 from diloco_anywhere.bucket.layout import RunLayout, parse_contributor
 from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
@@ -67,12 +68,7 @@ class UnitClaim(Record):
 
 def agree_on_plan(store: Store, layout: RunLayout, plan: DataPlan) -> None:
     """Record the run's data plan, or check this replica's against the one recorded."""
-    key = layout.data_plan()
-    try:
-        store.put(key, encode_record(plan))
-        return
-    except FileExistsError:
-        theirs = decode_record(store.get(key, 0, RECORD_READ_LIMIT), DataPlan, key=key)
+    theirs = first_written(store, layout.data_plan(), plan)
     fields = [name for name in DataPlan.model_fields if name != "corpus"]
     differ = [name for name in fields if getattr(theirs, name) != getattr(plan, name)]
     if differ:

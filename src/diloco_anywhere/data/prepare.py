@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import crc32c
 import numpy as np
 
+from diloco_anywhere.bucket.first_written import first_written
 from diloco_anywhere.bucket.framing import PREFIX, stored_checksum
 from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
@@ -126,11 +127,9 @@ def _record_at(store: Store, key: str, model: type[Record]) -> Record | None:
 
 def claim_settings(store: Store, settings: PrepareSettings) -> None:
     """Write the folder's settings, or refuse settings unlike those it was prepared with."""
-    try:
-        store.put(SETTINGS, encode_record(settings))
+    theirs = first_written(store, SETTINGS, settings)
+    if theirs == settings:
         return
-    except FileExistsError:
-        theirs = _record_at(store, SETTINGS, PrepareSettings)
     differ = [name for name in PrepareSettings.model_fields
               if getattr(theirs, name) != getattr(settings, name)]  # fmt: skip
     shown = ", ".join(f"{name} {_shown(getattr(theirs, name))}" for name in differ)

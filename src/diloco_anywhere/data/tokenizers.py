@@ -66,7 +66,11 @@ class HfTokenizer:
                 f"give one that has it, or set its eos_token"
             )
         self._backend: Any = wrapped.backend_tokenizer
-        self.identity = hf_identity(name, wrapped)
+        serialized = self._backend.to_str().encode()
+        self.identity = TokenizerIdentity(
+            name=name, sha256=hashlib.sha256(serialized).hexdigest(), vocab=len(wrapped),
+            end_of_document=wrapped.eos_token_id,
+        )  # fmt: skip
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
         encode = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
@@ -83,16 +87,6 @@ def _load(name: str) -> Any:
         return AutoTokenizer.from_pretrained(name)
     except OSError as exc:  # no such folder or Hub id, or no network to reach it
         raise ValueError(f"tokenizer {name}: cannot load it ({exc})") from None
-
-
-def hf_identity(name: str, wrapped: Any) -> TokenizerIdentity:
-    """What identifies a loaded Hugging Face tokenizer: a corpus prepared with it records it,
-    and a task that encodes with it checks the corpus's against it."""
-    serialized = wrapped.backend_tokenizer.to_str().encode()
-    return TokenizerIdentity(
-        name=name, sha256=hashlib.sha256(serialized).hexdigest(), vocab=len(wrapped),
-        end_of_document=wrapped.eos_token_id,
-    )  # fmt: skip
 
 
 def load_tokenizer(name: str) -> ByteTokenizer | HfTokenizer:

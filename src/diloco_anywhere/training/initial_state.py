@@ -17,9 +17,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from diloco_anywhere.bucket.first_written import first_written
 from diloco_anywhere.bucket.framing import Count
 from diloco_anywhere.bucket.layout import RunLayout
-from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
+from diloco_anywhere.bucket.record import Record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.training.global_state import local_tensor
 from diloco_anywhere.training.mistakes import ModelUnlikeRunError
@@ -57,12 +58,7 @@ def check_initial_state(store: Store, layout: RunLayout, model: nn.Module) -> No
     """Record ``model``'s parameters as the run's initial model if none is recorded yet
     (create-only; identical models write identical bytes), else refuse a model unlike it."""
     mine, key = describe(model), layout.initial_state()
-    try:
-        store.put(key, encode_record(mine))
-        return
-    except FileExistsError:
-        theirs = decode_record(store.get(key, 0, RECORD_READ_LIMIT), InitialState, key=key)
-    problem = first_difference(mine, theirs)
+    problem = first_difference(mine, first_written(store, key, mine))
     if problem is not None:
         raise ModelUnlikeRunError(
             f"this replica's model is unlike the run's ({key}): {problem}. Every replica must "

@@ -25,9 +25,10 @@ from typing import Literal
 
 from torch import nn
 
+from diloco_anywhere.bucket.first_written import first_written
 from diloco_anywhere.bucket.framing import Count
 from diloco_anywhere.bucket.layout import RunLayout
-from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
+from diloco_anywhere.bucket.record import Record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import ConfigError
 from diloco_anywhere.training.replica_group import ReplicaGroup
@@ -56,11 +57,7 @@ def check_sharding(store: Store, layout: RunLayout, mine: Sharding) -> None:
     """Record ``mine`` as the run's sharding if it has none yet (create-only), else refuse a
     replica unlike it, saying what to change."""
     key = layout.sharding()
-    try:
-        store.put(key, encode_record(mine))
-        return
-    except FileExistsError:
-        theirs = decode_record(store.get(key, 0, RECORD_READ_LIMIT), Sharding, key=key)
+    theirs = first_written(store, key, mine)
     if theirs != mine:
         raise ShardingMismatchError(
             f"this replica is {mine.describe()}; the run's replicas are {theirs.describe()} "
