@@ -136,6 +136,12 @@ class DilocoSection(_Section):
         schedule spans, and what the platforms' time limits are planned against."""
         return self.outer_steps * self.sync_every
 
+    @property
+    def last_step(self) -> int:
+        """The manager's step once the run is done: every fragment has synced ``outer_steps``
+        times (the step a Streaming DiLoCo manager counts per fragment's sync)."""
+        return self.outer_steps * self.fragments
+
     @model_validator(mode="after")
     def _streaming_schedule(self) -> DilocoSection:
         """torchft's DiLoCo syncs one fragment every sync_every / fragments steps and needs

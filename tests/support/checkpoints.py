@@ -52,10 +52,12 @@ def diloco_like_state(seed: int = 0, round_: int = 3) -> dict:
 
 
 def write_checkpoint(
-    store: Store, round_: int, tree: dict, writers=CONTRIBUTORS, grace=30.0, trees=None
-):
+    store: Store, round_: int, tree: dict, writers=CONTRIBUTORS, grace=30.0, trees=None,
+    last=False,
+):  # fmt: skip
     """Every writer in ``writers`` (of the sealed ``CONTRIBUTORS``) writes its share at once,
-    each from ``tree`` unless ``trees`` gives it another, with the counters after ``round_``."""
+    each from ``tree`` unless ``trees`` gives it another, with the counters after ``round_``;
+    ``last``: the run's last checkpoint, which every writer commits."""
     policy = CheckpointPolicy.of(RunConfig(), orphan_grace=grace, poll=0.02)
     trees = {
         name: (trees or {}).get(name, tree) | {"manager": counters_after(round_)}
@@ -66,7 +68,7 @@ def write_checkpoint(
         threading.Thread(
             target=writer.write,
             args=(round_, CONTRIBUTORS, trees[name]),
-            kwargs={"last": True},
+            kwargs={"last": last},
         )
         for name, writer in instances.items()
     ]

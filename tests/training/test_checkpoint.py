@@ -32,6 +32,7 @@ from diloco_anywhere.training.mirrors import copy_checkpoint
 from support.checkpoints import (
     CONTRIBUTORS,
     RUN,
+    counters_after,
     diloco_like_state,
     rewrite_counters,
     write_checkpoint,
@@ -142,6 +143,46 @@ def test_replicas_that_commit_the_same_checkpoint_alone_agree(store, caplog) -> 
     assert "checkpoint of round 5 was committed by another replica" in caplog.text
     assert "not written" not in caplog.text
     assert_same_tree(load_checkpoint(store, RUN, 5).tree, state)
+
+
+def test_the_runs_last_checkpoint_is_committed_though_its_first_contributor_died(store) -> None:
+    """The run ends on its last COMMIT (``keeper.run_done``): every contributor commits that
+    one, so a committer killed while writing it (an attempt's time limit) leaves it to the
+    others; the first COMMIT stands and the others find it and agree."""
+    state = diloco_like_state(round_=6)
+    write_checkpoint(store, 6, state, writers=("b-0", "c-0"), grace=0.3, last=True)
+    assert committed_rounds(store, RUN) == [6]
+    checkpoint = load_checkpoint(store, RUN, 6)
+    assert len(checkpoint.commit.shards) == len(CONTRIBUTORS)  # a-0's shard written for it
+    assert_same_tree(checkpoint.tree, state)
+
+
+def test_a_replica_outside_the_seal_commits_a_last_checkpoint_its_writers_left(store) -> None:
+    """A replica that healed to the end (``write_last_if_missing``) plans the shards as the
+    SEAL's contributors did: the shards they stored are its bytes too, the rest it writes."""
+    state = diloco_like_state(round_=6)
+    write_checkpoint(store, 6, state, writers=("b-0",))  # then b-0, and the others, died
+    writer = CheckpointWriter(
+        store, RUN, "d-0", CheckpointPolicy.of(RunConfig(), orphan_grace=0.3, poll=0.02)
+    )
+    assert writer.write(6, CONTRIBUTORS, state | {"manager": counters_after(6)}, last=True)
+    writer.close()
+    assert writer.committed(6)
+    checkpoint = load_checkpoint(store, RUN, 6)
+    assert [entry.key for entry in checkpoint.commit.shards] == [
+        RUN.checkpoint_shard(6, s) for s in range(len(CONTRIBUTORS))
+    ]
+    assert_same_tree(checkpoint.tree, state)
+
+
+def test_a_last_checkpoint_that_cannot_be_written_is_raised_not_logged(store) -> None:
+    """A lost checkpoint is logged and training goes on; a lost last one would leave replicas
+    that say done on a run that never ends: the replica that wrote it fails, naming why."""
+    with pytest.raises(CheckpointError, match=r"the run's last checkpoint \(round 3\) was not "
+                       r"written: .*its writer stored other bytes"):  # fmt: skip
+        write_checkpoint(store, 3, diloco_like_state(0), trees={"b-0": diloco_like_state(1)},
+                         last=True)  # fmt: skip
+    assert committed_rounds(store, RUN) == []
 
 
 def test_a_checkpoint_without_commit_does_not_exist(store) -> None:

@@ -183,6 +183,27 @@ def test_a_newcomer_replays_the_rounds_after_an_older_checkpoint_bit_for_bit(run
     assert_holds_the_runs_final_state(state, parts, final)
 
 
+@pytest.mark.integration
+def test_a_replica_that_heals_to_the_end_commits_the_last_checkpoint_nobody_committed(run):
+    """The last round's committer was killed writing its checkpoint (an attempt's time limit),
+    the other replica too: the run's end is its last COMMIT, so the restarted replica, which
+    heals to the end and trains nothing, writes it before it says done, bit for bit the run's."""
+    final = final_checkpoint(run)
+    store, last = Store(str(run / "store")), OUTER_STEPS - 1
+    store.delete(LAYOUT.checkpoint_commit(last))
+    store.delete(LAYOUT.checkpoint_shard(last, 0))  # its writer died before writing it
+    process = worker_context().Process(target=_replica, args=(str(run / "run.toml"), 0))
+    process.start()
+    process.join(180)
+    assert process.exitcode == 0
+    assert committed_rounds(store, LAYOUT)[0] == last
+    rewritten = final_checkpoint(run)
+    assert rewritten.commit.fingerprint == final.commit.fingerprint
+    assert rewritten.commit.shards == final.commit.shards  # the same plan, the same bytes
+    events = MetricsReader(store, LAYOUT).read()["local-0"].events
+    assert events[-1].event == "done", events[-1]
+
+
 def test_without_checkpoints_a_fresh_replica_replays_from_its_initial_state(run) -> None:
     final = final_checkpoint(run)
     drop_checkpoint(run, OUTER_STEPS - 1)

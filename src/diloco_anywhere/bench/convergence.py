@@ -302,7 +302,7 @@ def _diloco_run(
     metrics = run_diloco(run, run_folder, progress)
     summary = summarize(metrics)
     sent = summary.bytes_up_per_replica
-    rounds = run.diloco.outer_steps * run.diloco.fragments
+    rounds = run.diloco.last_step
     payload = _payload_per_outer_step(run, baseline["parameters"])
     return {
         **settings,

@@ -271,6 +271,16 @@ class BucketCollective:
         finally:
             observer.release()
 
+    def sealed_contributors(self, round_: int, fragment: int = 0) -> tuple[str, ...]:
+        """Who a round was sealed with (none while it has no SEAL): the writers of its
+        checkpoint's shards, whoever commits it."""
+        observer = self._observer(round_, fragment)
+        try:
+            seal = observer.read_seal()
+            return () if seal is None else tuple(seal.contributors)
+        finally:
+            observer.release()
+
     def _observer(self, round_: int, fragment: int) -> Round:
         return Round(
             self.store, self.layout, round_, fragment, self.me, [], self.config.round,

@@ -79,7 +79,7 @@ def store_time(store: Store, layout: RunLayout) -> float:
 
 def run_done(store: Store, layout: RunLayout, config: RunConfig) -> bool:
     """A checkpoint has committed the run's last outer step (every fragment's syncs)."""
-    last = config.diloco.outer_steps * config.diloco.fragments
+    last = config.diloco.last_step
     for round_ in committed_rounds(store, layout):
         try:
             if read_commit(store, layout, round_)[0].step >= last:

@@ -40,7 +40,7 @@ class GlobalCheckpoints:
         group: ReplicaGroup,
         report: Callable[[str], None],
     ) -> None:
-        self.config, self.group = config, group
+        self.config, self.group, self.collective = config, group, collective
         self.committed_before = False  # a sync of this process
         policy = CheckpointPolicy.of(config)
         self.shard = ShardOf(group.rank, group.world_size) if group.sharded else ShardOf()
@@ -71,7 +71,7 @@ class GlobalCheckpoints:
         hyperparameters then has a checkpoint under them at once, and healing never replays
         rounds across the change."""
         step, result = manager.current_step(), manager.last_result
-        last = self.config.diloco.outer_steps * self.config.diloco.fragments
+        last = self.config.diloco.last_step
         first, self.committed_before = not self.committed_before, True
         if self.writer is None or result is None:
             return
@@ -93,6 +93,36 @@ class GlobalCheckpoints:
         tree = {"manager": manager.state_dict(), "fragments": state.checkpoint_tree(),
                 "names": state.names}  # fmt: skip
         self.writer.write(manager.last_round(), writers, tree, last=step == last, parts=parts)
+
+    def write_last_if_missing(self, manager: BucketManager, state: GlobalState) -> None:
+        """At the run's end, commit its last checkpoint if nobody has: this replica healed to
+        the end (no sync of its own wrote it) after the round's contributors died writing it.
+        The shards are planned as the SEAL's contributors planned them, so that the bytes any
+        of them stored are the same bytes (create-only puts accept them)."""
+        step, last = manager.current_step(), self.config.diloco.last_step
+        if self.writer is None or step != last:
+            return
+        self.writer.wait()
+        missing = not self.writer.committed(manager.last_round())
+        if self.group.broadcast(missing) if self.shard.sharded else missing:
+            self._write_last(manager, state, step)
+
+    def _write_last(self, manager: BucketManager, state: GlobalState, step: int) -> None:
+        assert self.writer is not None
+        assert self.collective is not None
+        round_ = manager.last_round()
+        log.warning("the run's last checkpoint (round %d) is missing: this replica writes it",
+                    round_)  # fmt: skip
+        fragment = (step - 1) % self.config.diloco.fragments
+        writers = (
+            (self.writer.me,)
+            if self.shard.sharded
+            else self.collective.sealed_contributors(round_, fragment)
+        )
+        parts = self._agree_on_parts(manager, state, step, last=True)
+        tree = {"manager": manager.state_dict(), "fragments": state.checkpoint_tree(),
+                "names": state.names}  # fmt: skip
+        self.writer.write(round_, writers, tree, last=True, parts=parts or ())
 
     def _agree_on_parts(
         self, manager: BucketManager, state: GlobalState, step: int, *, last: bool

@@ -265,7 +265,7 @@ class OwnState:
         on the thread. Skipped (logged) while the previous save still runs, except after the
         run's last step, which waits for it."""
         diloco, step = self.config.diloco, manager.current_step()
-        last_step = diloco.outer_steps * diloco.fragments
+        last_step = diloco.last_step
         if not checkpoint_due(step, self.config.checkpoint.every, last_step):
             return
         last = step == last_step

@@ -105,14 +105,13 @@ class Training:
     def _evaluation_due(self) -> bool:
         """Every ``eval_every`` outer steps (all fragments synced), and at the last one."""
         every, fragments = self.config.task.eval_every, self.config.diloco.fragments
-        step, last = self.manager.current_step(), self.config.diloco.outer_steps * fragments
+        step, last = self.manager.current_step(), self.config.diloco.last_step
         return bool(self.evaluate and every) and (step % (every * fragments) == 0 or step == last)
 
     @property
     def done(self) -> bool:
         """Every fragment has committed the run's ``outer_steps`` syncs."""
-        last_step = self.config.diloco.outer_steps * self.config.diloco.fragments
-        return self.manager.current_step() >= last_step
+        return self.manager.current_step() >= self.config.diloco.last_step
 
     def batches(self, open_at: Callable[[int], Iterator[Batch]]) -> Iterator[Batch]:
         """Batches from ``open_at(start_step)``, reopened where the run is after each heal,
@@ -312,7 +311,9 @@ class Training:
 
     def close(self) -> None:
         """The last checkpoint is committed, and the own state saved, before the replica
-        reports done."""
+        reports done (written here if nobody did: ``write_last_if_missing``)."""
+        if self.done and self.state is not None:
+            self.checkpoints.write_last_if_missing(self.manager, self.state)
         self.checkpoints.close()
         if self.own_state is not None:
             self.own_state.close()

@@ -5,10 +5,15 @@ Every sealed contributor of round ``r`` holds the same state, so they write the 
 parallel, shard ``s`` by ``contributors[s % n]`` (the sharded exchange's rule). The first
 contributor commits: it waits for the other shards, writes any still missing after
 ``orphan_grace`` itself (identical bytes, which the create-only put accepts), then puts the
-COMMIT. A sharded replica's ranks each write their own part and PART record, and rank 0
-commits once every rank's is in (``wait_for_parts``). The committer then prunes the old
-checkpoints (``prune_checkpoints``) and hands the new one to the mirrors (``mirrors.py``).
-Writing runs on a thread of its own: training waits only for the state to be copied.
+COMMIT. The run's last checkpoint is committed by every contributor (the first COMMIT stands),
+and by a replica that healed to the end and found it missing: the run ends on that COMMIT
+(``keeper.run_done``), so a committer killed while writing it (an attempt's time limit) must
+not leave a run whose replicas all say done and that never ends.
+
+A sharded replica's ranks each write their own part and PART record, and rank 0 commits once
+every rank's is in (``wait_for_parts``). The committer then prunes the old checkpoints
+(``prune_checkpoints``) and hands the new one to the mirrors (``mirrors.py``). Writing runs on
+a thread of its own: training waits only for the state to be copied.
 """
 
 from __future__ import annotations
@@ -86,9 +91,9 @@ class CheckpointWriter:
     """Writes this replica's share of checkpoints on a background thread, one at a time.
 
     A store error (an ``OSError``) loses one checkpoint, logged; the previous one stays usable.
-    Any other error
-    (a state that cannot be checkpointed) is raised on the training thread at the next
-    ``write`` or at ``close``, so a run never goes on without checkpoints unnoticed."""
+    Any other error (a state that cannot be checkpointed), and any error writing the run's last
+    checkpoint, is raised on the training thread at the next ``write`` or at ``close``, so a
+    run never goes on, or ends, without checkpoints unnoticed."""
 
     def __init__(
         self,
@@ -119,24 +124,35 @@ class CheckpointWriter:
     ) -> bool:
         """Start writing the checkpoint of ``round_``, whose state is ``tree`` (``{"manager":
         counters, "fragments": DiLoCo's state}``), if this replica is among ``contributors``
-        (the round's SEAL). The tree is copied first; True if a write started. While the
-        previous checkpoint is still being written a new one is skipped, except the ``last``
-        (the run's final state), which waits for it. ``parts``: a sharded replica's ranks'
-        fingerprints of the state they write, gathered; rank 0 commits only those parts."""
-        if self.me not in contributors:
+        (the round's SEAL), or whatever its part when it is the ``last`` (the run's final
+        state, which this replica then commits too). The tree is copied first; True if a
+        write started. While the previous checkpoint is still being written a new one is
+        skipped, except the last, which waits for it; the last one's failure is raised.
+        ``parts``: a sharded replica's ranks' fingerprints of the state they write, gathered;
+        rank 0 commits only those parts."""
+        if self.me not in contributors and not last:
             return False
-        if self._pending is not None:
-            if not (last or self.idle()):
-                log.warning("checkpoint of round %d skipped: the previous one is still being "
-                            "written (raise checkpoint.every)", round_)  # fmt: skip
-                return False
-            self._pending.result()  # raises what went wrong, other than the store
+        if not (last or self.idle()):
+            log.warning("checkpoint of round %d skipped: the previous one is still being "
+                        "written (raise checkpoint.every)", round_)  # fmt: skip
+            return False
+        self.wait()  # raises what went wrong, other than the store
         if self.shard.sharded:
             work = (self._write_part, round_, parts, snapshot(tree), last)
         else:
             work = (self._write, round_, contributors, snapshot(tree), last)
         self._pending = self._executor.submit(*work)
         return True
+
+    def wait(self) -> None:
+        """Wait for the checkpoint being written, raising what went wrong."""
+        if self._pending is not None:
+            self._pending.result()
+
+    def committed(self, round_: int) -> bool:
+        """The checkpoint of ``round_`` has its COMMIT in the store."""
+        key = self.layout.checkpoint_commit(round_)
+        return key in self.store.list_prefix(self.layout.checkpoint(round_))
 
     def idle(self) -> bool:
         """No checkpoint being written."""
@@ -154,12 +170,12 @@ class CheckpointWriter:
             self.store.put_many(
                 {keys[s]: shards[s] for s, owner in enumerate(owners) if owner == self.me}
             )
-            if owners[0] == self.me:
+            if owners[0] == self.me or last:
                 commit = _commit_fields(self.layout, round_, tree)
                 shards_by_key = dict(zip(keys, shards, strict=True))
                 self._commit(commit, shards_by_key, owners, structure, last)
         except (OSError, CheckpointError) as exc:  # the store's errors are OSErrors
-            log.warning("checkpoint of round %d not written: %s", round_, exc)
+            _not_written(round_, exc, last)
 
     def _write_part(
         self, round_: int, expected: tuple[str, ...], tree: dict[str, Any], last: bool
@@ -193,7 +209,7 @@ class CheckpointWriter:
                 prune_checkpoints(self.store, self.layout, self.policy.keep, round_)
                 self._mirror(StoredPart(round_, 0, part, objects, done, commit_bytes), last)
         except (OSError, CheckpointError) as exc:
-            log.warning("checkpoint of round %d not written: %s", round_, exc)
+            _not_written(round_, exc, last)
 
     def _mirror(self, stored: StoredCheckpoint | StoredPart, last: bool) -> None:
         if self.mirror is not None:
@@ -277,9 +293,18 @@ class CheckpointWriter:
 
     def close(self, wait: bool = True) -> None:
         """Wait for the checkpoint being written (raising what went wrong) and stop."""
-        if wait and self._pending is not None:
-            self._pending.result()
+        if wait:
+            self.wait()
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
+
+
+def _not_written(round_: int, error: Exception, last: bool) -> None:
+    """One checkpoint lost is logged (the previous one stays usable); the run's last is raised:
+    the replica must not report done on a run that cannot end without it."""
+    if last:
+        raise CheckpointError(f"the run's last checkpoint (round {round_}) was not written: "
+                              f"{error}") from error  # fmt: skip
+    log.warning("checkpoint of round %d not written: %s", round_, error)
 
 
 PartCheck = Callable[[int, RankPart], bool]  # whether rank k's PART record is the one expected
