@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from diloco_anywhere.backends.base import ReplicaHandle
+from diloco_anywhere.backends.base import ReplicaHandle, ReplicaSpec
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.policy import CollectiveConfig, LeasePolicy
 from diloco_anywhere.config import load_config
 from diloco_anywhere.launching.launch import (
+    in_last_launch_order,
     load_handles,
     mark_stopped,
     plan_launch,
@@ -415,3 +416,17 @@ def test_two_launchers_cannot_both_start_the_run(tmp_path):
     with pytest.raises(LaunchTakenError, match="launch 0 of run t was taken by another"):
         second.begin((), None, {}, 2.0, checked[1])
     assert first.latest().record == record
+
+
+def test_a_launch_keeps_each_replica_ids_index_whatever_the_order_of_its_backends(run_toml):
+    """The index follows the order of the platforms: the last launch's order is kept (new
+    platforms after it), so reordering ``--backend`` moves no replica id to another shard."""
+    config = load_config(run_toml(replicas=3))
+    assert in_last_launch_order(config, {"local": 1, "hf_jobs": 1}) == {"local": 1, "hf_jobs": 1}
+    before = (
+        ReplicaSpec("hf_jobs-0", 0, "hf_jobs", {}, ()),
+        ReplicaSpec("local-0", 1, "local", {}, ()),
+    )
+    run_launches(config).begin(before, None, {}, time.time())
+    counts = in_last_launch_order(config, {"modal": 1, "local": 2, "hf_jobs": 1})
+    assert list(counts.items()) == [("hf_jobs", 1), ("local", 2), ("modal", 1)]

@@ -107,6 +107,16 @@ class RunLayout:
         (``training.initial_state``)."""
         return f"{self.exchange}/initial-state"
 
+    def replica_index(self, index: int, member: Participant) -> str:
+        """Incarnation ``member`` took data shard ``index`` (``training.replica_index``): one
+        running replica per index."""
+        return f"{self.replica_indices(index)}/{member.name}"
+
+    def replica_indices(self, index: int) -> str:
+        """The folder of the incarnations given ``index``, each a key named by its
+        contributor name (``parse_contributor``)."""
+        return f"{self.run}/indices/{_check_count(index, 'replica index'):06d}"
+
     # -- membership ------------------------------------------------------------------------
 
     def members(self) -> str:

@@ -46,6 +46,7 @@ from diloco_anywhere.launching.launch import (
     backends_for,
     describe,
     dry_run_on_servers,
+    in_last_launch_order,
     job_state,
     load_handles,
     mark_stopped,
@@ -164,7 +165,9 @@ def launch(
         typer.Option(
             help="Where replicas run: a backend name, or name=count; repeat the option for "
             f"a run across platforms. Backends: {', '.join(BACKENDS)}. Default: every "
-            "[backends.*] of run.toml that sets replicas, else local.",
+            "[backends.*] of run.toml that sets replicas, else local. Replicas take data "
+            "shard indexes in the order of the platforms; a run launched before keeps its "
+            "last launch's order, whatever the order of the options (not --dry-run's plan).",
         ),
     ] = None,
     replicas: Annotated[
@@ -247,6 +250,8 @@ def launch(
         config = load_config(config_path)
         counts = parse_backends(backend or [], config, replicas)
         config = _sized(config, sum(counts.values()))
+        if not (dry_run or server_dry_run):  # reads the store; a dry run plans from the options
+            counts = in_last_launch_order(config, counts)
         plan = plan_launch(config, counts)
         ahead = forecast(plan)
         for line in ahead.lines():

@@ -149,6 +149,19 @@ def run_launches(config: RunConfig) -> Launches:
     return Launches(Store(config.store_url()), RunLayout(config.run.name))
 
 
+def in_last_launch_order(config: RunConfig, counts: dict[str, int]) -> dict[str, int]:
+    """``counts`` with its platforms in the order of the run's last launch, platforms new to
+    this one after them: replica ``{platform}-{k}``'s data shard index follows the launch's
+    order of platforms (``plan_launch``), so a launch whose ``--backend`` options are only
+    ordered otherwise gives every replica id the index it had."""
+    latest = run_launches(config).latest()
+    if latest is None:
+        return counts
+    before = list(dict.fromkeys(replica.platform for replica in latest.record.replicas))
+    position = {platform: k for k, platform in enumerate(before)}
+    return dict(sorted(counts.items(), key=lambda item: position.get(item[0], len(before))))
+
+
 def store_has_run(config: RunConfig) -> bool:
     return bool(Store(config.store_url()).list_prefix(RunLayout(config.run.name).run))
 

@@ -64,6 +64,7 @@ from diloco_anywhere.training.metrics import MetricsWriter
 from diloco_anywhere.training.mistakes import ScriptMistakeError
 from diloco_anywhere.training.parameter_names import uncompiled
 from diloco_anywhere.training.replica_group import ReplicaGroup
+from diloco_anywhere.training.replica_index import DuplicateIndexError, take_index
 from diloco_anywhere.training.sharding import Sharding, check_sharded, check_sharding
 from diloco_anywhere.training.training import Training
 
@@ -132,8 +133,19 @@ class Replica:
                 on_superseded=self._superseded,
             )  # fmt: skip
         if self.group.is_leader:
+            self._take_index()
             incarnation = self.collective.me.incarnation  # type: ignore[union-attr]
             self.metrics = MetricsWriter(store, layout, replica_id, incarnation, platform)
+
+    def _take_index(self) -> None:
+        """Refuse to run beside another running replica given the same data shard index
+        (``replica_index.py``), leaving the run at once: no lease of ours makes others wait."""
+        assert self.collective is not None
+        try:
+            take_index(self.collective, self.index, self.config.run.replicas)
+        except DuplicateIndexError:
+            self.collective.close(wait=False)
+            raise
 
     @property
     def total_steps(self) -> int:
