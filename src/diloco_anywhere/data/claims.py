@@ -66,6 +66,13 @@ class UnitClaim(Record):
     rank: Count
 
 
+def share(round_: int, replicas: int, index: int, count: int) -> range:
+    """The ``count`` units replica ``index`` trains in ``round_`` of a run whose ``replicas``
+    all train every round: one per process, ``(round x replicas + index) x count`` on."""
+    first = (round_ * replicas + index) * count
+    return range(first, first + count)
+
+
 def agree_on_plan(store: Store, layout: RunLayout, plan: DataPlan) -> None:
     """Record the run's data plan, or check this replica's against the one recorded."""
     theirs = first_written(store, layout.data_plan(), plan)
@@ -163,9 +170,9 @@ class Claims:
             for unit in range(floor, max(frontier, first))
             if unit not in claimed or claimed[unit].free
         ]
-        share = range(first + self.index * count, first + (self.index + 1) * count)
+        own = share(round_, self.replicas, self.index, count)
         yield from ((unit, attempt) for unit, attempt in free if unit < first)
-        yield from ((unit, 0) for unit in share if unit >= frontier or unit not in claimed)
+        yield from ((unit, 0) for unit in own if unit >= frontier or unit not in claimed)
         yield from ((unit, attempt) for unit, attempt in free if unit >= first)
         unit = frontier
         while True:

@@ -18,7 +18,7 @@ import crc32c
 
 from diloco_anywhere.bucket.record import encode_record
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.data.claims import DataPlan
+from diloco_anywhere.data.claims import DataPlan, share
 from diloco_anywhere.data.defaults import BLOCK_TOKENS, HELDOUT_FRACTION, SHARD_TOKENS
 from diloco_anywhere.data.manifest import Manifest
 from diloco_anywhere.data.order import Order
@@ -34,11 +34,11 @@ Assigner = Callable[[DataPlan], Callable[[int], int]]
 
 def fixed_units(replica_index: int, replicas: int, rank: int, ranks: int) -> Assigner:
     """Without a bucket to claim in (a task built outside a run, e.g. by a benchmark): process
-    ``rank`` of replica ``replica_index`` trains unit ``(round x replicas + index) x ranks +
-    rank``, the share a run of fixed replicas that all contribute to every round would have."""
+    ``rank`` of replica ``replica_index`` trains its unit of the replica's ``share``, as in a
+    run of fixed replicas that all contribute to every round."""
 
     def assign(_plan: DataPlan) -> Callable[[int], int]:
-        return lambda round_: (round_ * replicas + replica_index) * ranks + rank
+        return lambda round_: share(round_, replicas, replica_index, ranks)[rank]
 
     return assign
 
