@@ -115,6 +115,14 @@ class DilocoSection(_Section):
     outer_lr: Annotated[float, Field(gt=0)] = 0.7
     outer_momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
     outer_nesterov: bool = True
+    # How many inner steps each replica trains a round (docs/tuning.md, "Mixed hardware"):
+    # "steps": sync_every / fragments each, the round closing at the slowest one's pace;
+    # "time": as many as fit in the round's length, each contribution weighted by its tokens.
+    pace: Literal["steps", "time"] = "steps"
+    # with pace = "time" (0: the default; TOML has no null)
+    round_seconds: Annotated[float, Field(ge=0)] = 0.0  # 0: H / fragments of the fastest's steps
+    min_round_steps: Annotated[int, Field(ge=0)] = 0  # 0: about an eighth of H / fragments
+    max_round_steps: Annotated[int, Field(ge=0)] = 0  # 0: 4 x H / fragments
 
     @model_validator(mode="before")
     @classmethod
@@ -137,6 +145,31 @@ class DilocoSection(_Section):
         return self.outer_steps * self.sync_every
 
     @property
+    def round_steps(self) -> int:
+        """The inner steps of a round (one fragment's sync) at the reference pace: every
+        replica's with ``pace = "steps"``, the fastest one's with ``"time"``."""
+        return self.sync_every // self.fragments
+
+    @property
+    def step_quantum(self) -> int:
+        """What a replica's steps in a round are a multiple of: the steps of one unit of the
+        run's data (``data/claims.py``). A round's, without pacing by time."""
+        if self.pace == "steps":
+            return self.round_steps
+        if self.min_round_steps:
+            return self.min_round_steps
+        eighth = max(1, self.round_steps // 8)
+        return max(d for d in range(1, eighth + 1) if self.round_steps % d == 0)
+
+    @property
+    def round_steps_bounds(self) -> tuple[int, int]:
+        """The fewest and the most inner steps a replica trains in a round."""
+        if self.pace == "steps":
+            return self.round_steps, self.round_steps
+        most = self.max_round_steps or 4 * self.round_steps
+        return self.step_quantum, most
+
+    @property
     def last_step(self) -> int:
         """The manager's step once the run is done: every fragment has synced ``outer_steps``
         times (the step a Streaming DiLoCo manager counts per fragment's sync)."""
@@ -154,6 +187,36 @@ class DilocoSection(_Section):
             raise ValueError(
                 f"fragment_sync_delay ({self.fragment_sync_delay}) must be less than "
                 f"sync_every / fragments ({self.sync_every // self.fragments})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _pace(self) -> DilocoSection:
+        """The bounds of a round's steps hold whole units of data and make room for
+        ``fragment_sync_delay``; they mean nothing without pacing by time."""
+        timed = {"round_seconds": self.round_seconds, "min_round_steps": self.min_round_steps,
+                 "max_round_steps": self.max_round_steps}  # fmt: skip
+        given = [name for name, value in timed.items() if value]
+        if self.pace == "steps" and given:
+            verb = "applies" if len(given) == 1 else "apply"
+            raise ValueError(f'{", ".join(given)} {verb} only with pace = "time"')
+        if self.pace == "steps":
+            return self
+        least, most = self.round_steps_bounds
+        if self.round_steps % least:
+            raise ValueError(
+                f"min_round_steps ({least}) must divide sync_every / fragments "
+                f"({self.round_steps}): the data is claimed in units of min_round_steps steps"
+            )
+        if most < self.round_steps or most % least:
+            raise ValueError(
+                f"max_round_steps ({most}) must be a multiple of min_round_steps ({least}), "
+                f"at least sync_every / fragments ({self.round_steps})"
+            )
+        if self.fragment_sync_delay >= least:
+            raise ValueError(
+                f"fragment_sync_delay ({self.fragment_sync_delay}) must be less than "
+                f"min_round_steps ({least}): a fragment is sent that many steps before its sync"
             )
         return self
 

@@ -138,7 +138,7 @@ def test_a_folder_without_a_manifest_says_how_to_prepare_one(tmp_path):
 
 
 def _source(corpus: str, replica: int, replicas: int) -> DataSource:
-    return DataSource(corpus, seed=3, batches_per_round=4,
+    return DataSource(corpus, seed=3, batches_per_unit=4,
                       assign=fixed_units(replica, replicas, 0, 1))  # fmt: skip
 
 
@@ -172,11 +172,11 @@ def test_a_round_s_unit_is_asked_for_only_when_a_batch_of_it_is(corpus):
     """Reading ahead stays within the round: a run that ends after round 1 claims no round 2."""
     asked: list[int] = []
 
-    def unit_of_round(round_: int) -> int:
+    def units_of(round_: int, count: int) -> list[int]:
         asked.append(round_)
-        return round_
+        return [round_] * count
 
-    source = DataSource(corpus, seed=3, batches_per_round=4, assign=lambda _: unit_of_round)
+    source = DataSource(corpus, seed=3, batches_per_unit=4, assign=lambda _: units_of)
     batches = source.open(16, 2, BYTES).batches(2)
     _take(batches, 2 + 4)  # the rest of round 0, then round 1
     assert asked == [0, 1]
@@ -210,7 +210,7 @@ def _raw(tmp_path) -> str:
 
 
 def _raw_source(raw: str, copy: Path, holder: str = "me-0") -> DataSource:
-    return DataSource(raw, seed=0, batches_per_round=2,
+    return DataSource(raw, seed=0, batches_per_unit=2,
                       assign=fixed_units(0, 1, 0, 1), copy=str(copy), holder=holder)  # fmt: skip
 
 

@@ -155,12 +155,12 @@ def test_the_page_shows_every_replica_in_diloco_status_columns_and_the_headline(
     by_replica = {cells[0]: cells for cells in body}
     assert list(by_replica) == [row.replica for row in rows]
     assert by_replica["local-0"] == [
-        "local-0", "local", "running", "2", "nan", "2.200", "12,346", "0/0", "2 min ago"
+        "local-0", "local", "running", "2", "nan", "2.200", "12,346", "-", "0%", "0/0", "2 min ago"
     ]  # fmt: skip
     assert by_replica["local-1"][2:4] == [
         "failed diverged 1x mirror failed 2x superseded 1x clock +7s", "2"
     ]  # fmt: skip
-    assert by_replica["local-1"][7:] == ["1/0", "42 s ago"]  # restarted once, never healed
+    assert by_replica["local-1"][9:] == ["1/0", "42 s ago"]  # restarted once, never healed
     assert "run status-run" in text
     assert "written 2026-11-02 09:30 UTC by the keeper on runner-7" in text
     assert (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -24,7 +25,12 @@ from diloco_anywhere.collective.membership import Heartbeat, claim_incarnation
 from diloco_anywhere.collective.policy import LeasePolicy
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.launching.report import summarize
-from diloco_anywhere.launching.status import ReplicaStatus, replica_skews, replica_statuses
+from diloco_anywhere.launching.status import (
+    ReplicaStatus,
+    replica_skews,
+    replica_statuses,
+    waiting_share,
+)
 from diloco_anywhere.task import TaskContext, build_task, load_entrypoint
 from diloco_anywhere.training.builders import split_fragments
 from diloco_anywhere.training.global_state import FRAGMENT_KEY, GlobalState
@@ -303,6 +309,19 @@ def test_status_shows_a_replicas_clock_skew_and_counts_last_seen_in_the_stores_t
     assert "superseded 1x" in shown
 
 
+def test_the_status_table_says_which_replicas_wait_on_the_others_and_which_hold_them_up():
+    waiting = dataclasses.replace(_row("modal-0", "modal", "running"), waiting=0.62)
+    slow = dataclasses.replace(_row("sagemaker-0", "sagemaker", "running"), behind=True,
+                               waiting=0.05)  # fmt: skip
+    console = Console(width=200, record=True)
+    console.print(status_table([waiting, slow], "t"))
+    lines = console.export_text().splitlines()
+    assert "running, waits 62%" in next(line for line in lines if "modal-0" in line)
+    shown = next(line for line in lines if "sagemaker-0" in line)
+    assert "running, behind" in shown
+    assert "waits" not in shown  # 5% is noise
+
+
 def _row(replica: str, platform: str, state: str) -> ReplicaStatus:
     return ReplicaStatus(
         replica=replica, platform=platform, state=state, outer_step=312, loss=2.4567,
@@ -329,3 +348,16 @@ def test_the_status_table_fits_80_columns_with_whole_headers_and_numbers():
     console = Console(width=80, record=True)
     console.print(status_table([_row("trainer-a", "k8s", "running")], "t"))
     assert "platform" in console.export_text()
+
+
+def test_the_waiting_share_is_exposed_sync_time_over_the_recent_rounds_of_one_incarnation():
+    def sync(at: float, exposed: float) -> SyncLine:
+        return _sync(1, None).model_copy(update={"time": at, "sync_exposed_seconds": exposed})
+
+    assert waiting_share([]) is None
+    assert waiting_share([sync(10.0, 1.0)]) is None  # one sync: no round measured yet
+    # rounds of 10 s, waiting 1, 3, then a restart (its exposed time starts again at 0.5)
+    lines = [sync(0.0, 0.0), sync(10.0, 1.0), sync(20.0, 4.0), sync(30.0, 0.5), sync(40.0, 1.5)]
+    assert waiting_share(lines) == pytest.approx((1 + 3 + 1) / 30)
+    many = [sync(10.0 * k, 5.0 * k) for k in range(20)]  # half the time, every round
+    assert waiting_share(many) == pytest.approx(0.5)

@@ -33,7 +33,7 @@ def make(replica: int = 0, replicas: int = 2, seed: int = 0, **options: Any) -> 
     """The task as replica ``replica`` of ``replicas`` builds it, its data a fixed share."""
     corpus = str(options.get("corpus", "stdlib"))
     copy = COPIES / hashlib.sha256(corpus.encode()).hexdigest()[:12]
-    source = DataSource("", seed=seed, batches_per_round=4,
+    source = DataSource("", seed=seed, batches_per_unit=4,
                         assign=fixed_units(replica, replicas, 0, 1), copy=str(copy))  # fmt: skip
     return build(TaskContext(replica, replicas, seed, torch.device("cpu"), options, data=source))
 
@@ -150,7 +150,7 @@ def test_a_corpus_prepared_with_another_tokenizer_or_given_twice_is_refused(tmp_
     with Store(str(tmp_path / "corpus")) as store:
         store.put(SETTINGS, encode_record(tampered))
         store.put(MANIFEST, encode_record(Manifest(settings=tampered, sources=())))
-    source = DataSource(str(tmp_path / "corpus"), seed=0, batches_per_round=2,
+    source = DataSource(str(tmp_path / "corpus"), seed=0, batches_per_unit=2,
                         assign=fixed_units(0, 1, 0, 1))  # fmt: skip
     context = TaskContext(0, 1, 0, torch.device("cpu"), {}, data=source)
     with pytest.raises(ValueError, match="prepared with tokenizer 'gpt2'"):

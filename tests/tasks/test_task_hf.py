@@ -32,7 +32,7 @@ def _options(corpus) -> dict:
 def _context(corpus, replica_index: int = 0) -> TaskContext:
     """Replica ``replica_index`` of 2, its data a fixed share of the corpus, prepared once for
     the module next to it."""
-    source = DataSource("", seed=7, batches_per_round=5,
+    source = DataSource("", seed=7, batches_per_unit=5,
                         assign=fixed_units(replica_index, 2, 0, 1),
                         copy=str(corpus[0].parent / "copy"))  # fmt: skip
     return TaskContext(replica_index, 2, 7, torch.device("cpu"), _options(corpus), total_steps=30,
@@ -66,7 +66,7 @@ def test_a_prepared_corpus_streams_micro_batches_of_the_task_s_tokens(hf_corpus,
                             shard_tokens=2000, block_tokens=128)  # fmt: skip
     with Store(str(tmp_path / "corpus")) as store:
         prepare(str(hf_corpus[1]), store, tokenizer, settings)
-    source = DataSource(str(tmp_path / "corpus"), seed=7, batches_per_round=5,
+    source = DataSource(str(tmp_path / "corpus"), seed=7, batches_per_unit=5,
                         assign=fixed_units(0, 2, 0, 1))  # fmt: skip
     options = {k: v for k, v in _options(hf_corpus).items() if k != "data"}
     context = TaskContext(0, 2, 7, torch.device("cpu"), options, total_steps=30, data=source)

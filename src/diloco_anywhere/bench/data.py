@@ -82,7 +82,7 @@ def _stream(url: str, seq_len: int, batch: int, batches: int, results: Any) -> N
     """In a fresh interpreter: open the corpus as a replica does; time its first batch and
     the batches after it; the process's peak resident set."""
     started = time.perf_counter()
-    source = DataSource(url, seed=0, batches_per_round=batches, assign=fixed_units(0, 1, 0, 1))
+    source = DataSource(url, seed=0, batches_per_unit=batches, assign=fixed_units(0, 1, 0, 1))
     stream = source.open(seq_len, batch).batches(0)
     next(stream)
     first = time.perf_counter() - started

@@ -12,9 +12,8 @@ from typing import TYPE_CHECKING
 from rich import box
 from rich.table import Table
 
-from diloco_anywhere.collective.membership import SKEW_SHOWN
 from diloco_anywhere.launching.report import RunSummary
-from diloco_anywhere.launching.status import ReplicaStatus
+from diloco_anywhere.launching.status import ReplicaStatus, notes
 
 if TYPE_CHECKING:
     from diloco_anywhere.data.coverage import Coverage
@@ -42,16 +41,14 @@ def status_table(rows: list[ReplicaStatus], title: str) -> Table:
     return table
 
 
+STYLES = {"bad": "bold red", "warn": "yellow", "quiet": ""}
+
+
 def _status_cells(row: ReplicaStatus, platform: bool) -> list[str]:
     state = row.state
-    if row.divergences:  # loud: a replica whose weights differed from the others'
-        state = f"[bold red]{state}, diverged {row.divergences}x[/bold red]"
-    if row.mirror_failures:  # a checkpoint that did not reach a mirror
-        state = f"{state}, [yellow]mirror failed {row.mirror_failures}x[/yellow]"
-    if row.superseded:  # an old incarnation that ended itself when a newer one started
-        state = f"{state}, superseded {row.superseded}x"
-    if row.clock_skew is not None and abs(row.clock_skew) >= SKEW_SHOWN:
-        state = f"{state}, [yellow]clock {row.clock_skew:+.0f}s[/yellow]"
+    for kind, text in notes(row):
+        style = STYLES[kind]
+        state = f"{state}, [{style}]{text}[/{style}]" if style else f"{state}, {text}"
     return [
         row.replica, *((row.platform,) if platform else ()), state, str(row.outer_step),
         "-" if row.loss is None else f"{row.loss:.3f}",

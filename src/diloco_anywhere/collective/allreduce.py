@@ -40,7 +40,7 @@ from diloco_anywhere.collective.membership import (
 )
 from diloco_anywhere.collective.parts import Transfers, one_intra_op_thread
 from diloco_anywhere.collective.policy import CollectiveConfig
-from diloco_anywhere.collective.records import Seal
+from diloco_anywhere.collective.records import NO_PACE, Pace, Seal
 from diloco_anywhere.collective.round import Round
 from diloco_anywhere.collective.sharded import sharded_mean
 from diloco_anywhere.collective.stream_order import StreamOrder
@@ -56,12 +56,14 @@ class RoundResult:
     seal: Seal
     fingerprint: str  # of the sealed contributors' global state
     excluded: dict[str, str] = field(default_factory=dict)  # contributor -> why
+    paces: dict[str, Pace] = field(default_factory=dict)  # sealed contributor -> its pace
 
 
 def _exchange(round_: Round, seal: Seal, destination: FlatTensors) -> RoundResult:
     EXCHANGES[seal.mode](round_, seal, destination)
-    fingerprint = round_.sealed_manifests(seal)[0].fingerprint
-    return RoundResult(seal, fingerprint, dict(round_.excluded))
+    manifests = round_.sealed_manifests(seal)
+    paces = {name: m.pace for name, m in zip(seal.contributors, manifests, strict=True)}
+    return RoundResult(seal, manifests[0].fingerprint, dict(round_.excluded), paces)
 
 
 def finish_round(round_: Round, destination: FlatTensors | None = None) -> RoundResult:
@@ -171,6 +173,7 @@ class BucketCollective:
         codec: Codec | None = None,
         fingerprint: str | Callable[[], str] = "",
         source: torch.Tensor | None = None,
+        pace: Pace = NO_PACE,
     ) -> Work:
         """Start round ``round_`` of ``fragment`` with this replica's ``tensor``; returns at
         once. When the round is done, ``tensor`` holds the mean, written in place.
@@ -192,6 +195,7 @@ class BucketCollective:
         fingerprint are averaged together (docs/collective.md, "Integrity"). A callable is
         called on the round's thread, off the training thread; what it reads must not change
         until the round is done (DiLoCo changes its global state only after the round).
+        ``pace``: how the contribution was trained, recorded in its manifest for the others.
         """
         self.membership.check()
         destination = FlatTensors(tensor if isinstance(tensor, list) else [tensor])
@@ -203,7 +207,7 @@ class BucketCollective:
         future = self._executor.submit(
             self._run_round, contribution, destination, round_, fragment, weight,
             codec or self.config.codec, fingerprint, self._latest.get(fragment),
-            StreamOrder(destination.device),
+            StreamOrder(destination.device), pace,
         )  # fmt: skip
         self._latest[fragment] = future
         return Work(future, tensor)
@@ -219,6 +223,7 @@ class BucketCollective:
         fingerprint: str | Callable[[], str],
         previous: Future[RoundResult] | None,
         order: StreamOrder,
+        pace: Pace,
     ) -> RoundResult:
         if previous is not None:  # submitted earlier, so running or done: no deadlock
             wait([previous])
@@ -230,7 +235,7 @@ class BucketCollective:
             self.store, self.layout, round_, fragment, self.me, members(),
             self.config.round, members, self.config.lease.period, self._transfers,
         )  # fmt: skip
-        round_state.contribute(source, weight, codec, fingerprint)
+        round_state.contribute(source, weight, codec, fingerprint, pace)
         result = finish_round(round_state, destination)
         order.after_writing()
         self._finished[fragment] = round_

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Annotated
 
 from pydantic import Field, field_validator, model_validator
@@ -24,6 +25,26 @@ def check_weight(weight: float) -> float:
     if not (isinstance(weight, float | int) and math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
         raise ValueError(f"weight {weight!r} is not allowed: a number > 0 and at most 2^64")
     return float(weight)
+
+
+MAX_PACE_SECONDS = 7 * 86400.0  # a round's training longer than a week is no pace
+
+
+@dataclass(frozen=True)
+class Pace:
+    """How a contribution was trained: its inner steps and the seconds they took, the sync's
+    waiting left out (0, 0: not measured). Replicas pacing rounds by time plan their next
+    ones from the paces a round was sealed with (``training/pace.py``)."""
+
+    steps: int = 0
+    seconds: float = 0.0
+
+    @property
+    def step_seconds(self) -> float | None:
+        return self.seconds / self.steps if self.steps and self.seconds > 0 else None
+
+
+NO_PACE = Pace()
 
 
 class PartEntry(Record):
@@ -49,6 +70,12 @@ class Manifest(Record):
     codec: Codec
     numel: Count
     parts: tuple[PartEntry, ...]
+    steps: Count = 0  # the contribution's inner steps (``Pace``)
+    seconds: Annotated[float, Field(ge=0, le=MAX_PACE_SECONDS)] = 0.0  # their training time
+
+    @property
+    def pace(self) -> Pace:
+        return Pace(self.steps, self.seconds)
 
     @field_validator("weight")
     @classmethod

@@ -40,7 +40,7 @@ from diloco_anywhere.collective.membership import (
 )
 from diloco_anywhere.collective.parts import MissingPartError, Part, PartIO, Transfers
 from diloco_anywhere.collective.policy import ExchangeMode, RoundPolicy
-from diloco_anywhere.collective.records import Manifest, PartEntry, Seal
+from diloco_anywhere.collective.records import NO_PACE, Manifest, Pace, PartEntry, Seal
 from diloco_anywhere.collective.transfers import windowed
 
 log = logging.getLogger(__name__)
@@ -126,9 +126,10 @@ class Round:
         weight: float,
         codec: Codec,
         fingerprint: str = "",
+        pace: Pace = NO_PACE,
     ) -> Manifest:
         """Encode and put the parts, ``window`` at a time, straight from ``source`` (which must
-        not change until the round is done), then the manifest."""
+        not change until the round is done), then the manifest (with how it was trained)."""
         if isinstance(source, torch.Tensor):
             source = FlatTensors([source.reshape(-1)])
         self.source = source
@@ -154,6 +155,8 @@ class Round:
             codec=codec,
             numel=source.numel,
             parts=tuple(entries),
+            steps=pace.steps,
+            seconds=pace.seconds,
         )
         key = self.layout.manifest(self.round, self.fragment, me.replica, me.incarnation)
         self.store.put(key, encode_record(manifest))

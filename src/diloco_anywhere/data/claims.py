@@ -1,8 +1,9 @@
 """Which replica trains which part of the run's data: claims on units of the stream, in the bucket.
 
-The data stream (``order.py``) is cut into units of ``unit_sequences`` consecutive positions: what
-one process of a replica trains in one round (``batches_per_round x sequences per batch``).
-At the start of each round a replica claims one unit per process with a create-only write of
+The data stream (``order.py``) is cut into units of ``unit_sequences`` consecutive positions:
+``batches_per_unit x sequences per batch``, one process's steps of a round at the reference pace
+(a part of them when rounds are paced by time, ``training/pace.py``). At the start of each round
+a replica claims the units its processes train with create-only writes of
 ``data/claims/{unit}-{attempt}`` naming the round and itself (``Replica-incarnation``), taking
 the lowest unit that is free: one nobody claimed yet, or one given back. No server decides:
 two replicas racing for a unit both try the same key, and the store lets one create it.
@@ -63,7 +64,7 @@ class UnitClaim(Record):
     attempt: Count
     contributor: str = Field(min_length=1, max_length=256)  # '<replica>-<incarnation>'
     round: Count
-    rank: Count
+    rank: Count  # its place in the round's claim: process r of n trains places r, r + n, ...
 
 
 def share(round_: int, replicas: int, index: int, count: int) -> range:
@@ -111,13 +112,15 @@ class Claims:
 
     def __init__(
         self, store: Store, layout: RunLayout, contributor: str, min_replicas: int,
-        index: int = 0, replicas: int = 1,
+        index: int = 0, replicas: int = 1, share_units: int | None = None,
     ) -> None:  # fmt: skip
         """``index`` of ``replicas``: the replica's own share of each round, tried first once
-        nothing is behind (``_candidates``)."""
+        nothing is behind (``_candidates``); ``share_units`` units each (by default, as many
+        as a round's claim asks for: replicas paced by time ask for more or fewer)."""
         parse_contributor(contributor)
         self.store, self.layout, self.contributor = store, layout, contributor
         self.min_replicas, self.index, self.replicas = min_replicas, index, replicas
+        self.share_units = share_units
         self._claims: dict[str, UnitClaim] = {}  # every claim read, by key
         # every sealed round read: the contributors it applied (none for a round sealed by
         # fewer than min_replicas, or whose SEAL no replica can read: no replica applied it)
@@ -125,8 +128,9 @@ class Claims:
         self._mine: dict[int, list[int]] = {}  # round -> units this incarnation claimed
 
     def units(self, round_: int, count: int) -> list[int]:
-        """``count`` units to train in round ``round_`` (one per process of the replica): those
-        this incarnation claimed for it already (a heal reopens a round's data), else new ones."""
+        """``count`` units to train in round ``round_`` (as many per process of the replica):
+        those this incarnation claimed for it already (a heal reopens a round's data), else
+        new ones."""
         if round_ not in self._mine:
             self._mine[round_] = self._claim(round_, count)
         return self._mine[round_]
@@ -152,25 +156,27 @@ class Claims:
     def _candidates(self, round_: int, count: int) -> Iterator[tuple[int, int]]:
         """(unit, attempt) to try: first the free units before the round's shares (given back,
         or skipped by an absent replica, from the store's first round on), lowest first; then
-        this replica's own share of the round (``round x replicas + index``, times ``count``),
+        this replica's own share of the round (``share``: ``round x replicas + index``, times
+        the share's size),
         so that a run whose replicas all train every round trains the same units in the same
         replicas each time it is run; then every other free unit, lowest first, and the never
         claimed."""
         states = self.states()
         claimed = {state.unit: state for state in states}
-        first = round_ * self.replicas * count
+        size = self.share_units or count
+        first = round_ * self.replicas * size
         # the run's data in this store begins with the shares of its first round claimed: a
         # run resumed into a new store from a mirror's checkpoint goes on where the checkpoint
         # is, not from unit 0
         lowest = min((claim.round for claim in self._claims.values()), default=round_)
-        floor = lowest * self.replicas * count
+        floor = lowest * self.replicas * size
         frontier = states[-1].unit + 1 if states else first
         free = [
             (unit, claimed[unit].attempts if unit in claimed else 0)
             for unit in range(floor, max(frontier, first))
             if unit not in claimed or claimed[unit].free
         ]
-        own = share(round_, self.replicas, self.index, count)
+        own = share(round_, self.replicas, self.index, size)
         yield from ((unit, attempt) for unit, attempt in free if unit < first)
         yield from ((unit, 0) for unit in own if unit >= frontier or unit not in claimed)
         yield from ((unit, attempt) for unit, attempt in free if unit >= first)

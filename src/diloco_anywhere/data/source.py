@@ -25,20 +25,23 @@ from diloco_anywhere.data.order import Order
 from diloco_anywhere.data.prepare import settings_for
 from diloco_anywhere.data.prepare_once import is_prepared, prepare_once
 from diloco_anywhere.data.reader import TokenReader, read_manifest
-from diloco_anywhere.data.stream import WINDOW_CHUNKS, Stream, StreamShape
+from diloco_anywhere.data.stream import WINDOW_CHUNKS, SpanOf, Stream, StreamShape, UnitsOf
 from diloco_anywhere.data.tokenizers import ByteTokenizer, HfTokenizer, TokenizerIdentity
 
-# Given the run's data plan: the unit this process trains in a round.
-Assigner = Callable[[DataPlan], Callable[[int], int]]
+# Given the run's data plan: the units this process trains in a round.
+Assigner = Callable[[DataPlan], UnitsOf]
 
 
 def fixed_units(replica_index: int, replicas: int, rank: int, ranks: int) -> Assigner:
     """Without a bucket to claim in (a task built outside a run, e.g. by a benchmark): process
-    ``rank`` of replica ``replica_index`` trains its unit of the replica's ``share``, as in a
+    ``rank`` of replica ``replica_index`` trains its units of the replica's ``share``, as in a
     run of fixed replicas that all contribute to every round."""
 
-    def assign(_plan: DataPlan) -> Callable[[int], int]:
-        return lambda round_: share(round_, replicas, replica_index, ranks)[rank]
+    def assign(_plan: DataPlan) -> UnitsOf:
+        def units_of(round_: int, count: int) -> list[int]:
+            return list(share(round_, replicas, replica_index, ranks * count)[rank::ranks])
+
+        return units_of
 
     return assign
 
@@ -63,8 +66,9 @@ class RawText:
 class DataSource:
     corpus: str  # run.toml's [task] data: a prepared folder or raw text ("": the task's own)
     seed: int
-    batches_per_round: int
+    batches_per_unit: int  # a unit of the run's data: this many steps of one process
     assign: Assigner
+    span_of: SpanOf | None = None  # the rounds of the replica's steps: one unit each, if None
     copy: str | None = None  # where raw text is prepared for the run (none outside a run)
     holder: str = "this process"  # who prepares it here, as waiters are told
 
@@ -89,7 +93,7 @@ class DataSource:
                 f"({tokenizer.identity.sha256[:12]}...): prepare it again with the task's "
                 f"tokenizer, or give the task that one"
             )
-        shape = StreamShape(seq_len, batch_sequences, self.batches_per_round)
+        shape = StreamShape(seq_len, batch_sequences, self.batches_per_unit)
         train = TokenReader(store, manifest, "train")
         order = Order.of(
             train.tokens, seq_len, manifest.settings.block_tokens, WINDOW_CHUNKS, self.seed
@@ -101,7 +105,7 @@ class DataSource:
             window_chunks=order.window_chunks, seed=self.seed,
         )  # fmt: skip
         heldout = TokenReader(store, manifest, "heldout")
-        return Stream(train, heldout, order, shape, self.assign(plan))
+        return Stream(train, heldout, order, shape, self.assign(plan), self.span_of)
 
     def _corpus(
         self, tokenizer: ByteTokenizer | HfTokenizer | None, default: str, raw: RawText

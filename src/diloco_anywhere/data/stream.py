@@ -1,15 +1,16 @@
 """A process's batches from a prepared corpus: its units of the run's one order, read ahead.
 
-Inner step ``s`` of a replica is batch ``s % batches_per_round`` of round
-``s // batches_per_round`` (every replica trains ``batches_per_round`` per round, and a heal
-or restart resumes at its round's first step). The round's unit (``claims.py``, or a fixed
-one without a bucket) says which ``unit_sequences`` positions of the order (``order.py``) it
-trains; batch ``b`` of the round is positions ``b x batch_sequences`` onward of it. So where a
-replica's data resumes is the round it resumes at, which the run's state already holds: no
-data position of its own to save, and none to get wrong.
+A replica's inner steps fall in rounds (``RoundSpan``: the round, its first step, its steps),
+which the replica's pace decides (``training/pace.py``; ``steps_of`` without one: every round
+the same steps). A unit (``claims.py``, or a fixed one without a bucket) is ``batches_per_unit``
+steps of the order's positions (``order.py``); a round of ``n`` steps trains ``n /
+batches_per_unit`` of them, and its step ``k`` is positions ``(k mod batches_per_unit) x
+batch_sequences`` onward of its unit ``k // batches_per_unit``. So where a replica's data
+resumes is the round it resumes at, which the run's state already holds: no data position of
+its own to save, and none to get wrong.
 
 Batches are read by a background thread up to ``READ_AHEAD`` steps ahead of training, by
-ranged reads (``reader.py``), within the round; a round's unit is asked for in the caller's
+ranged reads (``reader.py``), within the round; a round's units are asked for in the caller's
 thread (a replica of several processes shares its leader's claims through a collective, which
 must not run elsewhere) when the caller asks for the round's first batch, so a run that ends
 leaves no claim behind.
@@ -38,11 +39,29 @@ class StreamShape:
 
     seq_len: int
     batch_sequences: int  # sequences in one inner step of one process (micro-batches included)
-    batches_per_round: int
+    batches_per_unit: int
 
     @property
     def unit_sequences(self) -> int:
-        return self.batch_sequences * self.batches_per_round
+        return self.batch_sequences * self.batches_per_unit
+
+
+@dataclass(frozen=True)
+class RoundSpan:
+    """The inner steps of a replica that one round holds."""
+
+    round: int
+    first_step: int
+    steps: int
+
+
+SpanOf = Callable[[int], RoundSpan]  # a replica's inner step -> its round
+UnitsOf = Callable[[int, int], list[int]]  # (round, how many) -> this process's units
+
+
+def steps_of(steps: int) -> SpanOf:
+    """Rounds of ``steps`` inner steps each, from step 0: a replica not paced by time."""
+    return lambda step: RoundSpan(step // steps, step // steps * steps, steps)
 
 
 class Stream:
@@ -55,33 +74,36 @@ class Stream:
         heldout: TokenReader,
         order: Order,
         shape: StreamShape,
-        unit_of_round: Callable[[int], int],
+        units_of: UnitsOf,
+        span_of: SpanOf | None = None,
     ) -> None:
+        """``span_of``: the rounds of the replica's steps (by default, one unit's steps each)."""
         self.train, self.heldout, self.order, self.shape = train, heldout, order, shape
-        self.unit_of_round = unit_of_round
+        self.units_of, self.span_of = units_of, span_of or steps_of(shape.batches_per_unit)
 
     def batches(self, start: int) -> Iterator[torch.Tensor]:
-        """The batches of inner steps ``start`` onward, without end. A round's unit is asked
+        """The batches of inner steps ``start`` onward, without end. A round's units are asked
         for when its first batch is (never before the caller wants a batch of it: a run that
         ends claims nothing more), then its batches are read ahead. Closing the iterator (a
         heal reopens the data elsewhere) stops the reading."""
-        per_round = self.shape.batches_per_round
+        per_unit = self.shape.batches_per_unit
         with ThreadPoolExecutor(1, thread_name_prefix="diloco-data") as reader:
             ahead: deque[Future[torch.Tensor]] = deque()
-            step, unit, round_end = start, 0, start  # the next step to read; its round's
+            step, span, units = start, RoundSpan(-1, start, 0), []  # the next step to read
             while True:
                 if not ahead:  # every batch of the round is out: the next round's first
-                    unit = self.unit_of_round(step // per_round)
-                    round_end = (step // per_round + 1) * per_round
-                while len(ahead) < READ_AHEAD and step < round_end:
-                    ahead.append(reader.submit(self._batch, unit, step))
+                    span = self.span_of(step)
+                    units = self.units_of(span.round, -(-span.steps // per_unit))
+                while len(ahead) < READ_AHEAD and step < span.first_step + span.steps:
+                    unit, offset = divmod(step - span.first_step, per_unit)
+                    ahead.append(reader.submit(self._batch, units[unit], offset))
                     step += 1
                 yield ahead.popleft().result()
 
-    def _batch(self, unit: int, step: int) -> torch.Tensor:
+    def _batch(self, unit: int, offset: int) -> torch.Tensor:
+        """Step ``offset`` of ``unit``."""
         shape = self.shape
-        first = unit * shape.unit_sequences
-        first += (step % shape.batches_per_round) * shape.batch_sequences
+        first = unit * shape.unit_sequences + offset * shape.batch_sequences
         sequences = self.order.sequences(first, first + shape.batch_sequences)
         return self._rows(self.train, sequences)
 

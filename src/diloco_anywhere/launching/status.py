@@ -6,6 +6,7 @@ throughput, last seen) comes from there; the backend adds whether the job is sti
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable, Collection, Mapping
@@ -14,8 +15,8 @@ from dataclasses import asdict, dataclass, field
 from diloco_anywhere.backends.base import JobState, ReplicaHandle
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.collective.membership import MembershipView, newest_leases
-from diloco_anywhere.training.metrics import ReplicaMetrics
+from diloco_anywhere.collective.membership import SKEW_SHOWN, MembershipView, newest_leases
+from diloco_anywhere.training.metrics import ReplicaMetrics, SyncLine
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,9 @@ class ReplicaStatus:
     superseded: int = 0  # incarnations that ended themselves when a newer one was claimed
     clock_skew: float | None = None  # seconds its clock is ahead of the store's, last measured
     values: dict[str, float] = field(default_factory=dict)  # the script's own, latest
+    round_steps: int = 0  # inner steps of its latest round (its pace, with pace = "time")
+    waiting: float | None = None  # share of its recent rounds' time spent waiting on syncs
+    behind: bool = False  # it said it holds the rounds up (too slow for min_round_steps)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -114,9 +118,50 @@ def replica_statuses(
                 superseded=seen.count("superseded") if seen else 0,
                 clock_skew=skews.get(replica),
                 values=dict(last_step.values) if last_step else {},
+                round_steps=last_sync.round_steps if last_sync else 0,
+                waiting=waiting_share(seen.syncs) if seen else None,
+                behind=bool(seen and seen.count("behind")),
             )
         )
     return rows
+
+
+WAITING_SHOWN = 0.1  # a replica waiting on syncs a tenth of its time or more is shown so
+
+
+def notes(row: ReplicaStatus) -> list[tuple[str, str]]:
+    """What ``diloco status`` and the status page add to a replica's state, each with how
+    loud it is (``bad``, ``warn``, ``quiet``)."""
+    said = []
+    if row.divergences:  # its weights differed from the others'
+        said.append(("bad", f"diverged {row.divergences}x"))
+    if row.mirror_failures:  # a checkpoint that did not reach a mirror
+        said.append(("warn", f"mirror failed {row.mirror_failures}x"))
+    if row.superseded:  # an old incarnation that ended itself when a newer one started
+        said.append(("quiet", f"superseded {row.superseded}x"))
+    if row.clock_skew is not None and abs(row.clock_skew) >= SKEW_SHOWN:
+        said.append(("warn", f"clock {row.clock_skew:+.0f}s"))
+    if row.behind:  # too slow even for min_round_steps: the others wait for it
+        said.append(("warn", "behind"))
+    if row.waiting is not None and row.waiting >= WAITING_SHOWN:  # idle, and billed
+        said.append(("warn", f"waits {row.waiting:.0%}"))
+    return said
+
+
+RECENT_ROUNDS = 5
+
+
+def waiting_share(syncs: list[SyncLine]) -> float | None:
+    """The share of the time between its last ``RECENT_ROUNDS`` syncs that a replica spent
+    waiting on syncs (its exposed sync time), one incarnation's lines at a time (a restart
+    counts from zero); None before two syncs."""
+    waited = spent = 0.0
+    recent = syncs[-RECENT_ROUNDS - 1 :]
+    for before, after in itertools.pairwise(recent):
+        exposed = after.sync_exposed_seconds - before.sync_exposed_seconds
+        if exposed >= 0 and after.time > before.time:
+            waited, spent = waited + exposed, spent + after.time - before.time
+    return min(1.0, waited / spent) if spent > 0 else None
 
 
 def replica_skews(store: Store, layout: RunLayout) -> dict[str, float | None]:

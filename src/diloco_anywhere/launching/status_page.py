@@ -28,8 +28,7 @@ from urllib.parse import urlsplit
 from diloco_anywhere.bucket.errors import StoreError
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.collective.membership import SKEW_SHOWN
-from diloco_anywhere.launching.status import ReplicaStatus, finite_or_null
+from diloco_anywhere.launching.status import ReplicaStatus, finite_or_null, notes
 from diloco_anywhere.training.metrics import ReplicaMetrics
 
 HTML_TYPE = "text/html; charset=utf-8"  # with the charset, or a browser may guess another
@@ -43,7 +42,7 @@ NARROW = "(max-width: 700px)"  # a phone held upright: replicas as cards, the pl
 # covers the curves.
 PHONE_TEXT = 1.4
 COLUMNS = ("replica", "platform", "state", "outer step", "loss", "eval loss", "tokens/s",
-           "restarts/heals", "last seen")  # fmt: skip
+           "steps/round", "waiting", "restarts/heals", "last seen")  # fmt: skip
 # State -> colour class; other states read neutral.
 STATE_CLASSES = {
     "running": "ok", "starting": "info", "done": "quiet", "stopped": "quiet",
@@ -190,15 +189,7 @@ def _e(text: object) -> str:
 def _state_cell(row: ReplicaStatus) -> str:
     """The state, coloured, then its flags (as ``diloco status`` adds them)."""
     colour = STATE_CLASSES.get(row.state, "quiet")
-    flags = []
-    if row.divergences:
-        flags.append(("bad", f"diverged {row.divergences}x"))
-    if row.mirror_failures:
-        flags.append(("warn", f"mirror failed {row.mirror_failures}x"))
-    if row.superseded:
-        flags.append(("quiet", f"superseded {row.superseded}x"))
-    if row.clock_skew is not None and abs(row.clock_skew) >= SKEW_SHOWN:
-        flags.append(("warn", f"clock {row.clock_skew:+.0f}s"))
+    flags = notes(row)
     badges = "".join(f' <span class="flag {kind}">{_e(text)}</span>' for kind, text in flags)
     return f'<span class="state {colour}">{_e(row.state)}</span>{badges}'
 
@@ -230,7 +221,8 @@ def _replica_table(rows: Sequence[ReplicaStatus]) -> str:
         cells = (
             _e(row.replica), _e(row.platform), _state_cell(row), str(row.outer_step),
             _number(row.loss, ".3f"), _number(row.eval_loss, ".3f"),
-            _number(row.tokens_per_second, ",.0f"), f"{row.restarts}/{row.heals}",
+            _number(row.tokens_per_second, ",.0f"), str(row.round_steps or "-"),
+            _number(row.waiting, ".0%"), f"{row.restarts}/{row.heals}",
             _ago(row.last_seen_seconds),
         )  # fmt: skip
         tds = "".join(

@@ -28,6 +28,7 @@ from diloco_anywhere.training.data_units import claimed_units
 from diloco_anywhere.training.global_state import GlobalState
 from diloco_anywhere.training.managers.bucket import BucketManager
 from diloco_anywhere.training.managers.group import make_manager
+from diloco_anywhere.training.pace import Pacer
 from diloco_anywhere.training.parameter_names import stored_names
 from diloco_anywhere.training.replica_group import ReplicaGroup
 from diloco_anywhere.training.sharding import shard_model
@@ -108,11 +109,6 @@ class ReplicaParts:
     tokens_per_step: int
     evaluate: Callable[[nn.Module], float] | None = None
 
-    @property
-    def batches_per_round(self) -> int:
-        """torchft's DiLoCo syncs once per ``sync_every / fragments`` inner steps."""
-        return self.config.diloco.sync_every // self.config.diloco.fragments
-
     def diloco(self) -> DiLoCo:
         """torchft's DiLoCo over these parts (a context manager: it hooks the inner steps)."""
         diloco = self.config.diloco
@@ -178,7 +174,6 @@ def build_parts(
     parts = ReplicaParts(
         config, manager, model, fragments, inner, outers, tokens_per_step, evaluate
     )
-    manager.set_weight(tokens_per_step * parts.batches_per_round * group.world_size)
     return parts
 
 
@@ -196,9 +191,11 @@ def task_context(
     replica_index: int,
     group: ReplicaGroup,
     collective: BucketCollective | None = None,
+    pacer: Pacer | None = None,
 ) -> TaskContext:
     """What the task's ``build`` function is told about this replica: with ``collective``, its
-    data is claimed through the run's bucket, else it takes a fixed share."""
+    data is claimed through the run's bucket, else it takes a fixed share; ``pacer``: the
+    replica's steps per round, which its data follows (none: every round ``round_steps``)."""
     return TaskContext(
         replica_index=replica_index,
         replicas=config.run.replicas,
@@ -208,12 +205,16 @@ def task_context(
         rank=group.rank,
         ranks=group.world_size,
         total_steps=config.diloco.total_steps,
-        data=data_source(config, replica_index, group, collective),
+        data=data_source(config, replica_index, group, collective, pacer or Pacer(config.diloco)),
     )
 
 
 def data_source(
-    config: RunConfig, replica_index: int, group: ReplicaGroup, collective: BucketCollective | None
+    config: RunConfig,
+    replica_index: int,
+    group: ReplicaGroup,
+    collective: BucketCollective | None,
+    pacer: Pacer,
 ) -> DataSource:
     """The run's data (``[task] data``, else the task's own) as this process opens it, raw text
     prepared into the run's store: in a replica, its units claimed in the bucket by the
@@ -228,8 +229,9 @@ def data_source(
     return DataSource(
         corpus=config.resolve(config.task.data) if config.task.data else "",
         seed=config.run.seed,
-        batches_per_round=diloco.sync_every // diloco.fragments,
+        batches_per_unit=diloco.step_quantum,
         assign=assign,
+        span_of=pacer.span,
         copy=f"{store}/{RunLayout(config.run.name).data_corpus()}",
         holder=collective.me.name if collective is not None else f"{gethostname()}:{getpid()}",
     )  # fmt: skip

@@ -168,7 +168,7 @@ class DilocoCallback(TrainerCallback):
             lr_scheduler, schedulers.ReduceLROnPlateau
         ):
             return
-        behind = self.training.inner_steps - lr_scheduler.last_epoch  # type: ignore[union-attr]
+        behind = self.training.run_step - lr_scheduler.last_epoch  # type: ignore[union-attr]
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", EARLY_SCHEDULER_STEP, UserWarning)
             for _ in range(behind):

@@ -20,7 +20,9 @@ def train(replica: Replica) -> TrainingResult:
     run's outer steps are committed."""
     task = build_task(
         replica.config.task.entrypoint,
-        task_context(replica.config, replica.index, replica.group, replica.collective),
+        task_context(
+            replica.config, replica.index, replica.group, replica.collective, replica.pacer
+        ),
     )
     if replica.config.task.init_from:
         warm_start(task.model, replica.config.resolve(replica.config.task.init_from))
@@ -32,7 +34,7 @@ def train(replica: Replica) -> TrainingResult:
         for batch in training.batches(task.batches):
             inner.zero_grad(set_to_none=True)
             loss = backward_batch(task, trained, batch)
-            before_inner_step(task, inner, replica.config.diloco.inner_lr, training.inner_steps)
+            before_inner_step(task, inner, replica.config.diloco.inner_lr, training.run_step)
             inner.step()  # DiLoCo's hook syncs here every sync_every / fragments steps
             training.log(loss, lr=inner.param_groups[0]["lr"])
     return training.result()

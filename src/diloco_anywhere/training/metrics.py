@@ -56,6 +56,8 @@ class SyncLine(Record):
     inner_steps: Count = 0
     tokens_per_second: float  # since the previous sync, sync time included
     sync_exposed_seconds: float  # total time training waited on syncs
+    round_steps: Count = 0  # inner steps of the round this sync ended (0: not recorded)
+    step_seconds: float | None = None  # their pace: seconds a step, the sync's waiting left out
     bytes_up: Count
     bytes_down: Count
     error: str | None = Field(default=None, max_length=2000)
@@ -66,7 +68,7 @@ class EventLine(Record):
     kind: Literal["event"] = "event"
     event: Literal[
         "started", "done", "failed", "stopped", "diverged", "healed", "resumed", "mirror_failed",
-        "superseded",
+        "superseded", "behind",
     ]  # fmt: skip
     detail: str = Field(default="", max_length=2000)
     parameters: Count = 0  # "started": the model's size, for comparisons with data parallel

@@ -62,6 +62,7 @@ from diloco_anywhere.training.export_files import add_export_file
 from diloco_anywhere.training.initial_state import check_initial_state
 from diloco_anywhere.training.metrics import MetricsWriter
 from diloco_anywhere.training.mistakes import ScriptMistakeError
+from diloco_anywhere.training.pace import Pacer
 from diloco_anywhere.training.parameter_names import uncompiled
 from diloco_anywhere.training.replica_group import ReplicaGroup
 from diloco_anywhere.training.replica_index import DuplicateIndexError, take_index
@@ -113,6 +114,7 @@ class Replica:
             sharded=config.run.sharding == "fsdp",
         )
         self.device = resolve_device(config.task.device, self.group.local_rank)
+        self.pacer = Pacer(config.diloco)  # its steps per round, which its data follows
         self.collective: BucketCollective | None = None
         self.metrics: MetricsWriter | None = None
         self.training: Training | None = None
@@ -205,7 +207,7 @@ class Replica:
             self.config, self.collective, uncompiled(model), inner_optimizer, tokens_per_step,
             evaluate, self.group,
         )  # fmt: skip
-        training = Training(parts, self.collective, self.metrics, self.group)
+        training = Training(parts, self.collective, self.metrics, self.group, self.pacer)
         if self.metrics is not None:
             self.metrics.event(
                 "started",
@@ -216,9 +218,8 @@ class Replica:
         # Everything built so far lives for the whole run; keep the cyclic collector from
         # rescanning it (torchft, pydantic, SDK modules) on every full collection.
         gc.freeze()
-        with parts.diloco():
-            training.state = parts.global_state()
-            training.heal(training.state, from_initial=True)
+        with parts.diloco() as diloco:
+            training.begin(diloco, parts.global_state())
             hook = inner_optimizer.register_step_post_hook(
                 lambda *_: training.after_inner_step(model)
             )
@@ -266,7 +267,7 @@ class Replica:
         replicas do; ``stream.evaluation(n)`` gives held-out batches, the same on every
         replica. ``tokenizer`` (``bytes``, or a Hugging Face tokenizer): raw text is prepared
         with it, and a prepared corpus must have been."""
-        context = task_context(self.config, self.index, self.group, self.collective)
+        context = task_context(self.config, self.index, self.group, self.collective, self.pacer)
         loaded = None if tokenizer is None else load_tokenizer(tokenizer)
         return context.stream(seq_len, batch_sequences, loaded)
 

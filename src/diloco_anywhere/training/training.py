@@ -18,11 +18,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torchft.local_sgd import DiLoCo
 
 from diloco_anywhere.bucket.redaction import scrub_secrets
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.errors import DivergedError
 from diloco_anywhere.collective.membership import SupersededError
+from diloco_anywhere.collective.records import MAX_PACE_SECONDS, Pace
 from diloco_anywhere.task import Batch
 from diloco_anywhere.training.after_sync import GlobalCheckpoints, heal_replica
 from diloco_anywhere.training.builders import ReplicaParts
@@ -32,6 +34,7 @@ from diloco_anywhere.training.log_window import LogWindow
 from diloco_anywhere.training.metrics import MetricsWriter, StepLine, SyncLine
 from diloco_anywhere.training.mistakes import NotSyncingError
 from diloco_anywhere.training.own_state import OwnState
+from diloco_anywhere.training.pace import Pacer
 from diloco_anywhere.training.replica_group import ReplicaGroup
 from diloco_anywhere.training.sharding import reshard
 
@@ -70,9 +73,17 @@ class Training:
         collective: BucketCollective | None,
         metrics: MetricsWriter | None,
         group: ReplicaGroup,
+        pacer: Pacer | None = None,
     ) -> None:
+        """``pacer``: the replica's steps per round, which its data follows too (the same
+        one: ``Replica.pacer``)."""
         self.config, self.manager, self.evaluate = parts.config, parts.manager, parts.evaluate
         self.parts, self.collective, self.metrics, self.group = parts, collective, metrics, group
+        self.pacer = pacer or Pacer(self.config.diloco)
+        self.diloco: DiLoCo | None = None  # torchft's, once entered (``begin``)
+        self.round_started = time.perf_counter()  # training time of the round counts from here
+        self.sent_pace: Pace | None = None  # how the round's contribution was trained
+        self._behind: str | None = None
         self.inner_steps = self.tokens = self.failed_in_a_row = 0
         self.start_step = 0  # the inner step the data resumes at: set by every heal
         self.heals = 0
@@ -112,6 +123,16 @@ class Training:
     def done(self) -> bool:
         """Every fragment has committed the run's ``outer_steps`` syncs."""
         return self.manager.current_step() >= self.config.diloco.last_step
+
+    @property
+    def run_step(self) -> int:
+        """The run's inner step this replica is at, which a learning-rate schedule follows: its
+        own step with ``pace = "steps"``; paced by time, where its round is at the reference
+        pace (its k-th step of n is k/n of ``round_steps`` into the round), so that every
+        replica's schedule is at the run's point whatever its speed."""
+        span, reference = self.pacer.span(self.inner_steps), self.config.diloco.round_steps
+        into = (self.inner_steps - span.first_step) * reference // span.steps
+        return span.round * reference + into
 
     def batches(self, open_at: Callable[[int], Iterator[Batch]]) -> Iterator[Batch]:
         """Batches from ``open_at(start_step)``, reopened where the run is after each heal,
@@ -184,6 +205,7 @@ class Training:
             return
         committed = manager.current_step() > self._step_seen
         self._syncs_seen, self._step_seen = manager.syncs_attempted, manager.current_step()
+        synced = manager.last_round()
         self.record_sync(committed, model)
         if committed:
             self.checkpoints.write_if_due(self.manager, self.state)  # type: ignore[arg-type]
@@ -195,6 +217,7 @@ class Training:
             self.after_divergence(self.state)  # type: ignore[arg-type]
             self._healed_in_step = True
         self.stop_if_failing()
+        self._plan_rounds(synced, committed)
 
     def record_sync(self, committed: bool, model: nn.Module) -> None:
         """The sync's line in the metrics (rank 0), with the held-out loss when due: every rank
@@ -221,6 +244,8 @@ class Training:
                 inner_steps=self.inner_steps,
                 tokens_per_second=(self.tokens - self.tokens_at_sync) / (now - self.time_at_sync),
                 sync_exposed_seconds=self.manager.exposed_seconds,
+                round_steps=self.pacer.steps(self.manager.last_round()),
+                step_seconds=self.sent_pace.step_seconds if self.sent_pace else None,
                 bytes_up=bytes_up,
                 bytes_down=bytes_down,
                 error=None
@@ -253,7 +278,8 @@ class Training:
         and, joining (``from_initial``), the replica's own state back to where it was saved
         (``own_state.py``; after a divergence its own state is current, but its error
         feedback, built on the weights it left, starts from zero); the inner step the data
-        resumes at (``start_step``): every replica trains ``batches_per_round`` per round."""
+        resumes at (``start_step``), numbered as the reference pace would (``round_steps`` a
+        round), where the replica's pace starts again."""
         heal_replica(
             self.collective, state, self.manager, self.group, self.checkpoints, self.metrics,
             min_replicas=self.config.run.min_replicas, from_initial=from_initial,
@@ -264,13 +290,66 @@ class Training:
             log.info("error feedback from zero: the replica healed onto other global weights")
             self.manager.feedback.clear()
         self.parts.apply_outer_hyperparameters()
-        self.inner_steps = self.manager.state_dict()["sync"] * self.parts.batches_per_round
+        sync = self.manager.state_dict()["sync"]
+        self.inner_steps = sync * self.config.diloco.round_steps
         self.tokens = self.inner_steps * self.parts.tokens_per_step * self.group.world_size
         self.tokens_at_sync, self.time_at_sync = self.tokens, time.perf_counter()
         self._syncs_seen = self.manager.syncs_attempted
         self._step_seen = self.manager.current_step()
         self.start_step, self.heals = self.inner_steps, self.heals + 1
+        self.pacer.start(sync, self.inner_steps)
+        self._start_round(sync)
         return self.start_step
+
+    def begin(self, diloco: DiLoCo, state: GlobalState) -> None:
+        """Train under torchft's ``diloco`` (entered), whose global state is ``state``: healed
+        to the run's, each contribution carrying how it was trained (``Pace``)."""
+        self.diloco, self.state = diloco, state
+        self.manager.pace = self._pace_of_round
+        self.heal(state, from_initial=True)
+
+    def _start_round(self, round_: int) -> None:
+        """Round ``round_`` begins: DiLoCo syncs after the steps the pace planned for it
+        (torchft's DiLoCo takes ``sync_every`` per instance: its maintainers' answer to
+        replicas of unlike speed, torchft PR 233), the contribution weighs the tokens they
+        train on, and the round's training time counts from now."""
+        steps = self.pacer.steps(round_)
+        if self.diloco is not None:
+            self.diloco._sync_every = steps
+        self.manager.set_weight(self.parts.tokens_per_step * steps * self.group.world_size)
+        self.round_started = time.perf_counter()
+
+    def _pace_of_round(self) -> Pace:
+        """What the manager sends with the round's contribution: the inner steps DiLoCo counted
+        in the round so far, and the seconds since it began (the previous sync's waiting, its
+        evaluation and checkpoint are before that)."""
+        steps = self.diloco._local_step if self.diloco is not None else 0
+        seconds = min(time.perf_counter() - self.round_started, MAX_PACE_SECONDS)
+        self.sent_pace = Pace(steps, seconds)
+        return self.sent_pace
+
+    def _plan_rounds(self, synced: int, committed: bool) -> None:
+        """After round ``synced``: a later round's steps (decided by the leader from the paces
+        the round was sealed with; its other ranks take the same), then the next round."""
+        if self.pacer.timed:
+            result = self.manager.last_result if committed else None
+            sealed = result.paces.values() if result is not None else ()
+            leader = self.group.is_leader
+            plan = self.pacer.decide(synced, self.sent_pace, sealed) if leader else None
+            self.pacer.apply(self.group.broadcast(plan))
+            self._say_if_behind()
+        self._start_round(self.manager.last_round() + 1)
+
+    def _say_if_behind(self) -> None:
+        """Once a replica falls behind the round's length (and again if it catches up, then
+        falls behind): a ``behind`` event in the metrics, which ``diloco status`` shows."""
+        behind, was = self.pacer.behind(), self._behind
+        self._behind = behind
+        if behind is None or was is not None:
+            return
+        log.warning("this replica holds the rounds up: %s", behind)
+        if self.metrics is not None:
+            self.metrics.event("behind", behind[:2000])
 
     def _resume_own_state(self, own_state: OwnState) -> None:
         """Load the replica's own state saved before it stopped, recorded as a ``resumed``

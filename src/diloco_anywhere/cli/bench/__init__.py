@@ -15,6 +15,7 @@ from diloco_anywhere.cli.bench.sync import bench_sharded_command, bench_sync_com
 from diloco_anywhere.cli.bench.training import (
     bench_chaos_command,
     bench_convergence_command,
+    bench_hetero_command,
     bench_overlap_command,
     bench_throughput_command,
     bench_unattended_command,
@@ -34,6 +35,7 @@ bench_app.command("sharded")(bench_sharded_command)
 bench_app.command("convergence")(bench_convergence_command)
 bench_app.command("overlap")(bench_overlap_command)
 bench_app.command("throughput")(bench_throughput_command)
+bench_app.command("hetero")(bench_hetero_command)
 bench_app.command("chaos")(bench_chaos_command)
 bench_app.command("unattended")(bench_unattended_command)
 bench_app.command("gpu")(bench_gpu_command)

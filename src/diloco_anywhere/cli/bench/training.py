@@ -1,5 +1,5 @@
-"""``diloco bench convergence``, ``overlap``, ``throughput``, ``chaos`` and ``unattended``:
-benchmarks that train DiLoCo runs."""
+"""``diloco bench convergence``, ``overlap``, ``throughput``, ``hetero``, ``chaos`` and
+``unattended``: benchmarks that train DiLoCo runs."""
 
 from __future__ import annotations
 
@@ -254,3 +254,62 @@ def bench_unattended_command(
     with user_errors(), progress_display() as status:
         result = bench_unattended(outer_steps, hf_jobs_timeout, k8s_deadline, keep_every, status)
     _print_result(result, "Unattended: the keeper alone, on three platforms", json_output)
+
+
+def _hetero_table(result: dict[str, Any]) -> Table:
+    speeds = ", ".join(f"{speed:g}" for speed in result["speeds"])
+    table = Table(title=f"Mixed hardware: speeds {speeds}, H = {result['sync_every']}, "
+                  f"{result['outer_steps']} outer steps")  # fmt: skip
+    table.caption = (
+        "fleet: tokens of committed contributions a second; own: the sum of each replica's "
+        f"tokens a step over its step time; loss at {result['equal_tokens']:,.0f} tokens "
+        f"(time-paced / equal speed): {result['loss_ratio']:.3f}x"
+    )
+    for column in ("run", "fleet tokens/s", "own tokens/s", "fleet / own", "fast replicas wait",
+                   "steps a round"):  # fmt: skip
+        table.add_column(column, justify="right")
+    for name, run in result["runs"].items():
+        steps = {replica: sorted(set(counts[1:])) for replica, counts in run["round_steps"].items()}
+        waiting = run["fast_waiting"]
+        table.add_row(
+            name, f"{run['fleet_tokens_per_second']:,.0f}",
+            f"{sum(run['own_tokens_per_second'].values()):,.0f}", f"{run['fleet_over_own']:.2f}",
+            "-" if waiting is None else f"{waiting:.0%}",
+            "; ".join(f"{r}: {','.join(map(str, s))}" for r, s in steps.items()),
+        )  # fmt: skip
+    return table
+
+
+def bench_hetero_command(
+    speeds: Annotated[
+        str,
+        typer.Option(
+            help="One speed per replica, comma-separated, 1 the fastest (1,1,0.25,0.25: two "
+            "replicas four times slower a step)."
+        ),
+    ] = "1,1,0.25,0.25",
+    sync_every: SyncEvery = 20,
+    outer_steps: OuterSteps = 10,
+    step_seconds: Annotated[
+        float, typer.Option(min=0.001, help="What an inner step of speed 1 takes.")
+    ] = 0.05,
+    json_output: JsonOutput = False,
+) -> None:
+    """Replicas of unlike speed (each inner step slowed to its share): rounds paced by steps
+    (every replica sync_every), by time (pace = "time"), and as many replicas all at the
+    fastest's speed.
+
+    Reports each run's fleet throughput against the sum of its replicas' own, how long the
+    fastest replicas wait, the steps each replica trains a round, and the held-out loss of
+    the time-paced fleet at equal total tokens against the equal-speed run. Takes minutes.
+    """
+    from diloco_anywhere.bench.hetero import HeteroBench, bench_hetero
+
+    parsed = number_list(speeds, float, 0.01, 1.0, "speeds from 0.01 to 1, e.g. 1,1,0.25,0.25")
+    bench = HeteroBench(tuple(parsed), sync_every, outer_steps, step_seconds)
+    with user_errors(), progress_display() as status:
+        result = bench_hetero(bench, status)
+    if json_output:
+        print_json(result)
+        return
+    stdout.print(_hetero_table(result))

@@ -50,7 +50,7 @@ from diloco_anywhere.bucket.codec import Codec
 from diloco_anywhere.bucket.feedback import ErrorFeedback
 from diloco_anywhere.collective.allreduce import BucketCollective, RoundResult, Work
 from diloco_anywhere.collective.plain import Collective
-from diloco_anywhere.collective.records import check_weight
+from diloco_anywhere.collective.records import NO_PACE, Pace, check_weight
 from diloco_anywhere.training.fingerprints import fingerprint
 from diloco_anywhere.training.global_state import state_tree, tree_checksum
 
@@ -124,6 +124,8 @@ class BucketManager:
         self._step = self._batches_committed = 0
         self._sync = 0  # bucket round of the next sync: advances on every sync, committed or not
         self._weight = 1.0
+        # how this replica trained the contribution being sent, read when it is sent
+        self.pace: Callable[[], Pace] = lambda: NO_PACE
         self._current = _Sync()
         self._last: RoundResult | None = None
         self._state_dict_fns: dict[str, StateDictFns] = {}
@@ -189,6 +191,7 @@ class BucketManager:
             codec=sync.codec,
             fingerprint=lambda: self._fingerprint_for(sync, step),
             source=source,
+            pace=self.pace(),
         )
         self._sync += 1
         sync.work.add_done_callback(lambda work: self._complete(sync, work))

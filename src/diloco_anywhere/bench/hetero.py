@@ -1,0 +1,154 @@
+"""``diloco bench hetero``: a fleet of unlike replicas, paced by steps and by time.
+
+Replicas are local processes of the built-in GPT task, each one's inner step slowed to its
+share of the fastest's pace (``slowed_task.py``). Three real runs of the same replicas:
+
+- ``steps``: every replica ``sync_every`` steps a round (``pace = "steps"``), the round at the
+  slowest one's pace;
+- ``time``: each as many steps as fit in the round (``pace = "time"``, ``training/pace.py``);
+- ``equal``: as many replicas, all at the fastest's pace: the held-out loss to match.
+
+From each run's own metrics: the fleet's throughput (tokens of committed contributions over
+the wall time from its first sync to its last) against the sum of its replicas' own (each
+replica's tokens a step over its measured step time, its waiting left out), the fastest
+replicas' waiting share, and the held-out loss at equal total tokens (the run that trained
+fewer tokens sets the point, the other's loss interpolated there).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from diloco_anywhere.bench.train import Progress, bench_config, run_diloco
+from diloco_anywhere.config import RunConfig, with_changes
+from diloco_anywhere.launching.status import waiting_share
+from diloco_anywhere.training.metrics import ReplicaMetrics, SyncLine
+
+TASK = "diloco_anywhere.bench.slowed_task:build"
+
+
+@dataclass(frozen=True)
+class HeteroBench:
+    speeds: tuple[float, ...]
+    sync_every: int = 20
+    outer_steps: int = 10
+    step_seconds: float = 0.05  # a step at speed 1
+    batch_size: int = 4
+
+    def config(self, pace: str, speeds: tuple[float, ...]) -> RunConfig:
+        """The run: ``len(speeds)`` local replicas, every round needing all of them, the
+        held-out loss at every outer step."""
+        replicas = len(speeds)
+        options = {"preset": "tiny", "batch_size": self.batch_size, "corpus_bytes": 2_000_000,
+                   "speeds": list(speeds), "step_seconds": self.step_seconds}  # fmt: skip
+        return with_changes(
+            bench_config(), run__name=f"hetero-{pace}", run__replicas=replicas,
+            run__min_replicas=replicas, diloco__sync_every=self.sync_every,
+            diloco__outer_steps=self.outer_steps, diloco__codec="fp32", diloco__pace=pace,
+            sync__grace=2.0, sync__timeout=300.0, sync__lease_period=1.0, task__entrypoint=TASK,
+            task__log_every=5, task__eval_every=1, task__options=options,
+        )  # fmt: skip
+
+
+def contributed(syncs: list[SyncLine]) -> list[SyncLine]:
+    return [sync for sync in syncs if sync.committed and sync.contributed]
+
+
+def tokens_per_step(metrics: ReplicaMetrics) -> float:
+    """The tokens one inner step of the replica trains (all its processes')."""
+    last = metrics.syncs[-1]
+    return last.tokens / last.inner_steps if last.inner_steps else 0.0
+
+
+def fleet_throughput(metrics: dict[str, ReplicaMetrics]) -> dict[str, Any]:
+    """Tokens of committed contributions a second, from the run's first sync to its last (the
+    first round's tokens, trained before it, left out), against the sum of each replica's own
+    pace: its tokens a step over its median step time."""
+    first = min(sync.time for m in metrics.values() for sync in m.syncs)
+    last = max(sync.time for m in metrics.values() for sync in m.syncs)
+    tokens = sum(
+        sync.round_steps * tokens_per_step(m)
+        for m in metrics.values()
+        for sync in contributed(m.syncs)
+        if sync.time > first
+    )
+    own = {
+        replica: tokens_per_step(m) / statistics.median(times)
+        for replica, m in sorted(metrics.items())
+        if (times := [s.step_seconds for s in m.syncs if s.step_seconds])
+    }
+    fleet = tokens / (last - first) if last > first else 0.0
+    return {"fleet_tokens_per_second": fleet, "own_tokens_per_second": own,
+            "fleet_over_own": fleet / sum(own.values()) if own else 0.0}  # fmt: skip
+
+
+Curve = list[tuple[float, float]]
+
+
+def loss_curve(metrics: dict[str, ReplicaMetrics]) -> Curve:
+    """(tokens committed so far, held-out loss) at each outer step, from any replica that
+    evaluated it (every replica evaluates the same global weights)."""
+    tokens: dict[int, float] = {}
+    losses: dict[int, float] = {}
+    for m in metrics.values():
+        for sync in contributed(m.syncs):
+            tokens[sync.round] = tokens.get(sync.round, 0.0) + sync.round_steps * tokens_per_step(m)
+        losses.update({s.round: s.eval_loss for s in m.syncs if s.eval_loss is not None})
+    curve, total = [], 0.0
+    for round_ in sorted(tokens):
+        total += tokens[round_]
+        if round_ in losses:
+            curve.append((total, losses[round_]))
+    return curve
+
+
+def loss_at(curve: Curve, tokens: float) -> float:
+    """The held-out loss at ``tokens``, linear between the two points around it."""
+    for (t0, l0), (t1, l1) in itertools.pairwise(curve):
+        if t0 <= tokens <= t1:
+            return l0 + (l1 - l0) * (tokens - t0) / (t1 - t0) if t1 > t0 else l1
+    return curve[-1][1]
+
+
+def summarize_run(metrics: dict[str, ReplicaMetrics], speeds: tuple[float, ...]) -> dict[str, Any]:
+    """One run's throughput, waiting, steps per round and loss curve."""
+    waiting = {  # from the second sync: the first round waits for every replica's start-up
+        replica: waiting_share(m.syncs[1:]) for replica, m in sorted(metrics.items())
+    }
+    fastest = [f"local-{k}" for k, speed in enumerate(speeds) if speed == max(speeds)]
+    fast = [share for replica in fastest if (share := waiting.get(replica)) is not None]
+    return {
+        **fleet_throughput(metrics),
+        "waiting": waiting,
+        "fast_waiting": max(fast, default=None),
+        "round_steps": {r: [s.round_steps for s in m.syncs] for r, m in sorted(metrics.items())},
+        "curve": loss_curve(metrics),
+    }
+
+
+def bench_hetero(bench: HeteroBench, progress: Progress) -> dict[str, Any]:
+    """The three runs, and how the time-paced fleet compares."""
+    equal = tuple(max(bench.speeds) for _ in bench.speeds)
+    plan = (("steps", "steps", bench.speeds), ("time", "time", bench.speeds),
+            ("equal", "steps", equal))  # fmt: skip
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="diloco-hetero-") as folder:
+        for name, pace, speeds in plan:
+            progress(f"{name}: {len(speeds)} replicas at speeds {', '.join(map(str, speeds))}")
+            run_folder = Path(folder) / name
+            run_folder.mkdir()
+            metrics = run_diloco(bench.config(pace, speeds), run_folder, progress)
+            runs[name] = summarize_run(metrics, speeds)
+    tokens = min(runs["time"]["curve"][-1][0], runs["equal"]["curve"][-1][0])
+    loss_time, loss_equal = (loss_at(runs[name]["curve"], tokens) for name in ("time", "equal"))
+    return {
+        "speeds": list(bench.speeds), "sync_every": bench.sync_every,
+        "outer_steps": bench.outer_steps, "step_seconds": bench.step_seconds, "runs": runs,
+        "equal_tokens": tokens, "loss_time": loss_time, "loss_equal": loss_equal,
+        "loss_ratio": loss_time / loss_equal,
+    }  # fmt: skip

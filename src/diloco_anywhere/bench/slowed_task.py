@@ -1,0 +1,67 @@
+"""Replicas of unlike hardware on one machine (``diloco bench hetero``): the built-in GPT task,
+each replica's inner step slowed to its share of the fastest's pace.
+
+``[task] entrypoint = "diloco_anywhere.bench.slowed_task:build"`` with, beside the GPT task's own
+options, ``speeds`` (one per replica index, 1 the fastest: ``[1, 1, 0.25, 0.25]``),
+``step_seconds`` (what a step of speed 1 takes, padded with a sleep: the tiny model's own
+compute is a few milliseconds) and ``slowdown = [index, after_seconds, factor]`` (replica
+``index`` becomes ``factor`` times slower that long after its task was built: a spot instance
+replaced by a slower GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from diloco_anywhere.task import Batch, Task, TaskContext
+from diloco_anywhere.tasks import gpt
+
+OPTIONS = ("speeds", "step_seconds", "slowdown")
+
+
+@dataclasses.dataclass(frozen=True)
+class Slowness:
+    """How long replica ``index``'s inner step takes, at any time."""
+
+    step_seconds: float
+    speed: float
+    slowdown: tuple[float, float] | None  # (after seconds, factor)
+    since: float
+
+    @classmethod
+    def of(cls, options: dict[str, Any], index: int) -> Slowness:
+        speeds = [float(speed) for speed in options.get("speeds", [1.0])]
+        if not speeds or min(speeds) <= 0:
+            raise ValueError(f"task option speeds = {speeds}: give one speed > 0 per replica")
+        slowdown = options.get("slowdown")
+        mine = None
+        if slowdown is not None:
+            who, after, factor = slowdown
+            mine = (float(after), float(factor)) if int(who) == index else None
+        step = float(options.get("step_seconds", 0.05))
+        return cls(step, speeds[index % len(speeds)], mine, time.monotonic())
+
+    def seconds(self) -> float:
+        """The step's padding now."""
+        padding = self.step_seconds / self.speed
+        if self.slowdown is not None and time.monotonic() - self.since >= self.slowdown[0]:
+            padding *= self.slowdown[1]
+        return padding
+
+
+def build(context: TaskContext) -> Task:
+    """The GPT task, its loss slowed to this replica's pace."""
+    slowness = Slowness.of(context.options, context.replica_index)
+    gpt_options = {k: v for k, v in context.options.items() if k not in OPTIONS}
+    task = gpt.build(dataclasses.replace(context, options=gpt_options))
+
+    def loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+        time.sleep(slowness.seconds())
+        return task.loss(model, batch)
+
+    return dataclasses.replace(task, loss=loss)

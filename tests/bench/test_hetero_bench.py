@@ -1,0 +1,38 @@
+"""``diloco bench hetero`` at a tiny size: three real runs of a slow and a fast replica, and
+the arithmetic the numbers come from (the numbers themselves are docs/benchmarks.md's)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from diloco_anywhere.bench.hetero import loss_at
+from support.runs import diloco
+
+
+@pytest.mark.integration
+def test_the_hetero_bench_runs_each_pace_and_the_slow_replica_trains_fewer_steps_paced_by_time():
+    result = diloco("bench", "hetero", "--speeds", "1,0.1", "--sync-every", "10",
+                    "--outer-steps", "4", "--json")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    found = json.loads(result.stdout)
+    runs = found["runs"]
+    assert set(runs) == {"steps", "time", "equal"}
+    assert runs["steps"]["round_steps"]["local-1"] == [10] * 4  # every replica H a round
+    assert runs["time"]["round_steps"]["local-0"] == [10] * 4
+    assert all(steps < 10 for steps in runs["time"]["round_steps"]["local-1"][2:])
+    for run in runs.values():
+        assert run["fleet_tokens_per_second"] > 0
+        assert set(run["own_tokens_per_second"]) == {"local-0", "local-1"}
+        assert len(run["curve"]) == 4  # a held-out loss at every outer step
+    assert found["equal_tokens"] == min(runs["time"]["curve"][-1][0], runs["equal"]["curve"][-1][0])
+    assert found["loss_ratio"] == pytest.approx(found["loss_time"] / found["loss_equal"])
+
+
+def test_the_loss_at_equal_tokens_is_read_between_the_points_around_it():
+    curve = [(100.0, 4.0), (300.0, 3.0), (600.0, 2.4)]
+    assert loss_at(curve, 100.0) == 4.0
+    assert loss_at(curve, 200.0) == pytest.approx(3.5)
+    assert loss_at(curve, 450.0) == pytest.approx(2.7)
+    assert loss_at(curve, 900.0) == 2.4  # past the last point: the last loss

@@ -1,0 +1,108 @@
+"""A replica's steps per round (``training/pace.py``): fixed with ``pace = "steps"``; with
+``"time"``, as many as fit in the round the fastest sealed contributor sets, in whole units of
+data, planned two rounds ahead, within bounds, and said when even the fewest do not fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from diloco_anywhere.collective.records import Pace
+from diloco_anywhere.config import DilocoSection
+from diloco_anywhere.data.stream import RoundSpan
+from diloco_anywhere.training.pace import LAG, Pacer
+
+TIMED = DilocoSection(sync_every=20, pace="time")  # 20 steps a round, units of 2
+
+
+def paced(pacer: Pacer, round_: int, own: Pace, *others: Pace) -> int:
+    """Decide after ``round_`` as the leader does, and take it; the steps planned."""
+    plan = pacer.decide(round_, own, [own, *others])
+    pacer.apply(plan)
+    return pacer.steps(round_ + LAG)
+
+
+def test_with_pace_steps_every_round_is_sync_every_over_fragments():
+    pacer = Pacer(DilocoSection(sync_every=20, fragments=2))
+    assert pacer.decide(0, Pace(10, 9.0), [Pace(10, 1.0)]) is None
+    assert [pacer.steps(r) for r in range(3)] == [10, 10, 10]
+    assert pacer.span(25) == RoundSpan(2, 20, 10)
+
+
+def test_a_replica_four_times_slower_trains_a_quarter_of_the_steps():
+    slow = Pacer(TIMED)
+    assert slow.steps(0) == 20  # nothing measured yet: the reference pace
+    # the round: 20 steps at 0.05 s = 1 s; 5 of this replica's fit, in units of 2: 6
+    assert paced(slow, 0, Pace(20, 4.0), Pace(20, 1.0)) == 6
+    fast = Pacer(TIMED)
+    assert paced(fast, 0, Pace(20, 1.0), Pace(20, 4.0)) == 20  # the fastest sets the round
+
+
+def test_steps_are_whole_units_within_the_bounds():
+    assert paced(Pacer(TIMED), 0, Pace(20, 60.0), Pace(20, 1.0)) == 2  # the fewest: min
+    bounded = DilocoSection(sync_every=20, pace="time", round_seconds=100.0, max_round_steps=40)
+    assert paced(Pacer(bounded), 0, Pace(20, 1.0)) == 40  # 2000 steps fit: the most
+    quarter = DilocoSection(sync_every=20, pace="time", min_round_steps=5)
+    assert paced(Pacer(quarter), 0, Pace(20, 2.9), Pace(20, 1.0)) == 5  # 6.9 -> 5, not 6
+
+
+def test_round_seconds_sets_the_length_whatever_the_others():
+    pacer = Pacer(DilocoSection(sync_every=20, pace="time", round_seconds=3.0))
+    assert paced(pacer, 0, Pace(20, 2.0), Pace(20, 0.1)) == 30
+
+
+def test_a_decision_plans_two_rounds_ahead_and_never_changes_a_round_already_planned():
+    """A Trainer's loader reads a batch ahead: round r + 1's steps are known before r ends."""
+    pacer = Pacer(TIMED)
+    assert pacer.steps(1) == 20  # read before anything was measured: it stays
+    plan = pacer.decide(0, Pace(20, 4.0), [Pace(20, 1.0)])
+    assert plan is not None
+    assert plan.round == 2
+    pacer.apply(plan)
+    assert (pacer.steps(1), pacer.steps(2), pacer.steps(3)) == (20, 6, 6)
+
+
+def test_a_replica_that_slows_down_is_re_paced_within_two_rounds():
+    pacer = Pacer(TIMED)
+    for round_ in range(3):
+        paced(pacer, round_, Pace(20, 1.0), Pace(20, 1.0))
+    assert pacer.steps(4) == 20
+    paced(pacer, 3, Pace(20, 4.0), Pace(20, 1.0))  # slowed 4x in round 3
+    assert pacer.steps(5) == 6  # round 3 + LAG
+
+
+def test_spans_follow_the_planned_steps_and_start_again_where_the_replica_heals():
+    pacer = Pacer(TIMED)
+    pacer.apply(pacer.decide(0, Pace(20, 4.0), [Pace(20, 1.0)]))
+    spans = [pacer.span(step) for step in (0, 19, 20, 39, 40, 45)]
+    assert spans == [
+        RoundSpan(0, 0, 20), RoundSpan(0, 0, 20), RoundSpan(1, 20, 6), RoundSpan(4, 38, 6),
+        RoundSpan(4, 38, 6), RoundSpan(5, 44, 6),
+    ]  # fmt: skip
+    assert pacer.span(3) == RoundSpan(0, 0, 20)  # looked up again from the start
+    pacer.start(7, 140)  # healed to round 7, numbered at the reference pace
+    assert pacer.span(140) == RoundSpan(7, 140, 6)
+    assert pacer.span(147) == RoundSpan(8, 146, 6)
+
+
+def test_a_replica_too_slow_for_the_fewest_steps_is_said_to_hold_the_rounds_up():
+    pacer = Pacer(TIMED)
+    assert pacer.behind() is None
+    paced(pacer, 0, Pace(20, 30.0), Pace(20, 1.0))  # 1.5 s a step; the round is 1 s
+    said = pacer.behind()
+    assert said is not None
+    assert "min_round_steps = 2" in said
+    assert "the others wait" in said
+
+
+@pytest.mark.parametrize(
+    ("settings", "said"),
+    [
+        ({"round_seconds": 3.0}, 'round_seconds applies only with pace = "time"'),
+        ({"pace": "time", "min_round_steps": 3}, "must divide sync_every / fragments (20)"),
+        ({"pace": "time", "max_round_steps": 25}, "max_round_steps (25) must be a multiple"),
+        ({"pace": "time", "fragment_sync_delay": 2}, "must be less than min_round_steps (2)"),
+    ],
+)
+def test_pace_settings_that_cannot_work_are_refused_saying_why(settings, said):
+    with pytest.raises(ValueError, match=said.replace("(", r"\(").replace(")", r"\)")):
+        DilocoSection(sync_every=20, **settings)
