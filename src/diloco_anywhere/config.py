@@ -145,6 +145,12 @@ class DilocoSection(_Section):
         return self.outer_steps * self.sync_every
 
     @property
+    def most_total_steps(self) -> int:
+        """The most inner steps a replica can train over the run: ``total_steps``, unless
+        rounds are paced by time (then every round at ``max_round_steps``)."""
+        return self.last_step * self.round_steps_bounds[1]
+
+    @property
     def round_steps(self) -> int:
         """The inner steps of a round (one fragment's sync) at the reference pace: every
         replica's with ``pace = "steps"``, the fastest one's with ``"time"``."""

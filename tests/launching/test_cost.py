@@ -352,15 +352,26 @@ def test_spend_so_far_by_hand():
     assert spent.lines()[0].endswith(f"= ${spent.usd:,.2f}")
 
 
+def test_the_spend_says_what_compute_was_billed_while_replicas_waited_on_syncs():
+    """A fast replica on Modal waiting on a slow one 60% of its time (``pace = "steps"``)."""
+    attempts = [Attempt("modal", "H100", 0.0, 2 * 3600.0), Attempt("k8s", "", 0.0, 3600.0)]
+    traffic = [ReplicaTraffic("modal", 0, 0, 0.6), ReplicaTraffic("k8s", 0, 0, 0.02)]
+    spent = spend(attempts, traffic, _mixed_run(), now=2 * 3600.0)
+    assert spent.idle_by_platform["modal"] == pytest.approx(0.6 * 2 * 3.9492)
+    assert spent.idle_by_platform["k8s"] == 0.0  # unpriced: nothing billed idle either
+    modal = next(line for line in spent.lines() if line.startswith("  modal"))
+    assert f"(${0.6 * 2 * 3.9492:,.2f} of it waiting on syncs)" in modal
+
+
 def test_traffic_so_far_sums_every_incarnation():
     def sync(up: int, down: int) -> SimpleNamespace:
         return SimpleNamespace(bytes_up=up, bytes_down=down)
 
     metrics = {
         "modal-0": SimpleNamespace(
-            platform="modal", last_sync_by_incarnation={0: sync(10, 20), 1: sync(5, 7)}
+            platform="modal", last_sync_by_incarnation={0: sync(10, 20), 1: sync(5, 7)}, syncs=[]
         ),
-        "local-0": SimpleNamespace(platform="local", last_sync_by_incarnation={}),
+        "local-0": SimpleNamespace(platform="local", last_sync_by_incarnation={}, syncs=[]),
     }
     assert traffic_so_far(metrics) == [
         ReplicaTraffic("modal", 15, 27),

@@ -126,6 +126,35 @@ def test_a_trainer_on_the_run_s_data_trains_each_unit_of_it_once(hf_corpus, tmp_
         assert replica.steps[-1].loss < replica.steps[0].loss
 
 
+@pytest.mark.integration
+def test_a_trainer_paced_above_sync_every_goes_past_max_steps_to_the_run_s_end(
+    hf_corpus, tmp_path, monkeypatch
+):
+    """``pace = "time"`` with rounds long enough for ``max_round_steps`` (4 x 5): the Trainer's
+    ``max_steps`` (15) sets what its schedule spans, the run decides when it ends (30 steps:
+    the round after the first was planned before anything was measured, its first batch read
+    ahead), and every unit of the data is still trained once."""
+    tokenizer, data = hf_corpus
+    shutil.copytree(tokenizer, tmp_path / "tokenizer")
+    shutil.copy(data, tmp_path / "data.jsonl")
+    (tmp_path / "hf_train_stream.py").write_text(example("# hf_train_stream.py"))
+    run = example("# hf_train.py's run.toml", "toml").replace("hf_train.py", "hf_train_stream.py")
+    run = run.replace("[task]", '[task]\ndata = "data.jsonl"')
+    run = run.replace("outer_steps = 3", 'outer_steps = 3\npace = "time"\nround_seconds = 600.0')
+    (tmp_path / "run.toml").write_text(run)
+    monkeypatch.chdir(tmp_path)
+    result = diloco("launch", "--config", "run.toml")
+    assert result.exit_code == 0, result.output
+    assert {row["state"] for row in statuses("run.toml").values()} == {"done"}
+    metrics = run_metrics(load_config("run.toml")).read()
+    for replica in metrics.values():
+        assert [sync.round_steps for sync in replica.syncs] == [5, 5, 20]
+    store = Store(str(tmp_path / "store"))
+    claims = Claims(store, RunLayout("trainer"), contributor("judge", 0), 2).every_claim()
+    trained = sorted(claim.unit for claim, outcome in claims if outcome == "trained")
+    assert trained == list(range(2 * (5 + 5 + 20)))  # units of one step, each once
+
+
 def _run(tmp_path, outer_steps: int) -> RunConfig:
     """One replica's run in ``tmp_path``'s store, 5 inner steps per outer step."""
     return RunConfig.model_validate({

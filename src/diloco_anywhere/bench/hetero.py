@@ -8,17 +8,15 @@ share of the fastest's pace (``slowed_task.py``). Three real runs of the same re
 - ``time``: each as many steps as fit in the round (``pace = "time"``, ``training/pace.py``);
 - ``equal``: as many replicas, all at the fastest's pace: the held-out loss to match.
 
-From each run's own metrics: the fleet's throughput (tokens of committed contributions over
-the wall time from its first sync to its last) against the sum of its replicas' own (each
-replica's tokens a step over its measured step time, its waiting left out), the fastest
-replicas' waiting share, and the held-out loss at equal total tokens (the run that trained
-fewer tokens sets the point, the other's loss interpolated there).
+From each run's own metrics: the fleet's throughput against the sum of its replicas' own
+(``launching/fleet.py``), the fastest replicas' waiting share, and the held-out loss at equal
+total tokens (the run that trained fewer tokens sets the point, the other's loss
+interpolated there).
 """
 
 from __future__ import annotations
 
 import itertools
-import statistics
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +24,9 @@ from typing import Any
 
 from diloco_anywhere.bench.train import Progress, bench_config, run_diloco
 from diloco_anywhere.config import RunConfig, with_changes
+from diloco_anywhere.launching.fleet import contributed, fleet_throughput, tokens_per_step
 from diloco_anywhere.launching.status import waiting_share
-from diloco_anywhere.training.metrics import ReplicaMetrics, SyncLine
+from diloco_anywhere.training.metrics import ReplicaMetrics
 
 TASK = "diloco_anywhere.bench.slowed_task:build"
 
@@ -53,38 +52,6 @@ class HeteroBench:
             sync__grace=2.0, sync__timeout=300.0, sync__lease_period=1.0, task__entrypoint=TASK,
             task__log_every=5, task__eval_every=1, task__options=options,
         )  # fmt: skip
-
-
-def contributed(syncs: list[SyncLine]) -> list[SyncLine]:
-    return [sync for sync in syncs if sync.committed and sync.contributed]
-
-
-def tokens_per_step(metrics: ReplicaMetrics) -> float:
-    """The tokens one inner step of the replica trains (all its processes')."""
-    last = metrics.syncs[-1]
-    return last.tokens / last.inner_steps if last.inner_steps else 0.0
-
-
-def fleet_throughput(metrics: dict[str, ReplicaMetrics]) -> dict[str, Any]:
-    """Tokens of committed contributions a second, from the run's first sync to its last (the
-    first round's tokens, trained before it, left out), against the sum of each replica's own
-    pace: its tokens a step over its median step time."""
-    first = min(sync.time for m in metrics.values() for sync in m.syncs)
-    last = max(sync.time for m in metrics.values() for sync in m.syncs)
-    tokens = sum(
-        sync.round_steps * tokens_per_step(m)
-        for m in metrics.values()
-        for sync in contributed(m.syncs)
-        if sync.time > first
-    )
-    own = {
-        replica: tokens_per_step(m) / statistics.median(times)
-        for replica, m in sorted(metrics.items())
-        if (times := [s.step_seconds for s in m.syncs if s.step_seconds])
-    }
-    fleet = tokens / (last - first) if last > first else 0.0
-    return {"fleet_tokens_per_second": fleet, "own_tokens_per_second": own,
-            "fleet_over_own": fleet / sum(own.values()) if own else 0.0}  # fmt: skip
 
 
 Curve = list[tuple[float, float]]
@@ -122,8 +89,9 @@ def summarize_run(metrics: dict[str, ReplicaMetrics], speeds: tuple[float, ...])
     }
     fastest = [f"local-{k}" for k, speed in enumerate(speeds) if speed == max(speeds)]
     fast = [share for replica in fastest if (share := waiting.get(replica)) is not None]
+    throughput = fleet_throughput(metrics)
     return {
-        **fleet_throughput(metrics),
+        **(throughput.as_dict() if throughput else {}),
         "waiting": waiting,
         "fast_waiting": max(fast, default=None),
         "round_steps": {r: [s.round_steps for s in m.syncs] for r, m in sorted(metrics.items())},

@@ -90,9 +90,18 @@ def summary_table(summary: RunSummary) -> Table:
         ("data parallel would send", f"{summary.data_parallel_bytes_per_replica / 1e6:,.2f} MB"
          + (f" ({saved:,.0f}x more)" if saved else "")),
         ("sync time exposed per replica", f"{summary.sync_exposed_seconds:.2f} s"),
+        ("fleet throughput", _throughput(summary)),
     ):  # fmt: skip
         table.add_row(name, value)
     return table
+
+
+def _throughput(summary: RunSummary) -> str:
+    """Committed tokens a second, and what share of its replicas' own pace that is."""
+    fleet, own = summary.fleet_tokens_per_second, summary.own_tokens_per_second
+    if fleet is None or not own:
+        return "-"
+    return f"{fleet:,.0f} tokens/s ({fleet / own:.0%} of its replicas' own)"
 
 
 def coverage_table(coverage: Coverage) -> Table:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from diloco_anywhere.config import BudgetSection, RunConfig
 from diloco_anywhere.launching.clouds import egress, platform_cloud, store_cloud
 from diloco_anywhere.launching.prices import PriceTable, hourly_price, load_prices
+from diloco_anywhere.launching.status import waiting_share
 
 if TYPE_CHECKING:
     from diloco_anywhere.training.metrics import ReplicaMetrics
@@ -30,16 +31,18 @@ class ReplicaTraffic(NamedTuple):
     platform: str
     bytes_up: int
     bytes_down: int
+    waiting: float | None = None  # the share of its time it waited on syncs, idle but billed
 
 
 def traffic_so_far(metrics: Mapping[str, ReplicaMetrics]) -> list[ReplicaTraffic]:
     """Each replica's bytes so far from its metrics (``MetricsReader.read()``): every
-    incarnation's last sync line holds that process's counters."""
+    incarnation's last sync line holds that process's counters; and its waiting share."""
     return [
         ReplicaTraffic(
             replica.platform,
             sum(sync.bytes_up for sync in replica.last_sync_by_incarnation.values()),
             sum(sync.bytes_down for sync in replica.last_sync_by_incarnation.values()),
+            waiting_share(replica.syncs, recent=None),
         )
         for replica in metrics.values()
     ]
@@ -54,6 +57,8 @@ class Spend:
     compute_by_platform: dict[str, float] = field(default_factory=dict)
     egress_by_platform: dict[str, float] = field(default_factory=dict)
     unpriced: tuple[str, ...] = ()
+    # the compute billed while replicas waited on syncs (``[diloco] pace = "time"`` trims it)
+    idle_by_platform: dict[str, float] = field(default_factory=dict)
 
     @property
     def usd(self) -> float:
@@ -68,9 +73,12 @@ class Spend:
             f"${self.egress_usd:,.2f} + requests ${self.requests_usd:,.2f} = ${self.usd:,.2f}"
         ]
         for platform, hours in self.replica_hours.items():
+            idle = self.idle_by_platform.get(platform, 0.0)
             lines.append(
                 f"  {platform}: {hours:,.1f} replica-h, ${self.compute_by_platform[platform]:,.2f}"
-                f" compute, ${self.egress_by_platform.get(platform, 0.0):,.2f} egress"
+                f" compute"
+                + (f" (${idle:,.2f} of it waiting on syncs)" if idle >= 0.005 else "")
+                + f", ${self.egress_by_platform.get(platform, 0.0):,.2f} egress"
             )
         lines.extend(f"unpriced (counted as $0): {what}" for what in self.unpriced)
         return lines
@@ -105,6 +113,7 @@ def spend(
             unpriced.append(price.source)
     store = store_cloud(config.store_url(), budget)
     moved: dict[str, float] = {}
+    traffic = list(traffic)
     for replica in traffic:
         cloud = platform_cloud(replica.platform, budget)
         bill = egress(cloud, store, replica.bytes_up, replica.bytes_down, budget, prices)
@@ -118,7 +127,20 @@ def spend(
         compute_by_platform=compute,
         egress_by_platform=moved,
         unpriced=tuple(dict.fromkeys(unpriced)),  # each once, in order
+        idle_by_platform=_idle(compute, traffic),
     )
+
+
+def _idle(compute: dict[str, float], traffic: list[ReplicaTraffic]) -> dict[str, float]:
+    """Each platform's compute times the mean waiting share of its replicas."""
+    shares: dict[str, list[float]] = {}
+    for replica in traffic:
+        if replica.waiting is not None:
+            shares.setdefault(replica.platform, []).append(replica.waiting)
+    return {
+        platform: compute.get(platform, 0.0) * sum(found) / len(found)
+        for platform, found in shares.items()
+    }
 
 
 def over_budget(budget: BudgetSection, spent: Spend, hours: float) -> str | None:

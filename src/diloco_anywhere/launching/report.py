@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import RunConfig
+from diloco_anywhere.launching.fleet import fleet_throughput
 from diloco_anywhere.training.metrics import ReplicaMetrics
 
 if TYPE_CHECKING:
@@ -35,6 +36,10 @@ class RunSummary:
     bytes_down_per_replica: int
     data_parallel_bytes_per_replica: int  # what DDP would have sent for the same steps
     sync_exposed_seconds: float  # mean per replica
+    # committed tokens a second, and the sum of the replicas' own (``fleet.py``); None before
+    # two syncs
+    fleet_tokens_per_second: float | None = None
+    own_tokens_per_second: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -64,6 +69,8 @@ def summarize(metrics: dict[str, ReplicaMetrics]) -> RunSummary:
     def mean(values: list[float]) -> float:
         return statistics.fmean(values) if values else 0.0
 
+    throughput = fleet_throughput(metrics)
+
     return RunSummary(
         replicas=n,
         outer_steps=max((s.outer_step for s in last_syncs), default=0),
@@ -75,6 +82,10 @@ def summarize(metrics: dict[str, ReplicaMetrics]) -> RunSummary:
         bytes_down_per_replica=round(mean([_over_incarnations(m, "bytes_down") for m in synced])),
         data_parallel_bytes_per_replica=round(2 * (n - 1) / n * 4 * parameters * steps) if n else 0,
         sync_exposed_seconds=mean([_over_incarnations(m, "sync_exposed_seconds") for m in synced]),
+        fleet_tokens_per_second=throughput.fleet_tokens_per_second if throughput else None,
+        own_tokens_per_second=sum(throughput.own_tokens_per_second.values())
+        if throughput
+        else None,
     )
 
 

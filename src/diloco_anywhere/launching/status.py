@@ -151,12 +151,12 @@ def notes(row: ReplicaStatus) -> list[tuple[str, str]]:
 RECENT_ROUNDS = 5
 
 
-def waiting_share(syncs: list[SyncLine]) -> float | None:
-    """The share of the time between its last ``RECENT_ROUNDS`` syncs that a replica spent
-    waiting on syncs (its exposed sync time), one incarnation's lines at a time (a restart
-    counts from zero); None before two syncs."""
+def waiting_share(syncs: list[SyncLine], recent: int | None = RECENT_ROUNDS) -> float | None:
+    """The share of the time between its last ``recent`` syncs (None: all) that a replica
+    spent waiting on syncs (its exposed sync time), one incarnation's lines at a time (a
+    restart counts from zero); None before two syncs."""
     waited = spent = 0.0
-    recent = syncs[-RECENT_ROUNDS - 1 :]
+    recent = syncs if recent is None else syncs[-recent - 1 :]
     for before, after in itertools.pairwise(recent):
         exposed = after.sync_exposed_seconds - before.sync_exposed_seconds
         if exposed >= 0 and after.time > before.time:

@@ -153,11 +153,15 @@ class DilocoCallback(TrainerCallback):
         lr_scheduler: Any,
         **_: Any,
     ) -> None:
-        """Stop once the run's outer steps are committed; after a heal that moved this
-        replica on, its schedule follows."""
+        """Stop once the run's outer steps are committed, not before: a replica paced above
+        ``sync_every`` steps a round (``pace = "time"``) goes on past ``max_steps``, which
+        sets what the schedule spans; after a heal that moved this replica on, its schedule
+        follows."""
         self._schedule_to_run(lr_scheduler)
         if self.training.done:  # type: ignore[union-attr]
             control.should_training_stop = True
+        elif state.global_step >= state.max_steps:  # the Trainer's own end: not the run's
+            control.should_training_stop = False
 
     def _schedule_to_run(self, lr_scheduler: Any) -> None:
         """Step the Trainer's scheduler up to the run's inner step. Every schedule the Trainer
@@ -212,9 +216,11 @@ class RunDataset(IterableDataset):
         self.callback, self.stream = callback, stream
 
     def __len__(self) -> int:
-        """The examples one replica trains over the run, if it never restarts (the Trainer
-        wants a length, or ``max_steps`` before the callback sets it)."""
-        return self.callback.replica.total_steps * self.stream.shape.batch_sequences
+        """The most examples one replica trains over the run, if it never restarts (the
+        Trainer wants a length, or ``max_steps`` before the callback sets it; it ends at the
+        run's end, ``on_step_end``)."""
+        most = self.callback.replica.config.diloco.most_total_steps
+        return most * self.stream.shape.batch_sequences
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         training = self.callback.training
