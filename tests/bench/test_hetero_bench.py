@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from diloco_anywhere.bench.hetero import loss_at
+from diloco_anywhere.bench.hetero import loss_at, repaced
+from diloco_anywhere.training.metrics import ReplicaMetrics, SyncLine
 from support.runs import diloco
 
 
@@ -36,3 +37,20 @@ def test_the_loss_at_equal_tokens_is_read_between_the_points_around_it():
     assert loss_at(curve, 200.0) == pytest.approx(3.5)
     assert loss_at(curve, 450.0) == pytest.approx(2.7)
     assert loss_at(curve, 900.0) == 2.4  # past the last point: the last loss
+
+
+def test_a_replica_that_slowed_down_is_found_with_the_rounds_it_took_to_be_re_paced():
+    def sync(round_: int, seconds: float, steps: int) -> SyncLine:
+        return SyncLine(
+            outer_step=round_ + 1, round=round_, committed=True, participants=2,
+            eval_loss=None, tokens=0, tokens_per_second=0.0, sync_exposed_seconds=0.0,
+            bytes_up=0, bytes_down=0, time=float(round_), round_steps=steps,
+            step_seconds=seconds,
+        )  # fmt: skip
+
+    lines = [sync(0, 0.1, 20), sync(1, 0.1, 20), sync(2, 0.1, 20), sync(3, 0.4, 20),
+             sync(4, 0.4, 20), sync(5, 0.4, 6), sync(6, 0.4, 6)]  # fmt: skip
+    assert repaced(ReplicaMetrics("local-0", syncs=lines)) == {"slowed_round": 3, "rounds": 2}
+    assert repaced(ReplicaMetrics("local-0", syncs=lines[:3])) is None
+    never = [*lines[:5], sync(5, 0.4, 20)]
+    assert repaced(ReplicaMetrics("local-0", syncs=never)) == {"slowed_round": 3, "rounds": None}

@@ -6,7 +6,9 @@ share of the fastest's pace (``slowed_task.py``). Three real runs of the same re
 - ``steps``: every replica ``sync_every`` steps a round (``pace = "steps"``), the round at the
   slowest one's pace;
 - ``time``: each as many steps as fit in the round (``pace = "time"``, ``training/pace.py``);
-- ``equal``: as many replicas, all at the fastest's pace: the held-out loss to match.
+- ``equal``: as many replicas, all at the fastest's pace: the held-out loss to match;
+- ``slowdown`` (if asked): paced by time, one replica slowed some factor mid-run, and how many
+  rounds it took to be re-paced.
 
 From each run's own metrics: the fleet's throughput against the sum of its replicas' own
 (``launching/fleet.py``), the fastest replicas' waiting share, and the held-out loss at equal
@@ -17,6 +19,7 @@ interpolated there).
 from __future__ import annotations
 
 import itertools
+import statistics
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,13 +41,18 @@ class HeteroBench:
     outer_steps: int = 10
     step_seconds: float = 0.05  # a step at speed 1
     batch_size: int = 4
+    # a fourth run, paced by time: replica ``index`` slowed ``factor`` times ``after`` seconds
+    slowdown: tuple[int, float, float] | None = None
 
-    def config(self, pace: str, speeds: tuple[float, ...]) -> RunConfig:
+    def config(
+        self, pace: str, speeds: tuple[float, ...], slowdown: tuple[int, float, float] | None = None
+    ) -> RunConfig:
         """The run: ``len(speeds)`` local replicas, every round needing all of them, the
         held-out loss at every outer step."""
         replicas = len(speeds)
         options = {"preset": "tiny", "batch_size": self.batch_size, "corpus_bytes": 2_000_000,
-                   "speeds": list(speeds), "step_seconds": self.step_seconds}  # fmt: skip
+                   "speeds": list(speeds), "step_seconds": self.step_seconds,
+                   **({"slowdown": list(slowdown)} if slowdown else {})}  # fmt: skip
         return with_changes(
             bench_config(), run__name=f"hetero-{pace}", run__replicas=replicas,
             run__min_replicas=replicas, diloco__sync_every=self.sync_every,
@@ -99,19 +107,36 @@ def summarize_run(metrics: dict[str, ReplicaMetrics], speeds: tuple[float, ...])
     }
 
 
+def repaced(metrics: ReplicaMetrics) -> dict[str, int | None] | None:
+    """The first round a replica's step time measured more than twice its earlier median
+    (it slowed down), and how many rounds later it first trained fewer steps than in the
+    round before it (None: never); None if it never slowed."""
+    paced = [(s.round, s.step_seconds, s.round_steps) for s in metrics.syncs if s.step_seconds]
+    for k in range(1, len(paced)):
+        if paced[k][1] > 2 * statistics.median(seconds for _, seconds, _ in paced[:k]):
+            slowed, before = paced[k][0], paced[k - 1][2]
+            fewer = next((r for r, _, steps in paced[k:] if steps < before), None)
+            return {"slowed_round": slowed, "rounds": None if fewer is None else fewer - slowed}
+    return None
+
+
 def bench_hetero(bench: HeteroBench, progress: Progress) -> dict[str, Any]:
-    """The three runs, and how the time-paced fleet compares."""
+    """The runs, and how the time-paced fleet compares."""
     equal = tuple(max(bench.speeds) for _ in bench.speeds)
-    plan = (("steps", "steps", bench.speeds), ("time", "time", bench.speeds),
-            ("equal", "steps", equal))  # fmt: skip
+    plan = [("steps", "steps", bench.speeds, None), ("time", "time", bench.speeds, None),
+            ("equal", "steps", equal, None)]  # fmt: skip
+    if bench.slowdown is not None:
+        plan.append(("slowdown", "time", bench.speeds, bench.slowdown))
     runs = {}
     with tempfile.TemporaryDirectory(prefix="diloco-hetero-") as folder:
-        for name, pace, speeds in plan:
+        for name, pace, speeds, slowdown in plan:
             progress(f"{name}: {len(speeds)} replicas at speeds {', '.join(map(str, speeds))}")
             run_folder = Path(folder) / name
             run_folder.mkdir()
-            metrics = run_diloco(bench.config(pace, speeds), run_folder, progress)
+            metrics = run_diloco(bench.config(pace, speeds, slowdown), run_folder, progress)
             runs[name] = summarize_run(metrics, speeds)
+            if slowdown is not None:
+                runs[name]["repaced"] = repaced(metrics[f"local-{slowdown[0]}"])
     tokens = min(runs["time"]["curve"][-1][0], runs["equal"]["curve"][-1][0])
     loss_time, loss_equal = (loss_at(runs[name]["curve"], tokens) for name in ("time", "equal"))
     return {

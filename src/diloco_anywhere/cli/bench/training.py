@@ -268,6 +268,11 @@ def _hetero_table(result: dict[str, Any]) -> Table:
     for column in ("run", "fleet tokens/s", "own tokens/s", "fleet / own", "fast replicas wait",
                    "steps a round"):  # fmt: skip
         table.add_column(column, justify="right")
+    slowed = result["runs"].get("slowdown", {}).get("repaced")
+    if slowed is not None:
+        table.caption += (
+            f"; slowed in round {slowed['slowed_round']}, re-paced {slowed['rounds']} rounds later"
+        )
     for name, run in result["runs"].items():
         steps = {replica: sorted(set(counts[1:])) for replica, counts in run["round_steps"].items()}
         waiting = run["fast_waiting"]
@@ -293,6 +298,14 @@ def bench_hetero_command(
     step_seconds: Annotated[
         float, typer.Option(min=0.001, help="What an inner step of speed 1 takes.")
     ] = 0.05,
+    slowdown: Annotated[
+        str | None,
+        typer.Option(
+            metavar="INDEX,SECONDS,FACTOR",
+            help="A fourth run, paced by time, in which replica INDEX becomes FACTOR times "
+            "slower SECONDS after it starts (0,40,4): how many rounds until it is re-paced.",
+        ),
+    ] = None,
     json_output: JsonOutput = False,
 ) -> None:
     """Replicas of unlike speed (each inner step slowed to its share): rounds paced by steps
@@ -306,7 +319,14 @@ def bench_hetero_command(
     from diloco_anywhere.bench.hetero import HeteroBench, bench_hetero
 
     parsed = number_list(speeds, float, 0.01, 1.0, "speeds from 0.01 to 1, e.g. 1,1,0.25,0.25")
-    bench = HeteroBench(tuple(parsed), sync_every, outer_steps, step_seconds)
+    slowed = None
+    if slowdown is not None:
+        index, after, factor = number_list(slowdown, float, 0, 1e6, "INDEX,SECONDS,FACTOR: 0,40,4")
+        if not (index.is_integer() and index < len(parsed) and factor >= 1):
+            raise typer.BadParameter(f"{slowdown!r}: give a replica index below {len(parsed)}, "
+                                     f"seconds, and a factor of 1 or more")  # fmt: skip
+        slowed = (int(index), after, factor)
+    bench = HeteroBench(tuple(parsed), sync_every, outer_steps, step_seconds, slowdown=slowed)
     with user_errors(), progress_display() as status:
         result = bench_hetero(bench, status)
     if json_output:
