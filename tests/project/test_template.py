@@ -148,6 +148,8 @@ def test_answer_sets_render_only_what_they_chose(tmp_path, storage, backends) ->
     assert config.run.store == f"{CLOUD[storage]}://{bucket}/runs"
     assert sorted(config.backends) == sorted(backends)
     assert config.run.replicas == 2 * len(backends)  # each backend's default: 2 replicas
+    # platforms of unlike hardware: rounds paced by time, unless the answers say otherwise
+    assert config.diloco.pace == ("time" if len(backends) > 1 else "steps")
     answers = answers_of(project)
     for backend in BACKENDS:
         asked = [key for key in answers if key.startswith(f"{backend}_")]
