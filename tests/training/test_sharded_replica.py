@@ -296,3 +296,27 @@ def test_a_sharded_replicas_ranks_replay_a_round_only_together() -> None:
     assert _together([_Verdict("skip"), _Verdict("open")]).kind == "open"
     failed = _together([_Verdict("open"), _Verdict("error", "round 4 cannot be replayed")])
     assert failed == _Verdict("error", "rank 1: round 4 cannot be replayed")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_every_rank_of_a_replica_paced_by_time_trains_the_steps_its_leader_planned(
+    tmp_path, monkeypatch, sharding
+):
+    """Two replicas of two processes, one ten times slower a step (``bench/slowed_task.py``),
+    ``pace = "time"``: the leader plans each round's steps and its ranks take them (ranks that
+    disagreed would never meet in the round), the slow replica trains fewer."""
+    monkeypatch.chdir(tmp_path)
+    config = _write_run(tmp_path, sharding, outer_steps=4)
+    text = Path(config).read_text().replace('codec = "fp32"', 'codec = "fp32"\npace = "time"')
+    text = text.replace(
+        "[task]\n", '[task]\nentrypoint = "diloco_anywhere.bench.slowed_task:build"\n'
+    ).replace("[task.options]\n", "[task.options]\nspeeds = [1.0, 0.1]\nstep_seconds = 0.05\n")
+    Path(config).write_text(text)
+    result = diloco("launch", "--config", config)
+    assert result.exit_code == 0, result.output
+    metrics = run_metrics(load_config(config)).read()
+    fast, slow = metrics["local-0"].syncs, metrics["local-1"].syncs
+    assert [sync.round_steps for sync in fast] == [5] * 4
+    assert all(sync.round_steps < 5 for sync in slow[2:]), [s.round_steps for s in slow]
+    assert all(sync.committed and sync.participants == 2 for sync in fast + slow)

@@ -205,7 +205,7 @@ class Training:
             return
         committed = manager.current_step() > self._step_seen
         self._syncs_seen, self._step_seen = manager.syncs_attempted, manager.current_step()
-        synced = manager.last_round()
+        synced = self.pacer.span(self.inner_steps - 1).round  # a follower sends no round
         self.record_sync(committed, model)
         if committed:
             self.checkpoints.write_if_due(self.manager, self.state)  # type: ignore[arg-type]
@@ -213,11 +213,11 @@ class Training:
                 self.own_state.save_if_due(self.manager)
         if isinstance(manager.last_sync_error, SupersededError):  # a zombie trains no further
             raise manager.last_sync_error
+        self._plan_rounds(synced, committed)
         if isinstance(manager.last_sync_error, DivergedError):  # the same on every rank
             self.after_divergence(self.state)  # type: ignore[arg-type]
             self._healed_in_step = True
         self.stop_if_failing()
-        self._plan_rounds(synced, committed)
 
     def record_sync(self, committed: bool, model: nn.Module) -> None:
         """The sync's line in the metrics (rank 0), with the held-out loss when due: every rank
@@ -338,7 +338,7 @@ class Training:
             plan = self.pacer.decide(synced, self.sent_pace, sealed) if leader else None
             self.pacer.apply(self.group.broadcast(plan))
             self._say_if_behind()
-        self._start_round(self.manager.last_round() + 1)
+        self._start_round(synced + 1)  # a heal after a divergence starts its own
 
     def _say_if_behind(self) -> None:
         """Once a replica falls behind the round's length (and again if it catches up, then
