@@ -175,6 +175,14 @@ class DilocoSection(_Section):
         most = self.max_round_steps or 4 * self.round_steps
         return self.step_quantum, most
 
+    def steps_to_fit(self, seconds: float, step_seconds: float) -> int:
+        """The steps a replica paced by time trains in a round of ``seconds`` at
+        ``step_seconds`` a step: whole ``step_quantum`` units, the nearest count, within
+        ``round_steps_bounds`` (``training/pace.py``; the estimate, ``launching/round_plan``)."""
+        quantum, (least, most) = self.step_quantum, self.round_steps_bounds
+        steps = int(seconds / step_seconds / quantum + 0.5) * quantum
+        return min(max(steps, least), most)
+
     @property
     def last_step(self) -> int:
         """The manager's step once the run is done: every fragment has synced ``outer_steps``
@@ -348,6 +356,9 @@ class BudgetSection(_Section):
     # 0: measured, else assumed. (No field of run.toml is None: TOML has no null, and a
     # config dumped to TOML must load back.)
     step_seconds: Annotated[float, Field(ge=0)] = 0.0
+    # A platform's own seconds per inner step where its hardware differs from step_seconds'
+    # (e.g. {sagemaker = 0.8} for A10Gs beside H100s): the estimate prices its rounds' waiting.
+    platform_step_seconds: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
     # USD per replica-hour, "platform" or "platform/hardware" -> price, over the table's.
     hourly_usd: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
     # USD per GB leaving a cloud ("aws", "gcp", "azure", "hf", "modal", ...), over the table's.

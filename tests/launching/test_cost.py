@@ -21,9 +21,9 @@ from diloco_anywhere.launching.cost_so_far import (
     spend,
     traffic_so_far,
 )
-from diloco_anywhere.launching.limits import StepTime
 from diloco_anywhere.launching.model_size import parameter_count
 from diloco_anywhere.launching.prices import hourly_price, load_prices
+from diloco_anywhere.launching.round_plan import RoundPlan, StepTime, plan_rounds, round_plan_for
 from diloco_anywhere.launching.traffic import round_traffic
 from support import ROOT
 
@@ -322,7 +322,8 @@ def test_an_unknown_model_size_leaves_traffic_out_and_says_so():
     config = RunConfig.model_validate(
         {"task": {"entrypoint": "my_task:build"}, "run": {"store": "s3://b/p"}}
     )
-    result = estimate(config, {"modal": ("T4", 1)}, step=StepTime(2.0, "given"))
+    rounds = plan_rounds(config.diloco, StepTime(2.0, "given"), ["modal"])
+    result = estimate(config, {"modal": ("T4", 1)}, rounds=rounds)
     assert result.traffic is None
     assert result.egress_usd_per_hour == 0.0
     assert any("set [budget] parameters" in what for what in result.unpriced)
@@ -330,6 +331,86 @@ def test_an_unknown_model_size_leaves_traffic_out_and_says_so():
     # the heartbeats' requests remain: 5 replicas' worth is 1 here
     assert result.requests_usd_per_hour == pytest.approx((720 * 0.005 + 360 * 0.0004) / 1000)
     assert json.loads(json.dumps(result.as_dict()))["traffic"] is None
+
+
+def _paced(pace: str, sagemaker: float = 4.0) -> RunConfig:
+    """The mixed run, SageMaker's A10Gs ``sagemaker`` times slower a step than the rest (H100s
+    on Modal)."""
+    budget = {
+        "step_seconds": 1.0,
+        "parameters": BILLION,
+        "platform_step_seconds": {"sagemaker": sagemaker},
+    }
+    return _mixed_run().model_copy(
+        update={
+            "budget": BudgetSection.model_validate(budget),
+            "diloco": _mixed_run().diloco.model_copy(update={"pace": pace}),
+        }
+    )
+
+
+def test_rounds_paced_by_steps_are_the_slowest_platforms_and_the_others_waiting_is_priced():
+    result = estimate(_paced("steps"), MIXED)
+    assert result.hours == pytest.approx(10 * 100 * 4.0 / 3600)  # every round at SageMaker's pace
+    waiting = {p.platform: p.waiting for p in result.platforms}
+    assert waiting == pytest.approx({"sagemaker": 0.0, "modal": 0.75, "local": 0.75})
+    assert result.waiting_usd_per_hour == pytest.approx(0.75 * 2 * 0.001097 * 3600)  # local: $0
+    lines = result.lines()
+    assert any("modal x2" in line and "waits 75% of each round" in line for line in lines)
+    waiting_line = next(line for line in lines if line.startswith("of it waiting"))
+    assert f"${result.waiting_usd_per_hour * result.hours:,.2f} in all" in waiting_line
+    assert 'pace = "time"' in waiting_line
+    assert "with pace = 'steps' a round of 100 steps takes 400 s" in result.step.source
+    assert result.step.seconds == pytest.approx(4.0)
+    assert json.loads(json.dumps(result.as_dict()))["waiting_usd_per_hour"] > 0
+
+
+def test_rounds_paced_by_time_take_the_fastest_platforms_time_and_nobody_waits():
+    result = estimate(_paced("time", sagemaker=5.0), MIXED)
+    assert result.hours == pytest.approx(10 * 100 * 1.0 / 3600)  # the H100s' pace
+    assert {p.platform: p.round_steps for p in estimate_rounds(_paced("time", 5.0)).platforms} == {
+        "sagemaker": 20,
+        "modal": 100,
+        "local": 100,
+    }
+    assert {p.platform: p.waiting for p in result.platforms} == pytest.approx(
+        {"sagemaker": 0.0, "modal": 0.0, "local": 0.0}
+    )
+    assert result.waiting_usd_per_hour == 0.0
+    assert not any(line.startswith("of it waiting") for line in result.lines())
+
+
+def test_steps_that_fit_no_whole_unit_are_rounded_to_the_nearest_and_the_others_wait_the_rest():
+    """4 s a step fits 25 steps in the H100s' 100 s; steps come in units of 10, so it trains
+    30 (120 s) and the others wait a sixth of the round."""
+    rounds = estimate_rounds(_paced("time", 4.0))
+    assert rounds.round_seconds == pytest.approx(120.0)
+    assert rounds.waiting_of("modal") == pytest.approx(1 / 6)
+
+
+def test_a_platform_too_slow_for_the_fewest_steps_holds_timed_rounds_up_and_is_priced():
+    config = _paced("time", sagemaker=40.0)
+    rounds = estimate_rounds(config)
+    fewest = config.diloco.round_steps_bounds[0]
+    assert rounds.round_seconds == pytest.approx(fewest * 40.0)
+    assert {p.platform: p.round_steps for p in rounds.platforms} == {
+        "sagemaker": fewest,
+        "modal": 100,
+        "local": 100,
+    }
+    assert rounds.waiting_of("modal") == pytest.approx(1 - 100 / (fewest * 40.0))
+    result = estimate(config, MIXED)
+    assert any("min_round_steps" in line for line in result.lines())
+
+
+def estimate_rounds(config: RunConfig) -> RoundPlan:
+    return round_plan_for(config, MIXED)
+
+
+def test_a_platform_step_time_for_no_platform_is_refused_naming_the_platforms():
+    config = _paced("steps")
+    with pytest.raises(ConfigError, match=r"'sagemker': not a platform; the platforms are local, "):
+        plan_rounds(config.diloco, StepTime(1.0, "given"), MIXED, {"sagemker": 4.0})
 
 
 # -- Spend so far, and the cap -------------------------------------------------------------

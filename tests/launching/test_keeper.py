@@ -256,6 +256,7 @@ def test_keep_ends_a_done_run_and_says_so_every_pass(run_toml):
     result = diloco("status", "--config", config, "--markdown")
     assert result.exit_code == 0, result.output
     assert "| local-0 | local | done | 2 |" in result.output
+    assert "| step | H | loss |" in result.output  # H: its latest round's inner steps
     assert "launch ended (done): the last outer step is committed" in result.output
     page = diloco("status", "--config", config, "--url")
     assert page.exit_code == 0, page.output

@@ -9,13 +9,12 @@ import pytest
 
 from diloco_anywhere.backends import get_backend
 from diloco_anywhere.config import RunConfig
-from diloco_anywhere.launching.limits import (
+from diloco_anywhere.launching.limits import plan_for, plan_limits, plan_platform
+from diloco_anywhere.launching.round_plan import (
     ASSUMED_STEP_SECONDS,
     StepTime,
     measured_step_seconds,
-    plan_for,
-    plan_limits,
-    plan_platform,
+    round_plan_for,
     step_time,
 )
 
@@ -127,7 +126,8 @@ def test_plan_for_a_config_uses_its_length_step_time_and_spot_wait():
     )
     spot_waits = {"sagemaker": get_backend("sagemaker", config).spot_wait_limit()}
     assert spot_waits == {"sagemaker": 30 * HOUR}
-    plan = plan_for(config, {"modal": DAY, "sagemaker": DAY, "k8s": None}, spot_waits=spot_waits)
+    limits = {"modal": DAY, "sagemaker": DAY, "k8s": None}
+    plan = plan_for(config, limits, round_plan_for(config, limits), spot_waits)
     assert plan.inner_steps == 7200
     assert plan.run_hours == 72.0
     assert [p.attempts for p in plan.platforms] == [3, 3, 1]
@@ -136,7 +136,27 @@ def test_plan_for_a_config_uses_its_length_step_time_and_spot_wait():
 
 def test_plan_for_measures_the_step_time_when_run_toml_gives_none():
     config = RunConfig.model_validate({"diloco": {"outer_steps": 10, "sync_every": 360}})
-    plan = plan_for(config, {"modal": DAY}, metrics={"a": _replica((0, 0.0), (10, 20.0))})
+    rounds = round_plan_for(config, ["modal"], metrics={"a": _replica((0, 0.0), (10, 20.0))})
+    plan = plan_for(config, {"modal": DAY}, rounds)
     assert plan.step == StepTime(2.0, "measured from the run's metrics")
     assert plan.run_hours == 2.0
     assert get_backend("sagemaker", config).spot_wait_limit() is None
+
+
+def test_a_run_paced_by_steps_lasts_as_long_as_its_slowest_platform_needs():
+    """Modal 5x faster a step than SageMaker: with pace = "steps" every round takes
+    SageMaker's time, so the run and Modal's attempts do too."""
+    config = RunConfig.model_validate(
+        {
+            "diloco": {"outer_steps": 24, "sync_every": 100, "pace": "steps"},
+            "budget": {"step_seconds": 7.2, "platform_step_seconds": {"sagemaker": 36.0}},
+        }
+    )
+    limits = {"modal": DAY, "sagemaker": None}
+    plan = plan_for(config, limits, round_plan_for(config, limits))
+    assert plan.run_hours == pytest.approx(24.0)
+    assert plan.step.seconds == 36.0
+    assert "a round of 100 steps takes 3,600 s" in plan.step.source
+    assert [p.attempts for p in plan.platforms] == [1, 1]
+    timed = config.model_copy(update={"diloco": config.diloco.model_copy(update={"pace": "time"})})
+    assert plan_for(timed, limits, round_plan_for(timed, limits)).run_hours == pytest.approx(4.8)

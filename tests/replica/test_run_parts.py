@@ -327,7 +327,7 @@ def _row(replica: str, platform: str, state: str) -> ReplicaStatus:
         replica=replica, platform=platform, state=state, outer_step=312, loss=2.4567,
         eval_loss=2.5012, tokens=10**7, tokens_per_second=123456.0, bytes_up=0, bytes_down=0,
         last_seen_seconds=12.0, restarts=2, heals=2, divergences=0, mirror_failures=0,
-        superseded=0, clock_skew=None, values={},
+        superseded=0, clock_skew=None, values={}, round_steps=25,
     )  # fmt: skip
 
 
@@ -341,13 +341,18 @@ def test_the_status_table_fits_80_columns_with_whole_headers_and_numbers():
     shown = console.export_text()
     assert "…" not in shown
     header = next(line for line in shown.splitlines() if "replica" in line)
-    assert header.split() == ["replica", "state", "step", "loss", "eval", "tokens/s",
+    assert header.split() == ["replica", "state", "step", "H", "loss", "eval", "tokens/s",
                               "restarts/heals", "seen"]  # fmt: skip
-    assert "timed_out   312  2.457  2.501   123,456" in shown
-    assert "12s ago" in shown
+    assert "timed_out  312 25 2.457 2.501  123,456            2/2  12s" in shown
     console = Console(width=80, record=True)
-    console.print(status_table([_row("trainer-a", "k8s", "running")], "t"))
-    assert "platform" in console.export_text()
+    console.print(status_table([_row("trainer-a", "k8s", "running"),
+                                dataclasses.replace(_row("trainer-b", "sagemaker", "timed_out"),
+                                                    waiting=0.62, round_steps=100)], "t"))  # fmt: skip
+    shown = console.export_text()
+    assert "…" not in shown
+    assert max(map(len, shown.splitlines())) <= 80
+    assert "platform" in shown
+    assert "timed_out,  312 100 2.457 2.501  123,456            2/2  12s" in shown
 
 
 def test_the_waiting_share_is_exposed_sync_time_over_the_recent_rounds_of_one_incarnation():

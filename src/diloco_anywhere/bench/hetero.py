@@ -28,6 +28,7 @@ from typing import Any
 from diloco_anywhere.bench.train import Progress, bench_config, run_diloco
 from diloco_anywhere.config import RunConfig, with_changes
 from diloco_anywhere.launching.fleet import contributed, fleet_throughput, tokens_per_step
+from diloco_anywhere.launching.launch import replica_id_of
 from diloco_anywhere.launching.status import waiting_share
 from diloco_anywhere.training.metrics import ReplicaMetrics
 
@@ -95,7 +96,7 @@ def summarize_run(metrics: dict[str, ReplicaMetrics], speeds: tuple[float, ...])
     waiting = {  # from the second sync: the first round waits for every replica's start-up
         replica: waiting_share(m.syncs[1:]) for replica, m in sorted(metrics.items())
     }
-    fastest = [f"local-{k}" for k, speed in enumerate(speeds) if speed == max(speeds)]
+    fastest = [replica_id_of("local", k) for k, speed in enumerate(speeds) if speed == max(speeds)]
     fast = [share for replica in fastest if (share := waiting.get(replica)) is not None]
     throughput = fleet_throughput(metrics)
     return {
@@ -136,7 +137,7 @@ def bench_hetero(bench: HeteroBench, progress: Progress) -> dict[str, Any]:
             metrics = run_diloco(bench.config(pace, speeds, slowdown), run_folder, progress)
             runs[name] = summarize_run(metrics, speeds)
             if slowdown is not None:
-                runs[name]["repaced"] = repaced(metrics[f"local-{slowdown[0]}"])
+                runs[name]["repaced"] = repaced(metrics[replica_id_of("local", slowdown[0])])
     tokens = min(runs["time"]["curve"][-1][0], runs["equal"]["curve"][-1][0])
     loss_time, loss_equal = (loss_at(runs[name]["curve"], tokens) for name in ("time", "equal"))
     return {

@@ -23,10 +23,11 @@ def status_table(rows: list[ReplicaStatus], title: str) -> Table:
     """One row per replica. Fits an 80-column terminal with every header and number whole: no
     vertical rules, one space between columns, and no platform column when every replica id
     already starts with its platform (``k8s-0``: ids the launcher gives); only the state, which
-    may carry notes, folds onto a second line."""
-    table = Table(title=title, box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)
+    may carry notes, folds onto a second line. ``H`` is the inner steps of a replica's latest
+    round: its own with ``[diloco] pace = "time"``."""
+    table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
     platforms = any(not row.replica.startswith(f"{row.platform}-") for row in rows)
-    columns = ("replica", *(("platform",) if platforms else ()), "state", "step", "loss", "eval",
+    columns = ("replica", *(("platform",) if platforms else ()), "state", "step", "H", "loss", "eval",
                "tokens/s", "restarts/heals", "seen")  # fmt: skip
     cells = [_status_cells(row, platforms) for row in rows]
     for number, column in enumerate(columns):
@@ -51,22 +52,23 @@ def _status_cells(row: ReplicaStatus, platform: bool) -> list[str]:
         state = f"{state}, [{style}]{text}[/{style}]" if style else f"{state}, {text}"
     return [
         row.replica, *((row.platform,) if platform else ()), state, str(row.outer_step),
+        str(row.round_steps or "-"),
         "-" if row.loss is None else f"{row.loss:.3f}",
         "-" if row.eval_loss is None else f"{row.eval_loss:.3f}",
         "-" if row.tokens_per_second is None else f"{row.tokens_per_second:,.0f}",
         f"{row.restarts}/{row.heals}",
-        "-" if row.last_seen_seconds is None else f"{row.last_seen_seconds:.0f}s ago",
+        "-" if row.last_seen_seconds is None else f"{row.last_seen_seconds:.0f}s",  # ago
     ]  # fmt: skip
 
 
 def markdown_table(rows: list[ReplicaStatus], title: str) -> str:
     """The status table in GitHub-flavoured Markdown: a job summary, an issue comment."""
-    lines = [f"### {title}", "", "| replica | platform | state | step | loss | eval | seen |",
-             "|---|---|---|--:|--:|--:|--:|"]  # fmt: skip
+    lines = [f"### {title}", "", "| replica | platform | state | step | H | loss | eval | seen |",
+             "|---|---|---|--:|--:|--:|--:|--:|"]  # fmt: skip
     for row in rows:
         seen = row.last_seen_seconds
         cells = (row.replica, row.platform, row.state, str(row.outer_step),
-                 "-" if row.loss is None else f"{row.loss:.3f}",
+                 str(row.round_steps or "-"), "-" if row.loss is None else f"{row.loss:.3f}",
                  "-" if row.eval_loss is None else f"{row.eval_loss:.3f}",
                  "-" if seen is None else f"{seen:.0f}s ago")  # fmt: skip
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")

@@ -11,15 +11,15 @@ per day in every codec, so that the choice is made with its price in view.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from diloco_anywhere.bucket.codec_names import CODEC_NAMES
 from diloco_anywhere.config import BudgetSection, DilocoSection, RunConfig, describe_codec
 from diloco_anywhere.launching.clouds import GIB, Egress, egress, platform_cloud, store_cloud
-from diloco_anywhere.launching.limits import StepTime, step_time
 from diloco_anywhere.launching.model_size import parameter_count
 from diloco_anywhere.launching.prices import PriceTable, hourly_price, load_prices, request_usd
+from diloco_anywhere.launching.round_plan import RoundPlan, StepTime, round_plan_for
 from diloco_anywhere.launching.traffic import (
     RoundTraffic,
     heartbeat_requests_per_hour,
@@ -37,13 +37,15 @@ class PlatformCost:
     price_source: str
     price_reference: str  # the table's source of a list price
     egress_usd_per_round: float  # one replica's, per outer step
+    waiting: float = 0.0  # the share of each round its replicas wait for others'
 
 
 @dataclass(frozen=True)
 class Estimate:
     hours: float  # the run's expected wall time
     rounds: int  # outer steps
-    step: StepTime
+    step: StepTime  # wall seconds per reference step, waiting included
+    pace: str  # [diloco] pace, for the fix of waiting
     parameters: int | None
     parameters_source: str
     traffic: RoundTraffic | None  # per replica per outer step; None: parameters unknown
@@ -67,16 +69,28 @@ class Estimate:
         return self.usd_per_hour * self.hours
 
     @property
+    def waiting_usd_per_hour(self) -> float:
+        """What the replicas cost while they wait for others' rounds: billed, not training."""
+        return sum((p.usd_per_replica_hour or 0.0) * p.replicas * p.waiting for p in self.platforms)
+
+    @property
     def requests_usd_per_round(self) -> float:
         """All replicas' request bill per outer step: what ``spend`` takes as ``requests_usd``
         times the rounds done so far."""
         return self.requests_usd_per_hour * self.hours / self.rounds
+
+    @property
+    def waiting_fix(self) -> str:
+        if self.pace == "steps":
+            return 'with [diloco] pace = "time" they train instead'
+        return "set [diloco] min_round_steps lower for the slowest, or round_seconds longer"
 
     def as_dict(self) -> dict[str, Any]:
         return {
             **asdict(self),
             "usd_per_hour": self.usd_per_hour,
             "usd": self.usd,
+            "waiting_usd_per_hour": self.waiting_usd_per_hour,
             "requests_usd_per_round": self.requests_usd_per_round,
         }
 
@@ -97,10 +111,11 @@ class Estimate:
         for p in self.platforms:
             hourly = p.usd_per_replica_hour
             price = "unpriced" if hourly is None else f"${hourly:,.2f} ({p.price_source})"
+            waits = f", waits {p.waiting:.0%} of each round" if p.waiting >= 0.005 else ""
             lines.append(
                 f"  {p.platform} x{p.replicas} {p.hardware or '(own machines)'} in {p.cloud}: "
                 f"{price} per replica-hour, egress ${p.egress_usd_per_round:,.4f} per replica "
-                f"and outer step"
+                f"and outer step{waits}"
             )
         per_hour = (self.compute_usd_per_hour, self.egress_usd_per_hour, self.requests_usd_per_hour)
         for label, scale in (("per hour", 1.0), ("whole run", self.hours)):
@@ -108,6 +123,11 @@ class Estimate:
             lines.append(
                 f"{label}: compute ${compute:,.2f} + egress ${egress_:,.2f} + requests "
                 f"${requests:,.2f} = ${compute + egress_ + requests:,.2f}"
+            )
+        if self.waiting_usd_per_hour:
+            lines.append(
+                f"of it waiting for slower replicas: ${self.waiting_usd_per_hour:,.2f} per hour, "
+                f"${self.waiting_usd_per_hour * self.hours:,.2f} in all ({self.waiting_fix})"
             )
         if self.egress_usd_per_day_by_codec:
             by_codec = ", ".join(
@@ -134,28 +154,28 @@ def estimate(
     config: RunConfig,
     replicas: Mapping[str, tuple[str, int]],
     *,
-    step: StepTime | None = None,
+    rounds: RoundPlan | None = None,
     parameters: tuple[int | None, str] | None = None,
     prices: PriceTable | None = None,
 ) -> Estimate:
     """What ``config``'s run costs with ``replicas`` (platform -> (``Backend.hardware()``,
-    replica count)): per hour and in all. ``step`` defaults to ``[budget] step_seconds`` or
-    the stated assumption (``limits.step_time``; pass the plan's ``step`` once the run has
-    measured one); ``parameters`` to ``parameter_count(config)``."""
+    replica count)): per hour and in all. ``rounds`` (``round_plan.round_plan_for``) defaults
+    to the round of ``[budget] step_seconds`` and ``platform_step_seconds``, or the stated
+    assumption; ``parameters`` to ``parameter_count(config)``."""
     prices = prices or load_prices()
     budget = config.budget
-    step = step or step_time(budget.step_seconds or None)
+    paced = rounds or round_plan_for(config, replicas)
     count, count_source = parameters or parameter_count(config)
     n = sum(number for _, number in replicas.values())
     rounds = config.diloco.outer_steps
-    round_hours = config.diloco.sync_every * step.seconds / 3600
+    round_hours = config.diloco.fragments * paced.round_seconds / 3600  # an outer step's
     store = store_cloud(config.store_url(), budget)
     traffic = None if count is None else _traffic(config, config.diloco, count, n)
     unpriced = [] if count is not None else [f"egress and per-round requests: {count_source}"]
     platforms = []
     for platform, (hardware, number) in replicas.items():
         cost, missing = _platform_cost(platform, hardware, number, traffic, store, budget, prices)
-        platforms.append(cost)
+        platforms.append(replace(cost, waiting=paced.waiting_of(platform)))
         unpriced.extend(missing)
     compute = sum((p.usd_per_replica_hour or 0.0) * p.replicas for p in platforms)
     egress_per_round = sum(p.egress_usd_per_round * p.replicas for p in platforms)
@@ -171,7 +191,8 @@ def estimate(
     return Estimate(
         hours=rounds * round_hours,
         rounds=rounds,
-        step=step,
+        step=paced.wall_step,
+        pace=config.diloco.pace,
         parameters=count,
         parameters_source=count_source,
         traffic=traffic,

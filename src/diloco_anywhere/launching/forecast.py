@@ -10,6 +10,7 @@ from typing import Any
 from diloco_anywhere.launching.cost_estimate import Estimate, estimate
 from diloco_anywhere.launching.launch import LaunchPlan
 from diloco_anywhere.launching.limits import LimitPlan, plan_for
+from diloco_anywhere.launching.round_plan import round_plan_for
 
 
 @dataclass(frozen=True)
@@ -26,12 +27,14 @@ class Forecast:
 
 def forecast(plan: LaunchPlan) -> Forecast:
     """The launch's limits and cost, from each platform's settings (``attempt_limit``,
-    ``spot_wait_limit``, ``hardware``) and ``[budget]``; contacts nothing."""
+    ``spot_wait_limit``, ``hardware``) and ``[budget]``; contacts nothing. Both count the
+    rounds' waiting where platforms' step times differ (``round_plan``)."""
     backends = plan.backends
     attempts = {platform: backend.attempt_limit() for platform, backend in backends.items()}
     spot_waits = {platform: backend.spot_wait_limit() for platform, backend in backends.items()
                   if backend.capabilities.spot_wait}  # fmt: skip
-    limits = plan_for(plan.config, attempts, spot_waits=spot_waits)
+    rounds = round_plan_for(plan.config, backends)
+    limits = plan_for(plan.config, attempts, rounds, spot_waits)
     replicas = {platform: (backend.hardware(), len(plan.specs_on(platform)))
                 for platform, backend in plan.backends.items()}  # fmt: skip
-    return Forecast(limits, estimate(plan.config, replicas, step=limits.step))
+    return Forecast(limits, estimate(plan.config, replicas, rounds=rounds))

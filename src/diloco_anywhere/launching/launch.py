@@ -88,7 +88,7 @@ def plan_launch(config: RunConfig, counts: dict[str, int], root: Path | None = N
         published = {published_config.ENV_CONFIG_KEY: config_key} if elsewhere else {}
         processes = backend.settings.processes_per_replica
         for k in range(count):
-            replica_id = f"{platform}-{k}"
+            replica_id = replica_id_of(platform, k)
             env = {
                 **common,
                 **published,
@@ -99,6 +99,12 @@ def plan_launch(config: RunConfig, counts: dict[str, int], root: Path | None = N
             specs.append(ReplicaSpec(replica_id, index, platform, env, args, processes))
             index += 1
     return LaunchPlan(config, run_dir(config, root), tuple(specs), backends, config_key)
+
+
+def replica_id_of(platform: str, k: int) -> str:
+    """The id of a platform's k-th replica: stable across launches, whatever other platforms
+    are added (a replica's id names its objects in the bucket)."""
+    return f"{platform}-{k}"
 
 
 def check_same_ranks(backends: dict[str, Backend]) -> None:

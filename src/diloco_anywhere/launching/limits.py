@@ -6,83 +6,21 @@ a Kubernetes deadline). A run longer than that limit needs several attempts ther
 the keeper (``diloco keep``) starts the next one: the plan says so before the launch, so a
 3-day run is not left to die after its first day.
 
-The run's length is ``outer_steps x sync_every`` inner steps, and a step's wall time (sync
-waits included) is ``[budget] step_seconds``, else measured from the run's metrics, else
-``ASSUMED_STEP_SECONDS``, said as an assumption. Pure functions of plain numbers: the caller
-asks each backend for ``attempt_limit()``, and where its ``capabilities.spot_wait`` says it
-has one, for ``spot_wait_limit()``.
+The run's length is ``outer_steps x sync_every`` inner steps of the reference pace, each
+taking its wall time, waiting included (``round_plan.RoundPlan.wall_step``). Pure functions
+of plain numbers: the caller asks each backend for ``attempt_limit()``, and where its
+``capabilities.spot_wait`` says it has one, for ``spot_wait_limit()``.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-import statistics
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from diloco_anywhere.config import RunConfig
-
-ASSUMED_STEP_SECONDS = 1.0  # a guess, said as one; a 1B model on one GPU is about this
-# A pair of step lines further apart than this many times the median step is a restart or a
-# heal in between, not training: left out of the measured step time.
-GAP_FACTOR = 10.0
-
-
-class _StepLine(Protocol):
-    step: int
-    time: float
-
-
-class _Replica(Protocol):
-    steps: list[Any]
-
-
-@dataclass(frozen=True)
-class StepTime:
-    seconds: float
-    source: str  # where it came from, for people: "[budget] step_seconds", "measured ..."
-
-
-def step_time(configured: float | None, measured: float | None = None) -> StepTime:
-    """``[budget] step_seconds`` wins (the user knows the hardware); then the run's own
-    measurement; then an assumption that says how to replace it."""
-    if configured is not None:
-        return StepTime(configured, "[budget] step_seconds")
-    if measured is not None:
-        return StepTime(measured, "measured from the run's metrics")
-    return StepTime(
-        ASSUMED_STEP_SECONDS,
-        f"assumed {ASSUMED_STEP_SECONDS:g} s per inner step: set [budget] step_seconds",
-    )
-
-
-def _seconds_per_step(lines: list[_StepLine]) -> tuple[float, float] | None:
-    """(seconds, steps) between consecutive step lines of one replica, without the gaps where
-    it restarted or healed (a step count that did not go up, or a pause of many steps)."""
-    pairs = [
-        (b.time - a.time, b.step - a.step)
-        for a, b in itertools.pairwise(lines)
-        if b.step > a.step and b.time > a.time
-    ]
-    if not pairs:
-        return None
-    typical = statistics.median(seconds / steps for seconds, steps in pairs)
-    kept = [(s, n) for s, n in pairs if s / n <= GAP_FACTOR * typical]
-    return sum(s for s, _ in kept), sum(n for _, n in kept)
-
-
-def measured_step_seconds(metrics: Mapping[str, _Replica]) -> float | None:
-    """Wall seconds per inner step, the median over replicas, from their step lines (each a
-    ``step`` count and a ``time``: ``training.metrics.ReplicaMetrics.steps``). Sync waits are
-    inside it, as they are inside the run's length. None before two lines of one replica."""
-    rates = []
-    for replica in metrics.values():
-        measured = _seconds_per_step(replica.steps)
-        if measured is not None:
-            rates.append(measured[0] / measured[1])
-    return statistics.median(rates) if rates else None
+from diloco_anywhere.launching.round_plan import RoundPlan, StepTime
 
 
 @dataclass(frozen=True)
@@ -207,17 +145,10 @@ def plan_limits(
 def plan_for(
     config: RunConfig,
     limits: Mapping[str, float | None],
-    metrics: Mapping[str, _Replica] | None = None,
+    rounds: RoundPlan,
     spot_waits: Mapping[str, float | None] | None = None,
 ) -> LimitPlan:
-    """The plan for ``config``'s run: ``limits`` from each platform's backend
-    (``{name: backend.attempt_limit()}``), ``spot_waits`` from those that have one
-    (``backend.spot_wait_limit()``), ``metrics`` (``MetricsReader.read()``) once the run has
-    some, for its measured step time."""
-    measured = measured_step_seconds(metrics) if metrics else None
-    return plan_limits(
-        config.diloco.total_steps,
-        step_time(config.budget.step_seconds or None, measured),
-        limits,
-        spot_waits,
-    )
+    """The plan for ``config``'s run of rounds as ``rounds`` (``round_plan.round_plan_for``)
+    on the platforms of ``limits`` (``{name: backend.attempt_limit()}``), ``spot_waits`` from
+    those that have one (``backend.spot_wait_limit()``)."""
+    return plan_limits(config.diloco.total_steps, rounds.wall_step, limits, spot_waits)

@@ -90,9 +90,9 @@ class GlobalCheckpoints:
         parts = self._agree_on_parts(manager, state, step, last=step == last)
         if parts is None:
             return
-        tree = {"manager": manager.state_dict(), "fragments": state.checkpoint_tree(),
-                "names": state.names}  # fmt: skip
-        self.writer.write(manager.last_round(), writers, tree, last=step == last, parts=parts)
+        self.writer.write(
+            manager.last_round(), writers, _tree(manager, state), last=step == last, parts=parts
+        )
 
     def write_last_if_missing(self, manager: BucketManager, state: GlobalState) -> None:
         """At the run's end, commit its last checkpoint if nobody has: this replica healed to
@@ -120,9 +120,7 @@ class GlobalCheckpoints:
             else self.collective.sealed_contributors(round_, fragment)
         )
         parts = self._agree_on_parts(manager, state, step, last=True)
-        tree = {"manager": manager.state_dict(), "fragments": state.checkpoint_tree(),
-                "names": state.names}  # fmt: skip
-        self.writer.write(round_, writers, tree, last=True, parts=parts or ())
+        self.writer.write(round_, writers, _tree(manager, state), last=True, parts=parts or ())
 
     def _agree_on_parts(
         self, manager: BucketManager, state: GlobalState, step: int, *, last: bool
@@ -151,6 +149,13 @@ class GlobalCheckpoints:
             self.writer.close()
         if self.mirrors is not None:
             self.mirrors.close()
+
+
+def _tree(manager: BucketManager, state: GlobalState) -> dict:
+    """What a checkpoint holds: the manager's counters, the global weights and outer optimizer
+    state of every fragment, and the parameter names."""
+    return {"manager": manager.state_dict(), "fragments": state.checkpoint_tree(),
+            "names": state.names}  # fmt: skip
 
 
 def checkpoint_due(step: int, every: int, last: int) -> bool:

@@ -49,8 +49,8 @@ class Pacer:
 
     def __init__(self, diloco: DilocoSection) -> None:
         self.timed = diloco.pace == "time"
-        self.reference, self.quantum = diloco.round_steps, diloco.step_quantum
-        self.least, self.most = diloco.round_steps_bounds
+        self.diloco = diloco
+        self.reference, self.least = diloco.round_steps, diloco.round_steps_bounds[0]
         self.round_seconds = diloco.round_seconds or None
         self.length: float | None = self.round_seconds  # the newest round length
         self.step_seconds: float | None = None  # this replica's newest measured step time
@@ -61,7 +61,7 @@ class Pacer:
         """The inner steps this replica trains in ``round_``."""
         if not self.timed:
             return self.reference
-        return self._planned.setdefault(round_, self._fit(self.length, self.step_seconds))
+        return self._planned.setdefault(round_, self.fit(self.length, self.step_seconds))
 
     def start(self, round_: int, step: int) -> None:
         """This replica trains round ``round_`` from inner step ``step`` on (it joined or
@@ -87,7 +87,7 @@ class Pacer:
         step_seconds = own.step_seconds if own is not None else None
         step_seconds = step_seconds or self.step_seconds
         length = self.round_seconds or self._reference_length(sealed) or self.length
-        return Plan(round_ + LAG, self._fit(length, step_seconds), length, step_seconds)
+        return Plan(round_ + LAG, self.fit(length, step_seconds), length, step_seconds)
 
     def apply(self, plan: Plan | None) -> None:
         """Take a decision (this replica's, or its leader's): later ones never change it."""
@@ -115,10 +115,9 @@ class Pacer:
         times = [t for pace in sealed if (t := pace.step_seconds) is not None]
         return self.reference * min(times) if times else None
 
-    def _fit(self, length: float | None, step_seconds: float | None) -> int:
-        """The whole units of steps that fit ``length`` at ``step_seconds``, within bounds;
+    def fit(self, length: float | None, step_seconds: float | None) -> int:
+        """The steps that fit ``length`` at ``step_seconds`` (``DilocoSection.steps_to_fit``);
         ``round_steps`` while either is unknown."""
         if length is None or step_seconds is None:
             return self.reference
-        steps = int(length / step_seconds / self.quantum + 0.5) * self.quantum
-        return min(max(steps, self.least), self.most)
+        return self.diloco.steps_to_fit(length, step_seconds)

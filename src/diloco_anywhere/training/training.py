@@ -206,7 +206,7 @@ class Training:
         committed = manager.current_step() > self._step_seen
         self._syncs_seen, self._step_seen = manager.syncs_attempted, manager.current_step()
         synced = self.pacer.span(self.inner_steps - 1).round  # a follower sends no round
-        self.record_sync(committed, model)
+        self.record_sync(committed, model, synced)
         if committed:
             self.checkpoints.write_if_due(self.manager, self.state)  # type: ignore[arg-type]
             if self.own_state is not None:
@@ -219,10 +219,10 @@ class Training:
             self._healed_in_step = True
         self.stop_if_failing()
 
-    def record_sync(self, committed: bool, model: nn.Module) -> None:
+    def record_sync(self, committed: bool, model: nn.Module, synced: int) -> None:
         """The sync's line in the metrics (rank 0), with the held-out loss when due: every rank
         of a sharded replica evaluates (each forward gathers the shards of all), rank 0 alone
-        of any other."""
+        of any other. ``synced`` is the round this sync ended (the pacer's count)."""
         self.failed_in_a_row = 0 if committed else self.failed_in_a_row + 1
         evaluated = committed and self._evaluation_due()
         if evaluated and (self.metrics is not None or self.group.sharded):
@@ -244,7 +244,7 @@ class Training:
                 inner_steps=self.inner_steps,
                 tokens_per_second=(self.tokens - self.tokens_at_sync) / (now - self.time_at_sync),
                 sync_exposed_seconds=self.manager.exposed_seconds,
-                round_steps=self.pacer.steps(self.manager.last_round()),
+                round_steps=self.pacer.steps(synced),
                 step_seconds=self.sent_pace.step_seconds if self.sent_pace else None,
                 bytes_up=bytes_up,
                 bytes_down=bytes_down,
