@@ -27,8 +27,8 @@ def status_table(rows: list[ReplicaStatus], title: str) -> Table:
     round: its own with ``[diloco] pace = "time"``."""
     table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
     platforms = any(not row.replica.startswith(f"{row.platform}-") for row in rows)
-    columns = ("replica", *(("platform",) if platforms else ()), "state", "step", "H", "loss", "eval",
-               "tokens/s", "restarts/heals", "seen")  # fmt: skip
+    columns = ("replica", *(("platform",) if platforms else ()), "state", "step", "H", "loss",
+               "eval", "tokens/s", "restarts/heals", "seen")  # fmt: skip
     cells = [_status_cells(row, platforms) for row in rows]
     for number, column in enumerate(columns):
         widest = max([len(column), *(len(row[number]) for row in cells)])
