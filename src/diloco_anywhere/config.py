@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from diloco_anywhere.bucket.agreement import Electorate
 from diloco_anywhere.bucket.codec_names import CODEC_NAMES, DEFAULT_CODEC, CodecName
 from diloco_anywhere.bucket.layout import NAME
 from diloco_anywhere.bucket.redaction import redact_url
@@ -444,6 +445,12 @@ class RunConfig(_Section):
             round=self.sync.round_policy(self.run),
             lease=self.sync.lease_policy(), keep_rounds=self.sync.keep_rounds,
         )  # fmt: skip
+
+    def electorate(self, index: int, replica: str) -> Electorate:
+        """Who votes on the records every replica must start with, and how long they wait
+        (``bucket/agreement.py``): as the run's first round waits for its replicas."""
+        return Electorate(index, replica, self.run.replicas, self.run.min_replicas,
+                          self.sync.grace, self.sync.timeout)  # fmt: skip
 
     def store_url(self) -> str:
         """The store URL, with a relative local path made absolute against run.toml's folder."""

@@ -30,6 +30,7 @@ from diloco_anywhere.data.shards import decode_shard
 from diloco_anywhere.data.source import DataSource, fixed_units
 from diloco_anywhere.data.tokenizers import ByteTokenizer
 from support.runs import RUN_TOML, diloco
+from support.votes import voter
 
 BYTES = ByteTokenizer()
 WORDS = "the cat sat on a mat while dogs ran far away from home and back again".split()  # noqa: SIM905
@@ -353,10 +354,10 @@ def test_a_replica_planning_the_data_otherwise_is_refused_naming_what_differs(tm
     store = Store(str(tmp_path))
     plan = DataPlan(corpus="s3://b/c", manifest_crc32c=7, seq_len=128, unit_sequences=64,
                     epoch_sequences=6400, chunk_sequences=4, window_chunks=16, seed=0)  # fmt: skip
-    agree_on_plan(store, LAYOUT, plan)
-    agree_on_plan(store, LAYOUT, plan.model_copy(update={"corpus": "/mnt/c"}))  # same corpus
+    agree_on_plan(store, LAYOUT, plan, voter(0))
+    agree_on_plan(store, LAYOUT, plan.model_copy(update={"corpus": "/mnt/c"}), voter(1))  # same
     with pytest.raises(DataPlanError, match=r"seq_len 128 \(here 256\).*another run.name"):
-        agree_on_plan(store, LAYOUT, plan.model_copy(update={"seq_len": 256}))
+        agree_on_plan(store, LAYOUT, plan.model_copy(update={"seq_len": 256}), voter(2))
 
 
 def _take(batches, count: int) -> list[torch.Tensor]:
@@ -430,7 +431,7 @@ def test_coverage_counts_each_epoch_s_sequences_by_what_came_of_their_claims(tmp
     store = Store(str(tmp_path))
     plan = DataPlan(corpus="c", manifest_crc32c=0, seq_len=8, unit_sequences=30,
                     epoch_sequences=100, chunk_sequences=1, window_chunks=1, seed=0)  # fmt: skip
-    agree_on_plan(store, LAYOUT, plan)
+    agree_on_plan(store, LAYOUT, plan, voter(0))
     a, b = contributor("a", 0), contributor("b", 0)
     _claim(store, 0, 0, a, 0)
     _claim(store, 1, 0, b, 0)  # b left out of round 0: given back

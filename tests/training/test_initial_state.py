@@ -16,6 +16,7 @@ from diloco_anywhere.contract import EXIT_MODEL_UNLIKE_RUN
 from diloco_anywhere.training.initial_state import check_initial_state
 from diloco_anywhere.training.mistakes import ModelUnlikeRunError
 from support.runs import diloco, statuses
+from support.votes import voter
 
 LAYOUT = RunLayout("r")
 FIX = "seed the model the same on every replica (not per rank or per replica)"
@@ -28,32 +29,36 @@ def _model(seed: int, hidden: int = 8, layers: int = 2) -> torch.nn.Module:
 
 def test_the_first_model_is_the_runs_and_the_same_model_is_accepted(tmp_path):
     store = Store(str(tmp_path))
-    check_initial_state(store, LAYOUT, _model(0))
-    check_initial_state(store, LAYOUT, _model(0))
+    check_initial_state(store, LAYOUT, _model(0), voter(0))
+    check_initial_state(store, LAYOUT, _model(0), voter(1))
 
 
 @pytest.mark.parametrize(
-    ("other", "problem"),
-    [(_model(1), "0.weight [8, 4] holds other initial values than the run's"),
-     (_model(0, hidden=16), "0.weight is float32 [16, 4] here, float32 [8, 4] in the run"),
-     (_model(0, layers=1), "2 parameters here, 4 in the run's model"),
-     (_model(0).double(), "0.weight is float64 [8, 4] here, float32 [8, 4] in the run")],
+    ("other", "problem", "cause"),
+    [(_model(1), "0.weight [8, 4] holds other initial values than the run's",
+      f"Every replica must start from the same weights: {FIX}"),
+     (_model(0, hidden=16), "0.weight is float32 [16, 4] here, float32 [8, 4] in the run",
+      "Another model size or config (hidden size, layers, heads), or another tokenizer"),
+     (_model(0, layers=1), "2 parameters here, 4 in the run's model", "Another architecture"),
+     (_model(0).double(), "0.weight is float64 [8, 4] here, float32 [8, 4] in the run",
+      "The model was loaded or cast in another dtype")],
 )  # fmt: skip
-def test_a_model_unlike_the_runs_is_refused_naming_the_first_difference(tmp_path, other, problem):
+def test_a_model_unlike_the_runs_is_refused_naming_the_difference_and_its_likely_cause(
+    tmp_path, other, problem, cause
+):
     store = Store(str(tmp_path))
-    check_initial_state(store, LAYOUT, _model(0))
+    check_initial_state(store, LAYOUT, _model(0), voter(0))
     with pytest.raises(ModelUnlikeRunError) as info:
-        check_initial_state(store, LAYOUT, other)
-    assert f"({LAYOUT.initial_state()}): {problem}" in str(info.value)
-    assert FIX in str(info.value)
+        check_initial_state(store, LAYOUT, other, voter(1))
+    assert f"({LAYOUT.initial_state()}, held by local-0): {problem}. {cause}" in str(info.value)
     assert info.value.exit_code == EXIT_MODEL_UNLIKE_RUN
 
 
 def test_a_compiled_model_is_the_same_model(tmp_path):
     """torch.compile's wrapper names every parameter ``_orig_mod.<name>``."""
     store = Store(str(tmp_path))
-    check_initial_state(store, LAYOUT, _model(0))
-    check_initial_state(store, LAYOUT, torch.compile(_model(0)))
+    check_initial_state(store, LAYOUT, _model(0), voter(0))
+    check_initial_state(store, LAYOUT, torch.compile(_model(0)), voter(1))
 
 
 SEEDED_PER_REPLICA = """
@@ -104,3 +109,58 @@ def test_replicas_seeded_apart_stop_at_once_naming_the_fix(tmp_path, monkeypatch
         diloco("stop", "--config", "run.toml")
     assert "weight [1, 4] holds other initial values than the run's" in logs
     assert FIX in logs
+
+
+WIDER_AND_FIRST = """
+import os
+import time
+import torch
+import diloco_anywhere
+
+index = int(os.environ["DILOCO_REPLICA_INDEX"])
+if index != 2:
+    time.sleep(3)  # the mistaken replica starts first
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2 if index == 2 else 1)  # the mistake: a wider model on one
+inner = torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def data(start):
+    while True:
+        yield torch.randn(8, 4)
+
+
+with diloco_anywhere.join() as replica:
+    with replica.diloco(model, inner) as training:
+        for x in training.batches(data):
+            model(x).pow(2).mean().backward()
+            inner.step()
+            inner.zero_grad()
+"""
+
+
+@pytest.mark.integration
+def test_the_replica_unlike_the_others_is_stopped_though_it_started_first(tmp_path, monkeypatch):
+    """The issue's case: of three replicas, the one with a wider model starts first. The
+    others outvote it: it stops (exit 5) naming the replicas that hold the run's model and the
+    likely cause, and the two alike train the run to its end."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(WIDER_AND_FIRST)
+    (tmp_path / "run.toml").write_text(
+        '[run]\nname = "wider"\nstore = "store"\nreplicas = 3\nmin_replicas = 2\n'
+        "[diloco]\nsync_every = 5\nouter_steps = 2\n"
+        f"[task]\ncommand = {json.dumps(['python', 'train.py'])}\n"
+    )
+    assert diloco("launch", "--config", "run.toml", "--detach").exit_code == 0
+    deadline = time.monotonic() + 240
+    try:
+        while {row["state"] for row in statuses("run.toml").values()} - {"done", "failed"}:
+            assert time.monotonic() < deadline, statuses("run.toml")
+            time.sleep(0.5)
+        logs = diloco("logs", "local-2", "--config", "run.toml").stdout
+    finally:
+        diloco("stop", "--config", "run.toml")
+    states = {replica: row["state"] for replica, row in statuses("run.toml").items()}
+    assert states == {"local-0": "done", "local-1": "done", "local-2": "failed"}
+    assert "held by local-0, local-1): weight is float32 [2, 4] here, float32 [1, 4]" in logs
+    assert "Another model size or config" in logs

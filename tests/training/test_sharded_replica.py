@@ -40,6 +40,7 @@ from diloco_anywhere.training.sharding import (
     shard_units,
 )
 from support.runs import RUN_TOML, as_streaming, diloco, evaluated_losses, statuses
+from support.votes import voter
 
 TWO_RANKS = "\n[backends.local]\nprocesses_per_replica = 2\n"
 FRAGMENT = "StreamingDiLoCoFragment_0"
@@ -225,15 +226,15 @@ def test_every_rank_mirrors_its_part_and_a_lost_store_resumes_from_the_mirror(
 
 def test_a_replica_unlike_the_runs_sharding_is_refused(tmp_path):
     store, layout = Store(str(tmp_path / "store")), RunLayout("t")
-    check_sharding(store, layout, Sharding(sharding="fsdp", ranks=2))
-    check_sharding(store, layout, Sharding(sharding="fsdp", ranks=2))  # the same: joins
+    check_sharding(store, layout, Sharding(sharding="fsdp", ranks=2), voter(0))
+    check_sharding(store, layout, Sharding(sharding="fsdp", ranks=2), voter(1))  # the same: joins
     for other in (Sharding(sharding="fsdp", ranks=4), Sharding(sharding="ddp", ranks=1)):
         with pytest.raises(ShardingMismatchError) as refused:
-            check_sharding(store, layout, other)
+            check_sharding(store, layout, other, voter(2, replicas=3))
         assert str(refused.value).startswith(
             f"this replica is {other.describe()}; the run's replicas are sharded over 2 "
-            f"rank(s) (fsdp) (t/sharding). Every replica of a run needs the same [run] "
-            f"sharding and, with fsdp, the same processes_per_replica"
+            f"rank(s) (fsdp) (t/sharding, held by local-0, local-1). Every replica of a run "
+            f"needs the same [run] sharding and, with fsdp, the same processes_per_replica"
         )
 
 
@@ -242,7 +243,7 @@ def test_a_replica_refused_for_its_sharding_exits_2_saying_why(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     config = _write_run(tmp_path, "fsdp", outer_steps=1)
     store = Store(str(tmp_path / "store"))
-    check_sharding(store, RunLayout("t"), Sharding(sharding="fsdp", ranks=2))
+    check_sharding(store, RunLayout("t"), Sharding(sharding="fsdp", ranks=2), voter(1))
     monkeypatch.delenv("WORLD_SIZE", raising=False)  # one process: sharded over 1 rank
     assert replica_main(["--config", config, "--replica-id", "local-0"]) == 2
     assert "error: replica local-0: this replica is sharded over 1 rank(s) (fsdp); the run's " \

@@ -32,7 +32,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from diloco_anywhere.bucket.first_written import first_written
+from diloco_anywhere.bucket.agreement import Electorate, agree
 from diloco_anywhere.bucket.framing import Count, WireFormatError
 from diloco_anywhere.bucket.layout import RunLayout, parse_contributor
 from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
@@ -74,19 +74,26 @@ def share(round_: int, replicas: int, index: int, count: int) -> range:
     return range(first, first + count)
 
 
-def agree_on_plan(store: Store, layout: RunLayout, plan: DataPlan) -> None:
-    """Record the run's data plan, or check this replica's against the one recorded."""
-    theirs = first_written(store, layout.data_plan(), plan)
+def agree_on_plan(store: Store, layout: RunLayout, plan: DataPlan, electorate: Electorate) -> None:
+    """Vote for this replica's data plan as the run's (``bucket/agreement.py``), and refuse
+    it if the run's is another, naming each field."""
+    agreed = agree(store, layout.data_plan(), plan, electorate, alike=_cut)
+    theirs = agreed.record
     fields = [name for name in DataPlan.model_fields if name != "corpus"]
     differ = [name for name in fields if getattr(theirs, name) != getattr(plan, name)]
-    if differ:
+    if differ:  # as _cut
         shown = ", ".join(f"{n} {getattr(theirs, n)} (here {getattr(plan, n)})" for n in differ)
         raise DataPlanError(
             f"the run's data stream was cut with {shown}, the corpus first read at "
-            f"{theirs.corpus}: a run's data never changes under it, or sequences would be "
-            f"trained twice or never; go back to those settings, or start a new run "
-            f"(another run.name)"
+            f"{theirs.corpus} ({agreed.named()}): a run's data never changes under it, or "
+            f"sequences would be trained twice or never; go back to those settings, or start a "
+            f"new run (another run.name)"
         )
+
+
+def _cut(plan: DataPlan) -> str:
+    """What must match between replicas: everything but where each reads the corpus from."""
+    return plan.model_copy(update={"corpus": ""}).model_dump_json()
 
 
 Outcome = Literal["trained", "given back", "taken"]

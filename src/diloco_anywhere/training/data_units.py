@@ -31,7 +31,8 @@ def claimed_units(
             if collective is None:
                 raise ValueError("a replica's leader claims its data through its collective")
             layout = RunLayout(config.run.name)
-            agree_on_plan(collective.store, layout, plan)
+            electorate = config.electorate(index, collective.me.replica)
+            agree_on_plan(collective.store, layout, plan, electorate)
             claims = Claims(
                 collective.store, layout, collective.me.name, config.run.min_replicas,
                 index=index, replicas=config.run.replicas, share_units=share_units,

@@ -108,6 +108,7 @@ class Replica:
     ) -> None:
         self.config, self.replica_id, self.index = config, replica_id, index
         self.platform = platform
+        self.electorate = config.electorate(index, replica_id)  # what it starts with is voted
         self.group = ReplicaGroup.from_environment(
             resolve_device(config.task.device).type,
             timeout=timedelta(seconds=max(3600.0, 4 * config.sync.timeout)),
@@ -126,7 +127,7 @@ class Replica:
         if self.group.is_leader or self.group.sharded:
             store, layout = Store(config.store_url()), RunLayout(config.run.name)
             if self.group.is_leader:
-                check_sharding(store, layout, self._sharding())
+                check_sharding(store, layout, self._sharding(), self.electorate)
             keep = config.checkpoint.keep
             self.collective = BucketCollective(
                 store, layout.run, replica_id, config.collective_config(),
@@ -284,7 +285,7 @@ class Replica:
         its first replica recorded (``initial_state.py``). After it, healing replaces it."""
         store = self.collective.store  # type: ignore[union-attr]
         if not committed_rounds(store, RunLayout(self.config.run.name)):
-            check_initial_state(store, self.collective.layout, model)  # type: ignore[union-attr]
+            check_initial_state(store, self.collective.layout, model, self.electorate)  # type: ignore[union-attr]
 
     def close(self, wait: bool = True) -> None:
         """Leave the run; with ``wait``, first let rounds in flight finish (after an error or

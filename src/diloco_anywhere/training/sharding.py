@@ -25,7 +25,7 @@ from typing import Literal
 
 from torch import nn
 
-from diloco_anywhere.bucket.first_written import first_written
+from diloco_anywhere.bucket.agreement import Electorate, agree
 from diloco_anywhere.bucket.framing import Count
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.record import Record
@@ -53,16 +53,17 @@ class Sharding(Record):
         return f"sharded over {self.ranks} rank(s) (fsdp)"
 
 
-def check_sharding(store: Store, layout: RunLayout, mine: Sharding) -> None:
-    """Record ``mine`` as the run's sharding if it has none yet (create-only), else refuse a
-    replica unlike it, saying what to change."""
+def check_sharding(store: Store, layout: RunLayout, mine: Sharding, electorate: Electorate) -> None:
+    """Vote for ``mine`` as the run's sharding (``bucket/agreement.py``), and refuse this
+    replica if the run's is another, saying what to change."""
     key = layout.sharding()
-    theirs = first_written(store, key, mine)
-    if theirs != mine:
+    agreed = agree(store, key, mine, electorate)
+    if agreed.record != mine:
         raise ShardingMismatchError(
-            f"this replica is {mine.describe()}; the run's replicas are {theirs.describe()} "
-            f"({key}). Every replica of a run needs the same [run] sharding and, with fsdp, the "
-            f"same processes_per_replica on every backend (a new run name starts over)"
+            f"this replica is {mine.describe()}; the run's replicas are "
+            f"{agreed.record.describe()} ({key}, {agreed.named()}). Every replica of a run "
+            f"needs the same [run] sharding and, with fsdp, the same processes_per_replica on "
+            f"every backend (a new run name starts over)"
         )
 
 
