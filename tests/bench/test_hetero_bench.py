@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from rich.console import Console
 
 from diloco_anywhere.bench.hetero import loss_at, repaced
+from diloco_anywhere.cli.bench.training import hetero_table
 from diloco_anywhere.training.metrics import ReplicaMetrics, SyncLine
 from support.runs import diloco
 
@@ -54,3 +56,20 @@ def test_a_replica_that_slowed_down_is_found_with_the_rounds_it_took_to_be_re_pa
     assert repaced(ReplicaMetrics("local-0", syncs=lines[:3])) is None
     never = [*lines[:5], sync(5, 0.4, 20)]
     assert repaced(ReplicaMetrics("local-0", syncs=never)) == {"slowed_round": 3, "rounds": None}
+
+
+def test_the_hetero_table_fits_80_columns_and_says_when_a_slowed_replica_was_not_re_paced():
+    run = {"fleet_tokens_per_second": 4501.0, "own_tokens_per_second": {"local-0": 9637.0},
+           "fleet_over_own": 0.47, "fast_waiting": 0.67,
+           "round_steps": {"local-0": [20, 20, 20], "local-1": [20, 20], "local-2": [20, 6, 8],
+                           "local-3": [20, 6, 10]}}  # fmt: skip
+    slowed = {**run, "repaced": {"slowed_round": 9, "rounds": None}}
+    result = {"speeds": [1, 1, 0.25, 0.25], "sync_every": 20, "outer_steps": 10,
+              "equal_tokens": 143360, "loss_ratio": 0.975,
+              "runs": {"time": run, "slowdown": slowed}}  # fmt: skip
+    console = Console(width=80, record=True)
+    console.print(hetero_table(result))
+    shown = console.export_text()
+    assert "…" not in shown
+    assert "20 20 6-8 6-10" in shown  # each replica's steps a round after its first
+    assert "not re-paced before the run ended (give more --outer-steps)" in " ".join(shown.split())

@@ -256,33 +256,48 @@ def bench_unattended_command(
     _print_result(result, "Unattended: the keeper alone, on three platforms", json_output)
 
 
-def _hetero_table(result: dict[str, Any]) -> Table:
+def hetero_table(result: dict[str, Any]) -> Table:
     speeds = ", ".join(f"{speed:g}" for speed in result["speeds"])
     table = Table(title=f"Mixed hardware: speeds {speeds}, H = {result['sync_every']}, "
                   f"{result['outer_steps']} outer steps")  # fmt: skip
     table.caption = (
         "fleet: tokens of committed contributions a second; own: the sum of each replica's "
-        f"tokens a step over its step time; loss at {result['equal_tokens']:,.0f} tokens "
-        f"(time-paced / equal speed): {result['loss_ratio']:.3f}x"
+        "tokens a step over its step time; fast wait: the fastest replicas' share of time "
+        "waiting on syncs; steps/round: each replica's after its first round; loss at "
+        f"{result['equal_tokens']:,.0f} tokens (time-paced / equal speed): "
+        f"{result['loss_ratio']:.3f}x"
     )
-    for column in ("run", "fleet tokens/s", "own tokens/s", "fleet / own", "fast replicas wait",
-                   "steps a round"):  # fmt: skip
-        table.add_column(column, justify="right")
+    for column in ("run", "fleet tok/s", "own tok/s", "fleet/own", "fast wait",
+                   "steps/round"):  # fmt: skip
+        table.add_column(column, justify="right", no_wrap=True)
     slowed = result["runs"].get("slowdown", {}).get("repaced")
-    if slowed is not None:
+    if slowed is not None and slowed["rounds"] is None:
+        table.caption += (
+            f"; slowed in round {slowed['slowed_round']}, not re-paced before the run ended "
+            f"(give more --outer-steps)"
+        )
+    elif slowed is not None:
         table.caption += (
             f"; slowed in round {slowed['slowed_round']}, re-paced {slowed['rounds']} rounds later"
         )
     for name, run in result["runs"].items():
-        steps = {replica: sorted(set(counts[1:])) for replica, counts in run["round_steps"].items()}
+        steps = [_span(counts[1:]) for _, counts in sorted(run["round_steps"].items())]
         waiting = run["fast_waiting"]
         table.add_row(
             name, f"{run['fleet_tokens_per_second']:,.0f}",
             f"{sum(run['own_tokens_per_second'].values()):,.0f}", f"{run['fleet_over_own']:.2f}",
             "-" if waiting is None else f"{waiting:.0%}",
-            "; ".join(f"{r}: {','.join(map(str, s))}" for r, s in steps.items()),
+            " ".join(steps),
         )  # fmt: skip
     return table
+
+
+def _span(counts: list[int]) -> str:
+    """A replica's steps a round after its first: ``20``, or ``6-10`` where they varied."""
+    if not counts:
+        return "-"
+    least, most = min(counts), max(counts)
+    return str(least) if least == most else f"{least}-{most}"
 
 
 def bench_hetero_command(
@@ -332,4 +347,4 @@ def bench_hetero_command(
     if json_output:
         print_json(result)
         return
-    stdout.print(_hetero_table(result))
+    stdout.print(hetero_table(result))
