@@ -5,6 +5,7 @@ or a store; the task's own save format when it has one."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,8 +14,9 @@ from safetensors.torch import load_file, load_model
 
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.config import load_config
-from diloco_anywhere.launching.export import global_weights, trained_task
+from diloco_anywhere.config import RunConfig, load_config
+from diloco_anywhere.launching.export import global_weights, model_card, trained_task
+from diloco_anywhere.launching.report import RunSummary
 from diloco_anywhere.training.checkpoints.catalogue import newest_checkpoints
 from diloco_anywhere.training.checkpoints.commits import committed_rounds
 from diloco_anywhere.training.global_state import FRAGMENT_KEY
@@ -121,3 +123,22 @@ def test_nothing_committed_or_a_missing_round_says_so(finished_run, tmp_path, mo
     assert nothing.exit_code == 1
     assert "run never has no committed checkpoint" in nothing.output
     assert "Traceback" not in nothing.output + missing.output
+
+
+@pytest.mark.parametrize(
+    ("task", "builder"),
+    [({"command": ["python", "train.py", "--model", "my model"]},
+      "(the run's script, `python train.py --model 'my model'`, builds the model)"),
+     ({}, "(the task `diloco_anywhere.tasks.gpt:build` builds the model)")],
+)  # fmt: skip
+def test_the_model_card_names_what_built_the_model(task, builder):
+    """A `[task] command` run's model is its script's: never the built-in task's."""
+    config = RunConfig.model_validate({"task": task})
+    summary = RunSummary(replicas=2, outer_steps=3, inner_steps_per_replica=30, tokens=900,
+                         final_loss=None, eval_loss=None, bytes_up_per_replica=0,
+                         bytes_down_per_replica=0, data_parallel_bytes_per_replica=0,
+                         sync_exposed_seconds=0.0)  # fmt: skip
+    checkpoint = SimpleNamespace(commit=SimpleNamespace(round=2, step=3))
+    card = model_card(config, checkpoint, summary)
+    assert builder in card
+    assert ("gpt" in card) == (not task)

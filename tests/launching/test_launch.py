@@ -248,9 +248,16 @@ def test_dry_run_prints_each_replica_spec_and_starts_nothing(run_toml, tmp_path)
     assert not (tmp_path / "store").exists()
     ahead = json.loads(result.stdout)["forecast"]  # also said to the user, on stderr
     assert [(p["platform"], p["attempts"]) for p in ahead["limits"]["platforms"]] == [("local", 1)]
-    assert ahead["cost"]["unpriced"]  # local processes have no list price, and it is said
-    assert "local: no attempt limit; one attempt" in result.output
-    assert "cost estimate at list prices" in result.output
+    assert ahead["cost"]["unpriced"]  # local processes have no list price: the JSON says so
+    # nothing is billed: one line, not a table of $0.00 before every local launch (make demo)
+    said = [line for line in result.stderr.splitlines() if line.strip()]
+    assert said == ["on this machine, with a local store: nothing billed; about 1 min (assumed "
+                    "1 s per inner step: set [budget] step_seconds)"]  # fmt: skip
+    with (tmp_path / "run.toml").open("a") as file:
+        file.write("[budget]\nhourly_usd = { local = 2.0 }\n")  # priced: the whole estimate
+    priced = diloco("launch", "--config", config, "--backend", "local", "--dry-run")
+    assert "local: no attempt limit; one attempt" in priced.stderr
+    assert "cost estimate at list prices" in priced.stderr
 
 
 def test_a_platform_time_limit_shorter_than_the_run_is_planned_with_the_keeper(run_toml, tmp_path):

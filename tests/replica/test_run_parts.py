@@ -220,6 +220,31 @@ def test_a_restarted_replica_sums_its_incarnations_and_reports_its_newest_state(
     assert (row.state, row.restarts, row.heals, row.divergences) == ("done", 1, 1, 0)
 
 
+def test_a_restart_that_heals_to_the_end_shows_the_outer_step_its_heal_reached():
+    """It syncs nothing more, so no sync line says where it is: its heal and its done do."""
+    store, layout = Store("memory://metrics-healed-to-the-end"), RunLayout("run")
+    first = MetricsWriter(store, layout, "local-0", 0, "local")
+    first.add(_sync(7, None))
+    first.flush()
+    second = MetricsWriter(store, layout, "local-0", 1, "local")
+    second.event("healed", "healed from checkpoint 15: replayed 1 rounds", outer_step=16)
+    second.event("done", "16 outer steps", outer_step=16)
+    metrics = MetricsReader(store, layout).read()
+    [row] = replica_statuses(metrics, [], lambda handle: "unknown")
+    assert (row.state, row.outer_step) == ("done", 16)
+    assert summarize(metrics).outer_steps == 16
+
+
+@pytest.mark.parametrize(("job", "state"), [("exited", "done"), ("failed", "failed"),
+                                            ("running", "done"), ("unknown", "done")])  # fmt: skip
+def test_a_replica_done_training_whose_script_then_failed_is_shown_failed(job, state):
+    store, layout = Store(f"memory://status-done-{job}"), RunLayout("run")
+    MetricsWriter(store, layout, "local-0", 0, "local").event("done", outer_step=2)
+    handle = ReplicaHandle("local-0", "local", {"pid": 1})
+    [row] = replica_statuses(MetricsReader(store, layout).read(), [handle], lambda _: job)
+    assert row.state == state
+
+
 def _bucket_says(what: str) -> dict:
     """A replica's metrics as the bucket holds them: nothing yet, its start only, or steps."""
     if what == "nothing":

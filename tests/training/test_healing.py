@@ -202,6 +202,8 @@ def test_a_replica_that_heals_to_the_end_commits_the_last_checkpoint_nobody_comm
     assert rewritten.commit.shards == final.commit.shards  # the same plan, the same bytes
     events = MetricsReader(store, LAYOUT).read()["local-0"].events
     assert events[-1].event == "done", events[-1]
+    healed = [event for event in events if event.event == "healed"]
+    assert [event.outer_step for event in (healed[-1], events[-1])] == [OUTER_STEPS] * 2
 
 
 def test_without_checkpoints_a_fresh_replica_replays_from_its_initial_state(run) -> None:

@@ -53,7 +53,7 @@ def run_diloco(config: RunConfig, folder: Path, progress: Progress) -> dict[str,
     polls = 0
     while any(backend.state(handle) == "running" for handle in handles):
         if polls % 10 == 0:  # every 5 s: the replicas share this machine's cores
-            steps = [m.syncs[-1].outer_step for m in reader.read().values() if m.syncs]
+            steps = [m.outer_step() for m in reader.read().values()]
             progress(f"{config.run.name}: outer step {min(steps, default=0)} of "
                      f"{config.diloco.outer_steps}")  # fmt: skip
         polls += 1

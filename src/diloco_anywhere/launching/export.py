@@ -27,6 +27,7 @@ objects, like everything else the tool writes.
 from __future__ import annotations
 
 import json
+import shlex
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -158,8 +159,15 @@ def model_card(config: RunConfig, checkpoint: Checkpoint, summary: RunSummary) -
         f"replicas exchanging pseudo-gradients through an object store.\n\n"
         f"| | |\n|---|---|\n{table}\n\n"
         f"`model.safetensors` holds the model's `state_dict`; `run.toml` the run's configuration "
-        f"(the task `{config.task.entrypoint}` builds the model).\n"
+        f"({_builder(config)} builds the model).\n"
     )
+
+
+def _builder(config: RunConfig) -> str:
+    """What builds the model: the run's own script (``[task] command``), else its task."""
+    if config.task.command:
+        return f"the run's script, `{shlex.join(config.task.command)}`,"
+    return f"the task `{config.task.entrypoint}`"
 
 
 def _files(

@@ -21,8 +21,27 @@ class Forecast:
     def as_dict(self) -> dict[str, Any]:
         return {"limits": self.limits.as_dict(), "cost": self.cost.as_dict()}
 
+    @property
+    def billed(self) -> bool:
+        """Something of the run costs money, or may: a price, a platform off this machine, or
+        attempts a time limit ends."""
+        cost = self.cost
+        here = all(p.cloud == "local" for p in cost.platforms) and cost.store_cloud == "local"
+        return cost.usd_per_hour > 0 or not here or self.limits.needs_keeper
+
     def lines(self) -> list[str]:
+        """The plan and the estimate; one line where nothing is billed (replicas on this
+        machine and a local store), instead of a table of $0.00."""
+        if not self.billed:
+            return [
+                f"on this machine, with a local store: nothing billed; about "
+                f"{_about(self.limits.run_hours)} ({self.limits.step.source})"
+            ]
         return [*self.limits.lines(), "", *self.cost.lines()]
+
+
+def _about(hours: float) -> str:
+    return f"{hours:.1f} h" if hours >= 1 else f"{max(1, round(hours * 60))} min"
 
 
 def forecast(plan: LaunchPlan) -> Forecast:

@@ -59,7 +59,6 @@ def _over_incarnations(replica: ReplicaMetrics, counter: str) -> float:
 def summarize(metrics: dict[str, ReplicaMetrics]) -> RunSummary:
     replicas = [m for m in metrics.values() if m.steps or m.syncs]
     n = len(replicas)
-    last_syncs = [m.syncs[-1] for m in replicas if m.syncs]
     synced = [m for m in replicas if m.syncs]
     steps = max((m.trained()[0] for m in replicas), default=0)
     parameters = max((m.parameters() for m in replicas), default=0)
@@ -73,7 +72,7 @@ def summarize(metrics: dict[str, ReplicaMetrics]) -> RunSummary:
 
     return RunSummary(
         replicas=n,
-        outer_steps=max((s.outer_step for s in last_syncs), default=0),
+        outer_steps=max((m.outer_step() for m in replicas), default=0),
         inner_steps_per_replica=steps,
         tokens=sum(m.trained()[1] for m in replicas),
         final_loss=mean(losses) if losses else None,

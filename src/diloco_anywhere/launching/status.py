@@ -66,7 +66,10 @@ def _state(metrics: ReplicaMetrics | None, job: str, stopped_on_purpose: bool) -
     """What the replica said last if it said how it ended; else what its platform says of its
     job. A job that has ended is never ``starting`` or ``running``, whatever the bucket holds
     (a replica killed before its first metrics line wrote nothing), and one ``diloco stop``
-    ended is ``stopped`` however its process exited."""
+    ended is ``stopped`` however its process exited. A replica done training whose job then
+    failed (its script raised after the run was trained) is ``failed``."""
+    if metrics is not None and metrics.state() == "done" and job == "failed":
+        return "failed"  # its training was done, then its script exited with an error
     if metrics is not None and metrics.state() in ("done", "failed", "stopped"):
         return metrics.state()
     if job == "running":
@@ -101,7 +104,7 @@ def replica_statuses(
                 replica=replica,
                 platform=handle.platform if handle else (seen.platform if seen else ""),
                 state=_state(seen, job, replica in stopped),
-                outer_step=last_sync.outer_step if last_sync else 0,
+                outer_step=seen.outer_step() if seen else 0,
                 loss=last_step.loss if last_step else None,
                 eval_loss=seen.latest_eval_loss() if seen else None,
                 tokens=seen.trained()[1] if seen else 0,

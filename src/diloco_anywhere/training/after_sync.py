@@ -188,7 +188,9 @@ def heal_replica(
         )  # fmt: skip
         if metrics and (report.checkpoint is not None or report.replayed or report.skipped):
             log.info("%s", report.describe())
-            metrics.event("healed", report.describe(), seconds=report.seconds)
+            outer_step = manager.current_step() // checkpoints.config.diloco.fragments
+            metrics.event("healed", report.describe(), seconds=report.seconds,
+                          outer_step=outer_step)  # fmt: skip
     if not shard.sharded:
         _share_leaders_state(manager, state, group)
 

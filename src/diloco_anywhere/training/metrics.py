@@ -73,6 +73,9 @@ class EventLine(Record):
     detail: str = Field(default="", max_length=2000)
     parameters: Count = 0  # "started": the model's size, for comparisons with data parallel
     seconds: float | None = None  # "healed": how long healing took
+    # "healed", "done", "failed": the outer step it reached (a heal to the run's end syncs no
+    # more, so no sync line says it)
+    outer_step: Count | None = None
     time: float
 
 
@@ -108,13 +111,19 @@ class MetricsWriter:
                 self.flush()
 
     def event(
-        self, event: str, detail: str = "", parameters: int = 0, seconds: float | None = None
+        self,
+        event: str,
+        detail: str = "",
+        parameters: int = 0,
+        seconds: float | None = None,
+        outer_step: int | None = None,
     ) -> None:
         line = EventLine(
             event=event,  # type: ignore[arg-type]
             detail=detail,
             parameters=parameters,
             seconds=seconds,
+            outer_step=outer_step,
             time=time.time(),
         )
         with self._lock:
@@ -178,6 +187,12 @@ class ReplicaMetrics:
         counts = [(line.step, line.tokens) for line in self.steps[-1:]]
         counts += [(line.inner_steps, line.tokens) for line in self.syncs[-1:]]
         return max(counts, default=(0, 0))
+
+    def outer_step(self) -> int:
+        """The furthest outer step it reached: by a sync, or by a heal (``EventLine``)."""
+        synced = [line.outer_step for line in self.syncs[-1:]]
+        healed = [line.outer_step for line in self.events if line.outer_step is not None]
+        return max(synced + healed, default=0)
 
     def latest_eval_loss(self) -> float | None:
         return next((s.eval_loss for s in reversed(self.syncs) if s.eval_loss is not None), None)

@@ -327,7 +327,8 @@ class Replica:
             report(DONE)
         if self.metrics is not None:
             self.metrics.flush()
-            self.metrics.event(*self._ending(error, trained))
+            reached = self.training.result().outer_steps if self.training is not None else None
+            self.metrics.event(*self._ending(error, trained), outer_step=reached)
         self.close(wait=error is None)
         if isinstance(error, ScriptMistakeError):  # a restart would meet it again: say so
             print(f"error: replica {self.replica_id}: {error}", file=sys.stderr, flush=True)
