@@ -344,6 +344,10 @@ class KeepSection(_Section):
     # A job its platform says runs, whose replica's lease has not advanced this long (or
     # that never claimed): hung; stopped and started again.
     hung_after: Seconds = 1800.0
+    # Attempts of a replica in a row that end before it contributes to a round (a time limit
+    # shorter than its start and heal, a crash at start): past this, not restarted, alerted.
+    # Counted whatever ended them, its platform's time limit included.
+    max_fruitless: Annotated[int, Field(ge=1)] = 3
 
 
 class BudgetSection(_Section):

@@ -37,9 +37,12 @@ def job(attempt: int = 0) -> JobRecord:
                      job={"call_id": "fc-1"}, started_at=0.0)  # fmt: skip
 
 
-def claim(attempt: int, counted: int = 0, streak: int = 0) -> RestartRecord:
+def claim(
+    attempt: int, counted: int = 0, streak: int = 0, contributions: int = 0, fruitless: int = 0
+) -> RestartRecord:
     return RestartRecord(replica_id="modal-0", attempt=attempt, reason="failed", detail="",
-                         counted=counted, streak=streak, host="ci", at=0.0, nonce="n")  # fmt: skip
+                         counted=counted, streak=streak, host="ci", at=0.0, nonce="n",
+                         contributions=contributions, fruitless=fruitless)  # fmt: skip
 
 
 def seen(**fields) -> Observed:
@@ -131,6 +134,39 @@ def test_a_replica_whose_end_no_restart_can_help_is_not_restarted(code, why):
     assert f"{why} and would only fail again; fix it, then `diloco replace modal-0`" in (
         decision.detail
     )
+
+
+def test_attempts_that_end_before_contributing_are_bounded_whatever_ended_them():
+    """The issue's keeper that restarted forever: each HF Jobs attempt ended at its time
+    limit before it contributed (not counted against max_restarts). Past max_fruitless in a
+    row it is not restarted, and the message says what each took and the fix."""
+    fruitless = []
+    for attempt in range(1, 6):
+        previous = claim(attempt, contributions=12, fruitless=attempt - 1)
+        ended = seen(state="timed_out", attempt=attempt, job=job(attempt), claim=previous,
+                     contributions=12, heal_seconds=2400.0)  # fmt: skip
+        decision = decide(ended, NOW, KEEP)
+        fruitless.append((decision.action, decision.fruitless, decision.counted))
+        if decision.action == "give_up":
+            break
+    assert fruitless == [("restart", 1, 0), ("restart", 2, 0), ("restart", 3, 0),
+                         ("give_up", 0, 0)]  # fmt: skip
+    assert decision.detail == (
+        "4 attempts of modal-0 in a row, none contributed to a round: the last ended (its "
+        "modal job timed_out) after 3540 s; its last heal took 2400 s; give its attempts a "
+        "longer time limit ([backends.modal]) than its start and heal take, then `diloco "
+        "replace modal-0`"
+    )
+
+
+def test_an_attempt_that_contributed_starts_the_count_again():
+    previous = claim(3, contributions=12, fruitless=3)
+    contributed = seen(state="timed_out", attempt=3, job=job(3), claim=previous, contributions=13)
+    decision = decide(contributed, NOW, KEEP)
+    assert (decision.action, decision.fruitless) == ("restart", 0)
+    crashed = decide(replace(contributed, state="failed", contributions=12), NOW, KEEP)
+    assert crashed.action == "give_up"
+    assert "see `diloco logs modal-0`, fix it, then `diloco replace modal-0`" in crashed.detail
 
 
 # -- alerts -----------------------------------------------------------------------------------

@@ -15,6 +15,9 @@ Per replica, from its newest attempt (``launches.py``):
 - after a quick end, the restart waits, doubling with each quick end in a row up to
   ``max_backoff`` (Kubernetes' crash-loop backoff); ``max_restarts`` per replica bounds
   restarts that are not planned (an attempt that hit its platform's time limit is planned);
+- ``max_fruitless`` attempts in a row that ended before contributing to a round, whatever
+  ended them: not restarted, since each would end the same (a time limit shorter than the
+  replica's start and heal), and said with what each took;
 - refused its run.toml (exit 2): not restarted, since it would fail again; said so.
 """
 
@@ -60,6 +63,8 @@ class Observed:
     started_at: float  # when its current attempt began: its job record, else the launch
     active_at: float | None  # its newest incarnation's last sign of life: lease, else claim
     done: bool  # its newest incarnation said the run is done
+    contributions: int = 0  # its contributions to rounds so far, every attempt's
+    heal_seconds: float | None = None  # how long its newest heal took, where it healed
 
     @property
     def last_alive(self) -> float:
@@ -77,6 +82,7 @@ class Decision:
     counted: int = 0  # restarts the budget counts, this one included
     streak: int = 0  # quick ends in a row, this one included
     stop_first: bool = False  # a hung job: stopped before the next starts
+    fruitless: int = 0  # attempts in a row that ended without contributing, this one included
 
 
 def backoff(keep: KeepSection, streak: int) -> float:
@@ -125,11 +131,30 @@ def decide(replica: Observed, now: float, keep: KeepSection) -> Decision:
     previous = replica.claim
     streak = (previous.streak if previous else 0) + 1 if ran < keep.stable_after else 0
     counted = (previous.counted if previous else 0) + (reason != "timed_out")
+    contributed = replica.contributions > (previous.contributions if previous else 0)
+    fruitless = 0 if contributed else (previous.fruitless if previous else 0) + 1
+    if fruitless > keep.max_fruitless:
+        return Decision("give_up", reason, _fruitless(replica, fruitless, reason, detail, ran))
     if counted > keep.max_restarts:
         return Decision("give_up", reason, f"{detail}; out of restarts ([keep] max_restarts = "
                         f"{keep.max_restarts})")  # fmt: skip
     wait = backoff(keep, streak) - silent
     if wait > 0:
         said = f"{detail}; restarting in {wait:.0f} s (backoff)"
-        return Decision("wait", reason, said, counted, streak)
-    return Decision("restart", reason, detail, counted, streak, stop_first=reason == "hung")
+        return Decision("wait", reason, said, counted, streak, fruitless=fruitless)
+    return Decision("restart", reason, detail, counted, streak, stop_first=reason == "hung",
+                    fruitless=fruitless)  # fmt: skip
+
+
+def _fruitless(replica: Observed, attempts: int, reason: str, detail: str, ran: float) -> str:
+    """Why a replica whose attempts end before contributing is not restarted, and the fix."""
+    name, platform = replica.replica_id, replica.platform
+    heal = "" if replica.heal_seconds is None else (
+        f"; its last heal took {replica.heal_seconds:.0f} s")  # fmt: skip
+    if reason == "timed_out":
+        fix = (f"give its attempts a longer time limit ([backends.{platform}]) than its start "
+               f"and heal take, then `diloco replace {name}`")  # fmt: skip
+    else:
+        fix = f"see `diloco logs {name}`, fix it, then `diloco replace {name}`"
+    return (f"{attempts} attempts of {name} in a row, none contributed to a round: the last "
+            f"ended ({detail}) after {ran:.0f} s{heal}; {fix}")  # fmt: skip

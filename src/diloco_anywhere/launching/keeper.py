@@ -77,6 +77,12 @@ def store_time(store: Store, layout: RunLayout) -> float:
         store.delete(key)
 
 
+def _heal_seconds(seen: ReplicaMetrics | None) -> float | None:
+    """How long the replica's newest heal took (its ``healed`` event), where it healed."""
+    heals = [e.seconds for e in seen.events if e.event == "healed"] if seen else []
+    return heals[-1] if heals else None
+
+
 def run_done(store: Store, layout: RunLayout, config: RunConfig) -> bool:
     """A checkpoint has committed the run's last outer step (every fragment's syncs)."""
     last = config.diloco.last_step
@@ -303,6 +309,8 @@ class Keeper:
                 started_at=self._modified(job_key) or launched_at,
                 active_at=self._active_at(view, replica),
                 done=seen is not None and seen.state() == "done",
+                contributions=sum(s.contributed for s in seen.syncs) if seen else 0,
+                heal_seconds=_heal_seconds(seen),
             ))  # fmt: skip
         return observed
 
@@ -349,7 +357,8 @@ class Keeper:
         claim = RestartRecord(
             replica_id=name, attempt=attempt, reason=decision.reason, detail=decision.detail,
             counted=decision.counted, streak=decision.streak, host=socket.gethostname(),
-            at=time.time(), nonce=uuid.uuid4().hex,
+            at=time.time(), nonce=uuid.uuid4().hex, contributions=replica.contributions,
+            fruitless=decision.fruitless,
         )  # fmt: skip
         if not self.launches.claim_restart(launch.number, claim):
             return Restarted(False, f"{name}: another keeper is restarting it")

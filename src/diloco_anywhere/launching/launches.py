@@ -75,6 +75,10 @@ class RestartRecord(Record):
     # ended as planned and is not counted
     counted: Count
     streak: Count  # attempts in a row that ended within ``[keep] stable_after``: the backoff
+    # The replica's contributions to rounds when this attempt was claimed (all its attempts),
+    # and the attempts in a row before it that ended without one (``[keep] max_fruitless``)
+    contributions: Count = 0
+    fruitless: Count = 0
     host: str  # the keeper's machine, for people
     at: float  # the keeper's wall clock, for people
     nonce: str  # makes racing keepers' bytes differ, so exactly one claim succeeds
