@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -98,3 +100,21 @@ def user_errors() -> Iterator[None]:
         # escaped: messages quote run.toml sections ("[image] ref"), which rich reads as markup
         stderr.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
+
+
+@contextmanager
+def interrupted_by_sigterm() -> Iterator[None]:
+    """Within it, SIGTERM (a CI runner cancelling, ``kill``) interrupts as Ctrl-C does, so a
+    command following a launch stops what it started instead of dying with it running."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

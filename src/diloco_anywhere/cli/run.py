@@ -5,7 +5,7 @@ The tables these commands print are in ``tables.py``."""
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -27,6 +27,7 @@ from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.cli.common import (
     ConfigPath,
     JsonFlag,
+    interrupted_by_sigterm,
     print_json,
     stderr,
     stdout,
@@ -60,9 +61,9 @@ from diloco_anywhere.launching.launch import (
     start,
 )
 from diloco_anywhere.launching.report import RunSummary, data_coverage, plot_losses, summarize
-from diloco_anywhere.launching.status import replica_statuses
+from diloco_anywhere.launching.status import ReplicaStatus, replica_statuses
 from diloco_anywhere.launching.status_page import page_url
-from diloco_anywhere.launching.supervisor import Supervisor
+from diloco_anywhere.launching.supervisor import Outcome, Supervisor, outcome
 
 LOCAL_POLL_SECONDS = 1.0
 REMOTE_POLL_SECONDS = 10.0
@@ -120,42 +121,78 @@ def _sized(config: RunConfig, replicas: int) -> RunConfig:
 
 
 def _follow(plan: LaunchPlan, supervisor: Supervisor) -> int:
-    """Show live status until every replica's job has ended (restarting failed ones when the
-    supervisor may); 0 if all of them are done. Remote jobs are asked less often: their APIs
-    throttle (SageMaker's DescribeTrainingJob), and a replica reports progress to the bucket."""
+    """Show live status until every replica's job has ended, or the run cannot go on
+    (restarting failed ones when the supervisor may); 0 if all of them are done, else 1 with
+    a line per replica that did not finish. Interrupted (Ctrl-C, SIGTERM), it stops the
+    replicas on this machine and says how to stop the others. Remote jobs are asked less
+    often: their APIs throttle (SageMaker's DescribeTrainingJob), and a replica reports
+    progress to the bucket."""
     reader = run_metrics(plan.config)
     target = plan.config.diloco.outer_steps
     title = f"run {plan.config.run.name}: {len(plan.specs)} replicas, {target} outer steps"
     interval = REMOTE_POLL_SECONDS if supervisor.remote else LOCAL_POLL_SECONDS
     skews, skews_read = {}, -SKEW_POLL_SECONDS
     try:
-        # transient: the live frame goes when it ends; the final table is printed once, below
-        with Live(console=stderr, refresh_per_second=2, transient=True) as live:
-            while True:
+        with interrupted_by_sigterm(), Live(console=stderr, refresh_per_second=2,
+                                            transient=True) as live:  # fmt: skip
+            while True:  # transient: the live frame goes when it ends; the table stays, below
                 for note in supervisor.restart_failed():
                     live.console.print(note)
                 if time.monotonic() - skews_read >= SKEW_POLL_SECONDS:  # they change slowly
                     skews, skews_read = run_skews(plan.config), time.monotonic()
-                states = {h.replica_id: supervisor.state(h) for h in supervisor.handles}
-                rows = replica_statuses(reader.read(), supervisor.handles,
-                                        lambda h, known=states: known[h.replica_id],
-                                        supervisor.stopped(), skews=skews)  # fmt: skip
-                live.update(status_table(rows, title))
-                if not set(states.values()) & set(ACTIVE_STATES) and not supervisor.restarting:
+                where = _where_it_stands(plan, supervisor, reader.read(), skews)
+                live.update(status_table(where.rows, title))
+                if where.outcome.over:
                     break
                 time.sleep(interval)
     except KeyboardInterrupt:
-        stderr.print("interrupted: stopping every replica of this launch")
-        _stop_every(plan.config, supervisor.handles, supervisor.backends)
+        _stop_here(plan.config, supervisor, "interrupted")
         return 130
-    rows = replica_statuses(reader.read(), supervisor.handles, supervisor.state,
-                            supervisor.stopped(), skews=run_skews(plan.config))  # fmt: skip
-    stdout.print(status_table(rows, title))
-    failed = [row.replica for row in rows if row.state != "done"]
-    if failed:
-        stderr.print(f"[red]error:[/red] replicas {', '.join(failed)} did not finish; "
-                     f"see `diloco logs REPLICA`")  # fmt: skip
-    return 1 if failed else 0
+    stdout.print(status_table(where.rows, title))
+    if where.outcome.hopeless:
+        stderr.print(f"[red]error:[/red] {escape(where.outcome.hopeless)}")
+        _stop_here(plan.config, supervisor, "stopping the replicas on this machine")
+    for ended in where.outcome.unfinished:
+        stderr.print(escape(f"  {ended.line()}"), highlight=False, soft_wrap=True)
+    if where.outcome.unfinished or where.outcome.hopeless:
+        stderr.print("[red]error:[/red] the run did not finish; see `diloco logs REPLICA`")
+        return 1
+    return 0
+
+
+@dataclass(frozen=True)
+class _Standing:
+    rows: list[ReplicaStatus]
+    outcome: Outcome
+
+
+def _where_it_stands(
+    plan: LaunchPlan, supervisor: Supervisor, metrics: dict, skews: dict
+) -> _Standing:
+    jobs = {h.replica_id: supervisor.state(h) for h in supervisor.handles}
+    rows = replica_statuses(metrics, supervisor.handles, lambda h: jobs[h.replica_id],
+                            supervisor.stopped(), skews=skews)  # fmt: skip
+    codes = {h.replica_id: supervisor.exit_code(h) for h in supervisor.handles
+             if jobs[h.replica_id] not in ACTIVE_STATES}  # fmt: skip
+    ended = outcome(rows, jobs, metrics, codes, plan.config.run.min_replicas,
+                    supervisor.restarting)  # fmt: skip
+    return _Standing(rows, ended)
+
+
+def _stop_here(config: RunConfig, supervisor: Supervisor, why: str) -> None:
+    """Stop this launch's replicas on this machine; say that the others go on, and how to
+    stop them or leave them to the keeper."""
+    local = supervisor.local()
+    elsewhere = sorted({h.replica_id for h in supervisor.handles} - {h.replica_id for h in local})
+    stderr.print(f"{why}: stopping the replicas on this machine")
+    if local:
+        _stop_every(config, local, supervisor.backends)
+    if elsewhere:
+        stderr.print(
+            escape(f"{', '.join(elsewhere)} go on on their platforms: stop them with `diloco "
+                   f"stop`, or leave them to the keeper (`diloco keep`)"),
+            highlight=False, soft_wrap=True,
+        )  # fmt: skip
 
 
 def launch(

@@ -11,16 +11,88 @@ run.toml, superseded, out of restarts) is the keeper's to say.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from diloco_anywhere.backends.base import ACTIVE_STATES, Backend, JobState, ReplicaHandle
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import with_changes
 from diloco_anywhere.launching.keeper import Keeper, PassReport
 from diloco_anywhere.launching.launch import LaunchPlan, job_state, run_launches
+from diloco_anywhere.launching.status import ReplicaStatus
+from diloco_anywhere.training.metrics import ReplicaMetrics
 
 LOCAL_KEEP_SECONDS = 2.0  # a local process's end is seen at once
 PAGE_EVERY = 60.0  # seconds between status pages while following: the live table is here
 REMOTE_KEEP_SECONDS = 60.0  # platform APIs throttle (SageMaker's DescribeTrainingJob)
+
+
+ENDED_STATES = ("done", "failed", "stopped")  # what a replica says of its end
+
+
+@dataclass(frozen=True)
+class Ended:
+    """A replica of the launch that ended without finishing, and why, for a line of its own."""
+
+    replica: str
+    state: str
+    why: str  # its own last word (its failed event's detail), else its platform's
+
+    def line(self) -> str:
+        return f"{self.replica}: {self.state}: {self.why}"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Where a followed launch stands: ``over`` once every replica has ended or the run
+    cannot go on (``hopeless`` says why: the replicas left cannot seal a round)."""
+
+    over: bool
+    unfinished: tuple[Ended, ...]
+    hopeless: str | None = None
+
+
+def still_running(row: ReplicaStatus, job: JobState) -> bool:
+    """Its job may still run: queued, running, or its platform cannot say, unless the replica
+    itself said how it ended (a platform that cannot say would otherwise be followed for
+    ever)."""
+    return job in ACTIVE_STATES and not (job == "unknown" and row.state in ENDED_STATES)
+
+
+def outcome(
+    rows: list[ReplicaStatus],
+    jobs: Mapping[str, JobState],
+    metrics: Mapping[str, ReplicaMetrics],
+    exit_codes: Mapping[str, int | None],
+    min_replicas: int,
+    restarting: bool,
+) -> Outcome:
+    """Whether following is over: every replica ended, or too few are left to seal a round
+    (fewer than ``min_replicas``, none done, nothing being restarted)."""
+    running = [row for row in rows if still_running(row, jobs.get(row.replica, "unknown"))]
+    unfinished = tuple(
+        _ended(row, metrics.get(row.replica), exit_codes.get(row.replica))
+        for row in rows
+        if row not in running and row.state != "done"
+    )
+    if not running:
+        return Outcome(not restarting, unfinished)
+    done = any(row.state == "done" for row in rows)  # the run is trained: the rest finish
+    if done or restarting or not unfinished or len(running) >= min_replicas:
+        return Outcome(False, unfinished)
+    left = ", ".join(row.replica for row in running)
+    return Outcome(True, unfinished, (
+        f"the run cannot go on: {len(unfinished)} of its replicas ended without finishing, "
+        f"and the {len(running)} left ({left}) are fewer than min_replicas = {min_replicas}"
+    ))  # fmt: skip
+
+
+def _ended(row: ReplicaStatus, metrics: ReplicaMetrics | None, code: int | None) -> Ended:
+    ending = metrics.ending() if metrics else None
+    exited = "" if code is None else f" (exit {code})"
+    if ending is not None and ending.event != "done" and ending.detail:
+        return Ended(row.replica, f"{row.state}{exited}", ending.detail)
+    return Ended(row.replica, f"{row.state}{exited}", f"its {row.platform} job {row.state}")
 
 
 class Supervisor:
@@ -48,6 +120,15 @@ class Supervisor:
 
     def state(self, handle: ReplicaHandle) -> JobState:
         return job_state(self.backends[handle.platform], handle)
+
+    def exit_code(self, handle: ReplicaHandle) -> int | None:
+        """Where its platform keeps one (local processes), once it ended."""
+        backend = self.backends[handle.platform]
+        return backend.exit_code(handle) if backend.capabilities.exit_codes else None
+
+    def local(self) -> list[ReplicaHandle]:
+        """The replicas of this launch on this machine: what an interrupt stops."""
+        return [h for h in self.handles if not self.backends[h.platform].capabilities.remote]
 
     def active(self, handle: ReplicaHandle) -> bool:
         """Its job may not have ended: queued, running, or its platform cannot say now."""

@@ -202,9 +202,14 @@ class ReplicaMetrics:
 
     def state(self) -> str:
         """started / done / failed / stopped, from the newest incarnation's events."""
+        ending = self.ending()
+        return ending.event if ending else "running"
+
+    def ending(self) -> EventLine | None:
+        """The newest incarnation's last lifecycle event, with its detail (why it failed)."""
         newest = self.events_by_incarnation.get(self.incarnation, [])
-        lifecycle = [line.event for line in newest if line.event in LIFECYCLE]
-        return lifecycle[-1] if lifecycle else "running"
+        lifecycle = [line for line in newest if line.event in LIFECYCLE]
+        return lifecycle[-1] if lifecycle else None
 
 
 class MetricsReader:

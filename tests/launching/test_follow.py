@@ -1,0 +1,176 @@
+"""A foreground launch ends: when every replica has ended, or when the run cannot go on (too
+few replicas left to seal a round), with a line per replica that did not finish; interrupted
+(Ctrl-C, SIGTERM), it stops the replicas on this machine (launching/supervisor.py, cli/run.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.launching.status import ReplicaStatus
+from diloco_anywhere.launching.supervisor import outcome
+from diloco_anywhere.training.metrics import MetricsReader, MetricsWriter
+from support.runs import statuses
+
+
+def _row(replica: str, state: str, platform: str = "local") -> ReplicaStatus:
+    return ReplicaStatus(
+        replica=replica, platform=platform, state=state, outer_step=1, loss=None,
+        eval_loss=None, tokens=0, tokens_per_second=None, bytes_up=0, bytes_down=0,
+        last_seen_seconds=None, restarts=0, heals=0, divergences=0, mirror_failures=0,
+        superseded=0, clock_skew=None, values={},
+    )  # fmt: skip
+
+
+def _said(**endings: tuple[str, str]) -> dict:
+    """Replicas' metrics with their last lifecycle event: {replica: (event, detail)}."""
+    store, layout = Store(f"memory://follow-{'-'.join(endings)}"), RunLayout("run")
+    for replica, (event, detail) in endings.items():
+        MetricsWriter(store, layout, replica, 0, "local").event(event, detail)
+    return MetricsReader(store, layout).read()
+
+
+REFUSED = ("failed", "ModelUnlikeRunError: this replica's model is unlike the run's")
+
+
+def test_too_few_replicas_left_to_seal_a_round_end_the_launch_naming_each_and_why():
+    rows = [_row("local-0", "running"), _row("local-1", "failed"), _row("local-2", "failed")]
+    jobs = {"local-0": "running", "local-1": "failed", "local-2": "failed"}
+    metrics = _said(**{"local-1": REFUSED, "local-2": ("failed", "SyncFailedError: 5 syncs")})
+    ended = outcome(rows, jobs, metrics, {"local-1": 5, "local-2": 1}, 2, restarting=False)
+    assert ended.over
+    assert ended.hopeless == (
+        "the run cannot go on: 2 of its replicas ended without finishing, and the 1 left "
+        "(local-0) are fewer than min_replicas = 2"
+    )
+    assert [e.line() for e in ended.unfinished] == [
+        "local-1: failed (exit 5): ModelUnlikeRunError: this replica's model is unlike the run's",
+        "local-2: failed (exit 1): SyncFailedError: 5 syncs",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("states", "min_replicas", "restarting"),
+    [
+        (("running", "running", "failed"), 2, False),  # two left can still seal rounds
+        (("running", "starting", "failed"), 2, False),
+        (("running", "done", "failed"), 3, False),  # the run is trained: the rest finish
+        (("running", "failed", "failed"), 2, True),  # the keeper restarts them
+        (("running", "running", "running"), 3, False),
+    ],
+)
+def test_a_launch_that_can_still_finish_is_followed_on(states, min_replicas, restarting):
+    rows = [_row(f"local-{k}", state) for k, state in enumerate(states)]
+    jobs = {row.replica: "exited" if row.state in ("done", "failed") else "running"
+            for row in rows}  # fmt: skip
+    ended = outcome(rows, jobs, {}, {}, min_replicas, restarting)
+    assert not ended.over
+    assert ended.hopeless is None
+
+
+def test_a_remote_replica_whose_platform_cannot_say_has_ended_when_it_said_so():
+    """A job in state "unknown" kept the launch waiting for ever; the replica's own end wins."""
+    rows = [_row("modal-0", "done", "modal"), _row("modal-1", "failed", "modal")]
+    jobs = {"modal-0": "unknown", "modal-1": "unknown"}
+    metrics = _said(**{"modal-1": REFUSED})
+    ended = outcome(rows, jobs, metrics, {}, 1, restarting=False)
+    assert ended.over
+    assert [e.line() for e in ended.unfinished] == [f"modal-1: failed: {REFUSED[1]}"]
+    still = outcome([dataclasses.replace(rows[0], state="running")], {"modal-0": "unknown"},
+                    {}, {}, 1, restarting=False)  # fmt: skip
+    assert not still.over
+
+
+SEEDED_APART = """
+import os
+import torch
+import diloco_anywhere
+
+torch.manual_seed(int(os.environ["DILOCO_REPLICA_INDEX"]))  # the mistake: a seed per replica
+model = torch.nn.Linear(4, 1)
+inner = torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def data(start):
+    while True:
+        yield torch.randn(8, 4)
+
+
+with diloco_anywhere.join() as replica:
+    with replica.diloco(model, inner) as training:
+        for x in training.batches(data):
+            model(x).pow(2).mean().backward()
+            inner.step()
+            inner.zero_grad()
+"""
+
+
+def _write_run(tmp_path, script: str, replicas: int = 2, min_replicas: int = 2) -> None:
+    (tmp_path / "train.py").write_text(script)
+    (tmp_path / "run.toml").write_text(
+        f'[run]\nname = "follow"\nstore = "store"\nreplicas = {replicas}\n'
+        f"min_replicas = {min_replicas}\n[diloco]\nsync_every = 5\nouter_steps = 200\n"
+        f"[task]\ncommand = {json.dumps([sys.executable, 'train.py'])}\n"
+    )
+
+
+def _launch(tmp_path) -> subprocess.Popen:
+    """`diloco launch` in the foreground, as a user runs it."""
+    command = [sys.executable, "-c", "from diloco_anywhere.cli import app; app()", "launch",
+               "--config", "run.toml"]  # fmt: skip
+    return subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+@pytest.mark.integration
+def test_a_foreground_launch_that_cannot_go_on_returns_with_the_replica_that_failed(
+    tmp_path, monkeypatch
+):
+    """The issue's launch that never returned: of two replicas (min_replicas = 2) one stops
+    for its mistake, and the other cannot seal a round alone. The launch returns 1, says
+    which replica failed and why, and stops the one left."""
+    monkeypatch.chdir(tmp_path)
+    _write_run(tmp_path, SEEDED_APART)
+    launch = _launch(tmp_path)
+    try:
+        _out, err = launch.communicate(timeout=240)
+    finally:
+        launch.kill()
+    assert launch.returncode == 1, err
+    said = " ".join(err.split())
+    assert "the run cannot go on: 1 of its replicas ended without finishing, and the 1 " \
+           "left (local-0) are fewer than min_replicas = 2" in said  # fmt: skip
+    assert "local-1: failed (exit 5): ModelUnlikeRunError: this replica's model is unlike" in said
+    assert {row["state"] for row in statuses("run.toml").values()} == {"stopped", "failed"}
+
+
+@pytest.mark.integration
+def test_a_foreground_launch_sent_sigterm_stops_the_replicas_it_started(tmp_path, monkeypatch):
+    """A CI runner cancelling a job sends SIGTERM: the launch stops its local replicas (they
+    run in sessions of their own, so nothing else would) and exits 130."""
+    monkeypatch.chdir(tmp_path)
+    _write_run(tmp_path, SEEDED_APART.replace('int(os.environ["DILOCO_REPLICA_INDEX"])', "0"))
+    launch = _launch(tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "store").exists() or not any(
+            row["state"] == "running" for row in statuses("run.toml").values()
+        ):
+            assert time.monotonic() < deadline
+            assert launch.poll() is None
+            time.sleep(0.5)
+        launch.send_signal(signal.SIGTERM)
+        _out, err = launch.communicate(timeout=120)
+    finally:
+        launch.kill()
+    assert launch.returncode == 130, err
+    assert "interrupted: stopping the replicas on this machine" in err
+    assert {row["state"] for row in statuses("run.toml").values()} == {"stopped"}
