@@ -38,9 +38,14 @@ EXIT_SUPERSEDED = 3
 # without stepping the optimizer DiLoCo wraps; its model is unlike the run's.
 EXIT_NOT_SYNCING = 4
 EXIT_MODEL_UNLIKE_RUN = 5
+# Too few replicas are left to seal a round, the others stopped for good by their mistakes
+# (collective/departures.py): a restart would meet the same until they are replaced.
+EXIT_RUN_CANNOT_GO_ON = 6
 # Ends a platform's retry cannot help: a refused run.toml, a newer incarnation of this id
-# running (a retry would supersede it, and be superseded in turn), a script's mistake.
-NOT_RETRIED = (EXIT_BAD_CONFIG, EXIT_SUPERSEDED, EXIT_NOT_SYNCING, EXIT_MODEL_UNLIKE_RUN)
+# running (a retry would supersede it, and be superseded in turn), a script's mistake, a run
+# that cannot go on.
+NOT_RETRIED = (EXIT_BAD_CONFIG, EXIT_SUPERSEDED, EXIT_NOT_SYNCING, EXIT_MODEL_UNLIKE_RUN,
+               EXIT_RUN_CANNOT_GO_ON)  # fmt: skip
 
 
 def identity(

@@ -164,3 +164,33 @@ def test_the_replica_unlike_the_others_is_stopped_though_it_started_first(tmp_pa
     assert states == {"local-0": "done", "local-1": "done", "local-2": "failed"}
     assert "held by local-0, local-1): weight is float32 [2, 4] here, float32 [1, 4]" in logs
     assert "Another model size or config" in logs
+
+
+@pytest.mark.integration
+def test_a_replica_whose_run_cannot_go_on_stops_at_once_naming_who_stopped(tmp_path, monkeypatch):
+    """Three replicas seeded apart, min_replicas = 2: the votes keep local-0's model (a tie
+    goes to the lowest index) and stop the two others for good. local-0 alone cannot seal a
+    round: its first round fails within a lease period or two, naming both and why, where it
+    once waited out five sync timeouts (50 minutes at the defaults)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(SEEDED_PER_REPLICA)
+    (tmp_path / "run.toml").write_text(
+        '[run]\nname = "alone"\nstore = "store"\nreplicas = 3\nmin_replicas = 2\n'
+        "[diloco]\nsync_every = 5\nouter_steps = 2\n"
+        f"[task]\ncommand = {json.dumps(['python', 'train.py'])}\n"
+    )
+    started = time.monotonic()
+    assert diloco("launch", "--config", "run.toml", "--detach").exit_code == 0
+    try:
+        while {row["state"] for row in statuses("run.toml").values()} - {"done", "failed"}:
+            assert time.monotonic() - started < 240, statuses("run.toml")
+            time.sleep(0.5)
+        logs = diloco("logs", "local-0", "--config", "run.toml").stdout
+    finally:
+        diloco("stop", "--config", "run.toml")
+    assert {row["state"] for row in statuses("run.toml").values()} == {"failed"}
+    said = " ".join(logs.split())
+    assert (
+        "error: replica local-0: round 0 fragment 0 cannot seal: min_replicas = 2, and 2 of "
+        "the run's 3 replicas stopped for good (local-1: failed: ModelUnlikeRunError" in said
+    )

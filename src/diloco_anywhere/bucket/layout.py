@@ -133,6 +133,11 @@ class RunLayout:
         folder = f"{self.incarnations(replica)}/{_check_count(incarnation, 'incarnation')}"
         return f"{folder}/lease-{_check_count(beat, 'lease beat')}"
 
+    def departure(self, replica: str) -> str:
+        """How a replica's newest incarnation to leave left: a reason, and whether it will
+        come back as it is (``collective.departures``)."""
+        return f"{self.exchange}/departures/{check_name(replica, 'replica')}"
+
     def parse_member_key(self, key: str) -> tuple[str, int, int | None] | None:
         """``members/{replica}/{incarnation}/claim`` -> (replica, incarnation, None);
         ``.../lease-{beat}`` -> (replica, incarnation, beat); anything else -> None."""

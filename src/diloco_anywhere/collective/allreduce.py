@@ -30,6 +30,7 @@ from diloco_anywhere.bucket.codec import Codec
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.collect import RoundCollector
+from diloco_anywhere.collective.departures import final_departures
 from diloco_anywhere.collective.errors import ModelMismatchError
 from diloco_anywhere.collective.flat import FlatTensors
 from diloco_anywhere.collective.gather import gather_mean
@@ -234,6 +235,7 @@ class BucketCollective:
         round_state = Round(
             self.store, self.layout, round_, fragment, self.me, members(),
             self.config.round, members, self.config.lease.period, self._transfers,
+            hopeless=self.hopeless,
         )  # fmt: skip
         round_state.contribute(source, weight, codec, fingerprint, pace)
         result = finish_round(round_state, destination)
@@ -303,12 +305,28 @@ class BucketCollective:
         except Exception as exc:  # off the round's path: nobody else would see it
             log.warning("garbage collection after round %d fragment %d: %s", round_, fragment, exc)
 
-    def close(self, wait: bool = True) -> None:
-        """Stop the heartbeat; with ``wait``, first let rounds in flight finish."""
+    def close(self, wait: bool = True, reason: str = "", final: bool = False) -> None:
+        """Stop the heartbeat; with ``wait``, first let rounds in flight finish. ``reason``:
+        why this replica leaves, for the others (``final``: no restart can help)."""
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
         self._collecting.shutdown(wait=wait, cancel_futures=not wait)
         self._transfers.executor.shutdown(wait=wait, cancel_futures=not wait)
-        self.membership.leave()
+        self.membership.leave(reason, final)
+
+    def hopeless(self) -> str | None:
+        """Why no round can seal again, None while one can: the replicas that left for good
+        (``departures.py``) leave fewer than ``min_replicas`` of the run's."""
+        policy = self.config.round
+        view = self.membership.last_view or self.membership.view()  # listed by this refresh
+        gone = final_departures(self.store, self.layout, view.newest())
+        if policy.expected_replicas - len(gone) >= policy.min_replicas:
+            return None
+        named = "; ".join(f"{replica}: {d.reason}" for replica, d in sorted(gone.items()))
+        return (
+            f"min_replicas = {policy.min_replicas}, and {len(gone)} of the run's "
+            f"{policy.expected_replicas} replicas stopped for good ({named}); fix each, then "
+            f"`diloco replace` it, or lower run.min_replicas"
+        )
 
     def __enter__(self) -> BucketCollective:
         return self

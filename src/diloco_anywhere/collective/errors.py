@@ -9,6 +9,11 @@ class RoundTimeoutError(TimeoutError):
     """No SEAL within the policy's timeout; the message names what is missing and the fix."""
 
 
+class RoundHopelessError(RuntimeError):
+    """No round can seal again: too few of the run's replicas are left (``departures.py``);
+    the message names who stopped for good, why, and the fix."""
+
+
 class SealedContributionError(RuntimeError):
     """A sealed contribution cannot be read back intact; the message names the key."""
 

@@ -37,6 +37,7 @@ from diloco_anywhere.bucket.framing import Count, Name, WireFormatError
 from diloco_anywhere.bucket.layout import Participant, RunLayout
 from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.collective.departures import record_departure
 from diloco_anywhere.collective.policy import LeasePolicy
 
 log = logging.getLogger(__name__)
@@ -373,6 +374,7 @@ class Membership:
         self.me = self.claim.participant
         self.on_superseded = on_superseded
         self.superseded: SupersededError | None = None
+        self.last_view: MembershipView | None = None  # the newest ``view``'s listing
         self._liveness = Liveness(policy)
         self._lock = threading.Lock()
         self.heartbeat = Heartbeat(
@@ -389,6 +391,7 @@ class Membership:
         self.check()
         view = MembershipView.read(self.store, self.layout)
         self._judge(view.superseded(self.claim))
+        self.last_view = view
         return view
 
     def members(self) -> list[Participant]:
@@ -437,7 +440,10 @@ class Membership:
         """Each of ``members``' newest finished round per fragment (``member_progress``)."""
         return member_progress(self.store, self.layout, self.view(), members)
 
-    def leave(self) -> None:
-        """Stop the heartbeat; delete our leases unless superseded (then they may be another
-        process's: a run started over reuses incarnation numbers)."""
+    def leave(self, reason: str = "", final: bool = False) -> None:
+        """Stop the heartbeat; say why we left (``departures.py``: ``final``, no restart can
+        help) and delete our leases, unless superseded (then they may be another process's: a
+        run started over reuses incarnation numbers)."""
+        if self.superseded is None and reason:
+            record_departure(self.store, self.layout, self.me, reason, final)
         self.heartbeat.stop(leave=self.superseded is None)

@@ -29,6 +29,7 @@ from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.errors import (
     DivergedError,
     RoundDataMissingError,
+    RoundHopelessError,
     RoundTimeoutError,
     SealedContributionError,
 )
@@ -99,15 +100,19 @@ class Round:
         refresh_members: Callable[[], list[Participant]] | None = None,
         refresh_every: float = 10.0,
         transfers: Transfers | None = None,
+        hopeless: Callable[[], str | None] | None = None,
     ) -> None:
         """``refresh_members`` (called every ``refresh_every`` seconds while the round waits
-        for its SEAL) lets a replica that starts mid-round count in it. ``transfers``: the
-        collective's threads and buffers (by default, ones shared by this process's rounds)."""
+        for its SEAL) lets a replica that starts mid-round count in it; ``hopeless`` (called
+        as often) says why no round can seal any more (``RoundHopelessError`` then).
+        ``transfers``: the collective's threads and buffers (by default, ones shared by this
+        process's rounds)."""
         self.store, self.layout, self.policy = store, layout, policy
         self.round, self.fragment, self.me = round_, fragment, me
         self.claims: dict[str, int] = {}  # replica -> newest claimed incarnation, at sealing
         self._set_members(members)
         self._refresh_members, self._refresh_every = refresh_members, refresh_every
+        self._hopeless = hopeless
         self.seal_key = layout.seal(round_, fragment)
         self.manifests: dict[str, Manifest] = {}  # checked manifests
         self._foreign: dict[str, str] = {}  # contributor -> a fingerprint unlike ours
@@ -392,8 +397,8 @@ class Round:
         delays = self.policy.poll_delays()
         refreshed = time.monotonic()
         while True:
-            if self._refresh_members and time.monotonic() - refreshed >= self._refresh_every:
-                self._set_members(self._refresh_members())
+            if time.monotonic() - refreshed >= self._refresh_every:
+                self._refresh()
                 refreshed = time.monotonic()
             seen = self.manifests.keys() | self.excluded.keys()
             pending = [name for name in self.members if name not in seen]
@@ -419,6 +424,16 @@ class Round:
                     f"lower run.min_replicas, or raise sync.timeout"
                 )
             time.sleep(next(delays))
+
+    def _refresh(self) -> None:
+        """Take in replicas that joined meanwhile; give up at once when no round can seal."""
+        if self._refresh_members:
+            self._set_members(self._refresh_members())
+        why = self._hopeless() if self._hopeless else None
+        if why is not None:
+            raise RoundHopelessError(
+                f"round {self.round} fragment {self.fragment} cannot seal: {why}"
+            )
 
     def read_seal(self) -> Seal | None:
         """The round's SEAL if it exists (``_load_seal``), without contributing or sealing."""

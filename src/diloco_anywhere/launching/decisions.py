@@ -31,6 +31,7 @@ from diloco_anywhere.contract import (
     EXIT_BAD_CONFIG,
     EXIT_MODEL_UNLIKE_RUN,
     EXIT_NOT_SYNCING,
+    EXIT_RUN_CANNOT_GO_ON,
     EXIT_SUPERSEDED,
 )
 from diloco_anywhere.launching.launches import JobRecord, RestartRecord
@@ -44,6 +45,7 @@ GIVEN_UP_ON = {
     EXIT_BAD_CONFIG: "it refused run.toml",
     EXIT_NOT_SYNCING: "its script steps another optimizer than the one DiLoCo wraps",
     EXIT_MODEL_UNLIKE_RUN: "its model is unlike the run's",
+    EXIT_RUN_CANNOT_GO_ON: "too few replicas are left for a round (the others stopped for good)",
 }
 
 

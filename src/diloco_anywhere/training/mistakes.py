@@ -26,3 +26,11 @@ class ModelUnlikeRunError(ScriptMistakeError):
     states would never agree."""
 
     exit_code = contract.EXIT_MODEL_UNLIKE_RUN
+
+
+class RunCannotGoOnError(ScriptMistakeError):
+    """Too few of the run's replicas are left to seal a round, the others having stopped for
+    good (``collective/departures.py``): not this script's mistake, but no restart of it
+    can help until they are fixed and replaced."""
+
+    exit_code = contract.EXIT_RUN_CANNOT_GO_ON

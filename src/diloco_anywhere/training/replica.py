@@ -61,7 +61,7 @@ from diloco_anywhere.training.command import DONE, JOINED, report
 from diloco_anywhere.training.export_files import add_export_file
 from diloco_anywhere.training.initial_state import check_initial_state
 from diloco_anywhere.training.metrics import MetricsWriter
-from diloco_anywhere.training.mistakes import ScriptMistakeError
+from diloco_anywhere.training.mistakes import RunCannotGoOnError, ScriptMistakeError
 from diloco_anywhere.training.pace import Pacer
 from diloco_anywhere.training.parameter_names import uncompiled
 from diloco_anywhere.training.replica_group import ReplicaGroup
@@ -287,11 +287,12 @@ class Replica:
         if not committed_rounds(store, RunLayout(self.config.run.name)):
             check_initial_state(store, self.collective.layout, model, self.electorate)  # type: ignore[union-attr]
 
-    def close(self, wait: bool = True) -> None:
+    def close(self, wait: bool = True, reason: str = "", final: bool = False) -> None:
         """Leave the run; with ``wait``, first let rounds in flight finish (after an error or
-        a stop they are abandoned: the bucket's lifecycle rule expires their objects)."""
+        a stop they are abandoned: the bucket's lifecycle rule expires their objects).
+        ``reason``, ``final``: how it left, for the others (``collective/departures.py``)."""
         if self.collective is not None:
-            self.collective.close(wait=wait)
+            self.collective.close(wait=wait, reason=reason, final=final)
 
     def __enter__(self) -> Replica:
         return self
@@ -325,11 +326,13 @@ class Replica:
         trained = error is None and self.training is not None and self.training.done
         if trained:
             report(DONE)
+        event, detail = self._ending(error, trained)
         if self.metrics is not None:
             self.metrics.flush()
             reached = self.training.result().outer_steps if self.training is not None else None
-            self.metrics.event(*self._ending(error, trained), outer_step=reached)
-        self.close(wait=error is None)
+            self.metrics.event(event, detail, outer_step=reached)
+        final = isinstance(error, ScriptMistakeError) and not isinstance(error, RunCannotGoOnError)
+        self.close(wait=error is None, reason=f"{event}: {detail}", final=final)
         if isinstance(error, ScriptMistakeError):  # a restart would meet it again: say so
             print(f"error: replica {self.replica_id}: {error}", file=sys.stderr, flush=True)
             raise SystemExit(error.exit_code) from error

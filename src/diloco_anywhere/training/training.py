@@ -22,7 +22,7 @@ from torchft.local_sgd import DiLoCo
 
 from diloco_anywhere.bucket.redaction import scrub_secrets
 from diloco_anywhere.collective.allreduce import BucketCollective
-from diloco_anywhere.collective.errors import DivergedError
+from diloco_anywhere.collective.errors import DivergedError, RoundHopelessError
 from diloco_anywhere.collective.membership import SupersededError
 from diloco_anywhere.collective.records import MAX_PACE_SECONDS, Pace
 from diloco_anywhere.task import Batch
@@ -32,7 +32,7 @@ from diloco_anywhere.training.fixed_rng import fixed_random_state
 from diloco_anywhere.training.global_state import GlobalState
 from diloco_anywhere.training.log_window import LogWindow
 from diloco_anywhere.training.metrics import MetricsWriter, StepLine, SyncLine
-from diloco_anywhere.training.mistakes import NotSyncingError
+from diloco_anywhere.training.mistakes import NotSyncingError, RunCannotGoOnError
 from diloco_anywhere.training.own_state import OwnState
 from diloco_anywhere.training.pace import Pacer
 from diloco_anywhere.training.replica_group import ReplicaGroup
@@ -213,6 +213,8 @@ class Training:
                 self.own_state.save_if_due(self.manager)
         if isinstance(manager.last_sync_error, SupersededError):  # a zombie trains no further
             raise manager.last_sync_error
+        if isinstance(manager.last_sync_error, RoundHopelessError):  # no round can seal again
+            raise RunCannotGoOnError(str(manager.last_sync_error))
         self._plan_rounds(synced, committed)
         if isinstance(manager.last_sync_error, DivergedError):  # the same on every rank
             self.after_divergence(self.state)  # type: ignore[arg-type]

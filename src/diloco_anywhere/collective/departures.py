@@ -1,0 +1,58 @@
+"""How replicas left the run, so that the others know who will not come back and why.
+
+A replica that leaves writes one small record (its newest incarnation's overwrites an older
+one's): why it ended, and whether it is ``final``, an end no restart can help (a mistake of
+its script or configuration, refused at once: ``training/mistakes.py``). A round waiting for
+its SEAL reads them: when the replicas that stopped for good leave fewer than
+``min_replicas`` of the run's, no round can seal again, and it fails at once saying who
+stopped and why, instead of waiting out its timeout five times (``round.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pydantic import Field
+
+from diloco_anywhere.bucket.framing import Count, Name, WireFormatError
+from diloco_anywhere.bucket.layout import Participant, RunLayout
+from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
+from diloco_anywhere.bucket.store import Store
+
+log = logging.getLogger(__name__)
+
+
+class Departure(Record):
+    replica: Name
+    incarnation: Count
+    reason: str = Field(max_length=2000)
+    final: bool  # no restart can help: it stays out until it is fixed and replaced
+
+
+def record_departure(
+    store: Store, layout: RunLayout, me: Participant, reason: str, final: bool
+) -> None:
+    """Say why ``me`` left; a store that fails here only leaves the others less informed."""
+    record = Departure(replica=me.replica, incarnation=me.incarnation, reason=reason[:2000],
+                       final=final)  # fmt: skip
+    try:
+        store.overwrite(layout.departure(me.replica), encode_record(record))
+    except OSError as exc:
+        log.warning("could not record how %s left: %s", me.name, exc)
+
+
+def final_departures(
+    store: Store, layout: RunLayout, newest: dict[str, int]
+) -> dict[str, Departure]:
+    """The replicas whose newest claimed incarnation (``newest``: replica -> incarnation) left
+    for good; a record that does not decode is left out, said."""
+    found = {}
+    for key in store.list_prefix(f"{layout.exchange}/departures"):
+        try:
+            record = decode_record(store.get(key, 0, RECORD_READ_LIMIT), Departure, key=key)
+        except (WireFormatError, FileNotFoundError) as exc:
+            log.warning("a departure record left out: %s", exc)
+            continue
+        if record.final and newest.get(record.replica) == record.incarnation:
+            found[record.replica] = record
+    return found
