@@ -45,12 +45,16 @@ def test_too_few_replicas_left_to_seal_a_round_end_the_launch_naming_each_and_wh
     rows = [_row("local-0", "running"), _row("local-1", "failed"), _row("local-2", "failed")]
     jobs = {"local-0": "running", "local-1": "failed", "local-2": "failed"}
     metrics = _said(**{"local-1": REFUSED, "local-2": ("failed", "SyncFailedError: 5 syncs")})
-    ended = outcome(rows, jobs, metrics, {"local-1": 5, "local-2": 1}, 2, restarting=False)
+    ended = outcome(rows, jobs, metrics, {"local-1": 5, "local-2": 1}, 2)
     assert ended.over
     assert ended.hopeless == (
-        "the run cannot go on: 2 of its replicas ended without finishing, and the 1 left "
-        "(local-0) are fewer than min_replicas = 2"
+        "the run cannot go on: 2 of its replicas ended for good, and the 1 left (local-0) are "
+        "fewer than min_replicas = 2"
     )
+    # with a keeper that restarts them, only the one refused for its mistake is gone for good
+    assert not outcome(rows, jobs, metrics, {"local-1": 5, "local-2": 1}, 2, lambda _: True).over
+    gone = outcome(rows, jobs, metrics, {"local-1": 5, "local-2": 5}, 2, lambda _: True)
+    assert gone.hopeless is not None
     assert [e.line() for e in ended.unfinished] == [
         "local-1: failed (exit 5): ModelUnlikeRunError: this replica's model is unlike the run's",
         "local-2: failed (exit 1): SyncFailedError: 5 syncs",
@@ -58,7 +62,7 @@ def test_too_few_replicas_left_to_seal_a_round_end_the_launch_naming_each_and_wh
 
 
 @pytest.mark.parametrize(
-    ("states", "min_replicas", "restarting"),
+    ("states", "min_replicas", "restarts"),
     [
         (("running", "running", "failed"), 2, False),  # two left can still seal rounds
         (("running", "starting", "failed"), 2, False),
@@ -67,11 +71,11 @@ def test_too_few_replicas_left_to_seal_a_round_end_the_launch_naming_each_and_wh
         (("running", "running", "running"), 3, False),
     ],
 )
-def test_a_launch_that_can_still_finish_is_followed_on(states, min_replicas, restarting):
+def test_a_launch_that_can_still_finish_is_followed_on(states, min_replicas, restarts):
     rows = [_row(f"local-{k}", state) for k, state in enumerate(states)]
     jobs = {row.replica: "exited" if row.state in ("done", "failed") else "running"
             for row in rows}  # fmt: skip
-    ended = outcome(rows, jobs, {}, {}, min_replicas, restarting)
+    ended = outcome(rows, jobs, {}, {}, min_replicas, lambda _: restarts)
     assert not ended.over
     assert ended.hopeless is None
 
@@ -81,11 +85,11 @@ def test_a_remote_replica_whose_platform_cannot_say_has_ended_when_it_said_so():
     rows = [_row("modal-0", "done", "modal"), _row("modal-1", "failed", "modal")]
     jobs = {"modal-0": "unknown", "modal-1": "unknown"}
     metrics = _said(**{"modal-1": REFUSED})
-    ended = outcome(rows, jobs, metrics, {}, 1, restarting=False)
+    ended = outcome(rows, jobs, metrics, {}, 1)
     assert ended.over
     assert [e.line() for e in ended.unfinished] == [f"modal-1: failed: {REFUSED[1]}"]
     still = outcome([dataclasses.replace(rows[0], state="running")], {"modal-0": "unknown"},
-                    {}, {}, 1, restarting=False)  # fmt: skip
+                    {}, {}, 1)  # fmt: skip
     assert not still.over
 
 
@@ -146,8 +150,8 @@ def test_a_foreground_launch_that_cannot_go_on_returns_with_the_replica_that_fai
         launch.kill()
     assert launch.returncode == 1, err
     said = " ".join(err.split())
-    assert "the run cannot go on: 1 of its replicas ended without finishing, and the 1 " \
-           "left (local-0) are fewer than min_replicas = 2" in said  # fmt: skip
+    assert "the run cannot go on: 1 of its replicas ended for good, and the 1 left " \
+           "(local-0) are fewer than min_replicas = 2" in said  # fmt: skip
     assert "local-1: failed (exit 5): ModelUnlikeRunError: this replica's model is unlike" in said
     assert {row["state"] for row in statuses("run.toml").values()} == {"stopped", "failed"}
 

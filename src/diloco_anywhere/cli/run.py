@@ -151,7 +151,7 @@ def _follow(plan: LaunchPlan, supervisor: Supervisor) -> int:
     stdout.print(status_table(where.rows, title))
     if where.outcome.hopeless:
         stderr.print(f"[red]error:[/red] {escape(where.outcome.hopeless)}")
-        _stop_here(plan.config, supervisor, "stopping the replicas on this machine")
+        _stop_here(plan.config, supervisor, "the run cannot go on")
     for ended in where.outcome.unfinished:
         stderr.print(escape(f"  {ended.line()}"), highlight=False, soft_wrap=True)
     if where.outcome.unfinished or where.outcome.hopeless:
@@ -175,7 +175,7 @@ def _where_it_stands(
     codes = {h.replica_id: supervisor.exit_code(h) for h in supervisor.handles
              if jobs[h.replica_id] not in ACTIVE_STATES}  # fmt: skip
     ended = outcome(rows, jobs, metrics, codes, plan.config.run.min_replicas,
-                    supervisor.restarting)  # fmt: skip
+                    supervisor.may_restart)  # fmt: skip
     return _Standing(rows, ended)
 
 

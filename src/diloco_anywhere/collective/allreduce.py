@@ -319,7 +319,7 @@ class BucketCollective:
         policy = self.config.round
         view = self.membership.last_view or self.membership.view()  # listed by this refresh
         gone = final_departures(self.store, self.layout, view.newest())
-        if policy.expected_replicas - len(gone) >= policy.min_replicas:
+        if not gone or policy.expected_replicas - len(gone) >= policy.min_replicas:
             return None
         named = "; ".join(f"{replica}: {d.reason}" for replica, d in sorted(gone.items()))
         return (

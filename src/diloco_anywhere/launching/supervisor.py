@@ -11,12 +11,13 @@ run.toml, superseded, out of restarts) is the keeper's to say.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from diloco_anywhere.backends.base import ACTIVE_STATES, Backend, JobState, ReplicaHandle
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import with_changes
+from diloco_anywhere.contract import NOT_RETRIED
 from diloco_anywhere.launching.keeper import Keeper, PassReport
 from diloco_anywhere.launching.launch import LaunchPlan, job_state, run_launches
 from diloco_anywhere.launching.status import ReplicaStatus
@@ -65,25 +66,27 @@ def outcome(
     metrics: Mapping[str, ReplicaMetrics],
     exit_codes: Mapping[str, int | None],
     min_replicas: int,
-    restarting: bool,
+    may_restart: Callable[[str], bool] = lambda _: False,
 ) -> Outcome:
-    """Whether following is over: every replica ended, or too few are left to seal a round
-    (fewer than ``min_replicas``, none done, nothing being restarted)."""
+    """Whether following is over: every replica ended for good (``may_restart(replica)``:
+    the launch's keeper would start it again), or too few are left to seal a round (fewer
+    than ``min_replicas`` running or coming back, none done)."""
     running = [row for row in rows if still_running(row, jobs.get(row.replica, "unknown"))]
+    ended = [row for row in rows if row not in running and row.state != "done"]
     unfinished = tuple(
-        _ended(row, metrics.get(row.replica), exit_codes.get(row.replica))
-        for row in rows
-        if row not in running and row.state != "done"
+        _ended(row, metrics.get(row.replica), exit_codes.get(row.replica)) for row in ended
     )
-    if not running:
-        return Outcome(not restarting, unfinished)
+    back = [row for row in ended if exit_codes.get(row.replica) not in NOT_RETRIED
+            and may_restart(row.replica)]  # fmt: skip
+    if not running and not back:
+        return Outcome(True, unfinished)
     done = any(row.state == "done" for row in rows)  # the run is trained: the rest finish
-    if done or restarting or not unfinished or len(running) >= min_replicas:
+    if done or len(ended) == len(back) or len(running) + len(back) >= min_replicas:
         return Outcome(False, unfinished)
     left = ", ".join(row.replica for row in running)
     return Outcome(True, unfinished, (
-        f"the run cannot go on: {len(unfinished)} of its replicas ended without finishing, "
-        f"and the {len(running)} left ({left}) are fewer than min_replicas = {min_replicas}"
+        f"the run cannot go on: {len(ended) - len(back)} of its replicas ended for good, and "
+        f"the {len(running)} left ({left}) are fewer than min_replicas = {min_replicas}"
     ))  # fmt: skip
 
 
@@ -125,6 +128,12 @@ class Supervisor:
         """Where its platform keeps one (local processes), once it ended."""
         backend = self.backends[handle.platform]
         return backend.exit_code(handle) if backend.capabilities.exit_codes else None
+
+    def may_restart(self, replica: str) -> bool:
+        """This launch's keeper would start ``replica`` again (it has not given up on it)."""
+        decisions = self.last.decisions if self.last else {}
+        decision = decisions.get(replica)
+        return self.keeper is not None and (decision is None or decision.action != "give_up")
 
     def local(self) -> list[ReplicaHandle]:
         """The replicas of this launch on this machine: what an interrupt stops."""
