@@ -25,6 +25,7 @@ from diloco_anywhere import DilocoCallback, join
 from diloco_anywhere.bucket.layout import RunLayout, contributor
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import RunConfig, load_config
+from diloco_anywhere.contract import EXIT_NOT_SYNCING
 from diloco_anywhere.data.claims import Claims
 from diloco_anywhere.launching.launch import run_metrics
 from support.docs import example
@@ -249,6 +250,22 @@ def test_an_error_inside_train_unwinds_diloco_and_is_the_replicas_failure(hf_cor
     assert not inner._optimizer_step_post_hooks
     events = [(e.event, e.detail) for e in run_metrics(config).read()["local-0"].events]
     assert events[-1] == ("failed", "RuntimeError: the script's own error at step 2")
+
+
+def test_a_trainer_without_the_callback_is_stopped_within_two_rounds_naming_it(hf_corpus, tmp_path):
+    """The issue's Trainer script that joined but never synced: it trained all its epochs
+    alone, then failed with advice about `replica.diloco`. Now its 11th optimizer step (two
+    rounds of 5, and one) stops it with exit 4, naming the callback."""
+    config = _run(tmp_path, outer_steps=4)
+    steps = LearningRates()
+    with pytest.raises(SystemExit) as ended, join(config, replica_id="local-0"):
+        _trainer(hf_corpus, tmp_path, [steps]).train()
+    assert ended.value.code == EXIT_NOT_SYNCING
+    assert len(steps.rates) == 11  # stopped right after its 11th step, not 120 steps later
+    [event] = [e for e in run_metrics(config).read()["local-0"].events if e.event == "failed"]
+    assert event.detail.startswith("TrainingOutsideDilocoError: this replica joined the run and "
+                                   "took 11 optimizer steps, but none under DiLoCo")  # fmt: skip
+    assert "pass `callbacks=[DilocoCallback(replica)]` to the Trainer" in event.detail
 
 
 def _train_added_late(config: RunConfig, corpus, tmp_path) -> None:

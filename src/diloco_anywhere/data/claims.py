@@ -38,6 +38,7 @@ from diloco_anywhere.bucket.layout import RunLayout, parse_contributor
 from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.records import Seal
+from diloco_anywhere.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class DataPlan(Record):
     seed: int
 
 
-class DataPlanError(ValueError):
+class DataPlanError(ConfigError):
     """This replica would cut the run's data otherwise than the run does."""
 
 

@@ -21,6 +21,13 @@ class NotSyncingError(ScriptMistakeError):
     exit_code = contract.EXIT_NOT_SYNCING
 
 
+class TrainingOutsideDilocoError(ScriptMistakeError):
+    """The script joined the run and steps an optimizer, but never entered ``replica.diloco``
+    (``outside_diloco.py``): a Trainer without ``DilocoCallback``, a loop not wrapped."""
+
+    exit_code = contract.EXIT_NOT_SYNCING
+
+
 class ModelUnlikeRunError(ScriptMistakeError):
     """The model's initial weights or structure differ from the run's: the replicas' global
     states would never agree."""

@@ -47,7 +47,7 @@ from diloco_anywhere.bucket.redaction import scrub_secrets
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.membership import SupersededError
-from diloco_anywhere.config import RunConfig
+from diloco_anywhere.config import ConfigError, RunConfig
 from diloco_anywhere.data.stream import Stream
 from diloco_anywhere.data.tokenizers import load_tokenizer
 from diloco_anywhere.training.builders import (
@@ -62,6 +62,7 @@ from diloco_anywhere.training.export_files import add_export_file
 from diloco_anywhere.training.initial_state import check_initial_state
 from diloco_anywhere.training.metrics import MetricsWriter
 from diloco_anywhere.training.mistakes import RunCannotGoOnError, ScriptMistakeError
+from diloco_anywhere.training.outside_diloco import OutsideDilocoWatch
 from diloco_anywhere.training.pace import Pacer
 from diloco_anywhere.training.parameter_names import uncompiled
 from diloco_anywhere.training.replica_group import ReplicaGroup
@@ -139,6 +140,9 @@ class Replica:
             self._take_index()
             incarnation = self.collective.me.incarnation  # type: ignore[union-attr]
             self.metrics = MetricsWriter(store, layout, replica_id, incarnation, platform)
+        # joined: until ``diloco``, an optimizer stepping outside DiLoCo is stopped (a Trainer
+        # given no DilocoCallback), not left to train alone for days
+        self.outside = OutsideDilocoWatch(config.diloco.round_steps)
 
     def _take_index(self) -> None:
         """Refuse to run beside another running replica given the same data shard index
@@ -201,6 +205,7 @@ class Replica:
         ``task.eval_every`` outer steps, inside the ``step()`` that synced: on rank 0, or on
         every rank of a sharded replica (each forward gathers every rank's shards). On exit
         every process of an unsharded replica checks it holds rank 0's global state."""
+        self.outside.stop()
         check_sharded(model, self.group)
         if self.collective is not None:
             self._check_initial_model(model)
@@ -321,6 +326,7 @@ class Replica:
         if self._ended:
             return
         self._ended = True
+        self.outside.stop()
         if isinstance(error, SystemExit) and error.code in (None, 0):
             error = None
         trained = error is None and self.training is not None and self.training.done
@@ -331,11 +337,13 @@ class Replica:
             self.metrics.flush()
             reached = self.training.result().outer_steps if self.training is not None else None
             self.metrics.event(event, detail, outer_step=reached)
-        final = isinstance(error, ScriptMistakeError) and not isinstance(error, RunCannotGoOnError)
+        refused = isinstance(error, ScriptMistakeError | ConfigError)  # a restart meets it too
+        final = refused and not isinstance(error, RunCannotGoOnError)  # the others' doing
         self.close(wait=error is None, reason=f"{event}: {detail}", final=final)
-        if isinstance(error, ScriptMistakeError):  # a restart would meet it again: say so
+        if refused:  # said, and an exit code no platform retries
             print(f"error: replica {self.replica_id}: {error}", file=sys.stderr, flush=True)
-            raise SystemExit(error.exit_code) from error
+            code = error.exit_code if isinstance(error, ScriptMistakeError) else None
+            raise SystemExit(code or contract.EXIT_BAD_CONFIG) from error
 
     def _ending(self, error: BaseException | None, trained: bool) -> tuple[str, str]:
         """The event that says how the replica ended, and its detail."""

@@ -1,0 +1,47 @@
+"""A script that joined the run and steps an optimizer outside ``replica.diloco`` is stopped
+within two rounds' steps, with the fix for a loop (training/outside_diloco.py; the Trainer's
+case is in test_hf_trainer.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diloco_anywhere import join
+from diloco_anywhere.config import RunConfig
+from diloco_anywhere.contract import EXIT_NOT_SYNCING
+from diloco_anywhere.launching.launch import run_metrics
+
+
+def _run(tmp_path) -> RunConfig:
+    return RunConfig.model_validate({
+        "run": {"name": "outside", "store": str(tmp_path / "store"), "replicas": 1},
+        "diloco": {"sync_every": 4, "outer_steps": 2},
+    })  # fmt: skip
+
+
+def _steps(optimizer: torch.optim.Optimizer, count: int) -> None:
+    for _ in range(count):
+        optimizer.zero_grad()
+        optimizer.param_groups[0]["params"][0].sum().backward()
+        optimizer.step()
+
+
+def test_a_loop_that_joined_but_trains_outside_diloco_is_stopped_with_the_fix(tmp_path):
+    config, model = _run(tmp_path), torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(SystemExit) as ended, join(config, replica_id="local-0"):
+        _steps(optimizer, 100)
+    assert ended.value.code == EXIT_NOT_SYNCING
+    [event] = [e for e in run_metrics(config).read()["local-0"].events if e.event == "failed"]
+    assert "took 9 optimizer steps, but none under DiLoCo" in event.detail  # 2 rounds of 4
+    assert "Train inside `with replica.diloco(model, optimizer) as training:`" in event.detail
+
+
+def test_no_step_is_counted_once_the_replica_has_ended(tmp_path):
+    """The hook is PyTorch's, for every optimizer of the process: it goes with the replica."""
+    config, model = _run(tmp_path), torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with join(config, replica_id="local-0"):
+        _steps(optimizer, 8)  # two rounds' worth: allowed (a warm-up, say)
+    _steps(optimizer, 100)  # after the replica: the script's own business
