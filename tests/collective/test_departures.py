@@ -12,7 +12,7 @@ import torch
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective
-from diloco_anywhere.collective.departures import final_departures
+from diloco_anywhere.collective.departures import hopeless, newest_departures
 from diloco_anywhere.collective.errors import RoundHopelessError, RoundTimeoutError
 from diloco_anywhere.collective.membership import claim_incarnation
 from diloco_anywhere.collective.policy import CollectiveConfig, LeasePolicy, RoundPolicy
@@ -51,11 +51,16 @@ def test_replicas_that_may_come_back_keep_the_round_waiting():
     BucketCollective(store, "run", "local-1", config).close(reason="failed: OSError", final=False)
     BucketCollective(store, "run", "local-2", config).close(reason=REFUSED, final=True)
     claim_incarnation(store, RunLayout("run"), "local-2")  # `diloco replace local-2`
-    assert final_departures(store, RunLayout("run"), {"local-1": 0, "local-2": 1}) == {}
+    departed = newest_departures(store, RunLayout("run"), {"local-1": 0, "local-2": 1})
+    assert {r: (d.reason, d.final) for r, d in departed.items()} == {
+        "local-1": ("failed: OSError", False)
+    }
+    assert hopeless(departed, 3, 2) is None
     survivor = BucketCollective(store, "run", "local-0", config)
-    with pytest.raises(RoundTimeoutError):
+    with pytest.raises(RoundTimeoutError) as error:
         survivor.allreduce(torch.ones(4), round_=0).result()
     survivor.close(wait=False)
+    assert "; local-1 left (failed: OSError); start the missing replicas" in str(error.value)
 
 
 def test_enough_replicas_left_seal_rounds_without_the_one_that_stopped():

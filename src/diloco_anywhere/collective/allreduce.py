@@ -30,7 +30,7 @@ from diloco_anywhere.bucket.codec import Codec
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.collect import RoundCollector
-from diloco_anywhere.collective.departures import final_departures
+from diloco_anywhere.collective.departures import Departure, newest_departures
 from diloco_anywhere.collective.errors import ModelMismatchError
 from diloco_anywhere.collective.flat import FlatTensors
 from diloco_anywhere.collective.gather import gather_mean
@@ -235,7 +235,7 @@ class BucketCollective:
         round_state = Round(
             self.store, self.layout, round_, fragment, self.me, members(),
             self.config.round, members, self.config.lease.period, self._transfers,
-            hopeless=self.hopeless,
+            departures=self.departures,
         )  # fmt: skip
         round_state.contribute(source, weight, codec, fingerprint, pace)
         result = finish_round(round_state, destination)
@@ -313,20 +313,11 @@ class BucketCollective:
         self._transfers.executor.shutdown(wait=wait, cancel_futures=not wait)
         self.membership.leave(reason, final)
 
-    def hopeless(self) -> str | None:
-        """Why no round can seal again, None while one can: the replicas that left for good
-        (``departures.py``) leave fewer than ``min_replicas`` of the run's."""
-        policy = self.config.round
-        view = self.membership.last_view or self.membership.view()  # listed by this refresh
-        gone = final_departures(self.store, self.layout, view.newest())
-        if not gone or policy.expected_replicas - len(gone) >= policy.min_replicas:
-            return None
-        named = "; ".join(f"{replica}: {d.reason}" for replica, d in sorted(gone.items()))
-        return (
-            f"min_replicas = {policy.min_replicas}, and {len(gone)} of the run's "
-            f"{policy.expected_replicas} replicas stopped for good ({named}); fix each, then "
-            f"`diloco replace` it, or lower run.min_replicas"
-        )
+    def departures(self) -> dict[str, Departure]:
+        """How the replicas that left the run left (``departures.py``), as of the membership
+        this process listed last."""
+        view = self.membership.last_view or self.membership.view()
+        return newest_departures(self.store, self.layout, view.newest())
 
     def __enter__(self) -> BucketCollective:
         return self

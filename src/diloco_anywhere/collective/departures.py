@@ -41,11 +41,11 @@ def record_departure(
         log.warning("could not record how %s left: %s", me.name, exc)
 
 
-def final_departures(
+def newest_departures(
     store: Store, layout: RunLayout, newest: dict[str, int]
 ) -> dict[str, Departure]:
-    """The replicas whose newest claimed incarnation (``newest``: replica -> incarnation) left
-    for good; a record that does not decode is left out, said."""
+    """How each replica whose newest claimed incarnation (``newest``: replica -> incarnation)
+    has left left; a record that does not decode is left out, said."""
     found = {}
     for key in store.list_prefix(f"{layout.exchange}/departures"):
         try:
@@ -53,6 +53,19 @@ def final_departures(
         except (WireFormatError, FileNotFoundError) as exc:
             log.warning("a departure record left out: %s", exc)
             continue
-        if record.final and newest.get(record.replica) == record.incarnation:
+        if newest.get(record.replica) == record.incarnation:
             found[record.replica] = record
     return found
+
+
+def hopeless(departed: dict[str, Departure], replicas: int, least: int) -> str | None:
+    """Why no round of a run of ``replicas`` can reach ``least`` contributions again (None
+    while one can): those that left for good leave too few."""
+    gone = {replica: d for replica, d in sorted(departed.items()) if d.final}
+    if not gone or replicas - len(gone) >= least:
+        return None
+    named = "; ".join(f"{replica}: {d.reason}" for replica, d in gone.items())
+    return (
+        f"min_replicas = {least}, and {len(gone)} of the run's {replicas} replicas stopped for "
+        f"good ({named}); fix each, then `diloco replace` it, or lower run.min_replicas"
+    )

@@ -26,6 +26,7 @@ from diloco_anywhere.bucket.codec import Codec, reduced_codec
 from diloco_anywhere.bucket.layout import Participant, RunLayout, parse_contributor
 from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.collective.departures import Departure, hopeless
 from diloco_anywhere.collective.errors import (
     DivergedError,
     RoundDataMissingError,
@@ -100,11 +101,13 @@ class Round:
         refresh_members: Callable[[], list[Participant]] | None = None,
         refresh_every: float = 10.0,
         transfers: Transfers | None = None,
-        hopeless: Callable[[], str | None] | None = None,
+        departures: Callable[[], dict[str, Departure]] | None = None,
     ) -> None:
         """``refresh_members`` (called every ``refresh_every`` seconds while the round waits
-        for its SEAL) lets a replica that starts mid-round count in it; ``hopeless`` (called
-        as often) says why no round can seal any more (``RoundHopelessError`` then).
+        for its SEAL) lets a replica that starts mid-round count in it; ``departures`` (called
+        as often: how the replicas that left left) end the wait at once when those that left
+        for good leave too few for any round (``RoundHopelessError``), and say who left in a
+        timeout's message.
         ``transfers``: the collective's threads and buffers (by default, ones shared by this
         process's rounds)."""
         self.store, self.layout, self.policy = store, layout, policy
@@ -112,7 +115,8 @@ class Round:
         self.claims: dict[str, int] = {}  # replica -> newest claimed incarnation, at sealing
         self._set_members(members)
         self._refresh_members, self._refresh_every = refresh_members, refresh_every
-        self._hopeless = hopeless
+        self._departures = departures
+        self.departed: dict[str, Departure] = {}  # as of the newest refresh
         self.seal_key = layout.seal(round_, fragment)
         self.manifests: dict[str, Manifest] = {}  # checked manifests
         self._foreign: dict[str, str] = {}  # contributor -> a fingerprint unlike ours
@@ -416,12 +420,14 @@ class Round:
                 continue
             if time.monotonic() > deadline:
                 missing = sorted(self.members.keys() - self.manifests.keys())
+                left = "".join(f"; {replica} left ({d.reason})"
+                               for replica, d in sorted(self.departed.items()))  # fmt: skip
                 raise RoundTimeoutError(
                     f"round {self.round} fragment {self.fragment}: no SEAL after "
                     f"{self.policy.timeout:g}s; have {sorted(self.manifests)}, missing "
                     f"{missing} (min_replicas={self.policy.min_replicas}) in store "
-                    f"{self.store.url}; start the missing replicas (see `diloco status`), "
-                    f"lower run.min_replicas, or raise sync.timeout"
+                    f"{self.store.url}{left}; start the missing replicas (see `diloco "
+                    f"status`), lower run.min_replicas, or raise sync.timeout"
                 )
             time.sleep(next(delays))
 
@@ -429,7 +435,8 @@ class Round:
         """Take in replicas that joined meanwhile; give up at once when no round can seal."""
         if self._refresh_members:
             self._set_members(self._refresh_members())
-        why = self._hopeless() if self._hopeless else None
+        self.departed = self._departures() if self._departures else {}
+        why = hopeless(self.departed, self.policy.expected_replicas, self.policy.min_replicas)
         if why is not None:
             raise RoundHopelessError(
                 f"round {self.round} fragment {self.fragment} cannot seal: {why}"
