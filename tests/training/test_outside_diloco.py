@@ -4,6 +4,8 @@ case is in test_hf_trainer.py)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -45,3 +47,23 @@ def test_no_step_is_counted_once_the_replica_has_ended(tmp_path):
     with join(config, replica_id="local-0"):
         _steps(optimizer, 8)  # two rounds' worth: allowed (a warm-up, say)
     _steps(optimizer, 100)  # after the replica: the script's own business
+
+
+def test_another_threads_steps_are_not_the_joined_scripts(tmp_path):
+    """Replicas in threads of one process (tests, notebooks): one's training is not the
+    other's stepping outside DiLoCo."""
+    config, model = _run(tmp_path), torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    raised = []
+
+    def train_elsewhere() -> None:
+        try:
+            _steps(optimizer, 100)
+        except BaseException as error:  # what the hook would raise in this thread
+            raised.append(error)
+
+    with join(config, replica_id="local-0"):
+        elsewhere = threading.Thread(target=train_elsewhere)
+        elsewhere.start()
+        elsewhere.join()
+    assert raised == []

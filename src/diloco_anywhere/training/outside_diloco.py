@@ -13,6 +13,7 @@ no optimizer step, however long that takes, so it is never stopped for it.
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -23,16 +24,21 @@ ROUNDS = 2  # rounds' worth of steps a script may take outside DiLoCo before it 
 
 
 class OutsideDilocoWatch:
-    """Counts optimizer steps taken before ``replica.diloco``; ``stop`` once it is entered."""
+    """Counts the optimizer steps the thread that joined takes before ``replica.diloco``
+    (PyTorch's hook sees every thread's: another replica's in the same process is not this
+    one's); ``stop`` once it is entered."""
 
     def __init__(self, round_steps: int) -> None:
         self.limit, self.steps = ROUNDS * round_steps, 0
+        self._thread = threading.get_ident()
         self._handle = register_optimizer_step_post_hook(self._after_step)
 
     def stop(self) -> None:
         self._handle.remove()
 
     def _after_step(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        if threading.get_ident() != self._thread:
+            return
         self.steps += 1
         if self.steps > self.limit:
             self.stop()
