@@ -139,10 +139,6 @@ class Supervisor:
         """The replicas of this launch on this machine: what an interrupt stops."""
         return [h for h in self.handles if not self.backends[h.platform].capabilities.remote]
 
-    def active(self, handle: ReplicaHandle) -> bool:
-        """Its job may not have ended: queued, running, or its platform cannot say now."""
-        return self.state(handle) in ACTIVE_STATES
-
     @property
     def remote(self) -> bool:
         return any(backend.capabilities.remote for backend in self.backends.values())
