@@ -12,6 +12,7 @@ replicas and found 0.5 best for one (docs/tuning.md).
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -450,11 +451,13 @@ class RunConfig(_Section):
             lease=self.sync.lease_policy(), keep_rounds=self.sync.keep_rounds,
         )  # fmt: skip
 
-    def electorate(self, index: int, replica: str) -> Electorate:
+    def electorate(self, index: int, replica: str, since: float | None = None) -> Electorate:
         """Who votes on the records every replica must start with, and how long they wait
-        (``bucket/agreement.py``): as the run's first round waits for its replicas."""
-        return Electorate(index, replica, self.run.replicas, self.run.min_replicas,
-                          self.sync.grace, self.sync.timeout)  # fmt: skip
+        (``bucket/agreement.py``): as the run's first round waits for its replicas. ``since``:
+        when the replica began voting (``time.monotonic``), by default now."""
+        electorate = Electorate(index, replica, self.run.replicas, self.run.min_replicas,
+                                self.sync.grace, self.sync.timeout)  # fmt: skip
+        return electorate if since is None else replace(electorate, since=since)
 
     def store_url(self) -> str:
         """The store URL, with a relative local path made absolute against run.toml's folder."""

@@ -382,11 +382,12 @@ def test_no_retry_is_spent_on_an_end_a_retry_cannot_help():
     """Exit 2 (a refused run.toml, as the stand-in test above shows), exit 3 (superseded:
     `diloco keep` or `replace` started a newer incarnation, which a retry would supersede) and
     exits 4 and 5 (a script's mistake: it steps another optimizer, its model is unlike the
-    run's) fail the index at once; a disruption spends no retry."""
+    run's) and exit 6 (too few replicas left for a round) fail the index at once; a disruption
+    spends no retry."""
     rules = pod_failure_policy()["rules"]
     assert rules[0] == {
         "action": "FailIndex",
-        "onExitCodes": {"containerName": "replica", "operator": "In", "values": [2, 3, 4, 5]},
+        "onExitCodes": {"containerName": "replica", "operator": "In", "values": [2, 3, 4, 5, 6]},
     }
     assert rules[1]["action"] == "Ignore"
 

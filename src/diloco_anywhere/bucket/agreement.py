@@ -7,7 +7,12 @@ newest incarnation's overwriting an older one's), then waits, as a first round d
 - a strict majority of the run's ``replicas`` holding one record: no later vote can change it;
 - else every replica's vote: the record most hold, a tie going to the lowest shard index;
 - else ``min_replicas`` votes and ``grace`` seconds (the round's own grace: a lone replica of a
-  run that allows one trains alone), or at most ``timeout``: the same rule over those in.
+  run that allows one trains alone), or ``JOIN_WAIT`` seconds (at most ``timeout``) since
+  this replica began voting, whoever is in: the same rule over those in.
+
+The waits count from the replica's first vote, once for all its records, so a replica that
+comes alone starts training after ``JOIN_WAIT`` whatever it votes on, and waits for the others
+at its first round, as before.
 
 The first to decide writes the record at ``key`` (create-only); everyone else, and every later
 replica, takes it from there. So three replicas of which one has a wider model stop the wider
@@ -33,6 +38,10 @@ log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=Record)
 INDEX_DIGITS = 6
+# How long a replica that came alone (fewer than min_replicas votes) waits for the others
+# before its own records are the run's: replicas of one platform start within it, and a
+# replica waits at its first round for the others anyway.
+JOIN_WAIT = 45.0
 
 
 @dataclass(frozen=True)
@@ -46,8 +55,10 @@ class Electorate:
     grace: float  # [sync] grace
     timeout: float  # [sync] timeout
     poll: float = 0.5
+    join_wait: float = JOIN_WAIT
     clock: Callable[[], float] = field(default=time.monotonic, compare=False)
     sleep: Callable[[float], None] = field(default=time.sleep, compare=False)
+    since: float = field(default_factory=time.monotonic, compare=False)  # its first vote's wait
 
 
 @dataclass(frozen=True)
@@ -105,10 +116,9 @@ def _decide(
     store: Store, key: str, model: type[R], electorate: Electorate, alike: Callable[[R], Hashable]
 ) -> None:
     """Wait for the votes to decide, then record the decision unless someone did first."""
-    started = electorate.clock()
     while True:
         votes = read_votes(store, key, model, alike)
-        waited = electorate.clock() - started
+        waited = electorate.clock() - electorate.since
         choice = decision(votes, electorate, waited)
         if choice is not None:
             # another replica may have decided first (the same, unless votes came in between)
@@ -131,7 +141,8 @@ def decision(votes: list[Vote], electorate: Electorate, waited: float) -> bytes 
     majority = 2 * len(most) > electorate.replicas
     everyone = len(votes) >= electorate.replicas
     enough = len(votes) >= electorate.least and waited >= electorate.grace
-    if majority or everyone or enough or waited >= electorate.timeout:
+    alone = waited >= min(electorate.join_wait, electorate.timeout)
+    if majority or everyone or enough or alone:
         return min(most, key=lambda vote: vote.index).data
     return None
 

@@ -134,16 +134,21 @@ class BucketCollective:
         *,
         wall_clock: Clock = time.time,
         on_superseded: Callable[[SupersededError], None] = lambda _: None,
+        joined: float | None = None,
     ) -> None:
         """``retained_after()``: rounds after it are never collected (healing replays them).
         ``rank``: the process of a sharded replica this collective exchanges the shard of, in
         that rank's own membership and rounds (``RunLayout``). ``wall_clock``: this machine's
         clock, only written for people and compared with the store's (tests skew it).
+        ``joined``: when the replica began to join (``time.monotonic``; by default now), which
+        its waits to agree on the run's records count from (``bucket/agreement.py``).
         ``on_superseded(error)``: called once, on the heartbeat's thread, when a newer
         incarnation of ``replica`` is claimed (the replica process ends itself there)."""
         self.store = store
         self.config = config or CollectiveConfig()
         self.layout = RunLayout(run, rank)
+        # when the replica began to join (``time.monotonic``): its waits to agree count from it
+        self.joined = time.monotonic() if joined is None else joined
         self._finished: dict[int, int] = {}  # fragment -> newest round this replica finished
         self._collector = RoundCollector(
             store, self.layout, self.config.keep_rounds, retained_after

@@ -31,7 +31,7 @@ def claimed_units(
             if collective is None:
                 raise ValueError("a replica's leader claims its data through its collective")
             layout = RunLayout(config.run.name)
-            electorate = config.electorate(index, collective.me.replica)
+            electorate = config.electorate(index, collective.me.replica, collective.joined)
             agree_on_plan(collective.store, layout, plan, electorate)
             claims = Claims(
                 collective.store, layout, collective.me.name, config.run.min_replicas,

@@ -134,7 +134,7 @@ class Replica:
                 store, layout.run, replica_id, config.collective_config(),
                 retained_after=lambda: retained_after(store, layout, keep),  # healing replays
                 rank=self.group.rank if self.group.sharded else 0,
-                on_superseded=self._superseded,
+                on_superseded=self._superseded, joined=self.electorate.since,
             )  # fmt: skip
         if self.group.is_leader:
             self._take_index()
