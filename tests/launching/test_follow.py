@@ -19,6 +19,7 @@ from diloco_anywhere.launching.status import ReplicaStatus
 from diloco_anywhere.launching.supervisor import outcome
 from diloco_anywhere.training.metrics import MetricsReader, MetricsWriter
 from support.runs import statuses
+from support.scripts import SEEDED_ALIKE, SEEDED_PER_REPLICA
 
 
 def _row(replica: str, state: str, platform: str = "local") -> ReplicaStatus:
@@ -93,30 +94,6 @@ def test_a_remote_replica_whose_platform_cannot_say_has_ended_when_it_said_so():
     assert not still.over
 
 
-SEEDED_APART = """
-import os
-import torch
-import diloco_anywhere
-
-torch.manual_seed(int(os.environ["DILOCO_REPLICA_INDEX"]))  # the mistake: a seed per replica
-model = torch.nn.Linear(4, 1)
-inner = torch.optim.SGD(model.parameters(), lr=0.1)
-
-
-def data(start):
-    while True:
-        yield torch.randn(8, 4)
-
-
-with diloco_anywhere.join() as replica:
-    with replica.diloco(model, inner) as training:
-        for x in training.batches(data):
-            model(x).pow(2).mean().backward()
-            inner.step()
-            inner.zero_grad()
-"""
-
-
 def _write_run(tmp_path, script: str, replicas: int = 2, min_replicas: int = 2) -> None:
     (tmp_path / "train.py").write_text(script)
     (tmp_path / "run.toml").write_text(
@@ -142,7 +119,7 @@ def test_a_foreground_launch_that_cannot_go_on_returns_with_the_replica_that_fai
     for its mistake, and the other cannot seal a round alone. The launch returns 1, says
     which replica failed and why, and stops the one left."""
     monkeypatch.chdir(tmp_path)
-    _write_run(tmp_path, SEEDED_APART)
+    _write_run(tmp_path, SEEDED_PER_REPLICA)
     launch = _launch(tmp_path)
     try:
         _out, err = launch.communicate(timeout=240)
@@ -161,7 +138,7 @@ def test_a_foreground_launch_sent_sigterm_stops_the_replicas_it_started(tmp_path
     """A CI runner cancelling a job sends SIGTERM: the launch stops its local replicas (they
     run in sessions of their own, so nothing else would) and exits 130."""
     monkeypatch.chdir(tmp_path)
-    _write_run(tmp_path, SEEDED_APART.replace('int(os.environ["DILOCO_REPLICA_INDEX"])', "0"))
+    _write_run(tmp_path, SEEDED_ALIKE)
     launch = _launch(tmp_path)
     try:
         deadline = time.monotonic() + 120

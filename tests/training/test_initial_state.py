@@ -16,6 +16,7 @@ from diloco_anywhere.contract import EXIT_MODEL_UNLIKE_RUN
 from diloco_anywhere.training.initial_state import check_initial_state
 from diloco_anywhere.training.mistakes import ModelUnlikeRunError
 from support.runs import diloco, statuses
+from support.scripts import SEEDED_PER_REPLICA, loop_script
 from support.votes import voter
 
 LAYOUT = RunLayout("r")
@@ -61,30 +62,6 @@ def test_a_compiled_model_is_the_same_model(tmp_path):
     check_initial_state(store, LAYOUT, torch.compile(_model(0)), voter(1))
 
 
-SEEDED_PER_REPLICA = """
-import os
-import torch
-import diloco_anywhere
-
-torch.manual_seed(int(os.environ["DILOCO_REPLICA_INDEX"]))  # the mistake: a seed per replica
-model = torch.nn.Linear(4, 1)
-inner = torch.optim.SGD(model.parameters(), lr=0.1)
-
-
-def data(start):
-    while True:
-        yield torch.randn(8, 4)
-
-
-with diloco_anywhere.join() as replica:
-    with replica.diloco(model, inner) as training:
-        for x in training.batches(data):
-            model(x).pow(2).mean().backward()
-            inner.step()
-            inner.zero_grad()
-"""
-
-
 @pytest.mark.integration
 def test_replicas_seeded_apart_stop_at_once_naming_the_fix(tmp_path, monkeypatch):
     """Both must join before a round seals (min_replicas = 2), so neither can heal from a
@@ -111,32 +88,14 @@ def test_replicas_seeded_apart_stop_at_once_naming_the_fix(tmp_path, monkeypatch
     assert FIX in logs
 
 
-WIDER_AND_FIRST = """
-import os
-import time
-import torch
-import diloco_anywhere
-
-index = int(os.environ["DILOCO_REPLICA_INDEX"])
-if index != 2:
-    time.sleep(3)  # the mistaken replica starts first
-torch.manual_seed(0)
-model = torch.nn.Linear(4, 2 if index == 2 else 1)  # the mistake: a wider model on one
-inner = torch.optim.SGD(model.parameters(), lr=0.1)
-
-
-def data(start):
-    while True:
-        yield torch.randn(8, 4)
-
-
-with diloco_anywhere.join() as replica:
-    with replica.diloco(model, inner) as training:
-        for x in training.batches(data):
-            model(x).pow(2).mean().backward()
-            inner.step()
-            inner.zero_grad()
-"""
+WIDER_AND_FIRST = loop_script(
+    'index = int(os.environ["DILOCO_REPLICA_INDEX"])\n'
+    "if index != 2:\n"
+    "    time.sleep(3)  # the mistaken replica starts first\n"
+    "torch.manual_seed(0)\n"
+    "model = torch.nn.Linear(4, 2 if index == 2 else 1)  # the mistake: a wider model on one\n"
+    "inner = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+)
 
 
 @pytest.mark.integration
