@@ -322,6 +322,17 @@ def passes_to_return(run: UnattendedRun, replica: str) -> list[int]:
     return counts
 
 
+def passes_left_ended(run: UnattendedRun, replica: str) -> int:
+    """How many passes after ``replica``'s last restart saw it ended and did not restart it
+    (waiting out a backoff, or giving up): 0 for a replica whose newest attempt ran to the end
+    or ended too close to the run's end for any pass to see it."""
+    left = 0
+    for report in run.passes:
+        action = report["decisions"].get(replica, {}).get("action", "leave")
+        left = 0 if action == "restart" else left + (action in ("wait", "give_up"))
+    return left
+
+
 def return_seconds(metrics: ReplicaMetrics) -> list[float]:
     """Per incarnation after the first that contributed: from the replica's last contribution
     to a committed round before that incarnation started to the incarnation's first one."""
