@@ -9,6 +9,7 @@ import pytest
 from rich.console import Console
 
 from diloco_anywhere.bench.hetero import loss_at, repaced
+from diloco_anywhere.bench.slowed_task import Slowness
 from diloco_anywhere.cli.bench.training import hetero_table
 from diloco_anywhere.training.metrics import ReplicaMetrics, SyncLine
 from support.runs import diloco
@@ -56,6 +57,45 @@ def test_a_replica_that_slowed_down_is_found_with_the_rounds_it_took_to_be_re_pa
     assert repaced(ReplicaMetrics("local-0", syncs=lines[:3])) is None
     never = [*lines[:5], sync(5, 0.4, 20)]
     assert repaced(ReplicaMetrics("local-0", syncs=never)) == {"slowed_round": 3, "rounds": None}
+    # a noisy round (1.4x: blended into the moving pace, not a slowdown) is not one; a round
+    # slowed part-way (2.5x) is, and the pace, replaced by it, plans fewer steps 2 rounds on
+    noisy = [sync(0, 0.1, 20), sync(1, 0.14, 20), sync(2, 0.1, 18), sync(3, 0.25, 20),
+             sync(4, 0.4, 20), sync(5, 0.4, 8), sync(6, 0.4, 6)]  # fmt: skip
+    assert repaced(ReplicaMetrics("local-0", syncs=noisy)) == {"slowed_round": 3, "rounds": 2}
+    assert repaced(ReplicaMetrics("local-0", syncs=noisy[:3])) is None
+    # a unit fewer in the slowed round (its plan, from before, measured a little slow) is noise,
+    # not the re-pacing: that is the plan two rounds on
+    unit = [sync(0, 0.1, 10), sync(1, 0.1, 10), sync(2, 0.1, 10), sync(3, 0.4, 9),
+            sync(4, 0.4, 9), sync(5, 0.4, 3), sync(6, 0.4, 3)]  # fmt: skip
+    assert repaced(ReplicaMetrics("local-0", syncs=unit)) == {"slowed_round": 3, "rounds": 2}
+    # slowed part-way through round 3 (1.6x), which its pace took whole: slowed there, and
+    # re-paced 2 rounds on (not 1 from round 4, the first round slow all through)
+    part_way = [sync(0, 0.1, 20), sync(1, 0.1, 20), sync(2, 0.1, 20), sync(3, 0.16, 20),
+                sync(4, 0.4, 20), sync(5, 0.4, 12), sync(6, 0.4, 6)]  # fmt: skip
+    assert repaced(ReplicaMetrics("local-0", syncs=part_way)) == {"slowed_round": 3, "rounds": 2}
+    # slowed part-way through round 3 by less than its pace's REGIME (its moving figure, still
+    # high from a slow first round: 0.11 s), which blended it in (round 5's 16 steps): slowed
+    # in round 4, re-paced in round 6
+    blended = [sync(0, 0.14, 20), sync(1, 0.1, 20), sync(2, 0.1, 20), sync(3, 0.16, 20),
+               sync(4, 0.4, 20), sync(5, 0.4, 16), sync(6, 0.4, 6)]  # fmt: skip
+    assert repaced(ReplicaMetrics("local-0", syncs=blended)) == {"slowed_round": 4, "rounds": 2}
+
+
+def test_a_replica_slows_down_after_its_own_steps_not_after_seconds():
+    options = {"speeds": [1.0, 0.5], "step_seconds": 0.05, "slowdown": [0, 3, 4]}
+    slowed, other = Slowness.of(options, 0), Slowness.of(options, 1)
+    assert [slowed.step() for _ in range(5)] == pytest.approx([0.05, 0.05, 0.05, 0.2, 0.2])
+    assert [other.step() for _ in range(5)] == pytest.approx([0.1] * 5)  # only replica 0
+    for wrong in ([0, 2.5, 4], [0, -1, 4], [0, 3, 0.5], [0, 3]):
+        with pytest.raises(ValueError, match="after_steps"):
+            Slowness.of({**options, "slowdown": wrong}, 0)
+
+
+@pytest.mark.parametrize("slowdown", ["0,2.5,4", "0,100", "2,100,4", "0,100,0.5"])
+def test_the_hetero_bench_refuses_a_slowdown_that_is_not_a_replica_steps_and_a_factor(slowdown):
+    result = diloco("bench", "hetero", "--speeds", "1,1", "--slowdown", slowdown)
+    assert result.exit_code == 2
+    assert "INDEX,STEPS,FACTOR" in " ".join(result.output.split())
 
 
 def test_the_hetero_table_fits_80_columns_and_says_when_a_slowed_replica_was_not_re_paced():

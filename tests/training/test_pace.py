@@ -9,7 +9,7 @@ import pytest
 from diloco_anywhere.collective.records import Pace
 from diloco_anywhere.config import DilocoSection
 from diloco_anywhere.data.stream import RoundSpan
-from diloco_anywhere.training.pace import LAG, Pacer
+from diloco_anywhere.training.pace import LAG, Pacer, moving_step_seconds
 
 TIMED = DilocoSection(sync_every=20, pace="time")  # 20 steps a round, units of 2
 
@@ -68,6 +68,23 @@ def test_a_replica_that_slows_down_is_re_paced_within_two_rounds():
     assert pacer.steps(4) == 20
     paced(pacer, 3, Pace(20, 4.0), Pace(20, 1.0))  # slowed 4x in round 3
     assert pacer.steps(5) == 6  # round 3 + LAG
+
+
+def test_a_noisy_round_moves_the_pace_halfway_and_new_hardware_replaces_it():
+    """The step time is a moving figure: one round 1.2x slower (a noisy neighbour) moves it
+    halfway; a round 1.5x off or more is other hardware, taken whole."""
+    assert moving_step_seconds(None, 0.2) == 0.2  # the first round's
+    assert moving_step_seconds(0.2, None) == 0.2  # a round it sent nothing in
+    assert moving_step_seconds(0.2, 0.24) == pytest.approx(0.22)
+    assert moving_step_seconds(0.2, 0.8) == 0.8
+    assert moving_step_seconds(0.8, 0.2) == 0.2  # faster again: at once too
+    pacer = Pacer(TIMED)
+    paced(pacer, 0, Pace(20, 1.0), Pace(20, 1.0))
+    assert paced(pacer, 1, Pace(20, 1.2), Pace(20, 1.0)) == 18  # 0.055 s a step: 18.2 fit
+    assert pacer.step_seconds == pytest.approx(0.055)
+    fastest = Pacer(TIMED)  # the fastest sets the round by its moving figure: it trains H
+    paced(fastest, 0, Pace(20, 1.0), Pace(20, 4.0))
+    assert paced(fastest, 1, Pace(20, 1.2), Pace(20, 4.0)) == 20
 
 
 def test_spans_follow_the_planned_steps_and_start_again_where_the_replica_heals():

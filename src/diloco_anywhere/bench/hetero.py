@@ -7,8 +7,9 @@ share of the fastest's pace (``slowed_task.py``). Three real runs of the same re
   slowest one's pace;
 - ``time``: each as many steps as fit in the round (``pace = "time"``, ``training/pace.py``);
 - ``equal``: as many replicas, all at the fastest's pace: the held-out loss to match;
-- ``slowdown`` (if asked): paced by time, one replica slowed some factor mid-run, and how many
-  rounds it took to be re-paced.
+- ``slowdown`` (if asked): paced by time, one replica slowed some factor after a number of its
+  own inner steps (counted, so the round it comes in does not hang on the machine's load), and
+  how many rounds it took to be re-paced.
 
 From each run's own metrics: the fleet's throughput against the sum of its replicas' own
 (``launching/fleet.py``), the fastest replicas' waiting share, and the held-out loss at equal
@@ -31,6 +32,7 @@ from diloco_anywhere.launching.fleet import contributed, fleet_throughput, token
 from diloco_anywhere.launching.launch import replica_id_of
 from diloco_anywhere.launching.status import waiting_share
 from diloco_anywhere.training.metrics import ReplicaMetrics
+from diloco_anywhere.training.pace import REGIME, moving_step_seconds
 
 TASK = "diloco_anywhere.bench.slowed_task:build"
 
@@ -42,11 +44,12 @@ class HeteroBench:
     outer_steps: int = 10
     step_seconds: float = 0.05  # a step at speed 1
     batch_size: int = 4
-    # a fourth run, paced by time: replica ``index`` slowed ``factor`` times ``after`` seconds
-    slowdown: tuple[int, float, float] | None = None
+    # a fourth run, paced by time: replica ``index`` slowed ``factor`` times after ``after`` of
+    # its own inner steps (``(0, 100, 4)``: after 100, five rounds at H = 20)
+    slowdown: tuple[int, int, float] | None = None
 
     def config(
-        self, pace: str, speeds: tuple[float, ...], slowdown: tuple[int, float, float] | None = None
+        self, pace: str, speeds: tuple[float, ...], slowdown: tuple[int, int, float] | None = None
     ) -> RunConfig:
         """The run: ``len(speeds)`` local replicas, every round needing all of them, the
         held-out loss at every outer step."""
@@ -108,15 +111,34 @@ def summarize_run(metrics: dict[str, ReplicaMetrics], speeds: tuple[float, ...])
     }
 
 
+SLOWED = 2.0  # a round's step time this many times the earlier rounds' median: it slowed
+# a round's steps at most this share of the round before the slowdown's: re-paced (a noisy
+# measurement moves them by a unit or two, a slowdown of 2x or more by half or more)
+REPACED = 0.75
+
+
 def repaced(metrics: ReplicaMetrics) -> dict[str, int | None] | None:
-    """The first round a replica's step time measured more than twice its earlier median
-    (it slowed down), and how many rounds later it first trained fewer steps than in the
-    round before it (None: never); None if it never slowed."""
+    """The round a replica slowed down in, and how many rounds later it first trained
+    markedly fewer steps than in the round before it (at most ``REPACED`` times as many;
+    None: never); None if it never slowed.
+
+    It slowed in the first round whose step time measured more than ``SLOWED`` times the
+    median of the rounds before it; or, where the slowdown came part-way through the round
+    before that one and the pace already took that round's step time whole (``REGIME`` times
+    its moving figure, rebuilt from the rounds' step times as ``training/pace.py`` keeps it),
+    in that one. Counted from the first round the pace took as slow, a replica re-paced by the
+    plan two rounds on reads 2 whether its slowdown came at a round's start or in its middle."""
     paced = [(s.round, s.step_seconds, s.round_steps) for s in metrics.syncs if s.step_seconds]
+    figures = list(itertools.accumulate((t for _, t, _ in paced), moving_step_seconds))
+
+    def taken_whole(k: int) -> bool:  # its pace jumped to round k's slower step time
+        return paced[k][1] >= REGIME * figures[k - 1]
+
     for k in range(1, len(paced)):
-        if paced[k][1] > 2 * statistics.median(seconds for _, seconds, _ in paced[:k]):
-            slowed, before = paced[k][0], paced[k - 1][2]
-            fewer = next((r for r, _, steps in paced[k:] if steps < before), None)
+        if paced[k][1] > SLOWED * statistics.median(seconds for _, seconds, _ in paced[:k]):
+            first = k - 1 if k >= 2 and taken_whole(k - 1) else k
+            slowed, before = paced[first][0], paced[first - 1][2]
+            fewer = next((r for r, _, n in paced[first:] if n <= REPACED * before), None)
             return {"slowed_round": slowed, "rounds": None if fewer is None else fewer - slowed}
     return None
 

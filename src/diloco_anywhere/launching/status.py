@@ -123,7 +123,7 @@ def replica_statuses(
                 values=dict(last_step.values) if last_step else {},
                 round_steps=last_sync.round_steps if last_sync else 0,
                 waiting=waiting_share(seen.syncs) if seen else None,
-                behind=bool(seen and seen.count("behind")),
+                behind=bool(seen and seen.behind()),
             )
         )
     return rows

@@ -68,7 +68,7 @@ class EventLine(Record):
     kind: Literal["event"] = "event"
     event: Literal[
         "started", "done", "failed", "stopped", "diverged", "healed", "resumed", "mirror_failed",
-        "superseded", "behind",
+        "superseded", "behind", "caught_up",
     ]  # fmt: skip
     detail: str = Field(default="", max_length=2000)
     parameters: Count = 0  # "started": the model's size, for comparisons with data parallel
@@ -193,6 +193,13 @@ class ReplicaMetrics:
         synced = [line.outer_step for line in self.syncs[-1:]]
         healed = [line.outer_step for line in self.events if line.outer_step is not None]
         return max(synced + healed, default=0)
+
+    def behind(self) -> bool:
+        """Its newest incarnation said it holds the rounds up (too slow for
+        ``min_round_steps``) and has not caught up since."""
+        newest = self.events_by_incarnation.get(self.incarnation, [])
+        said = [line.event for line in newest if line.event in ("behind", "caught_up")]
+        return bool(said) and said[-1] == "behind"
 
     def latest_eval_loss(self) -> float | None:
         return next((s.eval_loss for s in reversed(self.syncs) if s.eval_loss is not None), None)

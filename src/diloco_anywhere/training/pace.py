@@ -9,8 +9,11 @@ tokens it trained (the outer step's weighted mean, as Decoupled DiLoCo, arXiv 26
 merges learners by tokens). The length is ``round_seconds``, else the time the fastest
 contributor of the newest sealed round took for ``round_steps``: every replica reads the same
 paces from the same sealed manifests (``collective.records.Pace``), so they agree on it with no
-clock shared. A replica's own pace is its measured step time in the round before (the sync's
-waiting left out), so one that slows down mid-run is re-paced from its next sealed round. Its
+clock shared. A replica's own pace is a moving figure of its measured step times (the sync's
+waiting left out): its first round's, then each round's blended in (``moving_step_seconds``),
+which rides out a noisy round, while a round that differs by a factor of ``REGIME`` or more
+(a spot instance replaced by a slower GPU, a noisy neighbour) replaces it at once, so a replica
+that slows down mid-run is re-paced from its next sealed round. Its
 steps are a multiple of ``step_quantum`` (a unit of the run's data, ``data/claims.py``) within
 ``round_steps_bounds``; one too slow to reach the fewest is said so (``behind``), not dropped.
 
@@ -29,6 +32,18 @@ from diloco_anywhere.config import DilocoSection
 from diloco_anywhere.data.stream import RoundSpan
 
 LAG = 2  # round r's SEAL plans round r + LAG
+SMOOTHING = 0.5  # the newest round's share of the moving step time
+REGIME = 1.5  # a round's step time this far off the moving figure replaces it: new hardware
+
+
+def moving_step_seconds(figure: float | None, newest: float | None) -> float | None:
+    """The moving figure of a replica's step time after a round measured ``newest`` (None:
+    it sent nothing): blended in, or taken whole when it is ``REGIME`` times off."""
+    if figure is None or newest is None:
+        return newest or figure
+    if max(newest / figure, figure / newest) >= REGIME:
+        return newest
+    return figure + SMOOTHING * (newest - figure)
 
 
 @dataclass(frozen=True)
@@ -53,7 +68,7 @@ class Pacer:
         self.reference, self.least = diloco.round_steps, diloco.round_steps_bounds[0]
         self.round_seconds = diloco.round_seconds or None
         self.length: float | None = self.round_seconds  # the newest round length
-        self.step_seconds: float | None = None  # this replica's newest measured step time
+        self.step_seconds: float | None = None  # this replica's moving step time
         self._planned: dict[int, int] = {}
         self._origin = self._cursor = RoundSpan(0, 0, self.steps(0))  # until ``start``
 
@@ -84,9 +99,14 @@ class Pacer:
         pacing by time)."""
         if not self.timed:
             return None
-        step_seconds = own.step_seconds if own is not None else None
-        step_seconds = step_seconds or self.step_seconds
-        length = self.round_seconds or self._reference_length(sealed) or self.length
+        newest = own.step_seconds if own is not None else None
+        step_seconds = moving_step_seconds(self.step_seconds, newest)
+        others = list(sealed)
+        if own is not None and own in others:  # its own pace counts as its moving figure
+            others.remove(own)
+        times = [t for pace in others if (t := pace.step_seconds) is not None]
+        times += [step_seconds] if own is not None and step_seconds is not None else []
+        length = self.round_seconds or self._reference_length(times) or self.length
         return Plan(round_ + LAG, self.fit(length, step_seconds), length, step_seconds)
 
     def apply(self, plan: Plan | None) -> None:
@@ -110,9 +130,9 @@ class Pacer:
             f"wait for it"
         )
 
-    def _reference_length(self, sealed: Iterable[Pace]) -> float | None:
-        """``round_steps`` at the fastest sealed contributor's step time."""
-        times = [t for pace in sealed if (t := pace.step_seconds) is not None]
+    def _reference_length(self, times: list[float]) -> float | None:
+        """``round_steps`` at the fastest sealed contributor's step time (``times``: theirs,
+        this replica's own as its moving figure, so the fastest trains ``round_steps``)."""
         return self.reference * min(times) if times else None
 
     def fit(self, length: float | None, step_seconds: float | None) -> int:

@@ -343,15 +343,18 @@ class Training:
         self._start_round(synced + 1)  # a heal after a divergence starts its own
 
     def _say_if_behind(self) -> None:
-        """Once a replica falls behind the round's length (and again if it catches up, then
-        falls behind): a ``behind`` event in the metrics, which ``diloco status`` shows."""
+        """When a replica falls behind the round's length, a ``behind`` event in the metrics,
+        which ``diloco status`` shows until a ``caught_up`` event says it keeps up again."""
         behind, was = self.pacer.behind(), self._behind
         self._behind = behind
-        if behind is None or was is not None:
+        if (behind is None) == (was is None):
             return
-        log.warning("this replica holds the rounds up: %s", behind)
+        if behind is not None:
+            log.warning("this replica holds the rounds up: %s", behind)
+        else:
+            log.info("this replica keeps up with the rounds again")
         if self.metrics is not None:
-            self.metrics.event("behind", behind[:2000])
+            self.metrics.event(*(("behind", behind[:2000]) if behind else ("caught_up", "")))
 
     def _resume_own_state(self, own_state: OwnState) -> None:
         """Load the replica's own state saved before it stopped, recorded as a ``resumed``

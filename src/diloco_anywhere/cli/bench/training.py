@@ -316,9 +316,10 @@ def bench_hetero_command(
     slowdown: Annotated[
         str | None,
         typer.Option(
-            metavar="INDEX,SECONDS,FACTOR",
+            metavar="INDEX,STEPS,FACTOR",
             help="A fourth run, paced by time, in which replica INDEX becomes FACTOR times "
-            "slower SECONDS after it starts (0,40,4): how many rounds until it is re-paced.",
+            "slower after STEPS of its own inner steps (0,100,4: after 100, five rounds at "
+            "H = 20): how many rounds until it is re-paced.",
         ),
     ] = None,
     json_output: JsonOutput = False,
@@ -336,11 +337,15 @@ def bench_hetero_command(
     parsed = number_list(speeds, float, 0.01, 1.0, "speeds from 0.01 to 1, e.g. 1,1,0.25,0.25")
     slowed = None
     if slowdown is not None:
-        index, after, factor = number_list(slowdown, float, 0, 1e6, "INDEX,SECONDS,FACTOR: 0,40,4")
-        if not (index.is_integer() and index < len(parsed) and factor >= 1):
-            raise typer.BadParameter(f"{slowdown!r}: give a replica index below {len(parsed)}, "
-                                     f"seconds, and a factor of 1 or more")  # fmt: skip
-        slowed = (int(index), after, factor)
+        numbers = number_list(slowdown, float, 0, 1e6, "INDEX,STEPS,FACTOR: 0,100,4")
+        index, after, factor = numbers if len(numbers) == 3 else (-1.0, -1.0, 0.0)
+        if not (index.is_integer() and 0 <= index < len(parsed) and after.is_integer()
+                and after >= 0 and factor >= 1):  # fmt: skip
+            raise typer.BadParameter(f"{slowdown!r}: give INDEX,STEPS,FACTOR: a replica index "
+                                     f"below {len(parsed)}, its inner steps before it slows "
+                                     f"(a whole number) and a factor of 1 or more, e.g. "
+                                     f"0,100,4")  # fmt: skip
+        slowed = (int(index), int(after), factor)
     bench = HeteroBench(tuple(parsed), sync_every, outer_steps, step_seconds, slowdown=slowed)
     with user_errors(), progress_display() as status:
         result = bench_hetero(bench, status)
