@@ -12,6 +12,7 @@ replicas and found 0.5 best for one (docs/tuning.md).
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from importlib import resources
 from pathlib import Path
@@ -451,13 +452,31 @@ class RunConfig(_Section):
             lease=self.sync.lease_policy(), keep_rounds=self.sync.keep_rounds,
         )  # fmt: skip
 
-    def electorate(self, index: int, replica: str, since: float | None = None) -> Electorate:
+    def electorate(
+        self,
+        index: int,
+        replica: str,
+        since: float | None = None,
+        check: Callable[[], None] | None = None,
+    ) -> Electorate:
         """Who votes on the records every replica must start with, and how long they wait
         (``bucket/agreement.py``): as the run's first round waits for its replicas. ``since``:
-        when the replica began voting (``time.monotonic``), by default now."""
+        when the replica began voting (``time.monotonic``), by default now; ``check``: raises
+        while it waits when the run cannot go on."""
         electorate = Electorate(index, replica, self.run.replicas, self.run.min_replicas,
-                                self.sync.grace, self.sync.timeout)  # fmt: skip
-        return electorate if since is None else replace(electorate, since=since)
+                                self.sync.grace, self.sync.timeout,
+                                check_every=self.sync.lease_period)  # fmt: skip
+        if since is not None:
+            electorate = replace(electorate, since=since)
+        return electorate if check is None else replace(electorate, check=check)
+
+    def training_settings(self) -> dict[str, Any]:
+        """What every replica of a run must train with, by dotted name: the DiLoCo section,
+        the replica counts and the sharding (``contract.check_same_training``)."""
+        run = {f"run.{name}": getattr(self.run, name)
+               for name in ("name", "replicas", "min_replicas", "sharding")}  # fmt: skip
+        diloco = {f"diloco.{name}": value for name, value in self.diloco.model_dump().items()}
+        return {**run, **diloco}
 
     def store_url(self) -> str:
         """The store URL, with a relative local path made absolute against run.toml's folder."""

@@ -17,7 +17,11 @@ import signal
 from diloco_anywhere.bucket.layout import check_name, parse_count
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import ConfigError, RunConfig, load_config, validate_config
-from diloco_anywhere.published_config import ENV_CONFIG_KEY, read_config
+from diloco_anywhere.published_config import (
+    ENV_CONFIG_KEY,
+    PublishedConfigMissingError,
+    read_config,
+)
 
 ENV_REPLICA_ID = "DILOCO_REPLICA_ID"
 ENV_REPLICA_INDEX = "DILOCO_REPLICA_INDEX"
@@ -77,16 +81,45 @@ def _whole_number(value: str, name: str) -> int:
 def configuration(path: str | None, environ: dict[str, str]) -> RunConfig:
     """run.toml: the file given, else the one the entrypoint gave a ``[task] command``
     (``$DILOCO_CONFIG``), else the launcher's published copy, else the embedded run; then the
-    launcher's overrides."""
+    launcher's overrides. A file read where the launcher published the run's copy must train
+    with the run's settings (``check_same_training``)."""
     path = path or environ.get(ENV_CONFIG)
     if path is None and environ.get(ENV_CONFIG_KEY):
-        if not environ.get(ENV_STORE):
-            raise ConfigError(f"${ENV_CONFIG_KEY} is set but ${ENV_STORE} is not")
-        with Store(environ[ENV_STORE]) as store:
-            config = read_config(store, environ[ENV_CONFIG_KEY])
-    else:
-        config = load_config(path)
-    return with_overrides(config, environ)
+        return with_overrides(_published(environ), environ)
+    config = with_overrides(load_config(path), environ)
+    if environ.get(ENV_CONFIG_KEY):
+        try:
+            published = _published(environ)
+        except PublishedConfigMissingError:  # started by hand, or by a test: nothing to match
+            return config
+        check_same_training(config, with_overrides(published, environ), environ[ENV_CONFIG_KEY])
+    return config
+
+
+def _published(environ: dict[str, str]) -> RunConfig:
+    if not environ.get(ENV_STORE):
+        raise ConfigError(f"${ENV_CONFIG_KEY} is set but ${ENV_STORE} is not")
+    with Store(environ[ENV_STORE]) as store:
+        return read_config(store, environ[ENV_CONFIG_KEY])
+
+
+def check_same_training(config: RunConfig, run: RunConfig, key: str) -> None:
+    """``config`` (a file this replica read) must train as ``run`` (the launch's published
+    run.toml, at ``key``) does: the same DiLoCo settings, replica counts and sharding. A
+    replica of another ``sync_every``, outer learning rate or codec would seal rounds the
+    others cannot use, or weigh and step them otherwise, found late if at all. The usual
+    causes: run.toml edited after the launch, then a local replica restarted from it; a
+    script's ``join("run.toml")`` reading an older copy baked into the image."""
+    mine, theirs = config.training_settings(), run.training_settings()
+    differ = [f"{name} = {mine[name]!r} here, {theirs[name]!r} in the run"
+              for name in theirs if mine.get(name) != theirs[name]]  # fmt: skip
+    if differ:
+        raise ConfigError(
+            f"{config.source or 'run.toml'} trains otherwise than the run's run.toml, which "
+            f"its launch published ({key}): {'; '.join(differ)}. Every replica of a launch "
+            f"trains with the run's settings: undo the edit (or launch again, which publishes "
+            f"the new run.toml to every replica), or call join() without a path"
+        )
 
 
 def replica_index(replica_id: str, given: int | None, replicas: int) -> int:

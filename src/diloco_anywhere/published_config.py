@@ -49,6 +49,11 @@ def publish_config(store: Store, config: RunConfig) -> str:
     return key
 
 
+class PublishedConfigMissingError(ConfigError):
+    """No run.toml at the key the launcher gave: the run's objects were deleted since, or
+    the replica was started without ``diloco launch`` publishing it."""
+
+
 def read_config(store: Store, key: str) -> RunConfig:
     """The configuration a launcher published under ``key``, checked and validated."""
     match = _KEY.fullmatch(key)
@@ -61,7 +66,7 @@ def read_config(store: Store, key: str) -> RunConfig:
     try:
         data = store.get(key, 0, MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:
-        raise ConfigError(
+        raise PublishedConfigMissingError(
             f"{where}: not found; the launcher publishes it before starting replicas, so the "
             f"run's objects were deleted (diloco launch --fresh?) after this replica was started"
         ) from None

@@ -15,7 +15,7 @@ from diloco_anywhere.bucket.agreement import (
     read_votes,
     votes_prefix,
 )
-from diloco_anywhere.bucket.record import Record
+from diloco_anywhere.bucket.record import Record, encode_record
 from diloco_anywhere.bucket.store import Store
 
 
@@ -41,7 +41,8 @@ def _votes(*data: bytes) -> list[Vote]:
         (_votes(b"wide", b"narrow", b"narrow"), 0.0, b"narrow"),  # the majority, at once
         (_votes(b"", b"narrow", b"narrow"), 0.0, b"narrow"),  # 2 of 3 cannot be outvoted
         (_votes(b"wide", b"narrow"), 0.0, None),  # 1 to 1 while the third may come
-        (_votes(b"wide", b"narrow"), 10.0, b"wide"),  # a tie goes to the lowest index
+        (_votes(b"wide", b"narrow"), 10.0, None),  # split evenly: wait for the third
+        (_votes(b"wide", b"narrow"), 600.0, b"wide"),  # at the timeout a tie goes to the lowest
         (_votes(b"narrow", b"wide", b"other"), 0.0, b"narrow"),  # everyone voted: a tie again
         ([], 1e9, None),
     ],
@@ -51,9 +52,30 @@ def test_the_votes_decide_as_a_first_round_seals(votes, waited, decided):
 
 
 def test_without_min_replicas_in_only_the_timeout_decides():
+    """A replica that came first waits for ``min_replicas`` votes as its first round would,
+    however long: the others may be on a platform that starts in minutes."""
     electorate = _electorate(0, replicas=3, least=2)
     assert decision(_votes(b"wide"), electorate, 10.0) is None
+    assert decision(_votes(b"wide"), electorate, 300.0) is None
     assert decision(_votes(b"wide"), electorate, 600.0) == b"wide"
+
+
+def test_a_replica_first_by_minutes_with_another_model_is_outvoted_by_the_late_ones(tmp_path):
+    """Of three replicas (min_replicas = 2) the wider one started alone minutes before the
+    others (a local one, the others on a platform that starts slowly): it waited for them,
+    and their model is the run's, for it too."""
+    store, key = Store(str(tmp_path)), "run/initial-state"
+    now = [0.0]
+    minutes = {"clock": lambda: now[0], "sleep": lambda _: None, "since": 0.0}
+    early = _electorate(2, least=2, **minutes)
+    store.overwrite(f"{votes_prefix(key)}/000002-local-2", encode_record(Plan(width=16)))
+    now[0] = 240.0  # four minutes alone: no decision
+    assert decision(read_votes(store, key, Plan), early, now[0]) is None
+    store.overwrite(f"{votes_prefix(key)}/000001-local-1", encode_record(Plan(width=8)))
+    assert agree(store, key, Plan(width=8), _electorate(0, least=2)).record.width == 8  # 2 of 3
+    late = agree(store, key, Plan(width=16), early)
+    assert late.record.width == 8
+    assert late.holders == ("local-0", "local-1")
 
 
 def test_the_replica_that_starts_first_with_another_model_is_outvoted(tmp_path):

@@ -274,7 +274,8 @@ def test_timeout_names_round_missing_members_and_store():
     )  # fmt: skip
     round_.contribute(contribution(0), 1.0, make_codec("fp32"))
     with pytest.raises(
-        RoundTimeoutError, match=r"round 3 fragment 1: .*missing \['r1-0'\].*memory://round"
+        RoundTimeoutError,
+        match=r"round 3 fragment 1: .*missing r1-0 \(joined, sent nothing\).*memory://round",
     ):
         round_.wait_for_seal()
 

@@ -14,7 +14,7 @@ from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.departures import hopeless, newest_departures
 from diloco_anywhere.collective.errors import RoundHopelessError, RoundTimeoutError
-from diloco_anywhere.collective.membership import claim_incarnation
+from diloco_anywhere.collective.membership import claim_incarnation, depart_for, departed
 from diloco_anywhere.collective.policy import CollectiveConfig, LeasePolicy, RoundPolicy
 
 REFUSED = "failed: ModelUnlikeRunError: this replica's model is unlike the run's"
@@ -60,7 +60,36 @@ def test_replicas_that_may_come_back_keep_the_round_waiting():
     with pytest.raises(RoundTimeoutError) as error:
         survivor.allreduce(torch.ones(4), round_=0).result()
     survivor.close(wait=False)
-    assert "; local-1 left (failed: OSError); start the missing replicas" in str(error.value)
+    said = str(error.value)
+    assert "missing local-1 (left: failed: OSError); 1 of the run's 3 replicas never joined" in said
+    assert "start the missing replicas" in said
+
+
+def test_a_replica_that_never_joined_and_was_given_up_on_counts_as_gone_until_it_joins():
+    """An image without the project fails before ``join``: nothing of it is in the bucket, so
+    the keeper that gives up on it says it left for good (``depart_for``), and the others'
+    rounds know at once; a later incarnation (``diloco replace``, fixed) is not concerned."""
+    store, layout, config = Store("memory://departures-never"), RunLayout("run"), _config()
+    depart_for(store, layout, "hf_jobs-0", "the keeper gave up on it: failed at its start")
+    depart_for(store, layout, "k8s-0", "the keeper gave up on it: failed at its start")
+    assert {r: d.incarnation for r, d in departed(store, layout).items()} == {
+        "hf_jobs-0": None, "k8s-0": None
+    }  # fmt: skip
+    survivor = BucketCollective(store, "run", "local-0", config)
+    with pytest.raises(RoundHopelessError, match="hf_jobs-0: the keeper gave up on it"):
+        survivor.allreduce(torch.ones(4), round_=0).result()
+    survivor.close(wait=False)
+    claim_incarnation(store, layout, "k8s-0")  # replaced, fixed: it comes back
+    assert set(departed(store, layout)) == {"hf_jobs-0"}
+
+
+def test_a_replica_given_up_on_after_joining_is_gone_as_its_newest_incarnation():
+    store, layout = Store("memory://departures-given-up"), RunLayout("run")
+    BucketCollective(store, "run", "local-1", _config()).close(reason="failed: OOM", final=False)
+    depart_for(store, layout, "local-1", "the keeper gave up on it: out of restarts")
+    gone = departed(store, layout)["local-1"]
+    assert (gone.incarnation, gone.final) == (0, True)
+    assert gone.reason == "the keeper gave up on it: out of restarts"
 
 
 def test_enough_replicas_left_seal_rounds_without_the_one_that_stopped():

@@ -20,6 +20,7 @@ from diloco_anywhere.bucket.layout import RunLayout, contributor
 from diloco_anywhere.bucket.record import decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.records import Seal
+from diloco_anywhere.config import ConfigError
 from diloco_anywhere.data.claims import Claims, DataPlan, DataPlanError, UnitClaim, agree_on_plan
 from diloco_anywhere.data.coverage import read_coverage
 from diloco_anywhere.data.order import Order, permute
@@ -194,7 +195,7 @@ def test_the_held_out_batches_are_the_same_everywhere_and_from_the_held_out_spli
 
 def test_a_task_s_tokenizer_unlike_the_corpus_s_is_refused(corpus):
     other = SimpleNamespace(identity=BYTES.identity.model_copy(update={"sha256": "0" * 64}))
-    with pytest.raises(ValueError, match="prepared with tokenizer 'bytes'"):
+    with pytest.raises(ConfigError, match="prepared with tokenizer 'bytes'"):
         _source(corpus, 0, 1).open(16, 2, other)
 
 

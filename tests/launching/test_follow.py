@@ -15,11 +15,12 @@ import pytest
 
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.collective.membership import departed
 from diloco_anywhere.launching.status import ReplicaStatus
 from diloco_anywhere.launching.supervisor import outcome
 from diloco_anywhere.training.metrics import MetricsReader, MetricsWriter
 from support.runs import statuses
-from support.scripts import SEEDED_ALIKE, SEEDED_PER_REPLICA
+from support.scripts import FAILS_BEFORE_JOIN_ON_INDEX_1, SEEDED_ALIKE, SEEDED_PER_REPLICA
 
 
 def _row(replica: str, state: str, platform: str = "local") -> ReplicaStatus:
@@ -131,6 +132,29 @@ def test_a_foreground_launch_that_cannot_go_on_returns_with_the_replica_that_fai
            "(local-0) are fewer than min_replicas = 2" in said  # fmt: skip
     assert "local-1: failed (exit 5): ModelUnlikeRunError: this replica's model is unlike" in said
     assert {row["state"] for row in statuses("run.toml").values()} == {"stopped", "failed"}
+
+
+@pytest.mark.integration
+def test_a_replica_that_never_joined_is_said_gone_for_the_replicas_of_other_platforms(
+    tmp_path, monkeypatch
+):
+    """Replica 1 fails before it joins (an image without the project does the same): nothing
+    of it is in the bucket. The launch that finds the run cannot go on says in the bucket that
+    it left for good, so that replicas on other platforms, which it does not stop, fail their
+    rounds at once instead of after five sync timeouts (``collective/departures.py``)."""
+    monkeypatch.chdir(tmp_path)
+    _write_run(tmp_path, FAILS_BEFORE_JOIN_ON_INDEX_1)
+    launch = _launch(tmp_path)
+    try:
+        _out, err = launch.communicate(timeout=240)
+    finally:
+        launch.kill()
+    assert launch.returncode == 1, err
+    assert "local-1: failed (exit 1)" in " ".join(err.split())
+    gone = departed(Store(str(tmp_path / "store")), RunLayout("follow"))["local-1"]
+    assert (gone.incarnation, gone.final) == (None, True)  # it never joined
+    assert gone.reason.startswith("ended for good (failed (exit 1): ")
+    assert gone.reason.endswith("and nothing restarts it")
 
 
 @pytest.mark.integration

@@ -125,7 +125,8 @@ def test_a_claimed_attempt_is_being_started_until_its_grace_ends_then_counts_as_
 @pytest.mark.parametrize(
     ("code", "why"),
     [(2, "it refused run.toml"),
-     (4, "its script steps another optimizer than the one DiLoCo wraps"),
+     (4, "its script trains without syncing (outside `replica.diloco`, a Trainer without "
+         "DilocoCallback, or another optimizer than the one DiLoCo wraps)"),
      (5, "its model is unlike the run's")],
 )  # fmt: skip
 def test_a_replica_whose_end_no_restart_can_help_is_not_restarted(code, why):

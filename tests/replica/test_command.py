@@ -31,9 +31,11 @@ join_timeout = {join_timeout}
 """
 
 
-def _entrypoint(tmp_path, script: str, join_timeout: float = 600.0) -> subprocess.Popen:
+def _entrypoint(
+    tmp_path, script: str, join_timeout: float = 600.0, arguments: tuple[str, ...] = ()
+) -> subprocess.Popen:
     (tmp_path / "script.py").write_text(script)
-    command = json.dumps(["python", "script.py"])
+    command = json.dumps(["python", "script.py", *arguments])
     (tmp_path / "run.toml").write_text(RUN_TOML.format(command=command, join_timeout=join_timeout))
     return subprocess.Popen(
         [sys.executable, "-m", "diloco_anywhere.replica", "--config", str(tmp_path / "run.toml"),
@@ -53,12 +55,22 @@ def _ended(process: subprocess.Popen) -> tuple[int, str]:
 
 
 def test_the_script_runs_in_run_toml_s_folder_with_the_replica_s_identity(tmp_path):
+    """In its environment, and in its arguments (no shell runs the command): what a script
+    names per replica, e.g. its ``--output_dir`` in the folder every local replica shares."""
     script = (
-        "import json, os, pathlib\n"
+        "import json, os, pathlib, sys\n"
         "keys = ['DILOCO_REPLICA_ID', 'DILOCO_REPLICA_INDEX', 'DILOCO_PLATFORM', 'DILOCO_CONFIG']\n"
         "pathlib.Path('seen.json').write_text(json.dumps({k: os.environ[k] for k in keys}))\n"
+        "pathlib.Path('argv.json').write_text(json.dumps(sys.argv[1:]))\n"
     )
-    code, stderr = _ended(_entrypoint(tmp_path, script))
+    arguments = (
+        "--output_dir",
+        "out/$DILOCO_REPLICA_ID",
+        "${DILOCO_REPLICA_INDEX}-$DILOCO_PLATFORM",
+        "$DILOCO_REPLICA_IDS",
+        "$HOME",
+    )
+    code, stderr = _ended(_entrypoint(tmp_path, script, arguments=arguments))
     assert code == 1
     assert "never called diloco_anywhere.join()" in stderr
     seen = json.loads((tmp_path / "seen.json").read_text())
@@ -68,6 +80,8 @@ def test_the_script_runs_in_run_toml_s_folder_with_the_replica_s_identity(tmp_pa
         "DILOCO_PLATFORM": "local",
         "DILOCO_CONFIG": str(tmp_path / "run.toml"),
     }
+    argv = json.loads((tmp_path / "argv.json").read_text())  # other names stay as written
+    assert argv == ["--output_dir", "out/local-0", "0-local", "$DILOCO_REPLICA_IDS", "$HOME"]
 
 
 def test_a_script_that_never_joins_is_stopped_after_the_join_timeout(tmp_path):

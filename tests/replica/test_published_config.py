@@ -36,6 +36,28 @@ def test_the_replica_reads_it_from_the_variables_the_launcher_sets(tmp_path):
     assert (loaded.run.replicas, loaded.run.store) == (3, str(tmp_path))
 
 
+def test_a_file_that_trains_otherwise_than_the_run_is_refused_naming_each_setting(tmp_path):
+    """run.toml edited after the launch, then a local replica restarted from it (or a script's
+    ``join("run.toml")`` reading an older copy in the image): the launch's published copy is
+    the run's, and a file of another sync_every or outer_lr is refused at once (exit 2)."""
+    store = tmp_path / "store"
+    key = publish_config(Store(str(store)), parse_config(RUN, "run.toml"))
+    environ = {"DILOCO_CONFIG_KEY": key, "DILOCO_STORE": str(store), "DILOCO_REPLICAS": "3"}
+    same = tmp_path / "same.toml"
+    same.write_text(RUN + "[task]\nlog_every = 5\n")  # not a training setting
+    assert configuration(str(same), environ).task.log_every == 5
+    edited = tmp_path / "run.toml"
+    edited.write_text(RUN.replace("outer_steps = 7", "outer_steps = 7\nsync_every = 20\n"
+                                  "outer_lr = 0.5"))  # fmt: skip
+    with pytest.raises(ConfigError) as refused:
+        configuration(str(edited), environ)
+    said = str(refused.value)
+    assert f"trains otherwise than the run's run.toml, which its launch published ({key})" in said
+    assert "diloco.sync_every = 20 here, 50 in the run" in said
+    assert "diloco.outer_lr = 0.5 here, 0.7 in the run" in said
+    assert "undo the edit (or launch again" in said
+
+
 def test_a_changed_object_is_refused_naming_its_key(tmp_path):
     store = Store(str(tmp_path))
     key = publish_config(store, RunConfig())

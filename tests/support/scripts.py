@@ -30,3 +30,7 @@ SEEDED_ALIKE = loop_script("torch.manual_seed(0)\n" + LINEAR)
 SEEDED_PER_REPLICA = loop_script(  # the mistake: a seed per replica
     'torch.manual_seed(int(os.environ["DILOCO_REPLICA_INDEX"]))\n' + LINEAR
 )
+FAILS_BEFORE_JOIN_ON_INDEX_1 = loop_script(  # the mistake: replica 1 dies before it joins
+    'if os.environ["DILOCO_REPLICA_INDEX"] == "1":\n    raise SystemExit("no such file: data/")\n'
+    "torch.manual_seed(0)\n" + LINEAR
+)

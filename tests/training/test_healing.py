@@ -38,6 +38,7 @@ from diloco_anywhere.training.fingerprints import fingerprint
 from diloco_anywhere.training.healing import HealError, heal
 from diloco_anywhere.training.metrics import MetricsReader, MetricsWriter
 from diloco_anywhere.training.mirrors import copy_checkpoint
+from diloco_anywhere.training.mistakes import ModelUnlikeRunError
 from diloco_anywhere.training.replica_group import ReplicaGroup
 from diloco_anywhere.training.training import Training
 from support.checkpoints import record_bytes, rewrite_counters
@@ -124,10 +125,12 @@ def newcomer(
     from_initial: bool = True,
     min_replicas: int = 2,
     mirrors: tuple[Store, ...] = (),
+    seq_len: int = 32,
 ):
     """Build a third replica in this process and heal it; (report, its global state, parts)."""
     torch.set_num_threads(1)  # as the replicas ran: the mean's rounding follows thread counts
-    (folder / "run.toml").write_text(RUN_TOML.format(seed=seed))
+    text = RUN_TOML.format(seed=seed).replace("seq_len = 32", f"seq_len = {seq_len}")
+    (folder / "run.toml").write_text(text)
     config = load_config(folder / "run.toml")
     store = Store(config.store_url())
     collective = BucketCollective(store, "h", "newcomer", config.collective_config())
@@ -181,6 +184,20 @@ def test_a_newcomer_replays_the_rounds_after_an_older_checkpoint_bit_for_bit(run
     assert (report.checkpoint, report.replayed, report.skipped) == (0, OUTER_STEPS - 1, 0)
     assert parts.manager.current_step() == OUTER_STEPS
     assert_holds_the_runs_final_state(state, parts, final)
+
+
+def test_a_newcomer_of_another_model_is_stopped_as_unlike_the_run_naming_the_weights(run):
+    """A replica started after the run's first checkpoint (``diloco replace``, a late joiner)
+    is no longer compared with the initial model; its model of another size (here another
+    seq_len, so another position embedding) does not fit any checkpoint: it stops as unlike
+    the run (exit 5, never retried), naming the weights, where it failed as a heal that a
+    restart might fix."""
+    with pytest.raises(ModelUnlikeRunError) as unlike:
+        newcomer(run, seq_len=48)
+    said = str(unlike.value)
+    assert "this replica's model does not fit the run's checkpoints" in said
+    assert "position_embedding.weight are [32, 64] torch.float32; the parameter's [48, 64]" in said
+    assert "Every replica must build the same model" in said
 
 
 @pytest.mark.integration

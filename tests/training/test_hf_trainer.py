@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pytest
 import torch
@@ -23,9 +24,11 @@ from transformers import (
 
 from diloco_anywhere import DilocoCallback, join
 from diloco_anywhere.bucket.layout import RunLayout, contributor
+from diloco_anywhere.bucket.record import decode_record
 from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.collective.departures import Departure
 from diloco_anywhere.config import RunConfig, load_config
-from diloco_anywhere.contract import EXIT_NOT_SYNCING
+from diloco_anywhere.contract import EXIT_BAD_CONFIG, EXIT_NOT_SYNCING
 from diloco_anywhere.data.claims import Claims
 from diloco_anywhere.launching.launch import run_metrics
 from support.docs import example
@@ -166,19 +169,21 @@ def _run(tmp_path, outer_steps: int) -> RunConfig:
     })  # fmt: skip
 
 
-def _trainer(corpus, tmp_path, callbacks: list[TrainerCallback]) -> Trainer:
-    """A Trainer as a user writes one: a tiny Llama, the corpus in blocks of SEQ_LEN tokens."""
+def _trainer(corpus, tmp_path, callbacks: list[TrainerCallback], **settings) -> Trainer:
+    """A Trainer as a user writes one: a tiny Llama, the corpus in blocks of SEQ_LEN tokens;
+    ``settings``: its ``TrainingArguments`` other than these."""
     tokenizer = AutoTokenizer.from_pretrained(corpus[0])
     texts = [json.loads(line)["text"] for line in corpus[1].read_text().splitlines()]
     ids = tokenizer(tokenizer.eos_token.join(texts))["input_ids"]
     blocks = [ids[i : i + SEQ_LEN] for i in range(0, len(ids) - SEQ_LEN, SEQ_LEN)]
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, "vocab_size": len(tokenizer)}))
-    args = TrainingArguments(
-        str(tmp_path / "trainer"), per_device_train_batch_size=BATCH,
-        gradient_accumulation_steps=ACCUMULATION, learning_rate=3e-3, lr_scheduler_type="cosine",
-        warmup_steps=3, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
-    )  # fmt: skip
+    args = TrainingArguments(**{
+        "output_dir": str(tmp_path / "trainer"), "per_device_train_batch_size": BATCH,
+        "gradient_accumulation_steps": ACCUMULATION, "learning_rate": 3e-3,
+        "lr_scheduler_type": "cosine", "warmup_steps": 3, "logging_steps": 1,
+        "save_strategy": "no", "report_to": "none", "use_cpu": True, **settings,
+    })  # fmt: skip
     dataset = [{"input_ids": block, "labels": block} for block in blocks]
     return Trainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
 
@@ -203,12 +208,13 @@ class FailsAtStep(TrainerCallback):
 
 
 def _train_as_replica(
-    config: RunConfig, corpus, tmp_path, *callbacks: TrainerCallback
+    config: RunConfig, corpus, tmp_path, *callbacks: TrainerCallback, **settings
 ) -> tuple[Trainer, DilocoCallback]:
-    """The Trainer trained as local-0 of ``config``'s run, with ``callbacks`` after DiLoCo's."""
+    """The Trainer trained as local-0 of ``config``'s run, with ``callbacks`` after DiLoCo's
+    (``settings``: its ``TrainingArguments``, as ``_trainer``)."""
     with join(config, replica_id="local-0") as replica:
         diloco = DilocoCallback(replica, tokens_per_step=BATCH * ACCUMULATION * SEQ_LEN)
-        trainer = _trainer(corpus, tmp_path, [diloco, *callbacks])
+        trainer = _trainer(corpus, tmp_path, [diloco, *callbacks], **settings)
         trainer.train()
     return trainer, diloco
 
@@ -284,3 +290,86 @@ def test_a_callback_added_after_the_trainer_is_built_is_refused_saying_where_it_
         _train_added_late(config, hf_corpus, tmp_path)
     events = [e.event for e in run_metrics(config).read()["local-0"].events]
     assert events == ["failed"]
+
+
+def _two_replicas(tmp_path, outer_steps: int = 1) -> RunConfig:
+    """A run of two replicas that seals a round with one: the other may be refused."""
+    return RunConfig.model_validate({
+        "run": {"name": "trainer", "store": str(tmp_path / "store"), "replicas": 2,
+                "min_replicas": 1},
+        "diloco": {"sync_every": 5, "outer_steps": outer_steps},
+        "sync": {"grace": 1.0},
+        "task": {"log_every": 1},
+    })  # fmt: skip
+
+
+SAVES = {"save_strategy": "steps", "save_steps": 5}  # a checkpoint of its own every round
+
+
+def _build_as(
+    config: RunConfig, replica_id: str, corpus, tmp_path, *callbacks: TrainerCallback, **settings
+) -> None:
+    """Join as ``replica_id`` and build its Trainer (``settings``: as ``_trainer``), no more."""
+    with join(config, replica_id=replica_id) as replica:
+        diloco = DilocoCallback(replica, tokens_per_step=1)
+        _trainer(corpus, tmp_path, [diloco, *callbacks], **settings)
+
+
+def test_a_second_replica_given_the_first_s_output_dir_is_refused_as_its_trainer_is_built(
+    hf_corpus, tmp_path
+):
+    """The issue's script that writes to a shared output folder: local replicas all run in
+    run.toml's folder, so ``output_dir="out"`` in each is one folder. The second Trainer built
+    on it stops its replica at once, before any step (exit 2, final: no restart helps), naming
+    the folder, both replicas and the fix; the first trains on and saves there alone."""
+    config, shared = _two_replicas(tmp_path), str(tmp_path / "out")
+    with join(config, replica_id="local-0") as first:
+        diloco = DilocoCallback(first, tokens_per_step=BATCH * ACCUMULATION * SEQ_LEN)
+        trainer = _trainer(hf_corpus, tmp_path, [diloco], output_dir=shared, **SAVES)
+        steps, began = LearningRates(), time.monotonic()
+        with pytest.raises(SystemExit) as ended:
+            _build_as(config, "local-1", hf_corpus, tmp_path, steps, output_dir=shared, **SAVES)
+        assert ended.value.code == EXIT_BAD_CONFIG
+        assert time.monotonic() - began < 30  # refused as its Trainer was built
+        assert steps.rates == []  # before any step
+        trainer.train()
+    events = run_metrics(config).read()
+    [refusal] = [e.detail for e in events["local-1"].events if e.event == "failed"]
+    assert refusal.startswith(f"SharedOutputDirError: output_dir '{shared}' is replica local-0's")
+    assert "this replica, local-1, was given it too" in refusal
+    assert f'TrainingArguments(output_dir=os.path.join("{shared}", replica.replica_id))' in refusal
+    assert f"`--output_dir {shared}/$DILOCO_REPLICA_ID`" in refusal
+    store = Store(str(tmp_path / "store"))
+    departure = store.get(RunLayout("trainer").departure("local-1"), 0, 1 << 16)
+    assert decode_record(departure, Departure, key="local-1").final  # the others know: for good
+    assert events["local-0"].events[-1].event == "done"  # the first was not stopped by it
+    assert (tmp_path / "out" / "checkpoint-5").is_dir()
+
+
+def test_a_restarted_replica_takes_its_own_output_dir_again_and_others_have_theirs(
+    hf_corpus, tmp_path
+):
+    """A restart of the replica that claimed ``output_dir`` finds its own claim, resumes, and
+    saves there; folders of the replica's id (``f"out/{replica.replica_id}"``) are free for
+    each; a Trainer that saves no checkpoint (``save_strategy="no"``, docs/api.md's script)
+    claims nothing."""
+    _train_as_replica(
+        _run(tmp_path, outer_steps=1), hf_corpus, tmp_path, output_dir=str(tmp_path / "out"),
+        **SAVES,
+    )  # fmt: skip
+    _, diloco = _train_as_replica(
+        _run(tmp_path, outer_steps=2), hf_corpus, tmp_path, output_dir=str(tmp_path / "out"),
+        **SAVES,
+    )  # fmt: skip
+    assert diloco.training.result().outer_steps == 2
+    assert (tmp_path / "out" / "checkpoint-5").is_dir()  # its own, saved again after the restart
+    config = _two_replicas(tmp_path / "two")
+    with join(config, replica_id="local-0") as one, join(config, replica_id="local-1") as other:
+        for replica in (one, other):
+            output_dir = str(tmp_path / "out" / replica.replica_id)
+            _trainer(hf_corpus, tmp_path, [DilocoCallback(replica, tokens_per_step=1)],
+                     output_dir=output_dir, **SAVES)  # fmt: skip
+        for replica in (one, other):  # no checkpoint saved: nothing to claim, nothing refused
+            callback = DilocoCallback(replica, tokens_per_step=1)
+            _trainer(hf_corpus, tmp_path, [callback], output_dir=str(tmp_path / "shared"))
+    assert not (tmp_path / ".diloco-claims" / "shared").exists()

@@ -21,8 +21,10 @@ import tomli_w
 
 from diloco_anywhere.backends.local import LocalBackend
 from diloco_anywhere.bench.plain_loop import plain_loop
+from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import RunConfig, load_config, validate_config, with_changes
 from diloco_anywhere.launching.launch import LaunchPlan, plan_launch, run_metrics
+from diloco_anywhere.published_config import publish_config
 from diloco_anywhere.training.metrics import ReplicaMetrics
 
 Progress = Callable[[str], None]
@@ -40,7 +42,10 @@ def local_plan(config: RunConfig, folder: Path) -> LaunchPlan:
     path = folder / f"{config.run.name}.toml"
     path.write_text(tomli_w.dumps(data))
     config = validate_config(data, str(path), path)
-    return plan_launch(config, {"local": config.run.replicas}, root=folder)
+    plan = plan_launch(config, {"local": config.run.replicas}, root=folder)
+    with Store(config.store_url()) as store:  # what every replica of a launch is told
+        publish_config(store, config)
+    return plan
 
 
 def run_diloco(config: RunConfig, folder: Path, progress: Progress) -> dict[str, ReplicaMetrics]:

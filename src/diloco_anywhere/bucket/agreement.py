@@ -6,19 +6,23 @@ newest incarnation's overwriting an older one's), then waits, as a first round d
 
 - a strict majority of the run's ``replicas`` holding one record: no later vote can change it;
 - else every replica's vote: the record most hold, a tie going to the lowest shard index;
-- else ``min_replicas`` votes and ``grace`` seconds (the round's own grace: a lone replica of a
-  run that allows one trains alone), or ``JOIN_WAIT`` seconds (at most ``timeout``) since
-  this replica began voting, whoever is in: the same rule over those in.
+- else ``min_replicas`` votes, ``grace`` seconds, and a strict majority of the votes in
+  holding one record (a lone replica of a run whose ``min_replicas`` is 1 trains alone);
+- else the round's ``timeout``, whoever is in: the record most of them hold, a tie going to
+  the lowest index.
 
-The waits count from the replica's first vote, once for all its records, so a replica that
-comes alone starts training after ``JOIN_WAIT`` whatever it votes on, and waits for the others
-at its first round, as before.
+A replica that comes before ``min_replicas`` others therefore waits for them, as its first
+round would (no round can seal without them), instead of deciding alone: a replica of another
+platform that starts minutes later still has its vote. Votes split evenly wait for more. The
+waits count from the replica's first vote, once for all its records, and the replica's log
+says what it waits for.
 
 The first to decide writes the record at ``key`` (create-only); everyone else, and every later
 replica, takes it from there. So three replicas of which one has a wider model stop the wider
-one, whichever started first. Only when the replicas that came in time are split evenly, or
-the wrong ones came first and alone, can the run's record be the wrong one: the message of a
-replica unlike it names the replicas holding the run's record, for that case.
+one, whichever started first and however late the others start. Only when the wrong replicas
+are a majority of those in at ``timeout``, or when ``min_replicas`` wrong ones came first, can
+the run's record be the wrong one: the message of a replica unlike it names the replicas
+holding the run's record, for that case.
 """
 
 from __future__ import annotations
@@ -38,10 +42,7 @@ log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=Record)
 INDEX_DIGITS = 6
-# How long a replica that came alone (fewer than min_replicas votes) waits for the others
-# before its own records are the run's: replicas of one platform start within it, and a
-# replica waits at its first round for the others anyway.
-JOIN_WAIT = 45.0
+SAY_EVERY = 30.0  # seconds between log lines of a replica waiting for votes
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,10 @@ class Electorate:
     grace: float  # [sync] grace
     timeout: float  # [sync] timeout
     poll: float = 0.5
-    join_wait: float = JOIN_WAIT
+    # raises when the run cannot go on (its replicas that stopped for good leave too few, as
+    # a round waiting on them finds: ``collective/departures.py``), every ``check_every`` s
+    check: Callable[[], None] = field(default=lambda: None, compare=False)
+    check_every: float = 5.0
     clock: Callable[[], float] = field(default=time.monotonic, compare=False)
     sleep: Callable[[float], None] = field(default=time.sleep, compare=False)
     since: float = field(default_factory=time.monotonic, compare=False)  # its first vote's wait
@@ -115,7 +119,9 @@ def agree(
 def _decide(
     store: Store, key: str, model: type[R], electorate: Electorate, alike: Callable[[R], Hashable]
 ) -> None:
-    """Wait for the votes to decide, then record the decision unless someone did first."""
+    """Wait for the votes to decide, then record the decision unless someone did first
+    (``electorate.check`` raising meanwhile when the run cannot go on)."""
+    said = checked = electorate.clock()
     while True:
         votes = read_votes(store, key, model, alike)
         waited = electorate.clock() - electorate.since
@@ -127,7 +133,24 @@ def _decide(
             return
         if _exists(store, key):
             return
+        if electorate.clock() - checked >= electorate.check_every:
+            electorate.check()
+            checked = electorate.clock()
+        if electorate.clock() - said >= SAY_EVERY:
+            log.info("%s: %s", key, waiting_for(votes, electorate, waited))
+            said = electorate.clock()
         electorate.sleep(electorate.poll)
+
+
+def waiting_for(votes: list[Vote], electorate: Electorate, waited: float) -> str:
+    """What a replica waiting on the votes waits for, said in its log."""
+    kinds = len({vote.alike for vote in votes})
+    split = f", split {kinds} ways" if kinds > 1 else ""
+    return (
+        f"{len(votes)} of the run's {electorate.replicas} replicas voted{split} "
+        f"(min_replicas = {electorate.least}); waiting for more, "
+        f"{max(0.0, electorate.timeout - waited):.0f} s at most ([sync] timeout)"
+    )
 
 
 def decision(votes: list[Vote], electorate: Electorate, waited: float) -> bytes | None:
@@ -140,9 +163,10 @@ def decision(votes: list[Vote], electorate: Electorate, waited: float) -> bytes 
     most = max(groups.values(), key=lambda group: (len(group), -min(v.index for v in group)))
     majority = 2 * len(most) > electorate.replicas
     everyone = len(votes) >= electorate.replicas
-    enough = len(votes) >= electorate.least and waited >= electorate.grace
-    alone = waited >= min(electorate.join_wait, electorate.timeout)
-    if majority or everyone or enough or alone:
+    clear = 2 * len(most) > len(votes)  # those in are not split evenly
+    enough = len(votes) >= electorate.least and waited >= electorate.grace and clear
+    late = waited >= electorate.timeout
+    if majority or everyone or enough or late:
         return min(most, key=lambda vote: vote.index).data
     return None
 

@@ -151,6 +151,7 @@ def _follow(plan: LaunchPlan, supervisor: Supervisor) -> int:
     stdout.print(status_table(where.rows, title))
     if where.outcome.hopeless:
         stderr.print(f"[red]error:[/red] {escape(where.outcome.hopeless)}")
+        supervisor.tell_the_others(where.outcome.unfinished)
         _stop_here(plan.config, supervisor, "the run cannot go on")
     for ended in where.outcome.unfinished:
         stderr.print(escape(f"  {ended.line()}"), highlight=False, soft_wrap=True)

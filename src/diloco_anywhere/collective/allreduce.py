@@ -30,7 +30,7 @@ from diloco_anywhere.bucket.codec import Codec
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.collect import RoundCollector
-from diloco_anywhere.collective.departures import Departure, newest_departures
+from diloco_anywhere.collective.departures import Departure, hopeless, newest_departures
 from diloco_anywhere.collective.errors import ModelMismatchError
 from diloco_anywhere.collective.flat import FlatTensors
 from diloco_anywhere.collective.gather import gather_mean
@@ -323,6 +323,12 @@ class BucketCollective:
         this process listed last."""
         view = self.membership.last_view or self.membership.view()
         return newest_departures(self.store, self.layout, view.newest())
+
+    def hopeless(self) -> str | None:
+        """Why no round of the run can seal again (its replicas that stopped for good leave
+        too few, ``departures.hopeless``); None while one can."""
+        policy = self.config.round
+        return hopeless(self.departures(), policy.expected_replicas, policy.min_replicas)
 
     def __enter__(self) -> BucketCollective:
         return self

@@ -2,7 +2,11 @@
 
 A replica that leaves writes one small record (its newest incarnation's overwrites an older
 one's): why it ended, and whether it is ``final``, an end no restart can help (a mistake of
-its script or configuration, refused at once: ``training/mistakes.py``). A round waiting for
+its script or configuration, refused at once: ``training/mistakes.py``). A replica that could
+not write one (it never joined: an image without the project, a script that fails before
+``join``; or it was killed) has one written for it when nothing will start it again: by the
+keeper that gave up on it, or by the launch that follows it and found the run cannot go on
+(``membership.depart_for``), naming its newest claimed incarnation, or none. A round waiting for
 its SEAL reads them: when the replicas that stopped for good leave fewer than
 ``min_replicas`` of the run's, no round can seal again, and it fails at once saying who
 stopped and why, instead of waiting out its timeout five times (``round.py``).
@@ -15,7 +19,7 @@ import logging
 from pydantic import Field
 
 from diloco_anywhere.bucket.framing import Count, Name, WireFormatError
-from diloco_anywhere.bucket.layout import Participant, RunLayout
+from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
 
@@ -24,28 +28,37 @@ log = logging.getLogger(__name__)
 
 class Departure(Record):
     replica: Name
-    incarnation: Count
+    # its incarnation that left; None: it never joined (no incarnation was ever claimed)
+    incarnation: Count | None
     reason: str = Field(max_length=2000)
     final: bool  # no restart can help: it stays out until it is fixed and replaced
 
 
 def record_departure(
-    store: Store, layout: RunLayout, me: Participant, reason: str, final: bool
+    store: Store,
+    layout: RunLayout,
+    replica: str,
+    incarnation: int | None,
+    reason: str,
+    final: bool,
 ) -> None:
-    """Say why ``me`` left; a store that fails here only leaves the others less informed."""
-    record = Departure(replica=me.replica, incarnation=me.incarnation, reason=reason[:2000],
+    """Say why ``replica`` (its ``incarnation``) left; a store that fails here only leaves the
+    others less informed."""
+    record = Departure(replica=replica, incarnation=incarnation, reason=reason[:2000],
                        final=final)  # fmt: skip
     try:
-        store.overwrite(layout.departure(me.replica), encode_record(record))
+        store.overwrite(layout.departure(replica), encode_record(record))
     except OSError as exc:
-        log.warning("could not record how %s left: %s", me.name, exc)
+        log.warning("could not record how %s left: %s", replica, exc)
 
 
 def newest_departures(
     store: Store, layout: RunLayout, newest: dict[str, int]
 ) -> dict[str, Departure]:
     """How each replica whose newest claimed incarnation (``newest``: replica -> incarnation)
-    has left left; a record that does not decode is left out, said."""
+    has left left, and each that never joined and was said to have left for good (a record of
+    no incarnation, while it has claimed none); a record that does not decode is left out,
+    said."""
     found = {}
     for key in store.list_prefix(f"{layout.exchange}/departures"):
         try:

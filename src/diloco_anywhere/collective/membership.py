@@ -37,7 +37,12 @@ from diloco_anywhere.bucket.framing import Count, Name, WireFormatError
 from diloco_anywhere.bucket.layout import Participant, RunLayout
 from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.collective.departures import record_departure
+from diloco_anywhere.collective.departures import (
+    Departure,
+    hopeless,
+    newest_departures,
+    record_departure,
+)
 from diloco_anywhere.collective.policy import LeasePolicy
 
 log = logging.getLogger(__name__)
@@ -118,6 +123,28 @@ class MembershipView:
         if newest > claim.incarnation:
             return newer_claim(claim.replica, newest)
         return None
+
+
+def departed(store: Store, layout: RunLayout) -> dict[str, Departure]:
+    """How the replicas that left the run left (``departures.newest_departures``), as the
+    membership stands now."""
+    return newest_departures(store, layout, MembershipView.read(store, layout).newest())
+
+
+def run_hopeless(store: Store, layout: RunLayout, replicas: int, least: int) -> str | None:
+    """Why no round of the run can seal again (``departures.hopeless``), None while one can:
+    what a replica that waits before its first round (for the others' votes) checks, as a
+    round waiting for its SEAL does."""
+    return hopeless(departed(store, layout), replicas, least)
+
+
+def depart_for(store: Store, layout: RunLayout, replica: str, reason: str) -> None:
+    """Say for ``replica`` that it left for good (``departures.py``), where it could not: the
+    keeper gave up on it, or the launch following it found the run cannot go on. Its newest
+    claimed incarnation, or none where it never joined; a later incarnation (``diloco
+    replace``) is not concerned."""
+    newest = MembershipView.read(store, layout).newest().get(replica)
+    record_departure(store, layout, replica, newest, reason, final=True)
 
 
 def newer_claim(replica: str, newest: int) -> str:
@@ -445,5 +472,6 @@ class Membership:
         help) and delete our leases, unless superseded (then they may be another process's: a
         run started over reuses incarnation numbers)."""
         if self.superseded is None and reason:
-            record_departure(self.store, self.layout, self.me, reason, final)
+            me = self.me
+            record_departure(self.store, self.layout, me.replica, me.incarnation, reason, final)
         self.heartbeat.stop(leave=self.superseded is None)

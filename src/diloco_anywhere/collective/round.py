@@ -419,17 +419,29 @@ class Round:
             if self._ready_to_seal(first_seen) and self._try_seal(first_seen):
                 continue
             if time.monotonic() > deadline:
-                missing = sorted(self.members.keys() - self.manifests.keys())
-                left = "".join(f"; {replica} left ({d.reason})"
-                               for replica, d in sorted(self.departed.items()))  # fmt: skip
                 raise RoundTimeoutError(
                     f"round {self.round} fragment {self.fragment}: no SEAL after "
                     f"{self.policy.timeout:g}s; have {sorted(self.manifests)}, missing "
-                    f"{missing} (min_replicas={self.policy.min_replicas}) in store "
-                    f"{self.store.url}{left}; start the missing replicas (see `diloco "
-                    f"status`), lower run.min_replicas, or raise sync.timeout"
+                    f"{self._missing()} (min_replicas={self.policy.min_replicas}) in store "
+                    f"{self.store.url}; start the missing replicas (see `diloco status`), "
+                    f"lower run.min_replicas, or raise sync.timeout"
                 )
             time.sleep(next(delays))
+
+    def _missing(self) -> str:
+        """Who a round that timed out waited for: the members that sent nothing, how the
+        replicas that left left, and how many of the run's replicas never joined (no lease:
+        not started yet, or failed before they could, as an image without the project)."""
+        said = [f"{name} (joined, sent nothing)"
+                for name in sorted(self.members.keys() - self.manifests.keys())]  # fmt: skip
+        said += [f"{replica} (left: {d.reason})" for replica, d in sorted(self.departed.items())]
+        seen = {m.replica for m in self.members.values()} | self.departed.keys()
+        seen |= {name.rsplit("-", 1)[0] for name in self.manifests}
+        if (never := self.policy.expected_replicas - len(seen)) > 0:
+            said.append(f"{never} of the run's {self.policy.expected_replicas} replicas never "
+                        f"joined (not started yet, or failed at their start: `diloco status`, "
+                        f"`diloco logs REPLICA`)")  # fmt: skip
+        return "; ".join(said) or "nobody"
 
     def _refresh(self) -> None:
         """Take in replicas that joined meanwhile; give up at once when no round can seal."""

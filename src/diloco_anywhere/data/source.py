@@ -18,6 +18,7 @@ import crc32c
 
 from diloco_anywhere.bucket.record import encode_record
 from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.config import ConfigError
 from diloco_anywhere.data.claims import DataPlan, share
 from diloco_anywhere.data.defaults import BLOCK_TOKENS, HELDOUT_FRACTION, SHARD_TOKENS
 from diloco_anywhere.data.manifest import Manifest
@@ -87,7 +88,9 @@ class DataSource:
         store, manifest = self._corpus(tokenizer, default, raw)
         theirs = manifest.settings.tokenizer
         if tokenizer is not None and not same_tokens(tokenizer.identity, theirs):
-            raise ValueError(
+            # a mistake no restart can fix (exit 2, the replica's own): a tokenizer of another
+            # vocabulary, or of the same size with other ids, would train on garbage
+            raise ConfigError(
                 f"the corpus at {store.url} was prepared with tokenizer {theirs.name!r} (sha256 "
                 f"{theirs.sha256[:12]}...), the task's is {tokenizer.identity.name!r} "
                 f"({tokenizer.identity.sha256[:12]}...): prepare it again with the task's "

@@ -43,7 +43,8 @@ LAUNCH_GRACE = 600.0
 # Ends no restart can help, and what the replica's log says about each.
 GIVEN_UP_ON = {
     EXIT_BAD_CONFIG: "it refused run.toml",
-    EXIT_NOT_SYNCING: "its script steps another optimizer than the one DiLoCo wraps",
+    EXIT_NOT_SYNCING: "its script trains without syncing (outside `replica.diloco`, a "
+    "Trainer without DilocoCallback, or another optimizer than the one DiLoCo wraps)",
     EXIT_MODEL_UNLIKE_RUN: "its model is unlike the run's",
     EXIT_RUN_CANNOT_GO_ON: "too few replicas are left for a round (the others stopped for good)",
 }

@@ -42,7 +42,7 @@ from diloco_anywhere.backends.base import (
 )
 from diloco_anywhere.bucket.layout import Participant, RunLayout
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.collective.membership import MembershipView
+from diloco_anywhere.collective.membership import MembershipView, depart_for
 from diloco_anywhere.collective.policy import LeasePolicy
 from diloco_anywhere.config import ConfigError, RunConfig
 from diloco_anywhere.launching.alerts import Alert, Alerts
@@ -347,6 +347,10 @@ class Keeper:
         said = f"{name} ended: {decision.detail}"
         if decision.action == "give_up":
             said = f"{name} ended and is not restarted: {decision.detail}"
+            # the others learn it through the bucket (it may have left no word: it never
+            # joined, or was killed): their rounds fail at once when it leaves too few
+            depart_for(self.store, self.layout, name, f"the keeper gave up on it: "
+                       f"{decision.detail}")  # fmt: skip
         alerts.send(Alert(f"ended.{name}.{replica.attempt}", said))
         return [said]
 

@@ -73,7 +73,9 @@ def plan_launch(config: RunConfig, counts: dict[str, int], root: Path | None = N
     remote = [platform for platform, backend in backends.items() if backend.capabilities.remote]
     if remote:
         check_remote_store(config, remote)
-    config_key = published_config.config_key(config) if remote else None
+    # every replica is told the run's run.toml: remote ones read it, local ones read their
+    # file and are refused if it trains otherwise (edited since, ``contract.configuration``)
+    config_key = published_config.config_key(config)
     local_args = ("--config", str(config.source)) if config.source else ()
     common = {
         contract.ENV_RUN: config.run.name,
@@ -85,7 +87,7 @@ def plan_launch(config: RunConfig, counts: dict[str, int], root: Path | None = N
         backend = backends[platform]
         elsewhere = backend.capabilities.remote  # reads run.toml from the store
         args = () if elsewhere else local_args
-        published = {published_config.ENV_CONFIG_KEY: config_key} if elsewhere else {}
+        published = {published_config.ENV_CONFIG_KEY: config_key}
         processes = backend.settings.processes_per_replica
         for k in range(count):
             replica_id = replica_id_of(platform, k)

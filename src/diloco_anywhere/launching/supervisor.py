@@ -11,11 +11,13 @@ run.toml, superseded, out of restarts) is the keeper's to say.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from diloco_anywhere.backends.base import ACTIVE_STATES, Backend, JobState, ReplicaHandle
+from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
+from diloco_anywhere.collective.membership import depart_for
 from diloco_anywhere.config import with_changes
 from diloco_anywhere.contract import NOT_RETRIED
 from diloco_anywhere.launching.keeper import Keeper, PassReport
@@ -152,6 +154,16 @@ class Supervisor:
     def stopped(self) -> frozenset[str]:
         """The replicas of this launch stopped on purpose, from whichever machine."""
         return self.launches.stopped(self.number)
+
+    def tell_the_others(self, gone: Iterable[Ended]) -> None:
+        """The run cannot go on: say in the bucket that ``gone`` left for good (some may have
+        left no word: they never joined, or were killed), so that the replicas still running
+        on other platforms, which this launch does not stop, fail their rounds at once
+        (``collective/departures.py``) instead of waiting out their timeouts."""
+        store, layout = Store(self.plan.config.store_url()), RunLayout(self.plan.config.run.name)
+        for ended in gone:
+            depart_for(store, layout, ended.replica, f"ended for good ({ended.state}: "
+                       f"{ended.why}), and nothing restarts it")  # fmt: skip
 
     def restart_failed(self) -> list[str]:
         """A keeper pass when one is due; what it did, one line each, for the user."""

@@ -8,6 +8,13 @@ environment, so the script's ``diloco_anywhere.join()`` (docs/api.md) knows who 
 store (``DILOCO_CONFIG_KEY``, elsewhere). The launcher, status, stop, restarts and healing then
 work as for the built-in loop: they only ever see the entrypoint.
 
+Every replica's command runs in the same folder (run.toml's, or the image's working directory
+on a shared volume), so what a script writes of its own (a Trainer's ``output_dir``, a
+``torch.save``) is named per replica with its id: ``DILOCO_REPLICA_ID`` in the environment,
+and ``$DILOCO_REPLICA_ID`` (or ``${DILOCO_REPLICA_ID}``; likewise ``DILOCO_REPLICA_INDEX`` and
+``DILOCO_PLATFORM``) in the command's arguments is replaced by it, as a shell would, since no
+shell runs the command: ``["python", "run_clm.py", "--output_dir", "out/$DILOCO_REPLICA_ID"]``.
+
 The entrypoint watches the script through a file the script's ``join`` writes to
 (``DILOCO_JOINED``): a script that has not joined the run within ``task.join_timeout`` seconds
 is stopped, and one that exits 0 without having trained the run to its end fails the replica,
@@ -18,6 +25,7 @@ each with a message saying so, instead of leaving the other replicas waiting for
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,12 +34,17 @@ import time
 from pathlib import Path
 
 from diloco_anywhere.config import RunConfig
-from diloco_anywhere.contract import ENV_CONFIG
+from diloco_anywhere.contract import ENV_CONFIG, ENV_PLATFORM, ENV_REPLICA_ID, ENV_REPLICA_INDEX
 
 ENV_JOINED = "DILOCO_JOINED"  # the file the script's join() reports to
 JOINED, DONE = "joined", "done"
 STOP_GRACE = 30.0  # seconds a stopped script has to record its stop and exit
 POLL = 0.5
+# The replica's identity, replaced in the command's arguments: $NAME or ${NAME}
+IDENTITY = (ENV_REPLICA_ID, ENV_REPLICA_INDEX, ENV_PLATFORM)
+_NAMES = "|".join(IDENTITY)
+# $NAME or ${NAME} (no f-string: a rendered project's sources hold no Jinja-like braces)
+IDENTITY_VARIABLE = re.compile(r"\$(?:\{(" + _NAMES + r")\}|(" + _NAMES + r")(?![A-Za-z0-9_]))")
 
 
 class CommandError(RuntimeError):
@@ -54,6 +67,16 @@ def python_command(command: list[str]) -> list[str]:
     return list(command)
 
 
+def with_identity(command: list[str], environment: dict[str, str]) -> list[str]:
+    """``command`` with ``$DILOCO_REPLICA_ID``, ``$DILOCO_REPLICA_INDEX`` and
+    ``$DILOCO_PLATFORM`` (or ``${...}``) in its arguments replaced by this replica's, e.g. a
+    per-replica ``--output_dir out/$DILOCO_REPLICA_ID``; any other ``$`` stays as written."""
+    return [
+        IDENTITY_VARIABLE.sub(lambda match: environment[match.group(1) or match.group(2)], part)
+        for part in command
+    ]
+
+
 def run_command(config: RunConfig, replica_id: str, index: int, platform: str) -> int:
     """Run ``[task] command`` as replica ``replica_id``; its exit code, or ``CommandError``.
     Whatever interrupts the entrypoint (its SIGTERM handler's error, Ctrl-C) stops the script
@@ -62,9 +85,9 @@ def run_command(config: RunConfig, replica_id: str, index: int, platform: str) -
         joined = Path(folder) / "joined"
         environment = {
             **os.environ,
-            "DILOCO_REPLICA_ID": replica_id,
-            "DILOCO_REPLICA_INDEX": str(index),
-            "DILOCO_PLATFORM": platform,
+            ENV_REPLICA_ID: replica_id,
+            ENV_REPLICA_INDEX: str(index),
+            ENV_PLATFORM: platform,
             ENV_JOINED: str(joined),
         }
         if config.source is not None:
@@ -72,7 +95,7 @@ def run_command(config: RunConfig, replica_id: str, index: int, platform: str) -
         process = None
         try:
             process = subprocess.Popen(
-                python_command(config.task.command),
+                with_identity(python_command(config.task.command), environment),
                 env=environment,
                 cwd=config.source.parent if config.source is not None else None,
             )

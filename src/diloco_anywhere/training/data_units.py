@@ -14,6 +14,7 @@ from diloco_anywhere.config import RunConfig
 from diloco_anywhere.data.claims import Claims, DataPlan, agree_on_plan
 from diloco_anywhere.data.source import Assigner
 from diloco_anywhere.data.stream import UnitsOf
+from diloco_anywhere.training.mistakes import stop_if_hopeless
 from diloco_anywhere.training.replica_group import ReplicaGroup
 
 
@@ -31,7 +32,8 @@ def claimed_units(
             if collective is None:
                 raise ValueError("a replica's leader claims its data through its collective")
             layout = RunLayout(config.run.name)
-            electorate = config.electorate(index, collective.me.replica, collective.joined)
+            check = stop_if_hopeless(collective.hopeless, "agreeing on the run's data plan")
+            electorate = config.electorate(index, collective.me.replica, collective.joined, check)
             agree_on_plan(collective.store, layout, plan, electorate)
             claims = Claims(
                 collective.store, layout, collective.me.name, config.run.min_replicas,

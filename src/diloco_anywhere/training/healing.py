@@ -61,6 +61,7 @@ from diloco_anywhere.training.checkpoints.records import (
 from diloco_anywhere.training.fingerprints import fingerprint
 from diloco_anywhere.training.global_state import GlobalState, local_tensor
 from diloco_anywhere.training.managers.bucket import BucketManager
+from diloco_anywhere.training.mistakes import ModelUnlikeRunError
 from diloco_anywhere.training.replica_group import ReplicaGroup
 
 ALONE = ReplicaGroup()
@@ -94,9 +95,15 @@ class HealReport:
         )
 
 
+class _MisfitError(Exception):
+    """A checkpoint that does not fit this replica's model and optimizers (its shapes, dtypes
+    or names differ), why."""
+
+
 def _load(checkpoint: Checkpoint, state: GlobalState, manager: BucketManager) -> bool:
     """Load ``checkpoint`` (its counters and fingerprint already checked against its COMMIT);
-    False (logged) if it does not fit this replica's model and optimizers."""
+    False (logged) if it does not load as its COMMIT says; ``_MisfitError`` if it does not fit
+    this replica's model and optimizers."""
     commit, tree = checkpoint.commit, checkpoint.tree
     try:
         state.load_fragments_tree(tree["fragments"])
@@ -104,13 +111,25 @@ def _load(checkpoint: Checkpoint, state: GlobalState, manager: BucketManager) ->
     except Exception as exc:  # another model or optimizer, or a malformed tree
         log.warning("checkpoint of round %d not used: it does not fit this replica's model and "
                     "optimizers: %s", commit.round, exc)  # fmt: skip
-        return False
+        raise _MisfitError(f"checkpoint {commit.round}: {exc}") from None
     found = fingerprint(commit.step, state.checksum())
     if found != checkpoint.fingerprint:
         log.warning("checkpoint of round %d not used: loaded, it fingerprints as %s, its COMMIT "
                     "says %s", commit.round, found, checkpoint.fingerprint)  # fmt: skip
         return False
     return True
+
+
+def _loaded(checkpoint: Checkpoint | None, state: GlobalState, manager: BucketManager,
+            misfits: list[str]) -> bool:  # fmt: skip
+    """``_load``, a misfit's reason kept in ``misfits``."""
+    if checkpoint is None:
+        return False
+    try:
+        return _load(checkpoint, state, manager)
+    except _MisfitError as misfit:
+        misfits.append(str(misfit))
+        return False
 
 
 @dataclass(frozen=True)
@@ -247,9 +266,9 @@ def heal(
     sealed fingerprints. ``from_initial``: the state is still the task's initial one, usable
     when no checkpoint is committed yet (a fresh process). ``shard`` and ``ranks``: this
     process's part of a sharded replica, and the replica's ranks, which heal together."""
-    started, tried = time.perf_counter(), False
+    started, tried, misfits = time.perf_counter(), False, []
     for checkpoint in _candidates(collective, mirrors, shard, ranks):
-        loaded = checkpoint is not None and _load(checkpoint, state, manager)
+        loaded = _loaded(checkpoint, state, manager, misfits)
         found = ranks.gather((checkpoint is not None, loaded))  # every rank's
         tried |= any(intact for intact, _ in found)
         if not all(fits for _, fits in found):
@@ -263,6 +282,13 @@ def heal(
         mirror = checkpoint.source if checkpoint.from_mirror else None  # type: ignore[union-attr]
         round_ = checkpoint.commit.round  # type: ignore[union-attr]
         return _healed(state, manager, round_, mirror, replayed, skipped, started)
+    if misfits:
+        raise ModelUnlikeRunError(
+            f"this replica's model does not fit the run's checkpoints, which its replicas "
+            f"trained ({misfits[0]}). Every replica must build the same model (class, config, "
+            f"size, dtype) and the same outer optimizer; another tokenizer's vocabulary sizes "
+            f"the embeddings otherwise"
+        )
     if tried or not from_initial:
         raise HealError(
             "no committed checkpoint in the bucket heals this replica (see the warnings above), "

@@ -32,8 +32,10 @@ from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 from torch.utils.data import IterableDataset
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import SaveStrategy
 
 from diloco_anywhere.data.stream import Stream
+from diloco_anywhere.training.output_claims import claim_output_dir
 from diloco_anywhere.training.replica import Replica
 from diloco_anywhere.training.training import Training
 
@@ -61,7 +63,12 @@ class DilocoCallback(TrainerCallback):
     its last log), and so does its data order: a restarted replica's Trainer starts its
     dataset over from its first batch, as ``trainer.train()`` without
     ``resume_from_checkpoint`` does, while its model, outer optimizer and schedule resume where
-    the run is. The Trainer stops once the run's outer steps are committed."""
+    the run is. The Trainer stops once the run's outer steps are committed.
+
+    A Trainer that saves checkpoints claims its ``output_dir`` for this replica as it is
+    built: another replica of the run given the same folder (every local replica runs in
+    run.toml's folder) is stopped then, saying how to give each its own
+    (``output_dir=f"out/{replica.replica_id}"``)."""
 
     def __init__(
         self,
@@ -85,7 +92,9 @@ class DilocoCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any
     ) -> None:
         """The run decides how many optimizer steps the Trainer takes, and so what its
-        scheduler spans (``Trainer.create_scheduler(num_training_steps=max_steps)``)."""
+        scheduler spans (``Trainer.create_scheduler(num_training_steps=max_steps)``). The
+        Trainer's ``output_dir`` is claimed for this replica, before anything trains."""
+        self._claim_output_dir(args)
         total = self.replica.total_steps
         if args.max_steps not in (-1, total):  # -1: TrainingArguments' "not set"
             log.warning(
@@ -94,6 +103,24 @@ class DilocoCallback(TrainerCallback):
                 args.max_steps, total,
             )  # fmt: skip
         args.max_steps = total
+
+    def _claim_output_dir(self, args: TrainingArguments) -> None:
+        """A Trainer that saves checkpoints (``save_strategy`` other than ``"no"``) saves them
+        in ``output_dir``, which must be this replica's alone: another replica of the run
+        that claimed it first stops this one (``SharedOutputDirError``, exit 2), while the
+        Trainer is built (``output_claims.py``). Its process that saves claims it
+        (``args.should_save``). A folder that cannot be claimed (read-only, say) is the
+        Trainer's to fail on as it saves, not this check's."""
+        if args.save_strategy == SaveStrategy.NO or not args.should_save:
+            return
+        run, me = self.replica.config.run.name, self.replica.replica_id
+        try:
+            claim_output_dir(args.output_dir, run, me)
+        except OSError as exc:
+            log.warning(
+                "output_dir %s could not be claimed for replica %s (%s): another replica "
+                "given it too would not be found", args.output_dir, me, exc,
+            )  # fmt: skip
 
     def on_train_begin(
         self,

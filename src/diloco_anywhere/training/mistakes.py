@@ -5,6 +5,8 @@ it), instead of leaving the replica, and the run, waiting on rounds that cannot 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from diloco_anywhere import contract
 
 
@@ -41,3 +43,23 @@ class RunCannotGoOnError(ScriptMistakeError):
     can help until they are fixed and replaced."""
 
     exit_code = contract.EXIT_RUN_CANNOT_GO_ON
+
+
+def stop_if_hopeless(why: Callable[[], str | None], waiting: str) -> Callable[[], None]:
+    """A check for a replica that waits before its first round (``waiting``: on what): raises
+    ``RunCannotGoOnError`` once ``why()`` says no round can seal again, as a round would."""
+
+    def check() -> None:
+        if (reason := why()) is not None:
+            raise RunCannotGoOnError(f"while {waiting}: {reason}")
+
+    return check
+
+
+class SharedOutputDirError(ScriptMistakeError):
+    """The folder the script writes its own outputs to (a Trainer's ``output_dir``) is another
+    replica's of the same run (``output_claims.py``): the two would overwrite each other's
+    checkpoints, and a restart resume from the other's. A restart meets it again (exit 2, as a
+    refused run.toml: never retried)."""
+
+    exit_code = contract.EXIT_BAD_CONFIG

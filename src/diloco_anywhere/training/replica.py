@@ -34,6 +34,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
@@ -46,7 +47,7 @@ from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.redaction import scrub_secrets
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective
-from diloco_anywhere.collective.membership import SupersededError
+from diloco_anywhere.collective.membership import SupersededError, run_hopeless
 from diloco_anywhere.config import ConfigError, RunConfig
 from diloco_anywhere.data.stream import Stream
 from diloco_anywhere.data.tokenizers import load_tokenizer
@@ -61,7 +62,11 @@ from diloco_anywhere.training.command import DONE, JOINED, report
 from diloco_anywhere.training.export_files import add_export_file
 from diloco_anywhere.training.initial_state import check_initial_state
 from diloco_anywhere.training.metrics import MetricsWriter
-from diloco_anywhere.training.mistakes import RunCannotGoOnError, ScriptMistakeError
+from diloco_anywhere.training.mistakes import (
+    RunCannotGoOnError,
+    ScriptMistakeError,
+    stop_if_hopeless,
+)
 from diloco_anywhere.training.outside_diloco import OutsideDilocoWatch
 from diloco_anywhere.training.pace import Pacer
 from diloco_anywhere.training.parameter_names import uncompiled
@@ -99,6 +104,15 @@ def _stops_are_errors() -> None:
         signal.signal(signal.SIGTERM, raise_stopped)
 
 
+def _stop_if_hopeless(store: Store, layout: RunLayout, config: RunConfig) -> Callable[[], None]:
+    """What a replica waiting for the others' votes (``bucket/agreement.py``) checks: it stops
+    (``RunCannotGoOnError``) once those that stopped for good leave too few for any round."""
+    return stop_if_hopeless(
+        lambda: run_hopeless(store, layout, config.run.replicas, config.run.min_replicas),
+        "waiting for the others to agree on what every replica starts with",
+    )
+
+
 class Replica:
     """One replica of the run that ``config`` describes: its identity, its data shard, its
     place among the processes of a ``torchrun`` replica, and (rank 0) its membership, metrics
@@ -109,7 +123,6 @@ class Replica:
     ) -> None:
         self.config, self.replica_id, self.index = config, replica_id, index
         self.platform = platform
-        self.electorate = config.electorate(index, replica_id)  # what it starts with is voted
         self.group = ReplicaGroup.from_environment(
             resolve_device(config.task.device).type,
             timeout=timedelta(seconds=max(3600.0, 4 * config.sync.timeout)),
@@ -125,8 +138,12 @@ class Replica:
         # Trainer's callback, hf_trainer.py): unwound with the script's error before the
         # replica records how it ended, as a `with` in the script would have been.
         self.contexts = ExitStack()
+        self.electorate = config.electorate(index, replica_id)  # what it starts with is voted
         if self.group.is_leader or self.group.sharded:
             store, layout = Store(config.store_url()), RunLayout(config.run.name)
+            self.electorate = replace(
+                self.electorate, check=_stop_if_hopeless(store, layout, config)
+            )
             if self.group.is_leader:
                 check_sharding(store, layout, self._sharding(), self.electorate)
             keep = config.checkpoint.keep
