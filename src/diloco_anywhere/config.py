@@ -106,6 +106,11 @@ class SparseSection(_Section):
 SPARSE_OUTER = {"outer_lr": 2.0, "outer_momentum": 0.0, "outer_nesterov": False}
 
 
+# A replica paced by time within this share of the round's pace trains sync_every / fragments:
+# two replicas of one GPU type measure steps a few percent apart, round to round
+PACE_TOLERANCE = 0.1
+
+
 class DilocoSection(_Section):
     sync_every: PositiveInt = 50  # H: inner steps between two syncs of the same fragment set
     outer_steps: PositiveInt = 10  # the run ends after this many committed outer steps
@@ -180,10 +185,17 @@ class DilocoSection(_Section):
 
     def steps_to_fit(self, seconds: float, step_seconds: float) -> int:
         """The steps a replica paced by time trains in a round of ``seconds`` at
-        ``step_seconds`` a step: whole ``step_quantum`` units, the nearest count, within
-        ``round_steps_bounds`` (``training/pace.py``; the estimate, ``launching/round_plan``)."""
+        ``step_seconds`` a step (``training/pace.py``; the estimate, ``launching/round_plan``),
+        within ``round_steps_bounds``: ``round_steps`` for a replica within ``PACE_TOLERANCE``
+        of the round's pace (the fastest's, measured with noise), else the whole
+        ``step_quantum`` units that fit, rounded down. A round closes when its last
+        contribution comes, so a replica that trains a unit more than fits keeps every other
+        replica waiting, and one that trains less idles only itself."""
         quantum, (least, most) = self.step_quantum, self.round_steps_bounds
-        steps = int(seconds / step_seconds / quantum + 0.5) * quantum
+        fitting = seconds / step_seconds
+        if self.round_steps / (1 + PACE_TOLERANCE) <= fitting <= self.round_steps:
+            return min(max(self.round_steps, least), most)
+        steps = int(fitting / quantum + 1e-9) * quantum
         return min(max(steps, least), most)
 
     @property

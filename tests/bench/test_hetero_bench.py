@@ -18,7 +18,7 @@ from support.runs import diloco
 @pytest.mark.integration
 def test_the_hetero_bench_runs_each_pace_and_the_slow_replica_trains_fewer_steps_paced_by_time():
     result = diloco("bench", "hetero", "--speeds", "1,0.1", "--sync-every", "10",
-                    "--outer-steps", "4", "--json")  # fmt: skip
+                    "--outer-steps", "4", "--step-seconds", "0.05", "--json")  # fmt: skip
     assert result.exit_code == 0, result.output
     found = json.loads(result.stdout)
     runs = found["runs"]

@@ -380,12 +380,14 @@ def test_rounds_paced_by_time_take_the_fastest_platforms_time_and_nobody_waits()
     assert not any(line.startswith("of it waiting") for line in result.lines())
 
 
-def test_steps_that_fit_no_whole_unit_are_rounded_to_the_nearest_and_the_others_wait_the_rest():
+def test_steps_that_fit_no_whole_unit_are_rounded_down_and_only_that_platform_waits_the_rest():
     """4 s a step fits 25 steps in the H100s' 100 s; steps come in units of 10, so it trains
-    30 (120 s) and the others wait a sixth of the round."""
+    20 (80 s): the round still closes at 100 s, the H100s never wait, and it waits a fifth
+    of the round (30, 120 s, would make every other replica wait a sixth)."""
     rounds = estimate_rounds(_paced("time", 4.0))
-    assert rounds.round_seconds == pytest.approx(120.0)
-    assert rounds.waiting_of("modal") == pytest.approx(1 / 6)
+    assert rounds.round_seconds == pytest.approx(100.0)
+    assert rounds.waiting_of("modal") == 0.0
+    assert rounds.waiting_of("sagemaker") == pytest.approx(0.2)
 
 
 def test_a_platform_too_slow_for_the_fewest_steps_holds_timed_rounds_up_and_is_priced():

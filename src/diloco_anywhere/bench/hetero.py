@@ -42,7 +42,7 @@ class HeteroBench:
     speeds: tuple[float, ...]
     sync_every: int = 20
     outer_steps: int = 10
-    step_seconds: float = 0.05  # a step at speed 1
+    step_seconds: float = 0.2  # a step at speed 1: H of them a round, long against polling
     batch_size: int = 4
     # a fourth run, paced by time: replica ``index`` slowed ``factor`` times after ``after`` of
     # its own inner steps (``(0, 100, 4)``: after 100, five rounds at H = 20)

@@ -24,7 +24,7 @@ ahead). A replica is re-paced within two rounds.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from diloco_anywhere.collective.records import Pace
@@ -69,6 +69,7 @@ class Pacer:
         self.round_seconds = diloco.round_seconds or None
         self.length: float | None = self.round_seconds  # the newest round length
         self.step_seconds: float | None = None  # this replica's moving step time
+        self._others: dict[str, float] = {}  # the other contributors' (replica id: seconds)
         self._planned: dict[int, int] = {}
         self._origin = self._cursor = RoundSpan(0, 0, self.steps(0))  # until ``start``
 
@@ -93,19 +94,24 @@ class Pacer:
         self._cursor = cursor
         return cursor
 
-    def decide(self, round_: int, own: Pace | None, sealed: Iterable[Pace]) -> Plan | None:
+    def decide(
+        self, round_: int, own: Pace | None, sealed: Mapping[str, Pace], me: str = ""
+    ) -> Plan | None:
         """After round ``round_``: this replica's plan for round ``round_ + LAG``, from its own
-        pace in it (None: it sent nothing) and the paces it was sealed with (None without
-        pacing by time)."""
+        pace in it (None: it sent nothing) and the paces it was sealed with, by contributor
+        (``me``: this replica's name among them; None without pacing by time). Every
+        contributor's pace is a moving figure, its own and the others' alike, so that a
+        noisy round of the fastest does not shorten everyone's next one."""
         if not self.timed:
             return None
         newest = own.step_seconds if own is not None else None
         step_seconds = moving_step_seconds(self.step_seconds, newest)
-        others = list(sealed)
-        if own is not None and own in others:  # its own pace counts as its moving figure
-            others.remove(own)
-        times = [t for pace in others if (t := pace.step_seconds) is not None]
-        times += [step_seconds] if own is not None and step_seconds is not None else []
+        times = [step_seconds] if own is not None and step_seconds is not None else []
+        for name, pace in sealed.items():
+            replica = name.rsplit("-", 1)[0]  # its incarnations share a figure
+            if name != me and (seconds := pace.step_seconds) is not None:
+                self._others[replica] = moving_step_seconds(self._others.get(replica), seconds)
+                times.append(self._others[replica])
         length = self.round_seconds or self._reference_length(times) or self.length
         return Plan(round_ + LAG, self.fit(length, step_seconds), length, step_seconds)
 

@@ -335,9 +335,10 @@ class Training:
         the round was sealed with; its other ranks take the same), then the next round."""
         if self.pacer.timed:
             result = self.manager.last_result if committed else None
-            sealed = result.paces.values() if result is not None else ()
+            sealed = result.paces if result is not None else {}
+            me = self.collective.me.name if self.collective is not None else ""
             leader = self.group.is_leader
-            plan = self.pacer.decide(synced, self.sent_pace, sealed) if leader else None
+            plan = self.pacer.decide(synced, self.sent_pace, sealed, me) if leader else None
             self.pacer.apply(self.group.broadcast(plan))
             self._say_if_behind()
         self._start_round(synced + 1)  # a heal after a divergence starts its own

@@ -311,8 +311,14 @@ def bench_hetero_command(
     sync_every: SyncEvery = 20,
     outer_steps: OuterSteps = 10,
     step_seconds: Annotated[
-        float, typer.Option(min=0.001, help="What an inner step of speed 1 takes.")
-    ] = 0.05,
+        float,
+        typer.Option(
+            min=0.001,
+            help="What an inner step of speed 1 takes: a round is H of them, long against "
+            "the store's polling as a real round of minutes is (0.05: 1 s rounds, where the "
+            "polling itself costs a tenth).",
+        ),
+    ] = 0.2,
     slowdown: Annotated[
         str | None,
         typer.Option(
