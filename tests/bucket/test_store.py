@@ -8,6 +8,7 @@ import threading
 import time
 import urllib.request
 
+import crc32c
 import fsspec
 import pytest
 
@@ -15,6 +16,7 @@ from diloco_anywhere.bench.processes import worker_context
 from diloco_anywhere.bucket.errors import StoreError
 from diloco_anywhere.bucket.keys import check_key
 from diloco_anywhere.bucket.redaction import redact_url, scrub_secrets
+from diloco_anywhere.bucket import store as store_module
 from diloco_anywhere.bucket.store import Store
 
 
@@ -50,6 +52,36 @@ def test_put_is_idempotent_for_identical_bytes(backend):
     store.put("reduced/0", b"same deterministic bytes")
     store.put("reduced/0", bytearray(b"same deterministic bytes"))
     assert store.get("reduced/0") == b"same deterministic bytes"
+
+
+def test_a_file_put_and_got_back_in_chunks_is_the_same_bytes(backend, tmp_path, monkeypatch):
+    """A checkpoint's part goes to the store from a local file and comes back into one, in
+    chunks (``put_file``, ``get_file``): 48 MiB through parts of 16 MiB (S3's multipart
+    upload, GCS's resumable one, Azure's blocks), create-only, idempotent like ``put``."""
+    store = backend.store()
+    payload = os.urandom(1 << 20) * 48 + b"tail"
+    source = tmp_path / "part"
+    source.write_bytes(payload)
+    spool = store.spool("checkpoints/0/shard-00000.safetensors")
+    os.replace(source, spool)
+    store.put_file("checkpoints/0/shard-00000.safetensors", spool)
+    store.put_file("checkpoints/0/shard-00000.safetensors", spool)  # the same bytes: no-op
+    os.unlink(spool)
+    key = "checkpoints/0/shard-00000.safetensors"
+    assert store.checksum(key, len(payload) + 1) == (len(payload), crc32c.crc32c(payload))
+    monkeypatch.setattr(store_module, "DOWNLOAD_BYTES", 5 << 20)  # chunks that end mid-object
+    back = tmp_path / "back"
+    assert store.get_file(key, str(back), len(payload) + 1) == len(payload)
+    assert back.read_bytes() == payload
+    assert store.get_file(key, str(back), 100) == 100  # at most the limit, whatever is stored
+    assert back.read_bytes() == payload[:100]
+    local = store.local_file(key)
+    assert local is None or open(local, "rb").read() == payload
+    if backend.exclusive_create:
+        other = tmp_path / "other"
+        other.write_bytes(b"other bytes")
+        with pytest.raises(FileExistsError, match="already exists; keys are create-only"):
+            store.put_file(key, str(other))
 
 
 def test_put_accepts_bytearray(backend):

@@ -33,7 +33,7 @@ from diloco_anywhere.launching.status import (
 )
 from diloco_anywhere.task import TaskContext, build_task, load_entrypoint
 from diloco_anywhere.training.builders import split_fragments
-from diloco_anywhere.training.global_state import FRAGMENT_KEY, GlobalState
+from diloco_anywhere.training.global_state import GlobalState
 from diloco_anywhere.training.metrics import (
     EventLine,
     MetricsReader,
@@ -66,18 +66,12 @@ def test_fragments_balance_elements():
     assert sizes == [2 * (32 * 32 + 32)] * 4
 
 
-def _saved_state(weights: dict[str, torch.Tensor]):
-    """A fragment's save function as torchft's DiLoCo registers it: a copy of its state."""
-    return lambda: {"original_parameters": {name: w.clone() for name, w in weights.items()}}
-
-
 def test_the_global_weights_are_in_place_for_a_block_and_local_weights_return_bit_for_bit():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     fragments = split_fragments(model, 2)
     agreed = [{n: torch.randn_like(p) for n, p in f.named_parameters()} for f in fragments]
-    functions = {FRAGMENT_KEY.format(i): (None, _saved_state(w)) for i, w in enumerate(agreed)}
-    state = GlobalState(functions, fragments, [], stored_names(model, fragments))
+    state = GlobalState({}, fragments, [], stored_names(model, fragments), agreed)
     local = {name: p.detach().clone() for name, p in model.named_parameters()}
 
     with state.global_weights_in_place():

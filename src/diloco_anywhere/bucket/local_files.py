@@ -13,13 +13,18 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import stat
 import uuid
 from collections.abc import Callable
+from typing import BinaryIO
+
+import crc32c
 
 from diloco_anywhere.bucket.errors import StoreError
 
 TEMP_PREFIX = ".tmp-"
+COPY_BYTES = 8 << 20  # a file copied into a local store moves this many bytes at a time
 
 
 def open_regular(path: str) -> int:
@@ -34,20 +39,42 @@ def open_regular(path: str) -> int:
 
 
 def create_local(path: str, data: bytes | bytearray | memoryview) -> None:
-    _write_local(path, data, os.link)
+    _write_local(path, lambda file: file.write(data), os.link)
 
 
 def replace_local(path: str, data: bytes | bytearray | memoryview) -> None:
     """rename(2) over the old file: a reader opens the old file or the new, never a part."""
-    _write_local(path, data, os.replace)
+    _write_local(path, lambda file: file.write(data), os.replace)
 
 
-def _write_local(
-    path: str, data: bytes | bytearray | memoryview, publish: Callable[[str, str], None]
-) -> None:
-    """Write a temp file beside ``path``, then ``publish`` it there (link: create-only; replace:
-    overwrite). Not fsynced: a process crash loses nothing (the page cache survives it); an OS
-    crash takes the local store's replicas down with it anyway."""
+def create_local_from_file(path: str, source: str) -> None:
+    """Publish the local file ``source`` at ``path``, create-only: linked where it is on the
+    same filesystem (a spool file beside the key: no byte is copied), else copied beside
+    ``path`` a chunk at a time, then linked. ``source`` stays where it is."""
+    _check_target(path)
+    try:
+        os.link(source, path)
+        return
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            _raise_unlinkable(path, exc)
+            raise
+
+    def copy(file: BinaryIO) -> None:
+        with open(source, "rb") as original:
+            shutil.copyfileobj(original, file, COPY_BYTES)
+
+    _write_local(path, copy, os.link)
+
+
+def temp_beside(path: str) -> str:
+    """A temp file's path in ``path``'s folder (created), named as a store's temp files are:
+    one that is published with ``create_local_from_file`` is linked, not copied."""
+    _check_target(path)
+    return os.path.join(os.path.dirname(path), f"{TEMP_PREFIX}{uuid.uuid4().hex}")
+
+
+def _check_target(path: str) -> None:
     directory = os.path.dirname(path)
     try:
         os.makedirs(directory, exist_ok=True)
@@ -61,17 +88,31 @@ def _write_local(
             f"cannot create {path}: it is a folder of other keys; on a local store a key "
             f"cannot also be a folder of keys"
         )
-    temp = os.path.join(directory, f"{TEMP_PREFIX}{uuid.uuid4().hex}")
+
+
+def _raise_unlinkable(path: str, exc: OSError) -> None:
+    """A filesystem without hard links cannot publish a file whole: say so."""
+    if exc.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+        raise StoreError(
+            f"cannot publish {path} atomically: this filesystem does not support hard "
+            f"links ({exc.strerror}); put the store on a local disk or use a bucket URL"
+        ) from exc
+
+
+def _write_local(
+    path: str, fill: Callable[[BinaryIO], object], publish: Callable[[str, str], None]
+) -> None:
+    """Write a temp file beside ``path`` (``fill`` writes into it), then ``publish`` it there
+    (link: create-only; replace: overwrite). Not fsynced: a process crash loses nothing (the
+    page cache survives it); an OS crash takes the local store's replicas down with it anyway."""
+    _check_target(path)
+    temp = os.path.join(os.path.dirname(path), f"{TEMP_PREFIX}{uuid.uuid4().hex}")
     try:
         with open(temp, "xb") as file:
-            file.write(data)
+            fill(file)
         publish(temp, path)
     except OSError as exc:
-        if exc.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
-            raise StoreError(
-                f"cannot publish {path} atomically: this filesystem does not support hard "
-                f"links ({exc.strerror}); put the store on a local disk or use a bucket URL"
-            ) from exc
+        _raise_unlinkable(path, exc)
         raise
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -83,3 +124,12 @@ def remove_empty_dirs(top: str) -> None:
     for directory, _, _ in os.walk(top, topdown=False):
         with contextlib.suppress(OSError):  # not empty: a key was created there meanwhile
             os.rmdir(directory)
+
+
+def file_checksum(path: str) -> tuple[int, int]:
+    """The size and CRC32C of the local file at ``path``, read ``COPY_BYTES`` at a time."""
+    size = checksum = 0
+    with open(path, "rb") as file:
+        while chunk := file.read(COPY_BYTES):
+            checksum, size = crc32c.crc32c(chunk, checksum), size + len(chunk)
+    return size, checksum

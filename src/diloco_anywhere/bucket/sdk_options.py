@@ -35,6 +35,17 @@ CONTENT_TYPE_ARGUMENTS: dict[str, Callable[[str], dict[str, Any]]] = {
     "abfs": lambda content_type: {"content_settings": {"content_type": content_type}},
 }
 
+# How each SDK uploads a local file (``Store.put_file``): in parts of 16 MiB, a few at a time,
+# so a checkpoint's part of any size holds tens of MiB in memory (s3fs reads a file under twice
+# its chunk size whole, and uploads ten parts at a time by default; gcsfs one chunk; Azure's
+# SDK below 64 MiB whole, then 4 MiB blocks).
+UPLOAD_BYTES = 16 << 20
+UPLOAD_OPTIONS: dict[str, dict[str, Any]] = {
+    "s3": {"chunksize": UPLOAD_BYTES, "max_concurrency": 4},
+    "gcs": {"chunksize": UPLOAD_BYTES},
+    "abfs": {"max_concurrency": 4},
+}
+
 # What a filesystem that signs URLs needs besides the store's options. S3: SigV4, which botocore
 # does not use for presigning unless asked (its SigV2 is deprecated by AWS and refused by
 # S3-compatible stores), signed in the bucket's own region (looked up once with a HEAD; s3fs

@@ -108,15 +108,17 @@ class ReplicaParts:
     outers: list[torch.optim.Optimizer]
     tokens_per_step: int
     evaluate: Callable[[nn.Module], float] | None = None
+    built: DiLoCo | None = None  # the DiLoCo ``diloco()`` built
 
     def diloco(self) -> DiLoCo:
         """torchft's DiLoCo over these parts (a context manager: it hooks the inner steps)."""
         diloco = self.config.diloco
-        return DiLoCo(
+        self.built = DiLoCo(
             self.manager, self.fragments, self.inner, self.outers,
             sync_every=diloco.sync_every, fragment_sync_delay=diloco.fragment_sync_delay,
             pin_memory=False,
         )  # fmt: skip
+        return self.built
 
     def apply_outer_hyperparameters(self) -> None:
         """run.toml's outer learning rate and momentum, over what a loaded checkpoint held: a
@@ -130,9 +132,16 @@ class ReplicaParts:
                 )  # fmt: skip
 
     def global_state(self) -> GlobalState:
-        """The state DiLoCo registered with the manager (once ``diloco()`` is built)."""
+        """The state DiLoCo registered with the manager (once ``diloco()`` is built), its
+        global weights read where DiLoCo keeps them (``_StreamingDiLoCoFragment``'s
+        ``original_parameters``, torchft 0.2: no accessor returns them uncopied); the
+        manager's fingerprint of it at each sync is taken without a copy too."""
         names = stored_names(self.model, self.fragments)  # what checkpoints record for export
-        return GlobalState(self.manager.state_dict_fns, self.fragments, self.outers, names)
+        originals = [fragment.original_parameters for fragment in self.built._fragments]
+        state = GlobalState(self.manager.state_dict_fns, self.fragments, self.outers, names,
+                            originals)  # fmt: skip
+        self.manager.state_checksum = state.checksum
+        return state
 
 
 def error_feedback(config: RunConfig) -> ErrorFeedback | None:

@@ -55,7 +55,12 @@ class LocalShard:
     def like(cls, local: torch.Tensor, tensor: DTensor) -> LocalShard:
         """A CPU copy of ``local``, which is placed as ``tensor``'s local shard (DiLoCo keeps a
         DTensor parameter's global weights as its local shard)."""
-        return cls(local.detach().to("cpu", copy=True), *placement(tensor))
+        return cls.placed(local.detach().to("cpu", copy=True), tensor)
+
+    @classmethod
+    def placed(cls, local: torch.Tensor, tensor: DTensor) -> LocalShard:
+        """``local`` itself (not a copy), placed as ``tensor``'s local shard."""
+        return cls(local, *placement(tensor))
 
     def place(self) -> tuple[tuple[int, ...], ...]:
         """Where it sits: the whole shape, the offset, the mesh and the placements."""
@@ -82,15 +87,21 @@ def local_tensor(leaf: Any) -> Any:
     return leaf.tensor if isinstance(leaf, LocalShard) else leaf
 
 
+CHECKSUM_BYTES = 16 << 20  # a device tensor is checksummed this many bytes at a time
+
+
 def tree_checksum(tree: Any) -> int:
     """CRC32C over the bytes of every tensor leaf (a rank's local shard of a DTensor), in
     flattening order: equal trees give equal checksums on every device, whatever the thread
-    count."""
+    count. A host tensor is read where it is; a device one a slice of ``CHECKSUM_BYTES`` at a
+    time, so no copy of the state is made."""
     checksum = 0
     for leaf in map(local_tensor, pytree.tree_leaves(tree)):
         if isinstance(leaf, torch.Tensor):
-            data = leaf.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
-            checksum = crc32c.crc32c(data, checksum)
+            data = leaf.detach().contiguous().reshape(-1).view(torch.uint8)
+            for start in range(0, data.numel(), CHECKSUM_BYTES):
+                chunk = data[start : start + CHECKSUM_BYTES].cpu().numpy()
+                checksum = crc32c.crc32c(chunk, checksum)
     return checksum
 
 
@@ -150,26 +161,38 @@ class GlobalState:
         fragments: list[nn.Module],
         outer_optimizers: list[torch.optim.Optimizer],
         names: dict[str, Any],
+        originals: list[dict[str, torch.Tensor]],
     ) -> None:
         """``names``: the model's names of the fragments' weights, which checkpoints record
-        (``parameter_names.stored_names``)."""
+        (``parameter_names.stored_names``). ``originals``: each fragment's global weights, the
+        tensors DiLoCo keeps them in (its ``original_parameters``), read and written in place:
+        torchft's save function clones every one of them, a copy of the model per call."""
         self._fns = state_dict_fns
         self.fragments, self.outer_optimizers = fragments, outer_optimizers
-        self.names = names
+        self.names, self.originals = names, originals
 
     def fragments_tree(self) -> dict[str, Any]:
-        """Each fragment's saved state (references to DiLoCo's tensors, not copies)."""
-        return state_tree(self._fns)
+        """Each fragment's state as DiLoCo keeps it: its global weights and its outer
+        optimizer's state, by reference (nothing is copied), in the order of its key."""
+        pairs = zip(self.originals, self.outer_optimizers, strict=True)
+        tree = {
+            FRAGMENT_KEY.format(index): {
+                "outer_optimizer": optimizer.state_dict(), "original_parameters": dict(weights)
+            }
+            for index, (weights, optimizer) in enumerate(pairs)
+        }  # fmt: skip
+        return {key: tree[key] for key in sorted(tree)}
 
     def checkpoint_tree(self) -> dict[str, Any]:
         """``fragments_tree`` as a checkpoint stores it: a sharded replica's global weights as
-        ``LocalShard``s placed as their parameters (their momentum is a DTensor already)."""
+        ``LocalShard``s placed as their parameters (their momentum is a DTensor already), all
+        by reference."""
         tree = self.fragments_tree()
         for index, fragment in enumerate(self.fragments):
             key = FRAGMENT_KEY.format(index)
             parameters = dict(fragment.named_parameters())
             weights = {
-                name: LocalShard.like(value, parameters[name])
+                name: LocalShard.placed(value, parameters[name])
                 if isinstance(parameters.get(name), DTensor)
                 else value
                 for name, value in tree[key]["original_parameters"].items()
@@ -216,13 +239,14 @@ class GlobalState:
         return tree_checksum(self.fragments_tree())
 
     def global_weights(self, fragment: int) -> dict[str, torch.Tensor]:
-        """A copy (torchft's save function clones) of ``fragment``'s global weights."""
-        return self._fns[FRAGMENT_KEY.format(fragment)][1]()["original_parameters"]
+        """``fragment``'s global weights: DiLoCo's own tensors (not copies)."""
+        return self.originals[fragment]
 
     def replay(self, fragment: int, mean: torch.Tensor) -> None:
         """Apply one committed round's averaged pseudo-gradient (flat float32, the fragment's
         parameters, or this rank's local shards of them, in ``named_parameters`` order, as
-        DiLoCo sends them) to ``fragment``."""
+        DiLoCo sends them) to ``fragment``: in place, the parameters' own tensors holding the
+        global weights meanwhile, as ``perform_sync`` does (no copy of the model per round)."""
         weights = self.global_weights(fragment)
         parameters = list(self.fragments[fragment].named_parameters())
         total = sum(local_tensor(p).numel() for _, p in parameters)
@@ -241,11 +265,9 @@ class GlobalState:
         optimizer = self.outer_optimizers[fragment]
         optimizer.step()
         optimizer.zero_grad()
-        load = self._fns[FRAGMENT_KEY.format(fragment)][0]  # copies into DiLoCo's own tensors
-        load({
-            "original_parameters": {name: local_tensor(p.data) for name, p in parameters},
-            "outer_optimizer": optimizer.state_dict(),
-        })  # fmt: skip
+        with torch.no_grad():  # the new global weights, into DiLoCo's own tensors
+            for name, parameter in parameters:
+                weights[name].copy_(local_tensor(parameter.data))
 
     def reset_local_weights(self) -> None:
         """Every parameter back to the global weights: a healed replica starts its inner steps

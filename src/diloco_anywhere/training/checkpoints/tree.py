@@ -13,6 +13,7 @@ writer and the reader do the store's side.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -37,6 +38,8 @@ def snapshot(tree: Any) -> Any:
     def copy(leaf: Any) -> Any:
         if isinstance(leaf, DTensor):
             return LocalShard.of(leaf)
+        if isinstance(leaf, LocalShard):
+            return dataclasses.replace(leaf, tensor=leaf.tensor.detach().to("cpu", copy=True))
         if isinstance(leaf, torch.Tensor):
             return leaf.detach().to("cpu", copy=True)
         return leaf

@@ -126,6 +126,11 @@ class BucketManager:
         self._weight = 1.0
         # how this replica trained the contribution being sent, read when it is sent
         self.pace: Callable[[], Pace] = lambda: NO_PACE
+        # the global state's checksum, each sync's fingerprint (``GlobalState.checksum``)
+        self.state_checksum: Callable[[], int] = self._saved_state_checksum
+        # called before the outer step changes the global state (a checkpoint being written
+        # from it waits until its parts are on local disk: ``CheckpointWriter.release``)
+        self.before_state_changes: Callable[[], None] = lambda: None
         self._current = _Sync()
         self._last: RoundResult | None = None
         self._state_dict_fns: dict[str, StateDictFns] = {}
@@ -169,7 +174,9 @@ class BucketManager:
         self._current.quantize |= should_quantize
         return SyncWork(self, future)
 
-    def _state_checksum(self) -> int:
+    def _saved_state_checksum(self) -> int:
+        """The registered state's checksum through its save functions (which copy it: a
+        replica's ``GlobalState`` sets ``state_checksum`` to one that reads it in place)."""
         return tree_checksum(state_tree(self._state_dict_fns))
 
     def send(self) -> None:
@@ -204,7 +211,7 @@ class BucketManager:
 
     def _fingerprint_for(self, sync: _Sync, step: int) -> str:
         """Checksummed on the round's thread: DiLoCo changes its state only after the round."""
-        sync.fingerprint = fingerprint(step, self._state_checksum())
+        sync.fingerprint = fingerprint(step, self.state_checksum())
         return sync.fingerprint
 
     @staticmethod
@@ -256,6 +263,7 @@ class BucketManager:
         keeps what the codec dropped of a contribution the committed mean holds, and all of
         one it does not (on the training thread: an encode and a decode of the fragment,
         counted as exposed sync time)."""
+        self.before_state_changes()
         if commit and sync.stream is not None and self._holds_us(sync.result):
             started = time.perf_counter()
             self.feedback.applied(sync.stream, sync.codec)  # type: ignore[union-attr, arg-type]
