@@ -59,6 +59,20 @@ class GlobalCheckpoints:
             else None
         )  # fmt: skip
 
+    def release(self) -> None:
+        """Before the global state changes (the outer step, a heal): wait until a checkpoint
+        being written from it reads it no more."""
+        if self.writer is not None:
+            self.writer.release()
+
+    def write_now(self, manager: BucketManager, state: GlobalState) -> bool:
+        """A checkpoint of the round just synced, by this process alone, whether one is due or
+        not (``diloco bench checkpoint``); True if a write started."""
+        if self.writer is None:
+            return False
+        return self.writer.write(manager.last_round(), (self.writer.me,), _tree(manager, state),
+                                 last=False)  # fmt: skip
+
     @property
     def mirror_stores(self) -> tuple:
         """The mirrors' stores, where healing also looks for a checkpoint."""
@@ -179,6 +193,7 @@ def heal_replica(
     (``healing.py``) and the other ranks from the leader, or every rank of a sharded replica
     its own shard, together."""
     shard = checkpoints.shard
+    checkpoints.release()  # healing changes the state a checkpoint may still be read from
     if group.is_leader or shard.sharded:
         report = heal(
             collective,  # type: ignore[arg-type]  (held by the leader, or every rank of a sharded replica)

@@ -27,6 +27,7 @@ from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.record import encode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.training.checkpoints.commits import committed_rounds, read_commit
+from diloco_anywhere.training.checkpoints.objects import put_checked
 from diloco_anywhere.training.checkpoints.reader import read_checkpoint
 from diloco_anywhere.training.checkpoints.records import (
     CheckpointCommit,
@@ -74,13 +75,26 @@ class MirrorWriter:
                 log.warning("mirror %s: checkpoint of round %d skipped, the previous copy is "
                             "still running", store.url, round_)  # fmt: skip
                 continue
+            if checkpoint.spools is not None:
+                checkpoint.spools.hold()  # its local files, until this copy is done
             self._pending[index] = self._executor.submit(self._copy, store, checkpoint, round_)
+        if checkpoint.spools is not None:
+            checkpoint.spools.release()  # the writer's hold, passed on to the copies
 
     def idle(self) -> bool:
         """No copy under way."""
         return all(pending.done() for pending in self._pending.values())
 
     def _copy(self, store: Store, checkpoint: StoredCheckpoint | StoredPart, round_: int) -> None:
+        try:
+            self._copy_to(store, checkpoint, round_)
+        finally:
+            if checkpoint.spools is not None:
+                checkpoint.spools.release()
+
+    def _copy_to(
+        self, store: Store, checkpoint: StoredCheckpoint | StoredPart, round_: int
+    ) -> None:
         try:
             if isinstance(checkpoint, StoredPart):
                 copy_part(store, self.layout, checkpoint, self.policy)
@@ -115,7 +129,7 @@ def copy_checkpoint(store: Store, layout: RunLayout, checkpoint: StoredCheckpoin
     if removed := store.delete_prefix(folder):
         log.warning("%s: replaced %d objects under %s: a copy cut short, or another run's "
                     "checkpoint of round %d", store.url, removed, folder, round_)  # fmt: skip
-    _put_checked(store, checkpoint.objects)
+    put_checked(store, checkpoint.objects)
     store.put(commit_key, checkpoint.commit_bytes)
 
 
@@ -138,7 +152,7 @@ def copy_part(
         if removed := store.delete_prefix(folder):
             log.warning("%s: replaced %d objects under %s: a copy cut short, or another run's "
                         "checkpoint of round %d", store.url, removed, folder, round_)  # fmt: skip
-        _put_checked(store, stored.objects)
+        put_checked(store, stored.objects)
         store.put(done_key, record)
     if stored.commit is not None:
         ranks = range(len(stored.commit.ranks))
@@ -151,19 +165,11 @@ def copy_part(
 
 
 def _holds(store: Store, key: str, data: bytes) -> bool:
-    """Whether ``key`` holds exactly ``data``."""
+    """Whether ``key`` holds exactly ``data`` (a record)."""
     try:
         return store.get(key, 0, len(data) + 1) == data
     except FileNotFoundError:
         return False
-
-
-def _put_checked(store: Store, objects: dict[str, bytes]) -> None:
-    """Put ``objects``, then read each back: a copy is done only when its bytes are there."""
-    store.put_many(objects)
-    for key, data in objects.items():
-        if store.get(key, 0, len(data) + 1) != data:
-            raise OSError(f"{key} in {store.url} reads back other bytes than were written")
 
 
 class ResumeError(ValueError):

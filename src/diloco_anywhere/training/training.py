@@ -308,6 +308,7 @@ class Training:
         to the run's, each contribution carrying how it was trained (``Pace``)."""
         self.diloco, self.state = diloco, state
         self.manager.pace = self._pace_of_round
+        self.manager.before_state_changes = self.checkpoints.release
         self.heal(state, from_initial=True)
 
     def _start_round(self, round_: int) -> None:

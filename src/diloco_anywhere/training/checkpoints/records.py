@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import crc32c
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
@@ -38,6 +38,9 @@ from diloco_anywhere.bucket.framing import Count, Name
 from diloco_anywhere.bucket.layout import MAX_RANK, MAX_ROUND
 from diloco_anywhere.bucket.record import Record
 from diloco_anywhere.training.fingerprints import combine_fingerprints
+
+if TYPE_CHECKING:
+    from diloco_anywhere.training.checkpoints.objects import Spools
 
 Round = Annotated[int, Field(ge=0, le=MAX_ROUND)]  # a round that has a key (``RunLayout``)
 # ``fingerprint(step, checksum)``, or ranks' fingerprints combined: the same form
@@ -173,27 +176,41 @@ class Checkpoint:
 
 
 @dataclass(frozen=True)
+class LocalCopy:
+    """An object's bytes in a local file: a spool written for it, or a download of it (a
+    checkpoint's parts are never held in memory whole: ``objects.py``)."""
+
+    path: str
+
+
+Blob = bytes | LocalCopy  # an object on its way into a store
+
+
+@dataclass(frozen=True)
 class StoredPart:
-    """One rank's part of a sharded checkpoint as bytes: what a mirror copy of that rank
-    writes (``mirrors.copy_part``). Rank 0's carries the COMMIT, written once every rank's
-    part is in."""
+    """One rank's part of a sharded checkpoint: what a mirror copy of that rank writes
+    (``mirrors.copy_part``). Rank 0's carries the COMMIT, written once every rank's part is
+    in. ``spools``: the local files its parts are in, let go of once copied."""
 
     round: int
     rank: int
     part: RankPart
-    objects: dict[str, bytes]  # the part's state and shards, by key
+    objects: dict[str, Blob]  # the part's state and shards, by key
     commit: CheckpointCommit | None = None
     commit_bytes: bytes = b""
+    spools: Spools | None = None
 
 
 @dataclass(frozen=True)
 class StoredCheckpoint:
-    """A committed checkpoint as bytes, each object checked against its COMMIT: what a copy
-    to another store writes (``mirrors.copy_checkpoint``)."""
+    """A committed checkpoint, each object checked against its COMMIT: what a copy to
+    another store writes (``mirrors.copy_checkpoint``). ``spools``: the local files its parts
+    are in, let go of once copied."""
 
     commit: CheckpointCommit
     commit_bytes: bytes
-    objects: dict[str, bytes]  # the objects read (every part's, or one rank's), by key
+    objects: dict[str, Blob]  # the objects read (every part's, or one rank's), by key
+    spools: Spools | None = None
 
 
 @dataclass(frozen=True)

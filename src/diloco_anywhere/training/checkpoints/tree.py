@@ -52,6 +52,8 @@ def _name(path: tuple[str | int, ...]) -> str:
 
 
 def _encode(node: Any, path: tuple[str | int, ...], tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(node, DTensor):  # its local shard, by reference, placed as data
+        node = LocalShard.placed(node.to_local(), node)
     if isinstance(node, torch.Tensor):
         tensors[_name(path)] = node.contiguous()
         return {"tensor": _name(path)}
@@ -77,7 +79,8 @@ def _encode(node: Any, path: tuple[str | int, ...], tensors: dict[str, torch.Ten
 
 
 def flatten(tree: Any) -> tuple[dict[str, torch.Tensor], bytes]:
-    """The tensors by path name, and the structure with the other leaves as JSON.
+    """The tensors by path name (the tree's own, not copies), and the structure with the
+    other leaves as JSON.
 
     The structure is this module's own small format (dict, list, tuple, tensor, value nodes),
     not torch's pytree spec: ``treespec_loads`` imports modules named in its input, and a

@@ -12,19 +12,32 @@ not leave a run whose replicas all say done and that never ends.
 
 A sharded replica's ranks each write their own part and PART record, and rank 0 commits once
 every rank's is in (``wait_for_parts``). The committer then prunes the old checkpoints
-(``prune_checkpoints``) and hands the new one to the mirrors (``mirrors.py``). Writing runs on
-a thread of its own: training waits only for the state to be copied.
+(``prune_checkpoints``) and hands the new one to the mirrors (``mirrors.py``).
+
+Writing runs on a thread of its own, from the state as it is, by reference: no copy of it is
+made. Its shards, of about ``part_bytes`` each, are written to local files one at a time
+(``staging.py``: safetensors' own writer, straight from host memory; a device tensor through a
+pinned buffer a part at a time) and uploaded from there (``Store.put_file``, in parts of
+16 MiB), so host memory holds one part of device tensors at most, whatever the model. The
+state is read only until its shards are on local disk: training goes on meanwhile, and the
+outer step that would change it waits for that (``release``, which ``BucketManager`` calls
+before every outer step): at disk speed, seconds, never the upload. The committer writes every
+shard to its local disk (others only theirs), so that it can write a late writer's shards and
+check every other shard's bytes by its size and CRC32C without holding any of them.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
+
+import torch
 
 from diloco_anywhere.bucket.framing import WireFormatError
 from diloco_anywhere.bucket.layout import MAX_ROUND, RunLayout, parse_count
@@ -32,27 +45,28 @@ from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, decode_record, enco
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.training.checkpoints.commits import committed_rounds, read_commit
+from diloco_anywhere.training.checkpoints.objects import Spools, describe, holds, put
 from diloco_anywhere.training.checkpoints.records import (
     WHOLE,
+    Blob,
     CheckpointCommit,
     CheckpointError,
+    LocalCopy,
     RankPart,
     ShardOf,
     StoredCheckpoint,
     StoredObject,
     StoredPart,
 )
-from diloco_anywhere.training.checkpoints.tree import (
-    encode_in_parts,
-    encode_shard,
-    flatten,
-    plan_shards,
-    snapshot,
-)
+from diloco_anywhere.training.checkpoints.staging import HostStaging, write_part
+from diloco_anywhere.training.checkpoints.tree import flatten, plan_shards
 from diloco_anywhere.training.fingerprints import combine_fingerprints, fingerprint
 from diloco_anywhere.training.global_state import tree_checksum
 
 log = logging.getLogger(__name__)
+# Shards of this size: a device tensor is staged in host memory a shard at a time, and a
+# heal or an export reads one at a time; a tensor larger than it is a shard of its own.
+PART_BYTES = 256 << 20
 
 
 def _commit_fields(layout: RunLayout, round_: int, tree: dict[str, Any]) -> dict[str, Any]:
@@ -74,9 +88,9 @@ class CheckpointPolicy:
 
     keep: int  # committed checkpoints kept (rounds after the oldest kept are kept too)
     orphan_grace: float  # seconds the committer waits for other writers' shards
-    part_wait: float  # seconds rank 0 of a sharded replica waits for the others' parts
+    part_bytes: int = PART_BYTES  # a checkpoint is written in shards of about this size
+    part_wait: float = 600.0  # seconds rank 0 of a sharded replica waits for the others' parts
     poll: float = 0.2
-    part_bytes: int = 1 << 30  # a rank's part is written in objects of about this size
 
     @classmethod
     def of(cls, config: RunConfig, **overrides: Any) -> CheckpointPolicy:
@@ -112,6 +126,9 @@ class CheckpointWriter:
         self.mirror, self.shard = mirror, shard
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self._pending: Future[None] | None = None
+        self._staging = HostStaging()
+        self._released = threading.Event()  # the write in progress reads the state no more
+        self._released.set()
 
     def write(
         self,
@@ -125,9 +142,10 @@ class CheckpointWriter:
         """Start writing the checkpoint of ``round_``, whose state is ``tree`` (``{"manager":
         counters, "fragments": DiLoCo's state}``), if this replica is among ``contributors``
         (the round's SEAL), or whatever its part when it is the ``last`` (the run's final
-        state, which this replica then commits too). The tree is copied first; True if a
-        write started. While the previous checkpoint is still being written a new one is
-        skipped, except the last, which waits for it; the last one's failure is raised.
+        state, which this replica then commits too). The tree is the state itself, read until
+        ``release`` returns; True if a write started. While the previous checkpoint is still
+        being written a new one is skipped, except the last, which waits for it; the last
+        one's failure is raised.
         ``parts``: a sharded replica's ranks' fingerprints of the state they write, gathered;
         rank 0 commits only those parts."""
         if self.me not in contributors and not last:
@@ -137,12 +155,24 @@ class CheckpointWriter:
                         "written (raise checkpoint.every)", round_)  # fmt: skip
             return False
         self.wait()  # raises what went wrong, other than the store
+        self._released.clear()
         if self.shard.sharded:
-            work = (self._write_part, round_, parts, snapshot(tree), last)
+            work = (self._write_part, round_, parts, tree, last)
         else:
-            work = (self._write, round_, contributors, snapshot(tree), last)
+            work = (self._write, round_, contributors, tree, last)
         self._pending = self._executor.submit(*work)
         return True
+
+    def release(self) -> None:
+        """Wait until the checkpoint being written reads the state no more (its shards are on
+        local disk; their upload goes on): what must come before the state changes."""
+        if self._released.is_set():
+            return
+        started = time.monotonic()
+        self._released.wait()
+        if (waited := time.monotonic() - started) >= 1.0:
+            log.warning("the outer step waited %.1f s for the checkpoint's shards to reach "
+                        "local disk", waited)  # fmt: skip
 
     def wait(self) -> None:
         """Wait for the checkpoint being written, raising what went wrong."""
@@ -162,20 +192,50 @@ class CheckpointWriter:
         self, round_: int, contributors: tuple[str, ...], tree: dict[str, Any], last: bool
     ) -> None:
         tensors, structure = flatten(tree)
-        plan = plan_shards(tensors, len(contributors))
-        shards = [encode_shard(names, tensors) for names in plan]
+        plan = plan_shards(tensors, self._shard_count(tensors, len(contributors)))
         owners = [contributors[s % len(contributors)] for s in range(len(plan))]
         keys = [self.layout.checkpoint_shard(round_, s) for s in range(len(plan))]
+        committer = owners[0] == self.me or last
+        spools = Spools()
         try:
-            self.store.put_many(
-                {keys[s]: shards[s] for s, owner in enumerate(owners) if owner == self.me}
-            )
-            if owners[0] == self.me or last:
+            with self._reading_state():
                 commit = _commit_fields(self.layout, round_, tree)
-                shards_by_key = dict(zip(keys, shards, strict=True))
-                self._commit(commit, shards_by_key, owners, structure, last)
+                staged = {
+                    keys[s]: self._stage(keys[s], plan[s], tensors, spools)
+                    for s, owner in enumerate(owners)
+                    if committer or owner == self.me
+                }
+            for key, owner in zip(keys, owners, strict=True):
+                if owner == self.me:
+                    put(self.store, key, staged[key])
+            if committer:
+                self._commit(commit, staged, owners, structure, last, spools)
         except (OSError, CheckpointError) as exc:  # the store's errors are OSErrors
             _not_written(round_, exc, last)
+        finally:
+            spools.release()
+
+    @contextmanager
+    def _reading_state(self) -> Iterator[None]:
+        """While inside, this write reads the state (``release`` waits for the end)."""
+        try:
+            yield
+        finally:
+            self._staging.release()
+            self._released.set()
+
+    def _shard_count(self, tensors: dict[str, torch.Tensor], writers: int) -> int:
+        """One shard per writer at least, and shards of about ``part_bytes``."""
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        return max(writers, -(-total // self.policy.part_bytes))
+
+    def _stage(
+        self, key: str, names: list[str], tensors: dict[str, torch.Tensor], spools: Spools
+    ) -> LocalCopy:
+        """Shard ``key`` (``names`` of ``tensors``) in a local file, ready to upload."""
+        path = spools.add(self.store.spool(key))
+        write_part({name: tensors[name] for name in names}, path, self._staging)
+        return LocalCopy(path)
 
     def _write_part(
         self, round_: int, expected: tuple[str, ...], tree: dict[str, Any], last: bool
@@ -183,22 +243,29 @@ class CheckpointWriter:
         """This rank's part of a sharded replica's checkpoint: its objects, then (rank k > 0)
         its PART record, or (rank 0) the COMMIT once every rank's PART is in."""
         rank, layout = self.shard.rank, self.layout
-        objects, structure = encode_in_parts(
-            tree, self.policy.part_bytes, partial(layout.checkpoint_shard, round_, rank=rank)
-        )
-        state_key = layout.checkpoint_state(round_, rank)
-        commit = _commit_fields(layout, round_, tree)
-        part = RankPart(
-            state=StoredObject.of(state_key, structure),
-            shards=tuple(StoredObject.of(key, data) for key, data in objects.items()),
-            fingerprint=commit["fingerprint"],
-        )
-        objects[state_key] = structure
+        tensors, structure = flatten(tree)
+        plan = plan_shards(tensors, self._shard_count(tensors, 1))
+        keys = [layout.checkpoint_shard(round_, s, rank=rank) for s in range(len(plan))]
+        spools = Spools()
         try:
-            self.store.put_many(objects)
+            with self._reading_state():
+                commit = _commit_fields(layout, round_, tree)
+                objects: dict[str, Blob] = {
+                    key: self._stage(key, names, tensors, spools)
+                    for key, names in zip(keys, plan, strict=True)
+                }
+            state_key = layout.checkpoint_state(round_, rank)
+            part = RankPart(
+                state=StoredObject.of(state_key, structure),
+                shards=tuple(describe(key, blob) for key, blob in objects.items()),
+                fingerprint=commit["fingerprint"],
+            )
+            objects[state_key] = structure
+            for key, blob in objects.items():
+                put(self.store, key, blob)
             if rank > 0:
                 self.store.put(layout.checkpoint_rank_done(round_, rank), encode_record(part))
-                self._mirror(StoredPart(round_, rank, part, objects), last)
+                self._mirror(StoredPart(round_, rank, part, objects, spools=spools.hold()), last)
                 return
             parts = (part, *self._other_parts(round_, expected))
             commit["fingerprint"] = combine_fingerprints([p.fingerprint for p in parts])
@@ -207,13 +274,20 @@ class CheckpointWriter:
             if self._put_commit(done, commit_bytes):
                 log.info("checkpoint of round %d committed (%d ranks)", round_, len(parts))
                 prune_checkpoints(self.store, self.layout, self.policy.keep, round_)
-                self._mirror(StoredPart(round_, 0, part, objects, done, commit_bytes), last)
+                stored = StoredPart(round_, 0, part, objects, done, commit_bytes, spools.hold())
+                self._mirror(stored, last)
         except (OSError, CheckpointError) as exc:
             _not_written(round_, exc, last)
+        finally:
+            spools.release()
 
     def _mirror(self, stored: StoredCheckpoint | StoredPart, last: bool) -> None:
+        """Hand ``stored`` to the mirrors, which let go of its spools once copied (this
+        writer holds them for the mirrors until then)."""
         if self.mirror is not None:
             self.mirror(stored, last)
+        elif stored.spools is not None:
+            stored.spools.release()
 
     def _other_parts(self, round_: int, expected: tuple[str, ...]) -> list[RankPart]:
         """The PART records of ranks 1 and up, once all are in (``part_wait`` at most), each
@@ -231,40 +305,39 @@ class CheckpointWriter:
     def _commit(
         self,
         commit: dict[str, Any],
-        shards: dict[str, bytes],
+        shards: dict[str, Blob],
         owners: list[str],
         structure: bytes,
         last: bool,
+        spools: Spools,
     ) -> None:
-        """Check the other writers' shards are this state's bytes (a writer whose state
-        diverged must not leave a checkpoint that fails every reader), write a late writer's
-        shards, then the state, then the COMMIT; then hand it to the mirrors (``last``: the
-        run's final state, which no mirror may skip)."""
+        """Check the other writers' shards are this state's bytes, by size and CRC32C (a
+        writer whose state diverged must not leave a checkpoint that fails every reader),
+        write a late writer's shards from this replica's own local copies, then the state,
+        then the COMMIT; then hand it to the mirrors (``last``: the run's final state, which
+        no mirror may skip)."""
         round_ = commit["round"]
+        entries = {key: describe(key, blob) for key, blob in shards.items()}
         missing = self._wait_for(list(shards), self.layout.checkpoint(round_))
         theirs = [k for k, owner in zip(shards, owners, strict=True) if owner != self.me]
-        present = [key for key in theirs if key not in missing]
-        # one byte past our largest shard: a larger object differs without being downloaded
-        limit = max((len(shards[key]) for key in present), default=0) + 1
-        stored = self.store.get_many(present, limit=limit)
-        for key, data in stored.items():
-            if data != shards[key]:
+        for key in (key for key in theirs if key not in missing):
+            if not holds(self.store, key, entries[key]):
                 raise CheckpointError(f"{key}: its writer stored other bytes than this "
                                       f"replica's state (its global state differs)")  # fmt: skip
         for key in sorted(missing):  # its writer died or stalls: the bytes are anyone's
             log.warning("checkpoint round %d: writing %s in place of a late writer", round_, key)
-            self.store.put(key, shards[key])
+            put(self.store, key, shards[key])
         state_key = f"{self.layout.checkpoint(round_)}/state"
         self.store.put(state_key, structure)
-        entries = tuple(StoredObject.of(key, data) for key, data in shards.items())
         state = StoredObject.of(state_key, structure)
-        done = CheckpointCommit(**commit, state=state, shards=entries)
+        done = CheckpointCommit(**commit, state=state, shards=tuple(entries.values()))
         commit_bytes = encode_record(done)
         if not self._put_commit(done, commit_bytes):
             return
         log.info("checkpoint of round %d committed (%d shards)", round_, len(entries))
         prune_checkpoints(self.store, self.layout, self.policy.keep, round_)
-        self._mirror(StoredCheckpoint(done, commit_bytes, {**shards, state_key: structure}), last)
+        objects = {**shards, state_key: structure}
+        self._mirror(StoredCheckpoint(done, commit_bytes, objects, spools.hold()), last)
 
     def _put_commit(self, done: CheckpointCommit, data: bytes) -> bool:
         """Put the COMMIT; False if another replica committed this same checkpoint first
