@@ -7,16 +7,17 @@ import os
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import crc32c
 import fsspec
 import pytest
 
 from diloco_anywhere.bench.processes import worker_context
+from diloco_anywhere.bucket import store as store_module
 from diloco_anywhere.bucket.errors import StoreError
 from diloco_anywhere.bucket.keys import check_key
 from diloco_anywhere.bucket.redaction import redact_url, scrub_secrets
-from diloco_anywhere.bucket import store as store_module
 from diloco_anywhere.bucket.store import Store
 
 
@@ -75,13 +76,17 @@ def test_a_file_put_and_got_back_in_chunks_is_the_same_bytes(backend, tmp_path, 
     assert back.read_bytes() == payload
     assert store.get_file(key, str(back), 100) == 100  # at most the limit, whatever is stored
     assert back.read_bytes() == payload[:100]
-    local = store.local_file(key)
-    assert local is None or open(local, "rb").read() == payload
     if backend.exclusive_create:
         other = tmp_path / "other"
         other.write_bytes(b"other bytes")
         with pytest.raises(FileExistsError, match="already exists; keys are create-only"):
             store.put_file(key, str(other))
+    pinned = store.pinned_local_file(key)  # a local store's file, read in place
+    if pinned is not None:
+        assert store.list_prefix("checkpoints") == [key]  # a temp name: no key
+        store.delete(key)
+        assert Path(pinned).read_bytes() == payload  # its bytes stay though the key is gone
+        os.unlink(pinned)
 
 
 def test_put_accepts_bytearray(backend):

@@ -15,7 +15,13 @@ from safetensors.torch import load_file, load_model
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import RunConfig, load_config
-from diloco_anywhere.launching.export import global_weights, model_card, trained_task
+from diloco_anywhere.launching.export import (
+    GlobalWeights,
+    global_weights,
+    model_card,
+    trained_task,
+    write_weights,
+)
 from diloco_anywhere.launching.report import RunSummary
 from diloco_anywhere.training.checkpoints.catalogue import newest_checkpoints
 from diloco_anywhere.training.checkpoints.commits import committed_rounds
@@ -76,7 +82,7 @@ def test_the_export_holds_the_committed_global_weights(finished_run, tmp_path, m
     assert model.lm_head.weight is model.token_embedding.weight  # still tied
     weights = checkpoint.tree["fragments"][FRAGMENT_KEY.format(0)]["original_parameters"]
     for name, parameter in model.named_parameters():
-        assert torch.equal(parameter, weights[name])
+        assert torch.equal(parameter, weights[name].load())
     card = (tmp_path / "model" / "README.md").read_text()
     assert "# t\n" in card
     assert f"round {checkpoint.commit.round}" in card
@@ -142,3 +148,32 @@ def test_the_model_card_names_what_built_the_model(task, builder):
     card = model_card(config, checkpoint, summary)
     assert builder in card
     assert ("gpt" in card) == (not task)
+
+
+def test_weights_over_a_shard_are_written_as_transformers_shards_them_one_shard_at_a_time(
+    tmp_path,
+):
+    """A model over ``SHARD_BYTES`` is written in shards and an index (``from_pretrained``'s
+    format), each shard's tensors the only ones in memory while it is written; a tied name is
+    recorded in the file that holds its tensor."""
+    torch.manual_seed(0)
+    tensors = {f"layer{k}.weight": torch.randn(16, 16) for k in range(5)}  # 1 KiB each
+    weights = GlobalWeights(tensors, {"head.weight": "layer3.weight"})
+    store = Store(str(tmp_path / "model"))
+    write_weights(store, weights, shard_bytes=2048)
+    index = json.loads((tmp_path / "model" / "model.safetensors.index.json").read_text())
+    files = [f"model-0000{k}-of-00003.safetensors" for k in (1, 2, 3)]
+    assert index["metadata"] == {"total_size": 5 * 1024}
+    assert index["weight_map"] == {
+        "layer0.weight": files[0], "layer1.weight": files[0], "layer2.weight": files[1],
+        "layer3.weight": files[1], "layer4.weight": files[2],
+    }  # fmt: skip
+    loaded = {}
+    for name in files:
+        loaded |= load_file(tmp_path / "model" / name)
+    assert loaded.keys() == tensors.keys()
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in tensors.items())
+    with safe_open(tmp_path / "model" / files[1], "pt") as file:
+        assert file.metadata() == {"format": "pt", "head.weight": "layer3.weight"}
+    write_weights(store, weights, shard_bytes=2048)  # the same export again: a no-op
+    assert not (tmp_path / "model" / "model.safetensors").exists()

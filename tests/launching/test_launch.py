@@ -30,6 +30,8 @@ from diloco_anywhere.launching.launches import Launches, LaunchTakenError
 from diloco_anywhere.launching.model_size import parameter_count
 from diloco_anywhere.launching.supervisor import Supervisor
 from diloco_anywhere.training.checkpoints.commits import committed_rounds
+from diloco_anywhere.training.checkpoints.objects import Spools
+from diloco_anywhere.training.checkpoints.reader import materialized
 from diloco_anywhere.training.checkpoints.replica_states import read_replica_state, saved_rounds
 from support.runs import as_streaming, diloco, evaluated_losses, kill_all, statuses
 
@@ -110,7 +112,9 @@ def test_a_sparse_streaming_run_agrees_and_keeps_each_fragments_accumulator(run_
     store, layout = Store(loaded.store_url()), RunLayout(loaded.run.name)
     for replica in ("local-0", "local-1"):
         newest = saved_rounds(store, layout, replica)[0]
-        _, tree = read_replica_state(store, layout, replica, newest, limit=1 << 30)
+        with Spools() as spools:
+            _, refs = read_replica_state(store, layout, replica, newest, 1 << 30, spools)
+            tree = materialized(refs)
         sizes = {stream: buffer.numel() for stream, buffer in tree["feedback"].items()}
         assert sorted(sizes) == ["0", "1"]
         assert sum(sizes.values()) == parameter_count(loaded)[0]

@@ -12,6 +12,7 @@ import pytest
 import torch
 from crc32c import crc32c
 from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 
 from diloco_anywhere.bucket.record import decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
@@ -22,8 +23,13 @@ from diloco_anywhere.training.checkpoints.commits import (
     read_commit,
     retained_after,
 )
-from diloco_anywhere.training.checkpoints.reader import load_checkpoint, read_checkpoint
+from diloco_anywhere.training.checkpoints.reader import (
+    load_checkpoint,
+    materialized,
+    read_checkpoint,
+)
 from diloco_anywhere.training.checkpoints.records import CheckpointCommit, CheckpointError, ShardOf
+from diloco_anywhere.training.checkpoints.staging import HostStaging, write_part
 from diloco_anywhere.training.checkpoints.tree import flatten, plan_shards, unflatten, whole_tree
 from diloco_anywhere.training.checkpoints.writer import CheckpointPolicy, CheckpointWriter
 from diloco_anywhere.training.fingerprints import fingerprint
@@ -213,7 +219,8 @@ def test_a_damaged_checkpoint_is_never_loaded_and_the_previous_one_is_used(
         load_checkpoint(store, RUN, 6)
     [used] = list(newest_checkpoints(store, RUN))[:1]
     assert used.commit.round == 3
-    assert_same_tree(used.tree, older)
+    assert_same_tree(materialized(used.tree), older)
+    used.close()
     assert f"checkpoint of round 6 not used: {key}" in caplog.text
 
 
@@ -238,7 +245,7 @@ def test_a_copy_is_the_checkpoint_and_replaces_what_another_run_left_in_its_roun
     mirror = Store(str(tmp_path / "mirror"))
     copy_checkpoint(mirror, RUN, ours)
     copy_checkpoint(mirror, RUN, ours)
-    assert read_checkpoint(mirror, RUN, 3) == ours
+    assert read_checkpoint(mirror, RUN, 3).commit_bytes == ours.commit_bytes  # read back whole
     assert "replaced" not in caplog.text
 
     other = Store(str(tmp_path / "other"))  # an earlier run of the same name
@@ -246,13 +253,13 @@ def test_a_copy_is_the_checkpoint_and_replaces_what_another_run_left_in_its_roun
     stale = Store(str(tmp_path / "stale"))
     copy_checkpoint(stale, RUN, read_checkpoint(other, RUN, 3))
     copy_checkpoint(stale, RUN, ours)
-    assert read_checkpoint(stale, RUN, 3) == ours
+    assert read_checkpoint(stale, RUN, 3).commit_bytes == ours.commit_bytes
     assert f"replaced {len(ours.objects) + 1} objects under {RUN.checkpoint(3)}" in caplog.text
 
     cut_short = Store(str(tmp_path / "cut-short"))
     cut_short.put(ours.commit.shards[0].key, b"the first bytes of a shard")
     copy_checkpoint(cut_short, RUN, ours)
-    assert read_checkpoint(cut_short, RUN, 3) == ours
+    assert read_checkpoint(cut_short, RUN, 3).commit_bytes == ours.commit_bytes
 
 
 def test_pruning_counts_from_the_round_written_not_from_later_rounds_of_another_run(
@@ -608,7 +615,40 @@ def test_a_sharded_tensor_is_put_together_only_from_shards_that_tile_it(offsets,
         for k, at in enumerate(offsets)
     ]
     if expected is None:
-        assert torch.equal(whole_tree(parts)["w"], rows)
+        assert torch.equal(whole_tree(parts)["w"].load(), rows)
     else:
         with pytest.raises(CheckpointError, match=expected):
             whole_tree(parts)
+
+
+def test_the_state_is_written_as_it_was_when_released_though_training_changes_it_after(store):
+    """No copy of the state: the writer reads it in place until its shards are on local disk
+    (``release``, what the outer step waits for), then only uploads. What the outer step
+    changes after that is not in the checkpoint; and shards are about ``part_bytes`` each."""
+    tree = diloco_like_state(0) | {"manager": counters_after(3)}
+    weights = tree["fragments"]["StreamingDiLoCoFragment_0"]["original_parameters"]
+    before = {name: tensor.clone() for name, tensor in weights.items()}
+    policy = CheckpointPolicy.of(RunConfig(), orphan_grace=1.0, poll=0.02, part_bytes=1024)
+    writer = CheckpointWriter(store, RUN, "local-0", policy)
+    assert writer.write(3, ("local-0",), tree, last=False)
+    writer.release()
+    for tensor in weights.values():  # the outer step of the next round
+        tensor.add_(1.0)
+    writer.close()
+    written = load_checkpoint(store, RUN, 3)
+    loaded = written.tree["fragments"]["StreamingDiLoCoFragment_0"]["original_parameters"]
+    assert all(torch.equal(loaded[name], before[name]) for name in before)
+    sizes = [entry.size for entry in written.commit.shards]
+    assert len(sizes) == 4  # 3.5 KiB of tensors in parts of 1 KiB: every tensor whole
+    assert max(sizes) < 4096
+
+
+def test_a_shard_is_written_by_safetensors_itself_from_the_tensors_memory(tmp_path):
+    """``write_part`` is safetensors' ``save_file`` over the tensors as they are (host ones
+    not copied): the bytes ``save`` gives, which any safetensors reader loads."""
+    tensors = {"a": torch.arange(12.0).view(3, 4), "b": torch.ones(2, dtype=torch.bfloat16)}
+    path = tmp_path / "part"
+    staging = HostStaging()
+    assert staging.host(tensors)["a"].data_ptr() == tensors["a"].data_ptr()  # no copy
+    write_part(tensors, str(path), staging)
+    assert path.read_bytes() == save_safetensors(tensors)

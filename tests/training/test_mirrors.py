@@ -217,7 +217,14 @@ def test_resuming_takes_the_latest_intact_checkpoint(tmp_path) -> None:
     assert (resumed.round, resumed.damaged, resumed.earlier) == (3, (5,), (6,))
     assert "checkpoints of rounds 5 are damaged" in resumed.describe()
     assert "rounds 6 were committed before it, by an earlier run" in resumed.describe()
-    assert read_checkpoint(store, layout, 3) == read_checkpoint(mirror, layout, 3)
+    resumed_here, original = read_checkpoint(store, layout, 3), read_checkpoint(mirror, layout, 3)
+    # every object read back checked against its COMMIT, and the COMMITs alike: the same bytes
+    assert (resumed_here.commit, resumed_here.commit_bytes) == (
+        original.commit,
+        original.commit_bytes,
+    )
+    resumed_here.spools.release()
+    original.spools.release()
 
 
 def test_resuming_refuses_a_store_that_has_the_run_and_fresh_deletes_only_what_it_replaces(

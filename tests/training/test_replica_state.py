@@ -29,14 +29,14 @@ from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import RunConfig, load_config
 from diloco_anywhere.training.checkpoints.commits import committed_rounds, read_commit
+from diloco_anywhere.training.checkpoints.objects import Spools
 from diloco_anywhere.training.checkpoints.records import CheckpointError, ReplicaStateCommit
 from diloco_anywhere.training.checkpoints.replica_states import (
     KEEP,
     read_replica_state,
+    save_replica_state,
     saved_rounds,
-    write_replica_state,
 )
-from diloco_anywhere.training.checkpoints.tree import snapshot
 from diloco_anywhere.training.metrics import MetricsReader
 from diloco_anywhere.training.own_state import OwnState, load_own_state, own_tree
 from support.checkpoints import record_bytes
@@ -70,8 +70,8 @@ def draws() -> tuple:
 def saved(store: Store, model: nn.Module, inner, round_: int = 3, *, with_weights: bool = True):
     """Save ``model`` and ``inner``'s state as ``REPLICA``'s of ``round_``; the draws right
     after, which a restore must reproduce."""
-    write_replica_state(store, LAYOUT, REPLICA, round_, round_ + 1,
-                        snapshot(own_tree(model, inner, with_weights)))  # fmt: skip
+    save_replica_state(store, LAYOUT, REPLICA, round_, round_ + 1,
+                        own_tree(model, inner, with_weights))  # fmt: skip
     return draws()
 
 
@@ -82,7 +82,7 @@ def restored(store: Store, round_: int = 3, *, exact: bool = True, width: int = 
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     draws()
     key = LAYOUT.replica_state_commit(REPLICA, round_)
-    _, tree = read_replica_state(store, LAYOUT, REPLICA, round_, limit=1 << 30)
+    _, tree = read_replica_state(store, LAYOUT, REPLICA, round_, 1 << 30, Spools())
     load_own_state(key, tree, model, inner, with_weights=True, exact=exact)
     return model, inner
 
@@ -134,7 +134,7 @@ def damage(store: Store, key: str, data: bytes) -> None:
 
 
 def commit_of(store: Store, round_: int = 3) -> ReplicaStateCommit:
-    commit, _ = read_replica_state(store, LAYOUT, REPLICA, round_, limit=1 << 30)
+    commit, _ = read_replica_state(store, LAYOUT, REPLICA, round_, 1 << 30, Spools())
     return commit
 
 
@@ -147,7 +147,7 @@ def test_a_damaged_object_is_refused_naming_its_key(store, trained, how):
         data[-1] ^= 0xFF
     damage(store, key, bytes(data) if how == "flipped" else bytes(data[:-10]))
     with pytest.raises(CheckpointError, match=rf"^{key}: .* bytes with CRC32C .*the COMMIT says"):
-        read_replica_state(store, LAYOUT, REPLICA, 3, limit=1 << 30)
+        read_replica_state(store, LAYOUT, REPLICA, 3, 1 << 30, Spools())
 
 
 def rewrite_commit(store: Store, **changed) -> str:
@@ -165,7 +165,7 @@ def test_a_commit_naming_other_sizes_is_refused_naming_the_key(store, trained):
     rewrite_commit(store, state={**entry.model_dump(), "size": entry.size + 1})
     with pytest.raises(CheckpointError, match=rf"^{entry.key}: {entry.size} bytes .* the COMMIT "
                        rf"says {entry.size + 1} bytes"):  # fmt: skip
-        read_replica_state(store, LAYOUT, REPLICA, 3, limit=1 << 30)
+        read_replica_state(store, LAYOUT, REPLICA, 3, 1 << 30, Spools())
 
 
 def test_a_commit_naming_more_bytes_than_the_state_can_hold_is_refused_before_reading(
@@ -176,7 +176,7 @@ def test_a_commit_naming_more_bytes_than_the_state_can_hold_is_refused_before_re
     key = rewrite_commit(store, shards=[{**entry.model_dump(), "size": 1 << 40}])
     with pytest.raises(CheckpointError, match=rf"^{key}: the COMMIT names 1099511\d+ bytes of "
                        rf"objects; allowed: at most {1 << 30}"):  # fmt: skip
-        read_replica_state(store, LAYOUT, REPLICA, 3, limit=1 << 30)
+        read_replica_state(store, LAYOUT, REPLICA, 3, 1 << 30, Spools())
 
 
 @pytest.mark.parametrize(
@@ -192,7 +192,7 @@ def test_a_malformed_commit_is_refused_naming_its_key(store, trained, changed, s
     saved(store, *trained)
     key = rewrite_commit(store, **changed)
     with pytest.raises(CheckpointError, match=key) as refused:
-        read_replica_state(store, LAYOUT, REPLICA, 3, limit=1 << 30)
+        read_replica_state(store, LAYOUT, REPLICA, 3, 1 << 30, Spools())
     assert said in str(refused.value)
 
 
@@ -207,7 +207,7 @@ def test_a_state_of_another_optimizer_is_refused(store, trained):
     saved(store, *trained)
     model = small_model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    _, tree = read_replica_state(store, LAYOUT, REPLICA, 3, limit=1 << 30)
+    _, tree = read_replica_state(store, LAYOUT, REPLICA, 3, 1 << 30, Spools())
     with pytest.raises(ValueError, match="saved from a AdamW inner optimizer; this replica's is a "
                        "SGD"):  # fmt: skip
         load_own_state("k", tree, model, inner, with_weights=True, exact=True)
@@ -310,8 +310,8 @@ def test_the_error_feedback_comes_back_only_from_the_round_healed_to(store, trai
     healed further starts it from zero, since later syncs sent part of it already."""
     model, inner = trained
     feedback = accumulated(model)
-    write_replica_state(store, LAYOUT, REPLICA, 3, 4,
-                        snapshot(own_tree(model, inner, False, feedback)))  # fmt: skip
+    save_replica_state(store, LAYOUT, REPLICA, 3, 4,
+                        own_tree(model, inner, False, feedback))  # fmt: skip
     manager.feedback = ErrorFeedback(0.95)
     state = own_state(store, model, inner)
     assert state.resume(at(manager, 3)).endswith("exact, the round healed to")
@@ -326,8 +326,8 @@ def test_an_accumulator_of_another_size_is_refused_naming_the_key(store, trained
     model, inner = trained
     feedback = ErrorFeedback(0.95)
     feedback.compensate(0, [torch.ones(5)])
-    write_replica_state(store, LAYOUT, REPLICA, 3, 4,
-                        snapshot(own_tree(model, inner, False, feedback)))  # fmt: skip
+    save_replica_state(store, LAYOUT, REPLICA, 3, 4,
+                        own_tree(model, inner, False, feedback))  # fmt: skip
     manager.feedback = ErrorFeedback(0.95)
     assert own_state(store, model, inner).resume(at(manager, 3)) is None
     assert "own/replicas/local-1/state/0000000003/COMMIT: error feedback '0' is not a float32 " \

@@ -67,6 +67,21 @@ def create_local_from_file(path: str, source: str) -> None:
     _write_local(path, copy, os.link)
 
 
+def pinned_copy(path: str) -> str:
+    """A new name for the regular file at ``path``, beside it (a temp file's name): a hard
+    link, so its bytes stay readable whatever later puts or deletions do to ``path`` (a local
+    store never writes a file in place); copied where the filesystem has no links."""
+    os.close(open_regular(path))
+    pinned = temp_beside(path)
+    try:
+        os.link(path, pinned)
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK):
+            raise
+        shutil.copyfile(path, pinned, follow_symlinks=False)
+    return pinned
+
+
 def temp_beside(path: str) -> str:
     """A temp file's path in ``path``'s folder (created), named as a store's temp files are:
     one that is published with ``create_local_from_file`` is linked, not copied."""
@@ -127,9 +142,12 @@ def remove_empty_dirs(top: str) -> None:
 
 
 def file_checksum(path: str) -> tuple[int, int]:
-    """The size and CRC32C of the local file at ``path``, read ``COPY_BYTES`` at a time."""
+    """The size and CRC32C of the local file at ``path``, read ``COPY_BYTES`` at a time into
+    one buffer (a new one per read would fault its pages in every time)."""
     size = checksum = 0
-    with open(path, "rb") as file:
-        while chunk := file.read(COPY_BYTES):
-            checksum, size = crc32c.crc32c(chunk, checksum), size + len(chunk)
+    buffer = bytearray(COPY_BYTES)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as file:
+        while read := file.readinto(buffer):
+            checksum, size = crc32c.crc32c(view[:read], checksum), size + read
     return size, checksum

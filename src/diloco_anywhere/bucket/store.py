@@ -50,6 +50,7 @@ from diloco_anywhere.bucket.local_files import (
     create_local_from_file,
     file_checksum,
     open_regular,
+    pinned_copy,
     remove_empty_dirs,
     replace_local,
     temp_beside,
@@ -327,14 +328,14 @@ class Store:
                 break
         return size, checksum
 
-    def local_file(self, key: str) -> str | None:
-        """The file that holds ``key`` in a local store, to be read in place (a regular file,
-        reached through no link: ``open_regular``); None for any other store."""
+    def pinned_local_file(self, key: str) -> str | None:
+        """In a local store, a new name for the file that holds ``key`` (``pinned_copy``: a
+        link beside it, the caller's to remove), read in place while later puts or deletions
+        of ``key`` leave its bytes alone; None for any other store."""
         if not self._is_local:
             return None
         path = self._path(key)
-        os.close(self._run("get", key, lambda: open_regular(path)))
-        return path
+        return self._run("get", key, lambda: pinned_copy(path))
 
     def get_file(self, key: str, path: str, limit: int) -> int:
         """Download ``key``'s first ``limit`` bytes into the local file ``path`` (created or

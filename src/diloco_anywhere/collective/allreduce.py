@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -251,12 +251,18 @@ class BucketCollective:
         return result
 
     def observe(
-        self, round_: int, numel: int, fragment: int = 0
-    ) -> tuple[RoundResult, torch.Tensor] | None:
+        self,
+        round_: int,
+        numel: int,
+        fragment: int = 0,
+        into: Sequence[torch.Tensor] | None = None,
+    ) -> tuple[RoundResult, torch.Tensor | None] | None:
         """The result and the flat mean of a round sealed without us (None while it has no
         SEAL), read as any replica reads it: a replica catching up replays it
         (``healing.py``). ``numel`` is the size of this replica's fragment: a round of another
-        size is refused before anything of its size is allocated."""
+        size is refused before anything of its size is allocated. ``into``: tensors to write
+        the mean into, in order, instead (a healing replica's parameters, which it does not
+        need meanwhile: no copy of the model is allocated); then no mean is returned."""
         observer = self._observer(round_, fragment)
         try:
             seal = observer.read_seal()
@@ -268,8 +274,9 @@ class BucketCollective:
                     f"round {round_} does not apply to this model: its result has {sealed} "
                     f"values, the fragment {numel}"
                 )
-            mean = torch.empty(numel)
-            return _exchange(observer, seal, FlatTensors([mean])), mean
+            mean = torch.empty(numel) if into is None else None
+            result = _exchange(observer, seal, FlatTensors([mean] if into is None else into))
+            return result, mean
         finally:
             observer.release()
 

@@ -2,15 +2,19 @@
 
 A run's product is its global weights, which live in the bucket as checkpoint shards keyed by
 DiLoCo's fragments. Export takes a committed checkpoint (the newest, or a chosen round), checked
-as healing checks it (``load_checkpoint``: every object's size and CRC32C, the COMMIT last),
+as healing checks it (``open_checkpoint``: every object's size and CRC32C, every value finite,
+the fingerprint the COMMIT's), its tensors read a slice at a time as they are written out,
 names each fragment's global weights (``original_parameters``, arXiv 2311.08105 algorithm 1:
 what every replica agreed on) by the model's parameter names the checkpoint records
 (``parameter_names.py``), with no model built, so it works for a run of any script
 (``[task] command``), and writes:
 
 - ``model.safetensors``: the model's parameters by name, each tied or shared tensor once
-  (``model_bytes``); buffers are not DiLoCo's global state, so a model loading it keeps its
-  own (load it with ``strict=False`` where the model has persistent buffers);
+  (``write_weights``); buffers are not DiLoCo's global state, so a model loading it keeps its
+  own (load it with ``strict=False`` where the model has persistent buffers). A model over
+  ``SHARD_BYTES`` is written as transformers writes a large one, shards
+  ``model-00001-of-0000N.safetensors`` and ``model.safetensors.index.json`` (which
+  ``from_pretrained`` reads), one shard in memory at a time;
 - ``README.md``: a model card (run, round and steps, tokens, held-out loss, bytes sent against
   data parallel for the same steps, the run's configuration);
 - ``run.toml``: the configuration the run was published with;
@@ -31,9 +35,10 @@ import shlex
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors.torch import save as save_safetensors
+from safetensors.torch import save_file
 
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
@@ -43,9 +48,10 @@ from diloco_anywhere.published_config import config_text
 from diloco_anywhere.task import Task, build_task
 from diloco_anywhere.training.builders import SINGLE_PROCESS, split_fragments, task_context
 from diloco_anywhere.training.checkpoints.catalogue import newest_checkpoints
-from diloco_anywhere.training.checkpoints.reader import load_checkpoint
+from diloco_anywhere.training.checkpoints.reader import open_checkpoint
 from diloco_anywhere.training.checkpoints.records import Checkpoint, CheckpointError
 from diloco_anywhere.training.export_files import ExportFileError, read_export_files
+from diloco_anywhere.training.global_state import fill_from
 from diloco_anywhere.training.metrics import MetricsReader
 from diloco_anywhere.training.parameter_names import (
     NamesError,
@@ -59,6 +65,10 @@ MODEL_FILE, CARD_FILE, CONFIG_FILE, SAVED_FOLDER = (
     "run.toml",
     "saved",
 )
+INDEX_FILE = "model.safetensors.index.json"  # a sharded export's: tensor name -> its file
+# The weights' files are shards of at most this many bytes: one is read into memory at a time
+# while it is written (transformers' save_pretrained shards at 5 GB)
+SHARD_BYTES = 256 << 20
 
 
 class ExportError(ValueError):
@@ -66,10 +76,11 @@ class ExportError(ValueError):
 
 
 def committed_checkpoint(store: Store, layout: RunLayout, round_: int | None) -> Checkpoint:
-    """The checkpoint of ``round_``, or the newest committed one that reads back intact."""
+    """The checkpoint of ``round_``, or the newest committed one that reads back intact, its
+    tensors read when written out (``open_checkpoint``; ``close`` is the caller's)."""
     if round_ is not None:
         try:
-            return load_checkpoint(store, layout, round_)
+            return open_checkpoint(store, layout, round_)
         except CheckpointError as exc:
             raise ExportError(f"round {round_} has no intact committed checkpoint: {exc}") from None
     checkpoint = next(newest_checkpoints(store, layout), None)
@@ -88,6 +99,10 @@ class GlobalWeights:
 
     tensors: dict[str, torch.Tensor]
     tied: dict[str, str]
+
+    def loaded(self) -> GlobalWeights:
+        """These weights read into memory (a checkpoint's are read when asked)."""
+        return GlobalWeights({name: _loaded(t) for name, t in self.tensors.items()}, self.tied)
 
     def by_every_name(self) -> dict[str, torch.Tensor]:
         """Every name, a tied one with its stored tensor: a model's ``state_dict`` keys."""
@@ -122,18 +137,23 @@ def _task(config: RunConfig) -> Task:
 
 
 def trained_task(config: RunConfig, weights: GlobalWeights) -> Task:
-    """The run's task (``[task] entrypoint``), built on CPU, its model holding ``weights``:
-    what its ``save`` hook writes from."""
+    """The run's task (``[task] entrypoint``), built on CPU, its model holding ``weights``
+    (read into its own tensors): what its ``save`` hook writes from."""
     task = _task(config)
-    try:
-        missing, unexpected = task.model.load_state_dict(weights.by_every_name(), strict=False)
-    except RuntimeError as exc:  # a shape unlike the checkpoint's
-        raise ExportError(f"the task's model does not take the checkpoint's weights: {exc}; "
-                          f"the task differs from the run's") from None  # fmt: skip
+    state, given = task.model.state_dict(keep_vars=True), weights.by_every_name()
     parameters = {name for name, _ in task.model.named_parameters(remove_duplicate=False)}
-    if wrong := sorted(parameters & set(missing)) + sorted(unexpected):
+    if wrong := sorted(parameters - given.keys()) + sorted(given.keys() - state.keys()):
         raise ExportError(f"the task's model and the checkpoint's weights differ in {wrong[0]}: "
                           f"the task differs from the run's")  # fmt: skip
+    for name, tensor in given.items():
+        if (state[name].shape, state[name].dtype) != (tensor.shape, tensor.dtype):
+            raise ExportError(
+                f"the task's model does not take the checkpoint's weights: {name} is "
+                f"{state[name].dtype} {list(state[name].shape)} there, {tensor.dtype} "
+                f"{list(tensor.shape)} in the checkpoint; the task differs from the run's"
+            )
+        with torch.no_grad():
+            fill_from(state[name].data, tensor)
     return task
 
 
@@ -173,17 +193,15 @@ def _builder(config: RunConfig) -> str:
 def _files(
     config: RunConfig, checkpoint: Checkpoint, summary: RunSummary, added: dict[str, bytes]
 ) -> dict[str, bytes]:
-    """The export: the weights, the card, run.toml, the files the script ``added``
-    (``export_files.py``) and the task's own format."""
-    weights = global_weights(config, checkpoint)
+    """The export's files besides the weights: the card, run.toml, the files the script
+    ``added`` (``export_files.py``) and the task's own format."""
     files = {
         **added,
-        MODEL_FILE: model_bytes(weights),
         CARD_FILE: model_card(config, checkpoint, summary).encode(),
         CONFIG_FILE: config_text(config),
     }  # fmt: skip
     if not config.task.command:  # a task of the run's own may add its format
-        files.update(_saved_files(trained_task(config, weights)))
+        files.update(_saved_files(trained_task(config, global_weights(config, checkpoint))))
     return files
 
 
@@ -200,52 +218,99 @@ def _saved_files(task: Task) -> dict[str, bytes]:
     return files
 
 
-def model_bytes(weights: GlobalWeights) -> bytes:
-    """The global weights as safetensors, a tensor tied to several names (a head sharing the
-    embedding's weight, GPT-2 style) stored once, the other names in the metadata as
-    safetensors' ``save_model`` records them (``{name: stored name}``): ``load_model``, or a
-    model's ``load_state_dict`` then ``tie_weights``, or ``from_pretrained``, tie them back.
-    ``format: pt`` as ``save_pretrained`` writes it, which ``from_pretrained`` checks (in
-    transformers 4) once a file has metadata. The same weights give the same bytes
-    (``_metadata_in_order``): a second export of a checkpoint is then a no-op."""
-    tensors = {name: tensor.contiguous() for name, tensor in weights.tensors.items()}
-    return _metadata_in_order(save_safetensors(tensors, metadata={"format": "pt", **weights.tied}))
+def weight_shards(weights: GlobalWeights, shard_bytes: int = SHARD_BYTES) -> list[list[str]]:
+    """The stored names, in order, in runs of at most ``shard_bytes`` (a tensor larger than
+    that is a run of its own): the files the weights are written in."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in weights.tensors.items():
+        length = tensor.numel() * tensor.dtype.itemsize
+        if shards[-1] and size + length > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += length
+    return shards
 
 
-def _metadata_in_order(data: bytes) -> bytes:
-    """``data`` with its header's metadata in sorted order. safetensors writes the metadata
-    from a Rust ``HashMap``, whose order changes from one save to the next; the header is
-    compact JSON (the tensors in a fixed order) padded to a multiple of 8 bytes, so sorting
-    the metadata keeps its length and every data offset."""
-    size = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + size])
-    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    if len(text) > size:  # not the compact JSON described above: keep safetensors' own bytes
-        return data
-    return data[:8] + text.ljust(size) + data[8 + size :]
-
-
-def _write(destination: str, files: dict[str, bytes]) -> None:
-    """Every file, create-only, through a store: a folder is a local store, so a second
-    export of the same checkpoint is a no-op there too, and of another one an error."""
-    with Store(destination) as store:
+def write_weights(store: Store, weights: GlobalWeights, shard_bytes: int = SHARD_BYTES) -> None:
+    """The global weights as safetensors: ``model.safetensors`` when they fit one shard,
+    else shards and their index, as transformers' ``save_pretrained`` writes a large model.
+    Each tensor tied to several names (a head sharing the embedding's weight, GPT-2 style) is
+    stored once, the other names in its file's metadata as safetensors' ``save_model``
+    records them (``{name: stored name}``): ``load_model``, or a model's ``load_state_dict``
+    then ``tie_weights``, or ``from_pretrained``, tie them back. ``format: pt`` as
+    ``save_pretrained`` writes it, which ``from_pretrained`` checks (in transformers 4) once a
+    file has metadata. A shard's tensors are read into memory while it is written, one shard
+    at a time; the same weights give the same bytes (``ordered_metadata``), so a second export
+    of a checkpoint is a no-op."""
+    shards = weight_shards(weights, shard_bytes)
+    names = [MODEL_FILE] if len(shards) == 1 else [
+        f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))
+    ]  # fmt: skip
+    for name, stored in zip(names, shards, strict=True):
+        tied = {alias: to for alias, to in weights.tied.items() if to in stored}
+        tensors = {key: _loaded(weights.tensors[key]) for key in stored}
+        path = store.spool(name)
         try:
-            store.put_many(files)
-        except FileExistsError as exc:
-            raise ExportError(f"{exc}: export to an empty folder") from None
+            save_file(tensors, path, metadata={"format": "pt", **tied})
+            del tensors
+            order_metadata_in_file(path)
+            store.put_file(name, path)
+        finally:
+            Path(path).unlink(missing_ok=True)
+    if len(shards) > 1:
+        total = sum(t.numel() * t.dtype.itemsize for t in weights.tensors.values())
+        where = {key: name for name, stored in zip(names, shards, strict=True) for key in stored}
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(where.items()))}
+        store.put(INDEX_FILE, json.dumps(index, indent=2).encode())
+
+
+def _loaded(tensor: Any) -> torch.Tensor:
+    """A checkpoint tensor read into memory (a tensor already is)."""
+    return tensor.contiguous() if isinstance(tensor, torch.Tensor) else tensor.load()
+
+
+def order_metadata_in_file(path: str) -> None:
+    """The safetensors file at ``path`` with its header's metadata in sorted order.
+    safetensors writes the metadata from a Rust ``HashMap``, whose order changes from one
+    save to the next; the header is compact JSON (the tensors in a fixed order) padded to a
+    multiple of 8 bytes, so sorting the metadata keeps its length and every data offset."""
+    with open(path, "r+b") as file:
+        size = int.from_bytes(file.read(8), "little")
+        header = json.loads(file.read(size))
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) > size:  # not the compact JSON described above: keep safetensors' own
+            return
+        file.seek(8)
+        file.write(text.ljust(size))
+
+
+def _write(store: Store, files: dict[str, bytes]) -> None:
+    """Every file, create-only: a folder is a local store, so a second export of the same
+    checkpoint is a no-op there too, and of another one an error."""
+    store.put_many(files)
 
 
 def export(config: RunConfig, destination: str, round_: int | None = None) -> Checkpoint:
     """Write the run's global weights at ``round_`` (default: the newest committed checkpoint)
-    to ``destination``; the checkpoint it exported."""
+    to ``destination``; the checkpoint it exported (its tensors no longer readable)."""
     layout = RunLayout(config.run.name)
     with Store(config.store_url()) as store:
         checkpoint = committed_checkpoint(store, layout, round_)
-        summary = summarize(MetricsReader(store, layout).read())
         try:
-            added = read_export_files(store, layout)
-        except ExportFileError as exc:
-            raise ExportError(f"{exc}: delete it, or the run's export folder") from None
-    _write(destination, _files(config, checkpoint, summary, added))
+            summary = summarize(MetricsReader(store, layout).read())
+            try:
+                added = read_export_files(store, layout)
+            except ExportFileError as exc:
+                raise ExportError(f"{exc}: delete it, or the run's export folder") from None
+            with Store(destination) as target:
+                try:
+                    write_weights(target, global_weights(config, checkpoint))
+                    _write(target, _files(config, checkpoint, summary, added))
+                except FileExistsError as exc:
+                    raise ExportError(f"{exc}: export to an empty folder") from None
+        finally:
+            checkpoint.close()
     return checkpoint

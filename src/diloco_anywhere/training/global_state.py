@@ -102,7 +102,23 @@ def tree_checksum(tree: Any) -> int:
             for start in range(0, data.numel(), CHECKSUM_BYTES):
                 chunk = data[start : start + CHECKSUM_BYTES].cpu().numpy()
                 checksum = crc32c.crc32c(chunk, checksum)
+        elif is_tensor_like(leaf):  # a checkpoint's tensor not read yet: it reads its bytes
+            checksum = leaf.checksum(checksum)
     return checksum
+
+
+def is_tensor_like(leaf: Any) -> bool:
+    """A tensor, or a checkpoint's tensor read when asked (``checkpoints/reader.TensorRef``,
+    ``tree.JoinedRef``): what has a shape and a dtype and can ``fill`` a tensor."""
+    return isinstance(leaf, torch.Tensor) or (hasattr(leaf, "fill") and hasattr(leaf, "dtype"))
+
+
+def fill_from(destination: torch.Tensor, source: Any) -> None:
+    """``source`` (a tensor, or a checkpoint's tensor read when asked) into ``destination``."""
+    if isinstance(source, torch.Tensor):
+        destination.copy_(source)
+    else:
+        source.fill(destination)
 
 
 def _as_parameter(values: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
@@ -140,6 +156,30 @@ def _outer_state_as_parameters(
 
     state = {
         index: {name: wrap(index, value) for name, value in values.items()}
+        for index, values in saved.get("state", {}).items()
+    }
+    return {**saved, "state": state}
+
+
+def _filled_outer_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+    """An outer optimizer's saved state with each checkpoint tensor (``TensorRef``) filled into
+    the tensor it becomes: the optimizer's own for that parameter where it has one of its
+    shape (a replica that synced before), else a new one on the parameter's device (a step
+    count on the CPU, as torch keeps it)."""
+    parameters = [local_tensor(p) for group in optimizer.param_groups for p in group["params"]]
+    own = [optimizer.state.get(p, {}) for group in optimizer.param_groups for p in group["params"]]
+
+    def filled(index: int, name: str, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) or not is_tensor_like(value):
+            return value
+        mine = local_tensor(own[index].get(name)) if index < len(own) else None
+        if isinstance(mine, torch.Tensor) and _like(mine, value):
+            return value.fill(mine)
+        device = parameters[index].device if value.dim() else torch.device("cpu")
+        return value.load(device)
+
+    state = {
+        index: {name: filled(index, name, value) for name, value in values.items()}
         for index, values in saved.get("state", {}).items()
     }
     return {**saved, "state": state}
@@ -212,10 +252,11 @@ class GlobalState:
         before = [[dict(group) for group in o.param_groups] for o in self.outer_optimizers]
         for index, optimizer in enumerate(self.outer_optimizers):
             fragment = tree[FRAGMENT_KEY.format(index)]
-            outer = _outer_state_as_parameters(optimizer, fragment["outer_optimizer"])
-            tree = {**tree, FRAGMENT_KEY.format(index): {**fragment, "outer_optimizer": outer}}
-        for key, (load, _) in self._fns.items():
-            load(tree[key])
+            with torch.no_grad():  # into DiLoCo's own tensors, as its load function copies
+                for name, weights in fragment["original_parameters"].items():
+                    fill_from(self.originals[index][name], weights)
+            saved = _filled_outer_state(optimizer, fragment["outer_optimizer"])
+            optimizer.load_state_dict(_outer_state_as_parameters(optimizer, saved))
         for index, optimizer in enumerate(self.outer_optimizers):
             _check_hyperparameters(FRAGMENT_KEY.format(index), optimizer, before[index])
 
@@ -242,32 +283,29 @@ class GlobalState:
         """``fragment``'s global weights: DiLoCo's own tensors (not copies)."""
         return self.originals[fragment]
 
-    def replay(self, fragment: int, mean: torch.Tensor) -> None:
-        """Apply one committed round's averaged pseudo-gradient (flat float32, the fragment's
-        parameters, or this rank's local shards of them, in ``named_parameters`` order, as
-        DiLoCo sends them) to ``fragment``: in place, the parameters' own tensors holding the
-        global weights meanwhile, as ``perform_sync`` does (no copy of the model per round)."""
+    def replay_buffers(self, fragment: int) -> list[torch.Tensor]:
+        """Where a round replayed on ``fragment`` is read into (``collective.observe``): its
+        parameters (their local shards), in ``named_parameters`` order, as DiLoCo sends them.
+        A healing replica needs nothing they hold: they are set to the global weights after."""
+        return [local_tensor(p.data) for _, p in self.fragments[fragment].named_parameters()]
+
+    def replay(self, fragment: int) -> None:
+        """Apply one committed round's averaged pseudo-gradient, which ``fragment``'s
+        parameters hold (``replay_buffers``), as ``perform_sync`` does: each parameter takes
+        its global weights, the mean as its gradient, and the outer optimizer's step, one
+        parameter at a time (SGD updates each parameter and its momentum from its own gradient
+        alone: the same bits as one step over all), so a replay holds one tensor's copy at a
+        time, not the model's."""
         weights = self.global_weights(fragment)
-        parameters = list(self.fragments[fragment].named_parameters())
-        total = sum(local_tensor(p).numel() for _, p in parameters)
-        if mean.numel() != total:
-            raise ValueError(
-                f"round result has {mean.numel()} values; fragment {fragment} has {total}"
-            )
-        offset = 0
-        with torch.no_grad():
-            for name, parameter in parameters:
-                shard = local_tensor(parameter)
-                parameter.data.copy_(_as_parameter(weights[name], parameter))
-                values = mean[offset : offset + shard.numel()].view(shard.shape)
-                parameter.grad = _as_parameter(values.to(shard.dtype), parameter)
-                offset += shard.numel()
         optimizer = self.outer_optimizers[fragment]
-        optimizer.step()
-        optimizer.zero_grad()
-        with torch.no_grad():  # the new global weights, into DiLoCo's own tensors
-            for name, parameter in parameters:
-                weights[name].copy_(local_tensor(parameter.data))
+        with torch.no_grad():
+            for name, parameter in self.fragments[fragment].named_parameters():
+                shard = local_tensor(parameter.data)
+                parameter.grad = _as_parameter(shard.clone(), parameter)  # the mean
+                parameter.data.copy_(_as_parameter(weights[name], parameter))
+                optimizer.step()
+                optimizer.zero_grad()
+                weights[name].copy_(local_tensor(parameter.data))  # DiLoCo's own tensors
 
     def reset_local_weights(self) -> None:
         """Every parameter back to the global weights: a healed replica starts its inner steps
@@ -317,8 +355,8 @@ def check_weights(
     for name, parameter in parameters.items():
         leaf, local = saved[name], local_tensor(parameter)
         found = local_tensor(leaf)
-        if not (isinstance(found, torch.Tensor) and _like(found, local)):
-            what = _describe(found) if isinstance(found, torch.Tensor) else type(found).__name__
+        if not (is_tensor_like(found) and _like(found, local)):
+            what = _describe(found) if is_tensor_like(found) else type(found).__name__
             raise ValueError(f"{key}: weights {name} are {what}; the parameter's "
                              f"{_describe(local)}")  # fmt: skip
         sharded = isinstance(leaf, LocalShard) and isinstance(parameter, DTensor)
@@ -372,7 +410,7 @@ def check_optimizer_state(
         label = f"parameter {number}" + (f" ({names[number]})" if names else "")
         for name, value in values.items():
             value = local_tensor(value)
-            if isinstance(value, torch.Tensor) and value.dim() and value.shape != shape:
+            if is_tensor_like(value) and value.dim() and value.shape != shape:
                 raise ValueError(f"{key}: the {what}'s {name} of {label} is "
                                  f"{list(value.shape)}; allowed: a scalar, or "
                                  f"{list(shape)} as the parameter")  # fmt: skip

@@ -35,8 +35,6 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-import torch
-
 from diloco_anywhere.bucket.errors import StoreError
 from diloco_anywhere.bucket.framing import WireFormatError
 from diloco_anywhere.bucket.store import Store
@@ -55,6 +53,7 @@ from diloco_anywhere.training.checkpoints.records import (
     WHOLE,
     Checkpoint,
     CheckpointCommit,
+    CheckpointError,
     Confirm,
     ShardOf,
 )
@@ -108,6 +107,9 @@ def _load(checkpoint: Checkpoint, state: GlobalState, manager: BucketManager) ->
     try:
         state.load_fragments_tree(tree["fragments"])
         manager.load_state_dict(tree["manager"])
+    except CheckpointError as exc:  # its bytes, read as they are loaded (a value not finite)
+        log.warning("checkpoint of round %d not used: %s", commit.round, exc)
+        return False
     except Exception as exc:  # another model or optimizer, or a malformed tree
         log.warning("checkpoint of round %d not used: it does not fit this replica's model and "
                     "optimizers: %s", commit.round, exc)  # fmt: skip
@@ -148,29 +150,30 @@ def _examine(
     counters: dict[str, int],
     min_replicas: int,
     unreadable: list[str],
-) -> tuple[_Verdict, torch.Tensor | None]:
-    """This rank's verdict on the round the manager is at, and its mean when it applies."""
+) -> _Verdict:
+    """This rank's verdict on the round the manager is at; its mean, when it applies, in the
+    fragment's parameters (``GlobalState.replay``)."""
     round_ = counters["sync"]
-    fragment = state.fragments[counters["step"] % len(state.fragments)]
-    numel = sum(local_tensor(p).numel() for p in fragment.parameters())
-    try:
-        observed = collective.observe(round_, numel)
+    index = counters["step"] % len(state.fragments)
+    numel = sum(local_tensor(p).numel() for p in state.fragments[index].parameters())
+    try:  # the mean into the fragment's parameters: they hold nothing a heal needs
+        observed = collective.observe(round_, numel, into=state.replay_buffers(index))
     except ModelMismatchError as exc:
-        return _Verdict("error", str(exc)), None
+        return _Verdict("error", str(exc))
     except RoundDataMissingError as exc:
         return _Verdict("error", f"round {round_} cannot be replayed: its data is gone from the "
                         f"bucket ({exc}); rounds after the oldest kept checkpoint must stay "
-                        f"(checkpoint.keep)"), None  # fmt: skip
+                        f"(checkpoint.keep)")  # fmt: skip
     except (SealedContributionError, WireFormatError) as exc:
         # its sealed data, or its SEAL itself (a field this release does not know, a checksum
         # that fails), does not read back: the live replicas failed the round on the same
         # bytes (``Round._load_seal``), and none committed it
-        return _Verdict("unreadable", f"round {round_} was skipped as unreadable ({exc})"), None
+        return _Verdict("unreadable", f"round {round_} was skipped as unreadable ({exc})")
     if observed is None:
-        return _Verdict("open"), None
-    result, mean = observed
+        return _Verdict("open")
+    result, _ = observed
     if len(result.seal.contributors) < min_replicas:
-        return _Verdict("skip"), None
+        return _Verdict("skip")
     mine = fingerprint(counters["step"], state.checksum())
     if mine != result.fingerprint:
         return _Verdict("error", (
@@ -182,8 +185,8 @@ def _examine(
             f"; or {skip}, which the other replicas applied: its data was damaged after it "
             f"was sealed"
             for skip in unreadable
-        )), None  # fmt: skip
-    return _Verdict("apply", contributors=len(result.seal.contributors)), mean
+        ))  # fmt: skip
+    return _Verdict("apply", contributors=len(result.seal.contributors))
 
 
 def _together(verdicts: list[_Verdict]) -> _Verdict:
@@ -212,7 +215,7 @@ def _replay(
     unreadable: list[str] = []  # rounds skipped because a sealed record did not read back
     while True:
         counters = manager.state_dict()
-        mine, mean = _examine(collective, state, counters, min_replicas, unreadable)
+        mine = _examine(collective, state, counters, min_replicas, unreadable)
         verdict = _together(ranks.gather(mine))
         if verdict.kind == "error":
             raise HealError(verdict.detail)
@@ -224,7 +227,7 @@ def _replay(
                 unreadable.append(verdict.detail)
             skipped += 1
         else:  # errors after the agreement end the process: the ranks could no longer agree
-            state.replay(counters["step"] % len(state.fragments), mean)
+            state.replay(counters["step"] % len(state.fragments))
             committed = counters["batches_committed"] + verdict.contributors
             counters = {**counters, "step": counters["step"] + 1, "batches_committed": committed}
             replayed += 1
@@ -241,12 +244,12 @@ def _candidates(
     replica's ranks go through rank 0's list of committed rounds together, each loading its
     part (None where no copy of it loads)."""
     store, layout, confirm = collective.store, collective.layout, _sealed_after(collective, shard)
-    if not shard.sharded:
-        yield from newest_checkpoints(store, layout, mirrors, confirm, shard)
+    if not shard.sharded:  # each value is checked as it is loaded, the fingerprint after
+        yield from newest_checkpoints(store, layout, mirrors, confirm, shard, verify=False)
         return
     listed = checkpoint_holders(store, layout, mirrors) if ranks.is_leader else None
     for round_, holders in ranks.broadcast(listed):
-        yield first_intact(store, mirrors, holders, layout, round_, confirm, shard)
+        yield first_intact(store, mirrors, holders, layout, round_, confirm, shard, verify=False)
 
 
 def heal(
@@ -268,7 +271,11 @@ def heal(
     process's part of a sharded replica, and the replica's ranks, which heal together."""
     started, tried, misfits = time.perf_counter(), False, []
     for checkpoint in _candidates(collective, mirrors, shard, ranks):
-        loaded = _loaded(checkpoint, state, manager, misfits)
+        try:
+            loaded = _loaded(checkpoint, state, manager, misfits)
+        finally:
+            if checkpoint is not None:
+                checkpoint.close()  # what was downloaded of it: its tensors are in the state
         found = ranks.gather((checkpoint is not None, loaded))  # every rank's
         tried |= any(intact for intact, _ in found)
         if not all(fits for _, fits in found):

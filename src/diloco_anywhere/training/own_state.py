@@ -11,8 +11,10 @@ sends what its peers hold: a restarted replica used to start them afresh, its Ad
 re-warming (about 0.1 to 0.2% of loss after a restart).
 
 So at every global checkpoint step (``after_sync.checkpoint_due``) every single-process
-replica snapshots its own state to CPU on the training thread, right after the sync, and
-writes it under its id on a thread of its own (``checkpoints/replica_states.py``). A replica
+replica writes its own state to local files on the training thread, right after the sync, a
+shard at a time from the state itself (it changes at the next inner step: at disk speed, and
+with host memory bounded by a shard, not by AdamW's 2x the model), and uploads it under its id
+on a thread of its own (``checkpoints/replica_states.py``). A replica
 joining the run (``Training.heal`` from its initial state, not after a divergence: then its
 own state is current) loads, once its global state is healed to round R, the newest saved
 state of its id of a round at most R (a later one is from a run started over) that reads back
@@ -36,20 +38,29 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from diloco_anywhere.bucket.feedback import ErrorFeedback
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.training.after_sync import checkpoint_due
+from diloco_anywhere.training.checkpoints.objects import Spools
 from diloco_anywhere.training.checkpoints.records import CheckpointError
 from diloco_anywhere.training.checkpoints.replica_states import (
+    StagedState,
     read_replica_state,
     saved_rounds,
+    stage_replica_state,
     write_replica_state,
 )
-from diloco_anywhere.training.checkpoints.tree import snapshot
-from diloco_anywhere.training.global_state import check_optimizer_state, check_weights
+from diloco_anywhere.training.checkpoints.staging import HostStaging
+from diloco_anywhere.training.global_state import (
+    check_optimizer_state,
+    check_weights,
+    fill_from,
+    is_tensor_like,
+)
 from diloco_anywhere.training.managers.bucket import BucketManager
 
 log = logging.getLogger(__name__)
@@ -92,7 +103,7 @@ def own_tree(
     with_weights: bool,
     feedback: ErrorFeedback | None = None,
 ) -> dict:
-    """What a replica saves of its own (references: ``snapshot`` copies it): with a sparse
+    """What a replica saves of its own (references to its tensors, not copies): with a sparse
     codec, its error feedback's accumulators too, by fragment."""
     return {
         "optimizer": {"class": type(inner).__qualname__, "state": inner.state_dict()},
@@ -112,7 +123,7 @@ def _feedback_buffers(
     sizes = {str(i): sum(p.numel() for p in f.parameters()) for i, f in enumerate(fragments)}
     for stream, buffer in saved.items():
         if stream not in sizes or not (
-            isinstance(buffer, torch.Tensor)
+            is_tensor_like(buffer)
             and buffer.dtype == torch.float32
             and buffer.shape == (sizes[stream],)
         ):
@@ -120,7 +131,7 @@ def _feedback_buffers(
                 f"{key}: error feedback {stream!r} is not a float32 accumulator of a fragment "
                 f"(this model's: {sizes})"
             )
-    return {stream: buffer.to(device) for stream, buffer in saved.items()}
+    return {stream: on_device(buffer, device) for stream, buffer in saved.items()}
 
 
 def _words(key: str, what: str, value: Any, count: int) -> list[int]:
@@ -199,6 +210,7 @@ def load_own_state(
     weights only when ``exact`` (saved at the round healed to); the buffers always. The error
     feedback's accumulators (of ``fragments``) only when ``exact`` too: one saved earlier
     holds what later syncs have sent since, and would send it twice."""
+    tree = {**tree, "random": _loaded(tree.get("random"))}  # a few KiB: read before checks
     optimizer = _field(key, tree, "optimizer", dict)
     saved_class, state = _field(key, optimizer, "class", str), optimizer.get("state")
     if saved_class != type(inner).__qualname__:
@@ -220,7 +232,7 @@ def load_own_state(
     if exact and feedback is not None:
         device = next(model.parameters()).device
         buffers = _feedback_buffers(key, tree.get("feedback", {}), fragments or [model], device)
-    inner.load_state_dict(state)
+    inner.load_state_dict(_on_parameters(state, inner))
     if buffers is not None:
         feedback.load_state_dict(buffers)  # type: ignore[union-attr]
     generators.set()
@@ -228,7 +240,42 @@ def load_own_state(
     with torch.no_grad():
         for name, tensor in expected.items():
             if exact or name not in weights:
-                tensor.copy_(local[name])
+                fill_from(tensor, local[name])
+
+
+def _loaded(tree: Any) -> Any:
+    """``tree`` with its checkpoint tensors read (a small part of a saved state)."""
+
+    def read(leaf: Any) -> Any:
+        return leaf if isinstance(leaf, torch.Tensor) or not is_tensor_like(leaf) else leaf.load()
+
+    return tree_map(read, tree)
+
+
+def on_device(value: Any, device: torch.device) -> Any:
+    """A checkpoint tensor (or a tensor) as a tensor on ``device``: read there, a slice at a
+    time, without a host copy of the whole."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    return value.load(device)
+
+
+def _on_parameters(state: dict[str, Any], inner: torch.optim.Optimizer) -> dict[str, Any]:
+    """An inner optimizer's saved state with its checkpoint tensors read onto their
+    parameters' devices (AdamW's moments, 2x the model: one tensor at a time), a step count
+    onto the CPU, where torch keeps it."""
+    parameters = [p for group in inner.param_groups for p in group["params"]]
+
+    def read(index: int, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) or not is_tensor_like(value):
+            return value
+        return on_device(value, parameters[index].device if value.dim() else torch.device("cpu"))
+
+    per_parameter = {
+        index: {name: read(index, value) for name, value in values.items()}
+        for index, values in state["state"].items()
+    }
+    return {**state, "state": per_parameter}
 
 
 class OwnState:
@@ -251,6 +298,7 @@ class OwnState:
         self.with_weights = config.diloco.fragments > 1
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="own-state")
         self._pending: Future[None] | None = None
+        self._staging = HostStaging()
 
     @property
     def limit(self) -> int:
@@ -261,9 +309,9 @@ class OwnState:
         return 6 * sum(t.numel() * t.element_size() for t in tensors) + (16 << 20)
 
     def save_if_due(self, manager: BucketManager) -> None:
-        """After a committed sync at a checkpoint step: snapshot the state to CPU here, write it
-        on the thread. Skipped (logged) while the previous save still runs, except after the
-        run's last step, which waits for it."""
+        """After a committed sync at a checkpoint step: write the state to local files here
+        (it changes at the next inner step), upload it on the thread. Skipped (logged) while
+        the previous save still runs, except after the run's last step, which waits for it."""
         diloco, step = self.config.diloco, manager.current_step()
         last_step = diloco.last_step
         if not checkpoint_due(step, self.config.checkpoint.every, last_step):
@@ -276,14 +324,22 @@ class OwnState:
             return
         if self._pending is not None:
             self._pending.result()  # the run's last: after the previous one
-        tree = snapshot(own_tree(self.model, self.inner, self.with_weights, manager.feedback))
-        self._pending = self._executor.submit(self._write, round_, step, tree)
-
-    def _write(self, round_: int, step: int, tree: Any) -> None:
+        tree = own_tree(self.model, self.inner, self.with_weights, manager.feedback)
         try:
-            write_replica_state(self.store, self.layout, self.replica, round_, step, tree)
+            staged = stage_replica_state(
+                self.store, self.layout, self.replica, round_, tree, self._staging
+            )
         except Exception as exc:  # best effort: a lost save costs a fresh start, not the run
             log.warning("own state of round %d not saved: %s: %s", round_,
+                        type(exc).__name__, exc)  # fmt: skip
+            return
+        self._pending = self._executor.submit(self._write, step, staged)
+
+    def _write(self, step: int, staged: StagedState) -> None:
+        try:
+            write_replica_state(self.store, self.layout, self.replica, step, staged)
+        except Exception as exc:  # best effort: a lost save costs a fresh start, not the run
+            log.warning("own state of round %d not saved: %s: %s", staged.round,
                         type(exc).__name__, exc)  # fmt: skip
 
     def resume(self, manager: BucketManager) -> str | None:
@@ -299,9 +355,10 @@ class OwnState:
             return None
         for round_ in rounds:
             key = self.layout.replica_state_commit(self.replica, round_)
+            spools = Spools()
             try:
                 commit, tree = read_replica_state(
-                    self.store, self.layout, self.replica, round_, self.limit
+                    self.store, self.layout, self.replica, round_, self.limit, spools
                 )
                 exact = (commit.round, commit.step) == (healed, step)
                 load_own_state(key, tree, self.model, self.inner,
@@ -310,6 +367,8 @@ class OwnState:
             except (CheckpointError, ValueError, OSError) as exc:
                 log.warning("own state of round %d not used: %s", round_, exc)
                 continue
+            finally:
+                spools.release()
             if exact:
                 return f"own state of round {round_} restored: exact, the round healed to"
             feedback = "; error feedback from zero" if manager.feedback is not None else ""

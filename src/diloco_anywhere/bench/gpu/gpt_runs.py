@@ -67,7 +67,10 @@ def final_weights(config: RunConfig) -> GlobalWeights:
     """The newest committed checkpoint's global weights, by parameter name."""
     with Store(config.store_url()) as store:
         checkpoint = committed_checkpoint(store, RunLayout(config.run.name), None)
-    return global_weights(config, checkpoint)
+        try:
+            return global_weights(config, checkpoint).loaded()
+        finally:
+            checkpoint.close()
 
 
 def the_replica(config: RunConfig) -> ReplicaMetrics:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import typer
 
+from diloco_anywhere.cli.bench.checkpoint import bench_checkpoint_command
 from diloco_anywhere.cli.bench.data import bench_data_command
 from diloco_anywhere.cli.bench.gpu import bench_gpu_command
 from diloco_anywhere.cli.bench.store import bench_codecs_command, bench_store_command
@@ -32,6 +33,7 @@ bench_app.command("codecs")(bench_codecs_command)
 bench_app.command("data")(bench_data_command)
 bench_app.command("sync")(bench_sync_command)
 bench_app.command("sharded")(bench_sharded_command)
+bench_app.command("checkpoint")(bench_checkpoint_command)
 bench_app.command("convergence")(bench_convergence_command)
 bench_app.command("overlap")(bench_overlap_command)
 bench_app.command("throughput")(bench_throughput_command)

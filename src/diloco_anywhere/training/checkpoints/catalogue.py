@@ -15,7 +15,7 @@ from diloco_anywhere.bucket.errors import StoreError
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.training.checkpoints.commits import committed_rounds
-from diloco_anywhere.training.checkpoints.reader import load_checkpoint
+from diloco_anywhere.training.checkpoints.reader import open_checkpoint
 from diloco_anywhere.training.checkpoints.records import (
     Checkpoint,
     CheckpointError,
@@ -32,15 +32,19 @@ def newest_checkpoints(
     mirrors: Sequence[Store] = (),
     confirm_mirrored: Confirm | None = None,
     shard: ShardOf | None = None,
+    *,
+    verify: bool = True,
 ) -> Iterator[Checkpoint]:
-    """Committed checkpoints that load intact (``shard``'s part, or the whole: as
-    ``load_checkpoint``), newest first (lazily), each from ``store`` or, where it has none of
-    that round or its copy there does not load, from the first of ``mirrors`` whose copy does;
+    """Committed checkpoints that read back intact (``shard``'s part, or the whole: as
+    ``open_checkpoint``, whose ``close`` is the caller's), newest first (lazily), each from
+    ``store`` or, where it has none of that round or its copy there does not load, from the
+    first of ``mirrors`` whose copy does;
     ``confirm_mirrored`` may refuse a mirror's COMMIT. The ones that do not load, and mirrors
     that cannot be listed, are logged with the reason and skipped; ``store`` itself not
-    answering propagates."""
+    answering propagates. ``verify``: as ``open_checkpoint``'s."""
     for round_, holders in checkpoint_holders(store, layout, mirrors):
-        checkpoint = first_intact(store, mirrors, holders, layout, round_, confirm_mirrored, shard)
+        checkpoint = first_intact(store, mirrors, holders, layout, round_, confirm_mirrored, shard,
+                                  verify=verify)  # fmt: skip
         if checkpoint is not None:
             yield checkpoint
 
@@ -70,6 +74,8 @@ def first_intact(
     round_: int,
     confirm_mirrored: Confirm | None,
     shard: ShardOf | None,
+    *,
+    verify: bool = True,
 ) -> Checkpoint | None:
     """The checkpoint of ``round_`` from the first of ``holders`` (``checkpoint_holders``)
     whose copy loads intact; None (logged) if none does. ``store`` not answering propagates."""
@@ -77,7 +83,7 @@ def first_intact(
         source = store if holder == 0 else mirrors[holder - 1]
         confirm = None if holder == 0 else confirm_mirrored
         try:
-            checkpoint = load_checkpoint(source, layout, round_, confirm, shard)
+            checkpoint = open_checkpoint(source, layout, round_, confirm, shard, verify=verify)
             return replace(checkpoint, from_mirror=holder != 0)
         except CheckpointError as exc:
             log.warning("checkpoint of round %d not used: %s", round_, exc)

@@ -60,6 +60,12 @@ class Spools:
         self._paths.append(path)
         return path
 
+    def __enter__(self) -> Spools:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.release()
+
     def hold(self) -> Spools:
         with self._lock:
             self._holders += 1

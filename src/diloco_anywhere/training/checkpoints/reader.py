@@ -7,37 +7,46 @@ finite, and that the state's counters, device meshes and fingerprint are the COM
 Whatever is wrong with the bucket's bytes is a ``CheckpointError``, never another exception,
 so that healing falls back to the previous checkpoint (``catalogue.py``) instead of failing;
 a store that cannot be reached is not a bad checkpoint and propagates.
+
+It reads with host memory bounded by a slice of a tensor, whatever the model
+(``open_checkpoint``): each shard is a local file, the store's own (a local store) or a
+download of it in chunks, checked against its COMMIT before any of its bytes is used; its
+tensors are ``TensorRef``s, which a heal fills into the replica's own tensors and an export
+writes out a shard at a time (``staging.py``). ``load_checkpoint`` loads every tensor (what
+a test or a small tool wants).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from typing import Any
 
 import crc32c
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as load_safetensors
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from diloco_anywhere.bucket.errors import StoreError
 from diloco_anywhere.bucket.keys import check_key
 from diloco_anywhere.bucket.layout import MAX_COUNT, RunLayout
+from diloco_anywhere.bucket.local_files import file_checksum
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.training.checkpoints.commits import read_commit
+from diloco_anywhere.training.checkpoints.objects import Spools
 from diloco_anywhere.training.checkpoints.records import (
     Checkpoint,
     CheckpointCommit,
     CheckpointError,
     Confirm,
+    LocalCopy,
     RankPart,
     ShardOf,
     StoredCheckpoint,
     StoredObject,
 )
-from diloco_anywhere.training.checkpoints.tree import unflatten, whole_tree
+from diloco_anywhere.training.checkpoints.staging import PartFile, PartTensor, part_tensors
+from diloco_anywhere.training.checkpoints.tree import LazyTensor, unflatten, whole_tree
 from diloco_anywhere.training.fingerprints import fingerprint
 from diloco_anywhere.training.global_state import LocalShard, tree_checksum
 
@@ -68,18 +77,161 @@ def check_keys(key: str, folder: str, entries: list[StoredObject]) -> None:
             raise CheckpointError(f"{key}: the COMMIT names {entry.key}, outside {folder}")
 
 
-def read_objects(store: Store, entries: list[StoredObject]) -> dict[str, bytes | None]:
-    """The objects the COMMIT names, each read up to one byte past the size it gives (so the
-    memory used is what the COMMIT claims, whatever the bucket holds)."""
+def local_copy(store: Store, entry: StoredObject, spools: Spools) -> str:
+    """A local file holding the object ``entry`` names, checked against it (size, CRC32C)
+    before any of its bytes is used, kept in ``spools``: the store's own file, pinned (a local
+    store: a link, so that a checkpoint pruned meanwhile still reads), else a download of at
+    most one byte past the size the COMMIT gives, a chunk at a time."""
+    try:
+        path = store.pinned_local_file(entry.key)
+        if path is None:
+            path = store.spool(entry.key)
+            spools.add(path)
+            store.get_file(entry.key, path, entry.size + 1)
+        else:
+            spools.add(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{entry.key}: missing") from None
+    size, checksum = file_checksum(path)
+    if size != entry.size or checksum != entry.crc32c:
+        raise CheckpointError(
+            f"{entry.key}: {size} bytes with CRC32C {checksum:#010x}; the COMMIT says "
+            f"{entry.size} bytes, {entry.crc32c:#010x}"
+        )
+    return path
 
-    def read(entry: StoredObject) -> bytes | None:
-        try:
-            return store.get(entry.key, 0, entry.size + 1)
-        except FileNotFoundError:
-            return None
 
-    with ThreadPoolExecutor(min(16, len(entries))) as pool:
-        return dict(zip((e.key for e in entries), pool.map(read, entries), strict=True))
+class TensorRef(LazyTensor):
+    """One tensor of a checkpoint, read when asked, from a local file of its shard checked
+    against the COMMIT (``local_copy``): its name, shape and dtype from the shard's
+    safetensors header. ``fill`` reads it into a tensor of the caller's a run of rows at a
+    time (``staging.PartFile``), each run checked finite, so that a heal fills the replica's
+    own tensors and nothing of the model's size is allocated for it."""
+
+    def __init__(self, key: str, path: str, place: PartTensor) -> None:
+        self.key, self.path, self.place = key, path, place
+        self.name, self.dtype = place.name, place.dtype
+        self.shape = torch.Size(place.shape)
+        self.verified = False  # its values read and checked finite (``checksum``)
+
+    def fill(self, destination: torch.Tensor) -> torch.Tensor:
+        """Read this tensor into ``destination`` (of its shape and dtype); ``destination``."""
+        if (destination.shape, destination.dtype) != (self.shape, self.dtype):
+            raise CheckpointError(f"{self.key}: tensor {self.name} is {self.dtype} "
+                                  f"{list(self.shape)}; it fills a {destination.dtype} "
+                                  f"{list(destination.shape)}")  # fmt: skip
+        check = (lambda _: None) if self.verified else self._require_finite
+        with PartFile(self.path) as part:
+            part.fill(self.place, destination, check)
+        return destination
+
+    def checksum(self, checksum: int) -> int:
+        """``checksum`` (CRC32C) carried over this tensor's bytes, read a run of rows at a
+        time, each checked finite: what ``open_checkpoint`` verifies a checkpoint with."""
+        with PartFile(self.path) as part:
+            for values in part.chunks(self.place):
+                self._require_finite(values)
+                checksum = crc32c.crc32c(values.reshape(-1).view(torch.uint8).numpy(), checksum)
+        self.verified = True
+        return checksum
+
+    def _require_finite(self, values: torch.Tensor) -> None:
+        _require_finite(self.key, self.name, values)
+
+
+def tensor_refs(key: str, path: str) -> dict[str, TensorRef]:
+    """Every tensor of the shard at ``key`` (its checked local file ``path``), by name."""
+    return {place.name: TensorRef(key, path, place) for place in part_tensors(key, path)}
+
+
+def materialized(tree: Any) -> Any:
+    """``tree`` with every ``TensorRef`` loaded (on the CPU): the whole state in memory."""
+
+    def load(leaf: Any) -> Any:
+        if isinstance(leaf, LazyTensor):
+            return leaf.load()
+        if isinstance(leaf, LocalShard) and isinstance(leaf.tensor, TensorRef):
+            return dataclasses.replace(leaf, tensor=leaf.tensor.load())
+        return leaf
+
+    return tree_map(load, tree)
+
+
+def open_checkpoint(
+    store: Store,
+    layout: RunLayout,
+    round_: int,
+    confirm: Confirm | None = None,
+    shard: ShardOf | None = None,
+    *,
+    verify: bool = True,
+) -> Checkpoint:
+    """The committed checkpoint of ``round_``, every object checked (``local_copy``), its
+    tensors ``TensorRef``s read when filled; else ``CheckpointError`` naming the key and why,
+    whatever is wrong with the bucket's bytes (a dtype torch does not have, a size no file
+    has, counters unlike its COMMIT), so healing falls back to the previous checkpoint.
+    ``shard``: the part one process of a replica heals from (its rank's, of a
+    sharded checkpoint written by replicas of as many ranks); None: the whole state, a sharded
+    checkpoint's parts put together (``JoinedRef``). Its values are read once, a run of rows
+    at a time, to check them finite and each part fingerprinted as the COMMIT says
+    (``check_fingerprint``), before it is returned; unless not ``verify``: a heal checks each
+    value finite as it reads it into the replica, and the replica's fingerprint after (one
+    read of the values less). ``confirm`` sees the COMMIT before
+    anything else is read and may refuse it (says why); what it raises propagates. A store
+    that cannot be reached (``StoreError``) is not a bad checkpoint: it propagates. Its
+    ``close()`` removes what it downloaded."""
+    commit, _ = read_commit(store, layout, round_)
+    key = layout.checkpoint_commit(round_)
+    parts = _parts_read(commit, key, shard)  # a sharding unlike the reader's is refused first
+    if confirm is not None and (refusal := confirm(commit)):
+        raise CheckpointError(f"{key} in {store.url}: {refusal}")
+    spools = Spools()
+    try:
+        trees = [guarded(key, lambda r=rank, p=part: _open_part(store, layout, commit, r, p,
+                                                               spools))
+                 for rank, part in parts]  # fmt: skip
+        for (_, part), tree in zip(parts, trees, strict=True) if verify else ():
+            guarded(key, lambda t=tree, p=part: check_fingerprint(p.state.key, t, commit.step,
+                                                                  p.fingerprint))  # fmt: skip
+        if shard is not None:
+            return Checkpoint(commit, trees[0], store.url, parts[0][1].fingerprint, spools=spools)
+        tree = guarded(key, lambda: whole_tree(trees))  # a one-rank FSDP's too
+        return Checkpoint(commit, tree, store.url, commit.fingerprint, spools=spools)
+    except BaseException:
+        spools.release()
+        raise
+
+
+def _open_part(
+    store: Store, layout: RunLayout, commit: CheckpointCommit, rank: int, part: RankPart,
+    spools: Spools,
+) -> Any:  # fmt: skip
+    """One part's state tree, its tensors ``TensorRef``s, its counters and meshes the
+    COMMIT's."""
+    folder = layout.checkpoint_part(commit.round, rank if commit.ranks else None)
+    check_keys(layout.checkpoint_commit(commit.round), f"{folder}/", [part.state, *part.shards])
+    try:
+        structure = store.get(part.state.key, 0, part.state.size + 1)
+    except FileNotFoundError:
+        structure = None
+    structure = checked_object(part.state.key, structure, part.state)
+    tensors: dict[str, Any] = {}
+    for entry in part.shards:
+        tensors.update(tensor_refs(entry.key, local_copy(store, entry, spools)))
+    tree = unflatten(structure, tensors, part.state.key)
+    _check_counters(part.state.key, tree, commit)
+    _check_meshes(part.state.key, tree, len(commit.parts()))
+    return tree
+
+
+def check_fingerprint(key: str, tree: Any, step: int, expected: str) -> None:
+    """The part's state (its ``state`` object at ``key``) fingerprints as its COMMIT says,
+    its values read a slice at a time and checked finite (``TensorRef.checksum``): objects
+    and a COMMIT that do not belong together are refused."""
+    found = fingerprint(step, tree_checksum(tree["fragments"]))
+    if found != expected:
+        raise CheckpointError(f"{key}: the state fingerprints as {found}, its COMMIT says "
+                              f"{expected}")  # fmt: skip
 
 
 def load_checkpoint(
@@ -89,30 +241,32 @@ def load_checkpoint(
     confirm: Confirm | None = None,
     shard: ShardOf | None = None,
 ) -> Checkpoint:
-    """The committed checkpoint of ``round_``, every object checked; else ``CheckpointError``
-    naming the key and why, whatever is wrong with the bucket's bytes (a dtype torch does not
-    have, a size no file has, a state unlike its COMMIT), so healing falls back to the previous
-    checkpoint. ``shard``: the part one process of a replica heals from (its rank's, of a
-    sharded checkpoint written by replicas of as many ranks); None: the whole state, a sharded
-    checkpoint's parts put together. ``confirm`` sees the COMMIT before anything else is read
-    and may refuse it (says why); what it raises propagates. A store that cannot be reached
-    (``StoreError``) is not a bad checkpoint: it propagates."""
-    stored = _read_checkpoint(store, layout, round_, confirm, shard)
-    key = layout.checkpoint_commit(round_)
-    parts = guarded(key, lambda: _decode_checkpoint(stored))
-    if shard is not None:
-        fingerprint_ = stored.commit.parts()[shard.rank].fingerprint
-        return Checkpoint(stored.commit, parts[0], store.url, fingerprint_)
-    tree = guarded(key, lambda: whole_tree(parts))  # a one-rank FSDP's too
-    return Checkpoint(stored.commit, tree, store.url, stored.commit.fingerprint)
+    """``open_checkpoint``, every tensor then loaded on the CPU: the whole state in memory (a
+    test's, a small tool's); a heal and an export read through ``open_checkpoint`` instead."""
+    opened = open_checkpoint(store, layout, round_, confirm, shard)
+    try:
+        key = layout.checkpoint_commit(round_)
+        tree = guarded(key, lambda: materialized(opened.tree))
+        return dataclasses.replace(opened, tree=tree, spools=None)
+    finally:
+        opened.close()
 
 
 def read_checkpoint(store: Store, layout: RunLayout, round_: int) -> StoredCheckpoint:
-    """The committed checkpoint of ``round_`` as bytes (every part), checked as
-    ``load_checkpoint`` checks it (its tensors and structure decoded once, then dropped)."""
-    stored = _read_checkpoint(store, layout, round_, None, None)
-    guarded(layout.checkpoint_commit(round_), lambda: _decode_checkpoint(stored))
-    return stored
+    """The committed checkpoint of ``round_`` as local copies of its objects (every part),
+    checked as ``load_checkpoint`` checks it, its tensors read a slice at a time: what a copy
+    to another store puts (``mirrors.resume_from``), which releases its ``spools``."""
+    checkpoint = open_checkpoint(store, layout, round_)
+    try:
+        commit, commit_bytes = read_commit(store, layout, round_)
+        objects: dict[str, Any] = {}
+        for part in commit.parts():
+            objects[part.state.key] = store.get(part.state.key, 0, part.state.size + 1)
+            for entry in part.shards:
+                objects[entry.key] = LocalCopy(local_copy(store, entry, checkpoint.spools))  # type: ignore[arg-type]
+        return StoredCheckpoint(commit, commit_bytes, objects, checkpoint.spools.hold())  # type: ignore[union-attr]
+    finally:
+        checkpoint.close()
 
 
 def guarded(key: str, read: Callable[[], Any]) -> Any:
@@ -145,62 +299,6 @@ def _parts_read(
     return [(shard.rank, parts[shard.rank])]
 
 
-def _read_checkpoint(
-    store: Store, layout: RunLayout, round_: int, confirm: Confirm | None, shard: ShardOf | None
-) -> StoredCheckpoint:
-    commit, commit_bytes = read_commit(store, layout, round_)
-    key = layout.checkpoint_commit(round_)
-    parts = _parts_read(commit, key, shard)  # a sharding unlike the reader's is refused first
-    if confirm is not None and (refusal := confirm(commit)):
-        raise CheckpointError(f"{key} in {store.url}: {refusal}")
-    for rank, part in parts:
-        folder = layout.checkpoint_part(round_, rank if commit.ranks else None)
-        check_keys(key, f"{folder}/", [part.state, *part.shards])
-    entries = [entry for _, part in parts for entry in (part.state, *part.shards)]
-    objects = guarded(key, lambda: read_objects(store, entries))
-    checked = {e.key: checked_object(e.key, objects[e.key], e) for e in entries}
-    return StoredCheckpoint(commit, commit_bytes, checked)
-
-
-def _decode_part(commit: CheckpointCommit, part: RankPart, objects: dict[str, bytes]) -> Any:
-    """One part's state tree, which must hold the COMMIT's counters and fingerprint to the
-    part's fingerprint: objects and a COMMIT that do not belong together are refused."""
-    tree = decode_tree(part.state, part.shards, objects)
-    _check_counters(part.state.key, tree, commit)
-    _check_meshes(part.state.key, tree, len(commit.parts()))
-    found = fingerprint(commit.step, tree_checksum(tree["fragments"]))
-    if found != part.fingerprint:
-        raise CheckpointError(f"{part.state.key}: the state fingerprints as {found}, its COMMIT "
-                              f"says {part.fingerprint}")  # fmt: skip
-    return tree
-
-
-def decode_tree(
-    state: StoredObject, shards: Iterable[StoredObject], objects: dict[str, bytes]
-) -> Any:
-    """The tree a ``state`` structure and its ``shards`` hold (``objects``: their bytes, each
-    already checked against its entry), every tensor checked finite."""
-    tensors: dict[str, torch.Tensor] = {}
-    for entry in shards:
-        tensors.update(_load_shard(entry.key, objects[entry.key]))
-    return unflatten(objects[state.key], tensors, state.key)
-
-
-def _load_shard(key: str, data: bytes) -> dict[str, torch.Tensor]:
-    """The tensors of the shard at ``key``, each checked finite."""
-    try:
-        tensors = load_safetensors(data)
-    except SafetensorError as exc:
-        raise CheckpointError(f"{key}: not a safetensors file: {exc}") from None
-    except Exception as exc:  # valid safetensors torch cannot hold (e.g. a dtype it lacks)
-        raise CheckpointError(
-            f"{key}: safetensors this torch cannot load: {type(exc).__name__}: {exc}"
-        ) from None
-    for name, tensor in tensors.items():
-        _require_finite(key, name, tensor)
-    return tensors
-
-
 def _require_finite(key: str, name: str, tensor: torch.Tensor) -> None:
     """A NaN or inf in a checkpoint is damage, whatever its checksums say: the run never holds
     one (every replica refuses a mean that is not finite, ``mean.py``), and a replica healed
@@ -210,6 +308,8 @@ def _require_finite(key: str, name: str, tensor: torch.Tensor) -> None:
         return
     if values.element_size() == 1:  # float8: no isfinite kernel on the CPU; widening is exact
         values = values.float()
+    if math.isfinite(float(values.sum())):  # a NaN or an inf makes the sum one: all finite
+        return  # (a sum that overflows is counted exactly below; this one pass is 20x faster)
     if bad := int((~torch.isfinite(values)).sum()):
         raise CheckpointError(f"{key}: tensor {name} holds {bad} NaN or infinite values; a "
                               f"checkpoint's values must be finite")  # fmt: skip
@@ -242,9 +342,3 @@ def _check_meshes(key: str, tree: Any, ranks: int) -> None:
         if isinstance(leaf, LocalShard) and math.prod(leaf.mesh) != ranks:
             raise CheckpointError(f"{key}: a tensor is sharded over a mesh of {list(leaf.mesh)}; "
                                   f"the checkpoint has {ranks} parts")  # fmt: skip
-
-
-def _decode_checkpoint(stored: StoredCheckpoint) -> list[Any]:
-    """The state tree of each part read (the parts whose objects ``stored`` holds)."""
-    parts = [part for part in stored.commit.parts() if part.state.key in stored.objects]
-    return [_decode_part(stored.commit, part, stored.objects) for part in parts]

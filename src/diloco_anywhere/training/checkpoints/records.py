@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any, Protocol
 
 import crc32c
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
@@ -38,9 +38,6 @@ from diloco_anywhere.bucket.framing import Count, Name
 from diloco_anywhere.bucket.layout import MAX_RANK, MAX_ROUND
 from diloco_anywhere.bucket.record import Record
 from diloco_anywhere.training.fingerprints import combine_fingerprints
-
-if TYPE_CHECKING:
-    from diloco_anywhere.training.checkpoints.objects import Spools
 
 Round = Annotated[int, Field(ge=0, le=MAX_ROUND)]  # a round that has a key (``RunLayout``)
 # ``fingerprint(step, checksum)``, or ranks' fingerprints combined: the same form
@@ -168,11 +165,20 @@ Confirm = Callable[[CheckpointCommit], str | None]
 
 @dataclass(frozen=True)
 class Checkpoint:
+    """A committed checkpoint, checked (``reader.py``): its ``tree`` holds ``TensorRef``s read
+    from local files (``open_checkpoint``; ``close()`` removes what was downloaded), or
+    tensors on the CPU (``load_checkpoint``)."""
+
     commit: CheckpointCommit
-    tree: Any  # the state as it was saved (one rank's part, or the whole), tensors on CPU
+    tree: Any  # the state as it was saved (one rank's part, or the whole)
     source: str  # the store it was read from (its URL, credentials masked)
     fingerprint: str  # of ``tree``: the part's, or the COMMIT's for the whole
     from_mirror: bool = False  # read from a mirror, not from the run's store
+    spools: Spools | None = None  # the local copies its ``TensorRef``s read
+
+    def close(self) -> None:
+        if self.spools is not None:
+            self.spools.release()
 
 
 @dataclass(frozen=True)
@@ -184,6 +190,14 @@ class LocalCopy:
 
 
 Blob = bytes | LocalCopy  # an object on its way into a store
+
+
+class Spools(Protocol):
+    """Local files that whoever holds them lets go of once done (``objects.Spools``)."""
+
+    def hold(self) -> Spools: ...
+
+    def release(self) -> None: ...
 
 
 @dataclass(frozen=True)

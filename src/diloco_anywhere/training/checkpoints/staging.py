@@ -10,28 +10,30 @@ part. The file is the spool the upload reads from (``Store.put_file``), so the s
 read only while its parts are written to local disk, at disk speed: the training may change it
 as soon as that is done (``CheckpointWriter.release``), however slow the store.
 
-Reading a part goes the other way: ``safe_open`` maps the file (the store's own file for a local
-store, else a download of it, checked first against its COMMIT), and each tensor is copied into
-its destination a slice of rows at a time (``ROWS_BYTES``): a heal fills the replica's own
-tensors, so nothing the size of the model is allocated besides what the replica holds anyway.
+Reading a part goes the other way: the file (the store's own for a local store, else a
+download of it, checked first against its COMMIT) is validated by safetensors' own reader
+(``safe_open``), and each tensor's bytes are read with positioned reads straight into the
+tensor it fills (``PartFile``), a run of rows of about ``ROWS_BYTES`` at a time, or through one
+reused host buffer where that tensor is on a GPU: a heal fills the replica's own tensors, so
+nothing the size of the model is allocated besides what the replica holds anyway, and no page
+of the file is mapped or copied twice.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from pathlib import Path
+from dataclasses import dataclass
+from typing import Any
 
-import crc32c
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from diloco_anywhere.training.checkpoints.records import CheckpointError
 
-READ_BYTES = 8 << 20  # a file's bytes are checksummed this many at a time
 ROWS_BYTES = 16 << 20  # a tensor is copied into its destination about this many at a time
 
 
@@ -75,67 +77,136 @@ def _aligned(size: int) -> int:
     return math.ceil(size / 64) * 64
 
 
-def write_part(tensors: dict[str, torch.Tensor], path: Path, staging: HostStaging) -> None:
+def write_part(tensors: dict[str, torch.Tensor], path: str, staging: HostStaging) -> None:
     """The safetensors file of ``tensors`` at ``path`` (``safetensors.torch.save_file``; the
     same bytes ``save`` gives), device tensors staged through ``staging``."""
     save_file(staging.host(tensors), path)
 
 
-def file_crc32c(path: Path) -> tuple[int, int]:
-    """The file's size and CRC32C, read ``READ_BYTES`` at a time."""
-    checksum, size = 0, 0
-    with open(path, "rb") as file:
-        while chunk := file.read(READ_BYTES):
-            checksum, size = crc32c.crc32c(chunk, checksum), size + len(chunk)
-    return size, checksum
+@dataclass(frozen=True)
+class PartTensor:
+    """Where one tensor of a part's file is: its bytes ``[offset, offset + nbytes)``."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+    nbytes: int
 
 
-@contextmanager
-def opened_part(key: str, path: Path) -> Iterator[safe_open]:
-    """``safe_open`` on a part's file (already checked against its COMMIT); whatever is
-    wrong with its bytes a ``CheckpointError`` naming ``key``."""
+def part_tensors(key: str, path: str) -> list[PartTensor]:
+    """The tensors of the part at ``key`` (its local file ``path``, checked against its
+    COMMIT), as safetensors' own reader validates the file (``safe_open``: a header it can
+    parse, offsets that tile the data) and their places in it (the header's
+    ``data_offsets``, after the 8 bytes of its length and the header itself); a
+    ``CheckpointError`` naming ``key`` for anything off, a dtype torch lacks included."""
     try:
-        handle = safe_open(os.fspath(path), framework="pt")
+        with safe_open(os.fspath(path), framework="pt") as part:
+            names = list(part.keys())
+        with open(path, "rb") as file:
+            length = int.from_bytes(file.read(8), "little")
+            header = json.loads(file.read(length))
     except SafetensorError as exc:
         raise CheckpointError(f"{key}: not a safetensors file: {exc}") from None
     except Exception as exc:  # bucket data: whatever fails in it, this is no part to load
         raise CheckpointError(f"{key}: {type(exc).__name__}: {exc}") from None
-    with handle as part:
-        yield part
+    tensors = []
+    for name in names:
+        entry = header[name]
+        dtype = TORCH_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{key}: tensor {name} is {entry['dtype']}, a dtype this "
+                                  f"torch cannot load")  # fmt: skip
+        begin, end = entry["data_offsets"]
+        tensors.append(PartTensor(name, tuple(entry["shape"]), dtype, 8 + length + begin,
+                                  end - begin))  # fmt: skip
+    return tensors
 
 
-def fill_from_part(
-    key: str,
-    part: safe_open,
-    name: str,
-    destination: torch.Tensor,
-    check: Callable[[str, str, torch.Tensor], None],
-) -> None:
-    """Copy tensor ``name`` of ``part`` (the file of ``key``) into ``destination``, a slice
-    of rows at a time, each checked by ``check(key, name, rows)`` (finite values) before it
-    is copied; ``CheckpointError`` if the part's tensor is not of ``destination``'s shape and
-    dtype (checked before any byte is copied)."""
-    try:
-        view = part.get_slice(name)
-        shape, dtype = tuple(view.get_shape()), view.get_dtype()
-    except Exception as exc:
-        raise CheckpointError(f"{key}: tensor {name}: {type(exc).__name__}: {exc}") from None
-    if shape != tuple(destination.shape) or dtype != _safetensors_dtype(destination.dtype):
-        raise CheckpointError(
-            f"{key}: tensor {name} is {dtype} {list(shape)}; it fills a {destination.dtype} "
-            f"{list(destination.shape)}"
-        )
-    if destination.dim() == 0:
-        rows = part.get_tensor(name)
-        check(key, name, rows)
-        destination.copy_(rows)
-        return
-    row_bytes = max(1, destination[0].numel() * destination.element_size())
-    step = max(1, ROWS_BYTES // row_bytes)
-    for start in range(0, shape[0], step):
-        rows = view[start : start + step]
-        check(key, name, rows)
-        destination[start : start + step].copy_(rows)
+def row_chunks(tensor: PartTensor) -> list[tuple[int, int]]:
+    """``tensor``'s rows (its first dimension) in runs of about ``ROWS_BYTES`` (at least one
+    row each; a scalar is one run): each run's bytes are contiguous in its file."""
+    rows = tensor.shape[0] if tensor.shape else 1
+    row_bytes = tensor.nbytes // rows if rows else 0
+    step = max(1, ROWS_BYTES // max(1, row_bytes))
+    return [(start, min(rows, start + step)) for start in range(0, rows, step)]
+
+
+def rows_of(tensor: torch.Tensor | None, start: int, end: int, shape: tuple[int, ...]) -> Any:
+    """Rows ``[start, end)`` of ``tensor`` (itself, for a scalar)."""
+    return tensor if not shape else tensor[start:end]  # type: ignore[index]
+
+
+class PartFile:
+    """A part's file, open for positioned reads of its tensors' bytes (``os.preadv``): into a
+    host tensor's own memory where it is contiguous (no copy in between), else into one
+    reused host buffer, pinned where CUDA is in use, then copied on."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._descriptor = os.open(path, os.O_RDONLY)
+        self._buffer: torch.Tensor | None = None
+
+    def close(self) -> None:
+        os.close(self._descriptor)
+        self._buffer = None
+
+    def __enter__(self) -> PartFile:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def _read_into(self, target: torch.Tensor, offset: int) -> None:
+        """``target``'s bytes (a contiguous host tensor) from the file at ``offset``."""
+        view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+        done = 0
+        while done < len(view):
+            read = os.preadv(self._descriptor, [view[done:]], offset + done)
+            if read <= 0:
+                raise OSError(f"{self.path} ended {len(view) - done} bytes short")
+            done += read
+
+    def _staged(self, tensor: PartTensor, start: int, end: int) -> torch.Tensor:
+        """Rows ``[start, end)`` of ``tensor`` read into the reused buffer, as its dtype."""
+        rows = end - start if tensor.shape else 1
+        size = tensor.nbytes // (tensor.shape[0] if tensor.shape else 1) * rows
+        if self._buffer is None or self._buffer.numel() < size:
+            self._buffer = None
+            pinned = torch.cuda.is_available() and torch.cuda.is_initialized()
+            self._buffer = torch.empty(max(size, ROWS_BYTES), dtype=torch.uint8, pin_memory=pinned)
+        shape = (rows, *tensor.shape[1:]) if tensor.shape else ()
+        values = self._buffer[:size].view(tensor.dtype).view(shape)
+        self._read_into(values, tensor.offset + self._row_offset(tensor, start))
+        return values
+
+    @staticmethod
+    def _row_offset(tensor: PartTensor, row: int) -> int:
+        return tensor.nbytes // tensor.shape[0] * row if tensor.shape else 0
+
+    def fill(
+        self,
+        tensor: PartTensor,
+        destination: torch.Tensor,
+        check: Callable[[torch.Tensor], None],
+    ) -> None:
+        """``tensor`` into ``destination`` (of its shape and dtype, any device and layout),
+        a run of rows at a time, each run passed to ``check`` as it lands."""
+        direct = destination.device.type == "cpu" and destination.is_contiguous()
+        for start, end in row_chunks(tensor):
+            place = rows_of(destination, start, end, tensor.shape)
+            if direct:
+                self._read_into(place, tensor.offset + self._row_offset(tensor, start))
+                check(place)
+            else:
+                values = self._staged(tensor, start, end)
+                check(values)
+                place.copy_(values)
+
+    def chunks(self, tensor: PartTensor) -> Iterator[torch.Tensor]:
+        """``tensor``'s values, a run of rows at a time, in the reused buffer."""
+        for start, end in row_chunks(tensor):
+            yield self._staged(tensor, start, end)
 
 
 SAFETENSORS_DTYPES = {
@@ -144,6 +215,9 @@ SAFETENSORS_DTYPES = {
     torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
 }  # fmt: skip
+
+
+TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
 def _safetensors_dtype(dtype: torch.dtype) -> str:

@@ -13,38 +13,19 @@ writer and the reader do the store's side.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from safetensors.torch import save as save_safetensors
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from diloco_anywhere.bucket.layout import MAX_COUNT
 from diloco_anywhere.training.checkpoints.records import CheckpointError
-from diloco_anywhere.training.global_state import LocalShard
+from diloco_anywhere.training.global_state import LocalShard, fill_from
 
 JSON_LEAVES = (bool, int, float, str, type(None))
-
-
-def snapshot(tree: Any) -> Any:
-    """A copy of ``tree`` with every tensor copied to CPU (a DTensor as its ``LocalShard``):
-    training may change the original while the copy is written."""
-
-    def copy(leaf: Any) -> Any:
-        if isinstance(leaf, DTensor):
-            return LocalShard.of(leaf)
-        if isinstance(leaf, LocalShard):
-            return dataclasses.replace(leaf, tensor=leaf.tensor.detach().to("cpu", copy=True))
-        if isinstance(leaf, torch.Tensor):
-            return leaf.detach().to("cpu", copy=True)
-        return leaf
-
-    return tree_map(copy, tree)
 
 
 def _name(path: tuple[str | int, ...]) -> str:
@@ -190,34 +171,22 @@ def plan_shards(tensors: dict[str, torch.Tensor], count: int) -> list[list[str]]
     return [shard for shard in shards if shard] or [[]]
 
 
-def encode_shard(names: list[str], tensors: dict[str, torch.Tensor]) -> bytes:
-    return save_safetensors({name: tensors[name] for name in names})
-
-
-def encode_in_parts(
-    tree: Any, part_bytes: int, shard_key: Callable[[int], str]
-) -> tuple[dict[str, bytes], bytes]:
-    """``tree`` as safetensors objects of about ``part_bytes`` each, shard ``s`` keyed
-    ``shard_key(s)``, and its structure: how one rank's part of a checkpoint, or one replica's
-    own state, is written."""
-    tensors, structure = flatten(tree)
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    plan = plan_shards(tensors, -(-total // part_bytes))
-    return {shard_key(s): encode_shard(names, tensors) for s, names in enumerate(plan)}, structure
-
-
 # -- a sharded checkpoint's parts as one tree ---------------------------------------------
 
 
 def whole_tree(parts: list[Any]) -> Any:
-    """The state of a sharded checkpoint as one tree: each ``LocalShard`` leaf put together
-    from the ranks' shards at their offsets (every element exactly once), every other leaf
-    (counters, hyperparameters) the same in every part."""
+    """The state of a sharded checkpoint as one tree: each ``LocalShard`` leaf a
+    ``JoinedRef`` that puts it together from the ranks' shards at their offsets (every element
+    exactly once, checked now), every other leaf (counters, hyperparameters) the same in every
+    part. One part (an unsharded checkpoint, a one-rank FSDP's) is the tree itself."""
+    if len(parts) == 1:
+        return tree_map(lambda leaf: JoinedRef((leaf,)) if isinstance(leaf, LocalShard) else leaf,
+                        parts[0])  # fmt: skip
 
     def whole(*leaves: Any) -> Any:
         first = leaves[0]
         if isinstance(first, LocalShard):
-            return _put_together(leaves)
+            return JoinedRef(leaves)
         if any(not _same(leaf, first) for leaf in leaves):
             raise CheckpointError(f"the ranks' parts differ in an unsharded leaf: {first!r:.80}")
         return first
@@ -225,30 +194,67 @@ def whole_tree(parts: list[Any]) -> Any:
     return tree_map(whole, parts[0], *parts[1:])
 
 
-def _put_together(shards: tuple[Any, ...]) -> torch.Tensor:
-    """One tensor from its ranks' ``LocalShard``s, each element covered exactly once. Checked
-    before anything the size of the whole is allocated: the shapes come from the bucket."""
-    first, kind = shards[0], (shards[0].shape, shards[0].tensor.dtype)
-    if not all(isinstance(s, LocalShard) and (s.shape, s.tensor.dtype) == kind for s in shards):
-        raise CheckpointError("the ranks' parts hold one tensor in different shapes or dtypes")
-    numel, held = math.prod(first.shape), sum(s.tensor.numel() for s in shards)
-    if held != numel:
-        raise CheckpointError(
-            f"the ranks' shards of a {list(first.shape)} tensor hold {held} elements, not {numel}"
-        )
-    tensor = torch.empty(first.shape, dtype=first.tensor.dtype)
-    covered = torch.zeros(first.shape, dtype=torch.bool)
-    for shard in shards:
-        where = tuple(
-            slice(o, o + n) for o, n in zip(shard.offset, shard.tensor.shape, strict=True)
-        )
-        if covered[where].any():
+class LazyTensor:
+    """A checkpoint's tensor read when asked: its ``shape`` and ``dtype`` known from the
+    bucket's headers, its values read by ``fill`` into a tensor of the caller's."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def fill(self, destination: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def load(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """A new tensor on ``device`` holding this one."""
+        return self.fill(torch.empty(self.shape, dtype=self.dtype, device=device))
+
+
+class JoinedRef(LazyTensor):
+    """One tensor of a sharded checkpoint, from its ranks' ``LocalShard``s, each element
+    covered exactly once (checked here, before anything the size of the whole is allocated:
+    the shapes come from the bucket). ``fill`` and ``load`` copy each shard into its place
+    (a shard's tensor is a tensor or a ``TensorRef``)."""
+
+    def __init__(self, shards: tuple[Any, ...]) -> None:
+        first = shards[0]
+        kind = (first.shape, first.tensor.dtype)
+        if not all(isinstance(s, LocalShard) and (s.shape, s.tensor.dtype) == kind for s in shards):
+            raise CheckpointError("the ranks' parts hold one tensor in different shapes or dtypes")
+        numel, held = math.prod(first.shape), sum(s.tensor.numel() for s in shards)
+        if held != numel:
+            raise CheckpointError(f"the ranks' shards of a {list(first.shape)} tensor hold "
+                                  f"{held} elements, not {numel}")  # fmt: skip
+        boxes = [_box(shard) for shard in shards]
+        if any(_overlap(a, b) for k, a in enumerate(boxes) for b in boxes[k + 1 :]):
             raise CheckpointError(f"the ranks' shards of a {list(first.shape)} tensor overlap")
-        tensor[where], covered[where] = shard.tensor, True
-    return tensor
+        self.shards, self.shape, self.dtype = shards, torch.Size(first.shape), first.tensor.dtype
+
+    def fill(self, destination: torch.Tensor) -> torch.Tensor:
+        for shard, box in zip(self.shards, map(_box, self.shards), strict=True):
+            place = destination[tuple(slice(start, end) for start, end in box)]
+            fill_from(place, shard.tensor)
+        return destination
+
+
+def _box(shard: LocalShard) -> list[tuple[int, int]]:
+    return [(o, o + n) for o, n in zip(shard.offset, shard.tensor.shape, strict=True)]
+
+
+def _overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> bool:
+    """Whether two boxes share an element (every dimension's ranges intersect)."""
+    return all(max(lo, low) < min(hi, high) for (lo, hi), (low, high) in zip(a, b, strict=True))
 
 
 def _same(a: Any, b: Any) -> bool:
+    """Two parts' copies of an unsharded leaf are one (a tensor's values read to compare)."""
+    if hasattr(a, "load") and hasattr(b, "load"):
+        a, b = a.load(), b.load()
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
     return a == b
