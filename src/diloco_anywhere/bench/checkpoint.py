@@ -18,16 +18,19 @@ parent's pages), so its resident set is its own, sampled every 5 ms (``bench/mem
 - ``resume``: a replica started again, as ``replica.diloco`` heals it and restores its own
   state (inner optimizer, generators).
 
-Memory added is what the operation holds only while it runs: the peak resident set during it
-less the larger of the sets before and after it (what a heal fills is the replica's own state,
-which it holds after the heal too). The raw transfer is one ``put`` and one ``get`` of P bytes
-through the same store. Ratios are of one run: the machine is noisy.
+A local store's files are read from the disk by every operation and by the raw get alike
+(``uncached``: out of the page cache before each), not from whatever memory the operations
+before left them in. Memory added is what the operation holds only while it runs: the peak
+resident set during it less the larger of the sets before and after it (what a heal fills is
+the replica's own state, which it holds after the heal too). The raw transfer is one ``put``
+and one ``get`` of P bytes through the same store. Ratios are of one run: the machine is noisy.
 """
 
 from __future__ import annotations
 
 import math
 import multiprocessing
+import os
 import queue
 import shutil
 import tempfile
@@ -178,9 +181,8 @@ def _resume(bench: CheckpointBench, results: Any) -> None:
 
 
 def _raw(bench: CheckpointBench, results: Any) -> None:
-    """One put and one get of P bytes through the store."""
-    import os
-
+    """One put and one get of P bytes through the store (the get from the disk, for a local
+    store: ``uncached``)."""
     from diloco_anywhere.bucket.store import Store
 
     store, data = Store(bench.store), os.urandom(1 << 20) * (bench.size >> 20)
@@ -188,10 +190,27 @@ def _raw(bench: CheckpointBench, results: Any) -> None:
     store.put("raw/object", data)
     written = time.perf_counter() - started
     del data
+    uncached(bench.store)
     started = time.perf_counter()
     store.get("raw/object")
     results.put({"raw": {"write_seconds": written, "read_seconds": time.perf_counter() - started}})
     store.delete("raw/object")
+
+
+def uncached(store: str) -> None:
+    """A local store's files out of the page cache (written to disk first), so that every
+    operation and the raw get read them from the disk alike, whatever the operations before
+    them left in memory; nothing for another store."""
+    if "://" in store and not store.startswith("file://"):
+        return
+    for path in Path(store.removeprefix("file://")).rglob("*"):
+        if path.is_file():
+            descriptor = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(descriptor)
+                os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(descriptor)
 
 
 def _in_a_process(target: Callable[..., None], bench: CheckpointBench, *args: Any) -> dict:
@@ -234,6 +253,7 @@ def bench_checkpoint(bench: CheckpointBench, progress: Progress) -> dict[str, An
         ]
         for label, target, args in steps:
             progress(label)
+            uncached(bench.store)
             found.update(_in_a_process(target, bench, *args))
     finally:
         shutil.rmtree(export_folder, ignore_errors=True)

@@ -134,6 +134,27 @@ def _as_parameter(values: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor
     )  # fmt: skip
 
 
+def _outer_step(optimizer: torch.optim.Optimizer, parameter: Any, weights: torch.Tensor) -> None:
+    """``optimizer``'s step on ``parameter`` from ``weights`` (updated), the mean it holds as
+    the gradient. A plain parameter on the weights' device steps on DiLoCo's own tensor, its
+    storage swapped for the step and put back: nothing is copied. A DTensor's storage belongs
+    to FSDP, which must keep it: the mean is cloned and the weights copied in and back."""
+    if isinstance(parameter, DTensor) or parameter.device != weights.device:
+        parameter.grad = _as_parameter(local_tensor(parameter.data).clone(), parameter)
+        parameter.data.copy_(_as_parameter(weights, parameter))
+        optimizer.step()
+        optimizer.zero_grad()
+        weights.copy_(local_tensor(parameter.data))
+        return
+    mean = parameter.data
+    parameter.data, parameter.grad = weights, mean
+    try:
+        optimizer.step()
+    finally:
+        optimizer.zero_grad()
+        parameter.data = mean
+
+
 def _outer_state_as_parameters(
     optimizer: torch.optim.Optimizer, saved: dict[str, Any]
 ) -> dict[str, Any]:
@@ -295,17 +316,12 @@ class GlobalState:
         its global weights, the mean as its gradient, and the outer optimizer's step, one
         parameter at a time (SGD updates each parameter and its momentum from its own gradient
         alone: the same bits as one step over all), so a replay holds one tensor's copy at a
-        time, not the model's."""
+        time at most, not the model's (``_outer_step``)."""
         weights = self.global_weights(fragment)
         optimizer = self.outer_optimizers[fragment]
         with torch.no_grad():
             for name, parameter in self.fragments[fragment].named_parameters():
-                shard = local_tensor(parameter.data)
-                parameter.grad = _as_parameter(shard.clone(), parameter)  # the mean
-                parameter.data.copy_(_as_parameter(weights[name], parameter))
-                optimizer.step()
-                optimizer.zero_grad()
-                weights[name].copy_(local_tensor(parameter.data))  # DiLoCo's own tensors
+                _outer_step(optimizer, parameter, weights[name])
 
     def reset_local_weights(self) -> None:
         """Every parameter back to the global weights: a healed replica starts its inner steps

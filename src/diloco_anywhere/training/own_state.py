@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -202,14 +203,17 @@ def load_own_state(
     exact: bool,
     feedback: ErrorFeedback | None = None,
     fragments: list[nn.Module] | None = None,
+    confirm: Callable[[], None] = lambda: None,
 ) -> None:
     """Load a saved own state (``key``: its record, named in errors) into ``model``, ``inner``
     and the global generators, every part checked to fit first (``ValueError`` naming what
-    differs, and nothing loaded): the same optimizer class, its groups' hyperparameter names,
-    each parameter's state of its shape, the same local tensors (``local_tensors``). The local
-    weights only when ``exact`` (saved at the round healed to); the buffers always. The error
-    feedback's accumulators (of ``fragments``) only when ``exact`` too: one saved earlier
-    holds what later syncs have sent since, and would send it twice."""
+    differs; or what ``confirm`` raises once the optimizer's tensors are read, a
+    ``CheckpointError`` for files unlike their COMMIT; and nothing loaded): the same
+    optimizer class, its groups' hyperparameter names, each parameter's state of its shape,
+    the same local tensors (``local_tensors``). The local weights only when ``exact`` (saved
+    at the round healed to); the buffers always. The error feedback's accumulators (of
+    ``fragments``) only when ``exact`` too: one saved earlier holds what later syncs have
+    sent since, and would send it twice."""
     tree = {**tree, "random": _loaded(tree.get("random"))}  # a few KiB: read before checks
     optimizer = _field(key, tree, "optimizer", dict)
     saved_class, state = _field(key, optimizer, "class", str), optimizer.get("state")
@@ -232,7 +236,9 @@ def load_own_state(
     if exact and feedback is not None:
         device = next(model.parameters()).device
         buffers = _feedback_buffers(key, tree.get("feedback", {}), fragments or [model], device)
-    inner.load_state_dict(_on_parameters(state, inner))
+    optimizer_state = _on_parameters(state, inner)
+    confirm()
+    inner.load_state_dict(optimizer_state)
     if buffers is not None:
         feedback.load_state_dict(buffers)  # type: ignore[union-attr]
     generators.set()
@@ -358,12 +364,19 @@ class OwnState:
             spools = Spools()
             try:
                 commit, tree = read_replica_state(
-                    self.store, self.layout, self.replica, round_, self.limit, spools
-                )
+                    self.store,
+                    self.layout,
+                    self.replica,
+                    round_,
+                    self.limit,
+                    spools,
+                    verify=False,
+                )  # its files checked as they are read, before any of it is loaded
                 exact = (commit.round, commit.step) == (healed, step)
                 load_own_state(key, tree, self.model, self.inner,
                                with_weights=self.with_weights, exact=exact,
-                               feedback=manager.feedback, fragments=self.fragments)  # fmt: skip
+                               feedback=manager.feedback, fragments=self.fragments,
+                               confirm=spools.confirm)  # fmt: skip
             except (CheckpointError, ValueError, OSError) as exc:
                 log.warning("own state of round %d not used: %s", round_, exc)
                 continue

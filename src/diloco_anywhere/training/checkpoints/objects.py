@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from typing import Protocol
 
 from diloco_anywhere.bucket.local_files import file_checksum
 from diloco_anywhere.bucket.store import Store
@@ -47,18 +48,43 @@ def put_checked(store: Store, objects: dict[str, Blob]) -> None:
             raise OSError(f"{key} in {store.url} reads back other bytes than were written")
 
 
+class FileCheck(Protocol):
+    """Whether a local file holds an object's bytes, found as it is read
+    (``reader.PartCheck``)."""
+
+    key: str
+    path: str
+
+    def confirm(self) -> None: ...
+
+
 class Spools:
     """Local files that one checkpoint's copies read from: removed when the last holder lets
-    go (the writer, then each mirror it handed them to)."""
+    go (the writer, then each mirror it handed them to); a reader's, with the check of each
+    against its COMMIT (``confirm``)."""
 
     def __init__(self) -> None:
         self._paths: list[str] = []
+        self._checks: list[FileCheck] = []
         self._holders = 1  # whoever made it
         self._lock = threading.Lock()
 
     def add(self, path: str) -> str:
         self._paths.append(path)
         return path
+
+    def check(self, check: FileCheck) -> FileCheck:
+        self._checks.append(check)
+        return check
+
+    def confirm(self) -> None:
+        """Every file checked as its ``FileCheck`` says (raises what it raises)."""
+        for check in self._checks:
+            check.confirm()
+
+    def local_file(self, key: str) -> str:
+        """The checked local file of the object at ``key``."""
+        return next(check.path for check in self._checks if check.key == key)
 
     def __enter__(self) -> Spools:
         return self

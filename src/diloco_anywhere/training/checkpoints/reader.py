@@ -9,10 +9,12 @@ so that healing falls back to the previous checkpoint (``catalogue.py``) instead
 a store that cannot be reached is not a bad checkpoint and propagates.
 
 It reads with host memory bounded by a slice of a tensor, whatever the model
-(``open_checkpoint``): each shard is a local file, the store's own (a local store) or a
-download of it in chunks, checked against its COMMIT before any of its bytes is used; its
-tensors are ``TensorRef``s, which a heal fills into the replica's own tensors and an export
-writes out a shard at a time (``staging.py``). ``load_checkpoint`` loads every tensor (what
+(``open_checkpoint``): each shard is a local file, the store's own (a local store, pinned) or
+a download of it in chunks, of the size its COMMIT gives; its tensors are ``TensorRef``s,
+which a heal fills into the replica's own tensors and an export writes out a shard at a time
+(``staging.py``), and each file's CRC32C is taken as its tensors are read, not in a read of its
+own (``PartCheck``): a checkpoint is used (trained from, exported, copied) only once every
+file is confirmed. ``load_checkpoint`` loads every tensor (what
 a test or a small tool wants).
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -27,10 +30,10 @@ import crc32c
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
+from diloco_anywhere.bucket.crc_combine import crc32c_combine
 from diloco_anywhere.bucket.errors import StoreError
 from diloco_anywhere.bucket.keys import check_key
 from diloco_anywhere.bucket.layout import MAX_COUNT, RunLayout
-from diloco_anywhere.bucket.local_files import file_checksum
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.training.checkpoints.commits import read_commit
 from diloco_anywhere.training.checkpoints.objects import Spools
@@ -78,10 +81,10 @@ def check_keys(key: str, folder: str, entries: list[StoredObject]) -> None:
 
 
 def local_copy(store: Store, entry: StoredObject, spools: Spools) -> str:
-    """A local file holding the object ``entry`` names, checked against it (size, CRC32C)
-    before any of its bytes is used, kept in ``spools``: the store's own file, pinned (a local
-    store: a link, so that a checkpoint pruned meanwhile still reads), else a download of at
-    most one byte past the size the COMMIT gives, a chunk at a time."""
+    """A local file holding the object ``entry`` names, kept in ``spools``: the store's own
+    file, pinned (a local store: a link, so that a checkpoint pruned meanwhile still reads),
+    else a download of at most one byte past the size the COMMIT gives, a chunk at a time.
+    Its size is checked here; its CRC32C as its tensors are read (``PartCheck``)."""
     try:
         path = store.pinned_local_file(entry.key)
         if path is None:
@@ -92,24 +95,71 @@ def local_copy(store: Store, entry: StoredObject, spools: Spools) -> str:
             spools.add(path)
     except FileNotFoundError:
         raise CheckpointError(f"{entry.key}: missing") from None
-    size, checksum = file_checksum(path)
-    if size != entry.size or checksum != entry.crc32c:
-        raise CheckpointError(
-            f"{entry.key}: {size} bytes with CRC32C {checksum:#010x}; the COMMIT says "
-            f"{entry.size} bytes, {entry.crc32c:#010x}"
-        )
+    if (size := os.path.getsize(path)) != entry.size:
+        raise CheckpointError(f"{entry.key}: {size} bytes; the COMMIT says {entry.size} bytes")
     return path
 
 
-class TensorRef(LazyTensor):
-    """One tensor of a checkpoint, read when asked, from a local file of its shard checked
-    against the COMMIT (``local_copy``): its name, shape and dtype from the shard's
-    safetensors header. ``fill`` reads it into a tensor of the caller's a run of rows at a
-    time (``staging.PartFile``), each run checked finite, so that a heal fills the replica's
-    own tensors and nothing of the model's size is allocated for it."""
+class PartCheck:
+    """One local file of a checkpoint checked against its COMMIT's CRC32C as its tensors are
+    read, not in a read of its own: a tensor's bytes get a CRC of their own as they land
+    (``TensorRef``), and ``confirm`` puts the header's and these together in file order
+    (``crc32c_combine``), reading only the tensors nobody read. Until it is confirmed, what
+    was read of the file may be damage, and nothing of it is used: an export, a mirror copy
+    and a verified open confirm before they go on, a replica's own state before any of it
+    is loaded, a heal before it fills the replica (``open_checkpoint``)."""
 
-    def __init__(self, key: str, path: str, place: PartTensor) -> None:
-        self.key, self.path, self.place = key, path, place
+    def __init__(self, entry: StoredObject, path: str, tensors: list[PartTensor]) -> None:
+        self.entry, self.path, self.key = entry, path, entry.key
+        self.tensors = sorted(tensors, key=lambda tensor: tensor.offset)
+        self._read: dict[int, int] = {}  # a tensor's offset: the CRC32C of its bytes
+        self._confirmed = False
+
+    def record(self, tensor: PartTensor, checksum: int) -> None:
+        self._read[tensor.offset] = checksum
+
+    def confirm(self) -> None:
+        """``CheckpointError`` naming the key unless the file's bytes are the COMMIT's."""
+        if self._confirmed:
+            return
+        with open(self.path, "rb") as file:
+            length = int.from_bytes(file.read(8), "little")
+            header = file.read(length)
+        checksum = crc32c.crc32c(header, crc32c.crc32c(length.to_bytes(8, "little")))
+        position = 8 + length
+        with PartFile(self.path) as part:
+            for tensor in self.tensors:  # safetensors' data: the tensors, each after the last
+                if tensor.offset != position:
+                    raise CheckpointError(f"{self.key}: its tensors do not tile the file")
+                own = self._read.get(tensor.offset)
+                if own is None:
+                    own = 0
+                    for values in part.chunks(tensor):
+                        own = crc32c.crc32c(_bytes(values), own)
+                checksum = crc32c_combine(checksum, own, tensor.nbytes)
+                position += tensor.nbytes
+        if (position, checksum) != (self.entry.size, self.entry.crc32c):
+            raise CheckpointError(
+                f"{self.key}: {position} bytes with CRC32C {checksum:#010x}; the COMMIT says "
+                f"{self.entry.size} bytes, {self.entry.crc32c:#010x}"
+            )
+        self._confirmed = True
+
+
+def _bytes(values: torch.Tensor) -> Any:
+    """A contiguous tensor's bytes, for a CRC, without a copy."""
+    return values.reshape(-1).view(torch.uint8).numpy()
+
+
+class TensorRef(LazyTensor):
+    """One tensor of a checkpoint, read when asked, from a local file of its shard (its size
+    checked against the COMMIT, its CRC32C as it is read: ``PartCheck``): its name, shape and
+    dtype from the shard's safetensors header. ``fill`` reads it into a tensor of the
+    caller's a run of rows at a time (``staging.PartFile``), each run checked finite, so that
+    a heal fills the replica's own tensors and nothing of the model's size is allocated."""
+
+    def __init__(self, key: str, check: PartCheck, place: PartTensor) -> None:
+        self.key, self.check, self.path, self.place = key, check, check.path, place
         self.name, self.dtype = place.name, place.dtype
         self.shape = torch.Size(place.shape)
         self.verified = False  # its values read and checked finite (``checksum``)
@@ -120,28 +170,44 @@ class TensorRef(LazyTensor):
             raise CheckpointError(f"{self.key}: tensor {self.name} is {self.dtype} "
                                   f"{list(self.shape)}; it fills a {destination.dtype} "
                                   f"{list(destination.shape)}")  # fmt: skip
-        check = (lambda _: None) if self.verified else self._require_finite
+        own = 0
+
+        def check(values: torch.Tensor) -> None:
+            nonlocal own
+            if not self.verified:
+                self._require_finite(values)
+            own = crc32c.crc32c(_bytes(values), own)
+
         with PartFile(self.path) as part:
             part.fill(self.place, destination, check)
+        self.check.record(self.place, own)
         return destination
 
     def checksum(self, checksum: int) -> int:
         """``checksum`` (CRC32C) carried over this tensor's bytes, read a run of rows at a
         time, each checked finite: what ``open_checkpoint`` verifies a checkpoint with."""
+        own = 0
         with PartFile(self.path) as part:
             for values in part.chunks(self.place):
                 self._require_finite(values)
-                checksum = crc32c.crc32c(values.reshape(-1).view(torch.uint8).numpy(), checksum)
+                data = _bytes(values)
+                checksum, own = crc32c.crc32c(data, checksum), crc32c.crc32c(data, own)
         self.verified = True
+        self.check.record(self.place, own)
         return checksum
 
     def _require_finite(self, values: torch.Tensor) -> None:
         _require_finite(self.key, self.name, values)
 
 
-def tensor_refs(key: str, path: str) -> dict[str, TensorRef]:
-    """Every tensor of the shard at ``key`` (its checked local file ``path``), by name."""
-    return {place.name: TensorRef(key, path, place) for place in part_tensors(key, path)}
+def shard_tensors(store: Store, entry: StoredObject, spools: Spools) -> dict[str, TensorRef]:
+    """Every tensor of the shard ``entry`` names, by name, read from its local copy
+    (``local_copy``); the copy and its ``PartCheck`` kept in ``spools``, to be confirmed."""
+    path = local_copy(store, entry, spools)
+    places = part_tensors(entry.key, path)
+    check = PartCheck(entry, path, places)
+    spools.check(check)
+    return {place.name: TensorRef(entry.key, check, place) for place in places}
 
 
 def materialized(tree: Any) -> Any:
@@ -166,17 +232,20 @@ def open_checkpoint(
     *,
     verify: bool = True,
 ) -> Checkpoint:
-    """The committed checkpoint of ``round_``, every object checked (``local_copy``), its
-    tensors ``TensorRef``s read when filled; else ``CheckpointError`` naming the key and why,
+    """The committed checkpoint of ``round_``, every object checked (sizes: ``local_copy``;
+    CRC32Cs as its tensors are read: ``PartCheck``), its tensors ``TensorRef``s read when
+    filled; else ``CheckpointError`` naming the key and why,
     whatever is wrong with the bucket's bytes (a dtype torch does not have, a size no file
     has, counters unlike its COMMIT), so healing falls back to the previous checkpoint.
     ``shard``: the part one process of a replica heals from (its rank's, of a
     sharded checkpoint written by replicas of as many ranks); None: the whole state, a sharded
     checkpoint's parts put together (``JoinedRef``). Its values are read once, a run of rows
     at a time, to check them finite and each part fingerprinted as the COMMIT says
-    (``check_fingerprint``), before it is returned; unless not ``verify``: a heal checks each
-    value finite as it reads it into the replica, and the replica's fingerprint after (one
-    read of the values less). ``confirm`` sees the COMMIT before
+    (``check_fingerprint``), every file's CRC32C taken in the same read, before it is
+    returned; unless not ``verify``: the files are confirmed in a read of their own, and a
+    heal checks each value finite as it reads it into the replica and the replica's
+    fingerprint after (a heal moves on to another copy or an older checkpoint only while its
+    state is still intact). ``confirm`` sees the COMMIT before
     anything else is read and may refuse it (says why); what it raises propagates. A store
     that cannot be reached (``StoreError``) is not a bad checkpoint: it propagates. Its
     ``close()`` removes what it downloaded."""
@@ -190,9 +259,14 @@ def open_checkpoint(
         trees = [guarded(key, lambda r=rank, p=part: _open_part(store, layout, commit, r, p,
                                                                spools))
                  for rank, part in parts]  # fmt: skip
-        for (_, part), tree in zip(parts, trees, strict=True) if verify else ():
-            guarded(key, lambda t=tree, p=part: check_fingerprint(p.state.key, t, commit.step,
-                                                                  p.fingerprint))  # fmt: skip
+        try:
+            for (_, part), tree in zip(parts, trees, strict=True) if verify else ():
+                guarded(key, lambda t=tree, p=part: check_fingerprint(
+                    p.state.key, t, commit.step, p.fingerprint))  # fmt: skip
+        except CheckpointError:
+            guarded(key, spools.confirm)  # a file unlike its COMMIT is the cause to name
+            raise
+        guarded(key, spools.confirm)
         if shard is not None:
             return Checkpoint(commit, trees[0], store.url, parts[0][1].fingerprint, spools=spools)
         tree = guarded(key, lambda: whole_tree(trees))  # a one-rank FSDP's too
@@ -217,7 +291,7 @@ def _open_part(
     structure = checked_object(part.state.key, structure, part.state)
     tensors: dict[str, Any] = {}
     for entry in part.shards:
-        tensors.update(tensor_refs(entry.key, local_copy(store, entry, spools)))
+        tensors.update(shard_tensors(store, entry, spools))
     tree = unflatten(structure, tensors, part.state.key)
     _check_counters(part.state.key, tree, commit)
     _check_meshes(part.state.key, tree, len(commit.parts()))
@@ -263,7 +337,7 @@ def read_checkpoint(store: Store, layout: RunLayout, round_: int) -> StoredCheck
         for part in commit.parts():
             objects[part.state.key] = store.get(part.state.key, 0, part.state.size + 1)
             for entry in part.shards:
-                objects[entry.key] = LocalCopy(local_copy(store, entry, checkpoint.spools))  # type: ignore[arg-type]
+                objects[entry.key] = LocalCopy(checkpoint.spools.local_file(entry.key))  # type: ignore[union-attr]
         return StoredCheckpoint(commit, commit_bytes, objects, checkpoint.spools.hold())  # type: ignore[union-attr]
     finally:
         checkpoint.close()

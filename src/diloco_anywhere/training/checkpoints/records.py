@@ -199,6 +199,8 @@ class Spools(Protocol):
 
     def release(self) -> None: ...
 
+    def confirm(self) -> None: ...
+
 
 @dataclass(frozen=True)
 class StoredPart:

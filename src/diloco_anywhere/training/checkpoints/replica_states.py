@@ -30,8 +30,7 @@ from diloco_anywhere.training.checkpoints.reader import (
     check_keys,
     checked_object,
     guarded,
-    local_copy,
-    tensor_refs,
+    shard_tensors,
 )
 from diloco_anywhere.training.checkpoints.records import (
     CheckpointError,
@@ -130,13 +129,16 @@ def saved_rounds(store: Store, layout: RunLayout, replica: str) -> list[int]:
 
 
 def read_replica_state(
-    store: Store, layout: RunLayout, replica: str, round_: int, limit: int, spools: Spools
-) -> tuple[ReplicaStateCommit, Any]:
+    store: Store, layout: RunLayout, replica: str, round_: int, limit: int, spools: Spools,
+    *, verify: bool = True,
+) -> tuple[ReplicaStateCommit, Any]:  # fmt: skip
     """``replica``'s own state of ``round_``: its COMMIT and its tree, every object checked,
     its tensors ``TensorRef``s read from local copies kept in ``spools`` (the caller's to
-    release); ``CheckpointError`` naming the key and what is wrong otherwise, including
-    objects of more than ``limit`` bytes in all (what this replica's state can hold). A store
-    that cannot be reached is not a bad state: its ``StoreError`` propagates."""
+    release; not ``verify``: the caller confirms them, ``Spools.confirm``, once it has read
+    the tensors, before it uses any); ``CheckpointError`` naming the key and what is wrong
+    otherwise, including objects of more than ``limit`` bytes in all (what this replica's
+    state can hold). A store that cannot be reached is not a bad state: its ``StoreError``
+    propagates."""
     commit = _read_commit(store, layout, replica, round_)
     key = layout.replica_state_commit(replica, round_)
     entries = commit.entries()
@@ -153,8 +155,11 @@ def read_replica_state(
         structure = checked_object(commit.state.key, data, commit.state)
         tensors: dict[str, Any] = {}
         for entry in commit.shards:
-            tensors.update(tensor_refs(entry.key, local_copy(store, entry, spools)))
-        return unflatten(structure, tensors, commit.state.key)
+            tensors.update(shard_tensors(store, entry, spools))
+        tree = unflatten(structure, tensors, commit.state.key)
+        if verify:
+            spools.confirm()
+        return tree
 
     return commit, guarded(key, read)
 

@@ -1,0 +1,53 @@
+"""The CRC32C of two byte strings put together, from their own CRCs and the second's length.
+
+A checkpoint's file is checked against its COMMIT's CRC32C as its tensors are read into the
+replica, in whatever order the state takes them, not in a read of its own
+(``training/checkpoints/reader.PartCheck``): each tensor's bytes get a CRC of their own, and
+these are put together in file order here. This is zlib's ``crc32_combine`` (Mark Adler's
+GF(2) matrix method, zlib 1.2.x ``crc32.c``) for the Castagnoli polynomial: the CRC register
+advanced over ``length`` zero bytes by squaring a 32x32 bit matrix, O(log length) work. The
+``crc32c`` package computes CRCs but has no combine.
+"""
+
+from __future__ import annotations
+
+CASTAGNOLI = 0x82F63B78  # CRC32C's polynomial, bit-reversed as the register shifts right
+
+
+def _times(matrix: list[int], vector: int) -> int:
+    """``matrix`` (32 columns, each a 32-bit word) times ``vector`` over GF(2)."""
+    total, row = 0, 0
+    while vector:
+        if vector & 1:
+            total ^= matrix[row]
+        vector >>= 1
+        row += 1
+    return total
+
+
+def _squared(matrix: list[int]) -> list[int]:
+    return [_times(matrix, column) for column in matrix]
+
+
+def crc32c_combine(first: int, second: int, length: int) -> int:
+    """The CRC32C of ``a + b`` from ``first`` = CRC32C(a), ``second`` = CRC32C(b) and
+    ``length`` = len(b)."""
+    if length <= 0:
+        return first
+    odd = [CASTAGNOLI] + [1 << bit for bit in range(31)]  # one zero bit
+    even = _squared(odd)  # two zero bits
+    odd = _squared(even)  # four zero bits
+    while True:  # apply len(b) zero bytes to the first CRC, a power of two at a time
+        even = _squared(odd)
+        if length & 1:
+            first = _times(even, first)
+        length >>= 1
+        if not length:
+            break
+        odd = _squared(even)
+        if length & 1:
+            first = _times(odd, first)
+        length >>= 1
+        if not length:
+            break
+    return first ^ second
