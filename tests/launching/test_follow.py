@@ -112,6 +112,19 @@ def _launch(tmp_path) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
 
 
+def _launched_to_the_end(tmp_path, monkeypatch, script: str) -> tuple[int, str]:
+    """A foreground launch of ``script``'s replicas in ``tmp_path``, waited for: its exit code
+    and what it wrote to stderr."""
+    monkeypatch.chdir(tmp_path)
+    _write_run(tmp_path, script)
+    launch = _launch(tmp_path)
+    try:
+        _out, err = launch.communicate(timeout=240)
+    finally:
+        launch.kill()
+    return launch.returncode, err
+
+
 @pytest.mark.integration
 def test_a_foreground_launch_that_cannot_go_on_returns_with_the_replica_that_failed(
     tmp_path, monkeypatch
@@ -119,14 +132,8 @@ def test_a_foreground_launch_that_cannot_go_on_returns_with_the_replica_that_fai
     """The issue's launch that never returned: of two replicas (min_replicas = 2) one stops
     for its mistake, and the other cannot seal a round alone. The launch returns 1, says
     which replica failed and why, and stops the one left."""
-    monkeypatch.chdir(tmp_path)
-    _write_run(tmp_path, SEEDED_PER_REPLICA)
-    launch = _launch(tmp_path)
-    try:
-        _out, err = launch.communicate(timeout=240)
-    finally:
-        launch.kill()
-    assert launch.returncode == 1, err
+    returncode, err = _launched_to_the_end(tmp_path, monkeypatch, SEEDED_PER_REPLICA)
+    assert returncode == 1, err
     said = " ".join(err.split())
     assert "the run cannot go on: 1 of its replicas ended for good, and the 1 left " \
            "(local-0) are fewer than min_replicas = 2" in said  # fmt: skip
@@ -142,14 +149,8 @@ def test_a_replica_that_never_joined_is_said_gone_for_the_replicas_of_other_plat
     of it is in the bucket. The launch that finds the run cannot go on says in the bucket that
     it left for good, so that replicas on other platforms, which it does not stop, fail their
     rounds at once instead of after five sync timeouts (``collective/departures.py``)."""
-    monkeypatch.chdir(tmp_path)
-    _write_run(tmp_path, FAILS_BEFORE_JOIN_ON_INDEX_1)
-    launch = _launch(tmp_path)
-    try:
-        _out, err = launch.communicate(timeout=240)
-    finally:
-        launch.kill()
-    assert launch.returncode == 1, err
+    returncode, err = _launched_to_the_end(tmp_path, monkeypatch, FAILS_BEFORE_JOIN_ON_INDEX_1)
+    assert returncode == 1, err
     assert "local-1: failed (exit 1)" in " ".join(err.split())
     gone = departed(Store(str(tmp_path / "store")), RunLayout("follow"))["local-1"]
     assert (gone.incarnation, gone.final) == (None, True)  # it never joined

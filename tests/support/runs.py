@@ -113,3 +113,10 @@ def wait_for_starts(config, replica: str, count: int, seconds: float = 120.0) ->
 
 
 K8S = '\n[backends.k8s]\nsecret = "store"\ngpus_per_pod = 0\n'
+
+
+def replica_logs(folder: Path, run: str) -> str:
+    """Every replica's log of run ``run`` launched in ``folder`` (all its ranks' output,
+    torchrun's included): a rank that failed says why only there."""
+    logs = sorted((Path(folder) / ".diloco" / run / "logs").glob("*.log"))
+    return "".join(f"\n--- {log.name}\n{log.read_text()[-6000:]}" for log in logs)

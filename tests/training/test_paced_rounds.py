@@ -101,13 +101,16 @@ def test_a_replica_slowed_mid_run_is_re_paced_within_two_rounds(
     paces = [(s.round_steps, s.step_seconds) for s in mine]
     measured = [s.step_seconds for s in mine]
     figures = list(itertools.accumulate(measured, moving_step_seconds))
+    # the other's pace is a moving figure too, of the paces it sealed with (``Pacer.decide``)
+    their_figures = list(itertools.accumulate((s.step_seconds for s in theirs),
+                                              moving_step_seconds))  # fmt: skip
     trained = list(itertools.accumulate(s.round_steps for s in mine))
     first_slow = next(r for r, steps in enumerate(trained) if steps > SLOWED_AFTER)
     taken = next(r for r in range(max(1, first_slow), 10)
                  if measured[r] >= REGIME * figures[r - 1])  # fmt: skip
     assert taken in (first_slow, first_slow + 1), paces  # a few slow steps blend in first
     assert taken + LAG < 10, paces
-    length = config.diloco.round_steps * min(figures[taken], theirs[taken].step_seconds)
+    length = config.diloco.round_steps * min(figures[taken], their_figures[taken])
     planned = config.diloco.steps_to_fit(length, figures[taken])
-    assert mine[taken + LAG].round_steps == planned, (taken, paces)
+    assert mine[taken + LAG].round_steps == planned, (taken, paces, their_figures)
     assert planned <= config.diloco.round_steps // 2, (taken, paces)  # 4x slower: far fewer

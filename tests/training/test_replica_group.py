@@ -17,7 +17,7 @@ from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import load_config
 from diloco_anywhere.launching.launch import run_metrics
-from support.runs import RUN_TOML, diloco, statuses
+from support.runs import RUN_TOML, diloco, replica_logs, statuses
 
 TWO_PROCESSES = "\n[backends.local]\nprocesses_per_replica = 2\n"
 
@@ -30,7 +30,7 @@ def test_replicas_of_two_processes_train_and_only_rank_0_uses_the_bucket(tmp_pat
     assert [spec["processes"] for spec in json.loads(dry.stdout)["replicas"]] == [2, 2]
 
     result = diloco("launch", "--config", "run.toml")
-    assert result.exit_code == 0, result.output + _replica_logs(tmp_path)
+    assert result.exit_code == 0, result.output + replica_logs(tmp_path, "t")
     assert {row["state"] for row in statuses("run.toml").values()} == {"done"}
     metrics = run_metrics(load_config("run.toml")).read()
     assert fingerprint_disagreements(metrics) == {}
@@ -43,13 +43,6 @@ def test_replicas_of_two_processes_train_and_only_rank_0_uses_the_bucket(tmp_pat
     claims = [k for k in Store(str(tmp_path / "store")).list_prefix(RunLayout("t").members())
               if k.endswith("/claim")]  # fmt: skip
     assert sorted(claims) == ["t/members/local-0/0/claim", "t/members/local-1/0/claim"]
-
-
-def _replica_logs(folder) -> str:
-    """Every replica's log (all its ranks' output, torchrun's included): a rank that failed
-    says why only there."""
-    logs = sorted((folder / ".diloco" / "t" / "logs").glob("*.log"))
-    return "".join(f"\n--- {log.name}\n{log.read_text()[-6000:]}" for log in logs)
 
 
 def test_a_bad_process_count_is_refused_before_anything_starts(tmp_path, monkeypatch):

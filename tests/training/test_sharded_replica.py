@@ -39,7 +39,7 @@ from diloco_anywhere.training.sharding import (
     check_sharding,
     shard_units,
 )
-from support.runs import RUN_TOML, as_streaming, diloco, evaluated_losses, statuses
+from support.runs import RUN_TOML, as_streaming, diloco, evaluated_losses, replica_logs, statuses
 from support.votes import voter
 
 TWO_RANKS = "\n[backends.local]\nprocesses_per_replica = 2\n"
@@ -315,7 +315,7 @@ def test_every_rank_of_a_replica_paced_by_time_trains_the_steps_its_leader_plann
     ).replace("[task.options]\n", "[task.options]\nspeeds = [1.0, 0.1]\nstep_seconds = 0.05\n")
     Path(config).write_text(text)
     result = diloco("launch", "--config", config)
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 0, result.output + replica_logs(tmp_path, "t")
     metrics = run_metrics(load_config(config)).read()
     fast, slow = metrics["local-0"].syncs, metrics["local-1"].syncs
     assert [sync.round_steps for sync in fast] == [5] * 4

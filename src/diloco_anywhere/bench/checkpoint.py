@@ -273,25 +273,27 @@ def _moved_bytes(bench: CheckpointBench) -> dict[str, tuple[int, int]]:
 
 
 def _ratios(bench: CheckpointBench, found: dict[str, Any]) -> dict[str, Any]:
-    """Each operation's memory as x P (a write during a round: beyond the round's own) and
-    its time against the raw transfer of the bytes it moves (``_moved_bytes``, at the speed
-    of the raw put and get of P bytes)."""
+    """Each operation's memory as x P and its time (a write during a round: both beyond the
+    round's own, measured alone) against the raw transfer of the bytes it moves
+    (``_moved_bytes``, at the speed of the raw put and get of P bytes)."""
     raw = found.pop("raw")
     put, get = raw["write_seconds"] / bench.size, raw["read_seconds"] / bench.size
     rows = {}
     for name in OPERATIONS:
         measured = found[name]
-        added = measured["added"]
-        if name == "write_during_sync" and added is not None and found["sync"]["added"] is not None:
-            added = max(0.0, added - found["sync"]["added"])
+        added, seconds = measured["added"], measured["seconds"]
+        if name == "write_during_sync":  # what the write adds to the round it overlaps
+            seconds = max(0.0, seconds - found["sync"]["seconds"])
+            if added is not None and found["sync"]["added"] is not None:
+                added = max(0.0, added - found["sync"]["added"])
         got, sent = _moved_bytes(bench).get(name, (0, 0))
         raw_seconds = got * get + sent * put
         rows[name] = {
-            "seconds": measured["seconds"],
+            "seconds": seconds,
             "memory_added_bytes": added,
             "memory_added_vs_p": None if added is None else added / bench.size,
             "raw_seconds": raw_seconds or None,
-            "seconds_vs_raw": measured["seconds"] / raw_seconds if raw_seconds else None,
+            "seconds_vs_raw": seconds / raw_seconds if raw_seconds else None,
         }
     return {"size": bench.size, "store": bench.store, "replay": bench.replay, "raw": raw,
             "operations": rows}  # fmt: skip

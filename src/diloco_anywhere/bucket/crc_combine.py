@@ -34,20 +34,10 @@ def crc32c_combine(first: int, second: int, length: int) -> int:
     ``length`` = len(b)."""
     if length <= 0:
         return first
-    odd = [CASTAGNOLI] + [1 << bit for bit in range(31)]  # one zero bit
-    even = _squared(odd)  # two zero bits
-    odd = _squared(even)  # four zero bits
-    while True:  # apply len(b) zero bytes to the first CRC, a power of two at a time
-        even = _squared(odd)
+    zeros = _squared(_squared([CASTAGNOLI] + [1 << bit for bit in range(31)]))  # 4 zero bits
+    while length:  # len(b) zero bytes applied to the first CRC, a power of two at a time
+        zeros = _squared(zeros)  # one zero byte, then two, four, ...
         if length & 1:
-            first = _times(even, first)
+            first = _times(zeros, first)
         length >>= 1
-        if not length:
-            break
-        odd = _squared(even)
-        if length & 1:
-            first = _times(odd, first)
-        length >>= 1
-        if not length:
-            break
     return first ^ second

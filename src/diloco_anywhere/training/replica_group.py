@@ -19,6 +19,7 @@ the bucket for its own shard (``sharding.py``). The managers of each rank are in
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,6 +28,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
+
+
+def _destroy_at_exit() -> None:
+    """The process group torn down before the interpreter finalizes (PyTorch's
+    ``destroy_process_group``, as its docs ask of every program), unless the script did it
+    itself. Left to the interpreter's teardown (static destructors), a follower rank of a
+    replica that had trained to the end once aborted at exit ("terminate called without an
+    active exception", SIGABRT), and torchrun failed the replica."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @dataclass(frozen=True)
@@ -62,6 +73,7 @@ class ReplicaGroup:
         if world_size == 1 and not (sharded and "TORCHELASTIC_RUN_ID" in os.environ):
             return cls(sharded=sharded)
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout)
+        atexit.register(_destroy_at_exit)
         return cls(
             rank=dist.get_rank(),
             world_size=world_size,

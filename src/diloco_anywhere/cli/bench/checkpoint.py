@@ -39,9 +39,10 @@ def checkpoint_table(result: dict[str, Any]) -> Table:
     raw = result["raw"]
     table.caption = (
         f"memory added: the peak resident set an operation held only while it ran, over P (a "
-        f"write during a round: beyond the round's own); x raw transfer: its time over the raw "
-        f"put and get of the bytes it moves (a checkpoint 2P: weights and outer momentum; own "
-        f"state 2P: AdamW's moments; a replayed round P/4, int8; an export P in and out), at "
+        f"write during a round: memory and time beyond the round's own); x raw transfer: its "
+        f"time over the raw put and get of the bytes it moves (a checkpoint 2P: weights and "
+        f"outer momentum; own state 2P: AdamW's moments; a replayed round P/4, int8; an "
+        f"export P in and out), at "
         f"the speed of one put ({raw['write_seconds']:.1f} s) and one get "
         f"({raw['read_seconds']:.1f} s) of P bytes; heal replays {result['replay']} rounds"
     )

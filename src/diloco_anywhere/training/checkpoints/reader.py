@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import crc32c
@@ -210,6 +210,22 @@ def shard_tensors(store: Store, entry: StoredObject, spools: Spools) -> dict[str
     return {place.name: TensorRef(entry.key, check, place) for place in places}
 
 
+def read_tree(
+    store: Store, state: StoredObject, shards: Sequence[StoredObject], spools: Spools
+) -> Any:
+    """The tree of a checkpoint's (or an own state's) ``state`` structure, checked, and its
+    ``shards``' tensors as ``TensorRef``s (``shard_tensors``)."""
+    try:
+        structure = store.get(state.key, 0, state.size + 1)
+    except FileNotFoundError:
+        structure = None
+    structure = checked_object(state.key, structure, state)
+    tensors: dict[str, Any] = {}
+    for entry in shards:
+        tensors.update(shard_tensors(store, entry, spools))
+    return unflatten(structure, tensors, state.key)
+
+
 def materialized(tree: Any) -> Any:
     """``tree`` with every ``TensorRef`` loaded (on the CPU): the whole state in memory."""
 
@@ -284,15 +300,7 @@ def _open_part(
     COMMIT's."""
     folder = layout.checkpoint_part(commit.round, rank if commit.ranks else None)
     check_keys(layout.checkpoint_commit(commit.round), f"{folder}/", [part.state, *part.shards])
-    try:
-        structure = store.get(part.state.key, 0, part.state.size + 1)
-    except FileNotFoundError:
-        structure = None
-    structure = checked_object(part.state.key, structure, part.state)
-    tensors: dict[str, Any] = {}
-    for entry in part.shards:
-        tensors.update(shard_tensors(store, entry, spools))
-    tree = unflatten(structure, tensors, part.state.key)
+    tree = read_tree(store, part.state, part.shards, spools)
     _check_counters(part.state.key, tree, commit)
     _check_meshes(part.state.key, tree, len(commit.parts()))
     return tree

@@ -26,12 +26,7 @@ from diloco_anywhere.bucket.record import encode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.training.checkpoints.commits import read_commit_record
 from diloco_anywhere.training.checkpoints.objects import Spools, describe, put
-from diloco_anywhere.training.checkpoints.reader import (
-    check_keys,
-    checked_object,
-    guarded,
-    shard_tensors,
-)
+from diloco_anywhere.training.checkpoints.reader import check_keys, guarded, read_tree
 from diloco_anywhere.training.checkpoints.records import (
     CheckpointError,
     LocalCopy,
@@ -39,7 +34,7 @@ from diloco_anywhere.training.checkpoints.records import (
     StoredObject,
 )
 from diloco_anywhere.training.checkpoints.staging import HostStaging, write_part
-from diloco_anywhere.training.checkpoints.tree import flatten, plan_shards, unflatten
+from diloco_anywhere.training.checkpoints.tree import flatten, plan_shards
 from diloco_anywhere.training.checkpoints.writer import PART_BYTES, prune_rounds
 
 KEEP = 2  # saved states kept per replica: the newest, and one to fall back on while it is written
@@ -148,15 +143,7 @@ def read_replica_state(
                               f"most {limit}, what this replica's own state can hold")  # fmt: skip
 
     def read() -> Any:
-        try:
-            data = store.get(commit.state.key, 0, commit.state.size + 1)
-        except FileNotFoundError:
-            data = None
-        structure = checked_object(commit.state.key, data, commit.state)
-        tensors: dict[str, Any] = {}
-        for entry in commit.shards:
-            tensors.update(shard_tensors(store, entry, spools))
-        tree = unflatten(structure, tensors, commit.state.key)
+        tree = read_tree(store, commit.state, commit.shards, spools)
         if verify:
             spools.confirm()
         return tree
