@@ -10,6 +10,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
+from diloco_anywhere.backends.local import zombie
 from diloco_anywhere.cli import app
 from diloco_anywhere.config import load_config
 from diloco_anywhere.launching.launch import run_metrics
@@ -74,7 +75,16 @@ def kill_all(config: str) -> None:
     state = json.loads(Path(".diloco/t/launch.json").read_text())
     for handle in state["replicas"]:
         os.kill(handle["job"]["pid"], signal.SIGKILL)
-        os.waitpid(handle["job"]["pid"], 0)  # our children (a detached launch from this process)
+    for handle in state["replicas"]:
+        wait_gone(handle["job"]["pid"])
+
+
+def wait_gone(pid: int, seconds: float = 60.0) -> None:
+    """Until process ``pid`` has ended and been reaped (by whichever process started it)."""
+    deadline = time.monotonic() + seconds
+    while Path(f"/proc/{pid}").exists() and not zombie(pid):
+        assert time.monotonic() < deadline, f"process {pid} still runs"
+        time.sleep(0.05)
 
 
 SECRETS = ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION"]

@@ -5,7 +5,9 @@ a detached launch outlives the CLI), writing stdout and stderr to ``logs/{replic
 run folder. It inherits this environment, so the store's credentials reach it as they reach
 the CLI. Replicas share this machine's cores: each gets ``cores / replicas`` intra-op threads
 (``OMP_NUM_THREADS``, unless already set), since oversubscribed cores make replicas drift apart
-and the slowest falls out of every round.
+and the slowest falls out of every round. A replica of one process is forked from a server
+that has imported the entrypoint once (``replica_forks.py``): it starts at once, where a fresh
+interpreter spends seconds of CPU importing torch.
 """
 
 from __future__ import annotations
@@ -29,6 +31,13 @@ from diloco_anywhere.backends.base import (
     SecretHints,
 )
 from diloco_anywhere.config import RunConfig
+from diloco_anywhere.replica_forks import (
+    ForkServer,
+    ForksUnavailableError,
+    forkable,
+    forking_enabled,
+    start_forked,
+)
 
 # Seconds a stopped replica gets to write its last lines and leave (then SIGKILL); platforms
 # give 30 s or more, a local run is stopped by a person waiting at the terminal.
@@ -45,6 +54,7 @@ class LocalBackend(Backend):
     def __init__(self, config: RunConfig | None = None) -> None:
         super().__init__(config)
         self._processes: dict[int, subprocess.Popen] = {}  # the ones this process started
+        self._forked: dict[int, ForkServer] = {}  # the ones it had forked, by their server
         self._threads: int | None = None  # per replica, fixed by the first launch
 
     def check(self) -> None:
@@ -74,18 +84,39 @@ class LocalBackend(Backend):
         return lambda spec: self._start(spec, run_dir / "logs" / f"{spec.replica_id}.log", threads)
 
     def _start(self, spec: ReplicaSpec, log_path: Path, threads: dict[str, str]) -> ReplicaHandle:
+        command, environment = spec.command(sys.executable), {**threads, **os.environ, **spec.env}
+        try:
+            pid = self._fork(command, environment, log_path)
+        except ForksUnavailableError:
+            pid = self._spawn(command, environment, log_path)
+        job = {"pid": pid, "log": str(log_path), "host": socket.gethostname()}
+        return ReplicaHandle(spec.replica_id, self.name, job)
+
+    def _fork(self, command: list[str], environment: dict[str, str], log_path: Path) -> int:
+        if not (forking_enabled(environment) and forkable(command)):
+            raise ForksUnavailableError("a command the fork server does not run")
+        server, pid = start_forked(command[3:], environment, os.getcwd(), log_path)
+        self._forked[pid] = server
+        return pid
+
+    def _spawn(self, command: list[str], environment: dict[str, str], log_path: Path) -> int:
         with log_path.open("ab") as log:
             process = subprocess.Popen(
-                spec.command(sys.executable),
-                env={**threads, **os.environ, **spec.env},
+                command,
+                env=environment,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
         self._processes[process.pid] = process
-        job = {"pid": process.pid, "log": str(log_path), "host": socket.gethostname()}
-        return ReplicaHandle(spec.replica_id, self.name, job)
+        return process.pid
+
+    def _own_exit_code(self, pid: int) -> int | None:
+        """The exit code of a replica this backend started, once it ended."""
+        if pid in self._forked:
+            return self._forked[pid].exit_code(pid)
+        return self._processes[pid].poll()
 
     def state(self, handle: ReplicaHandle) -> JobState:
         """From its process, when it runs on this machine; ``unknown`` from any other (the
@@ -94,9 +125,12 @@ class LocalBackend(Backend):
         pid = handle.job["pid"]
         if _elsewhere(handle):
             return "unknown"
-        if pid in self._processes:
-            code = self._processes[pid].poll()
-            return "running" if code is None else ("exited" if code == 0 else "failed")
+        if pid in self._processes or pid in self._forked:
+            code = self._own_exit_code(pid)
+            if code is not None:
+                return "exited" if code == 0 else "failed"
+            if pid in self._processes or self._forked[pid].answering:
+                return "running"
         try:  # our child (a detached launch from this process): reap it if it has ended
             ended, _ = os.waitpid(pid, os.WNOHANG)
             return "running" if ended == 0 else "exited"
@@ -111,8 +145,9 @@ class LocalBackend(Backend):
         return "exited" if zombie(pid) else "running"
 
     def exit_code(self, handle: ReplicaHandle) -> int | None:
-        process = self._processes.get(handle.job["pid"])
-        return None if process is None else process.poll()
+        pid = handle.job["pid"]
+        own = pid in self._processes or pid in self._forked
+        return self._own_exit_code(pid) if own else None
 
     def logs(self, handle: ReplicaHandle) -> str:
         if _elsewhere(handle):
@@ -131,7 +166,7 @@ class LocalBackend(Backend):
         pid = handle.job["pid"]
         if _elsewhere(handle):
             raise RuntimeError(f"it runs on {_elsewhere(handle)}: stop it there (pid {pid})")
-        own = pid in self._processes
+        own = pid in self._processes or pid in self._forked
         if self.state(handle) != "running" or not (own or _is_replica(pid)):
             return
         _signal(pid, signal.SIGTERM)
@@ -178,7 +213,8 @@ def zombie(pid: int) -> bool:
 
 def _is_replica(pid: int) -> bool:
     """Whether ``pid`` still runs our replica entrypoint (not a recycled pid), where /proc
-    tells; elsewhere we trust the handle."""
+    tells (a forked replica has its server's command, ``diloco_anywhere.replica_forks``);
+    elsewhere we trust the handle."""
     try:
         return b"diloco_anywhere.replica" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except FileNotFoundError:
