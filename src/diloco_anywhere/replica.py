@@ -49,6 +49,7 @@ from diloco_anywhere.contract import (
 from diloco_anywhere.training.command import run_command
 from diloco_anywhere.training.loop import train
 from diloco_anywhere.training.replica import Replica, StopRequestedError, raise_stopped
+from diloco_anywhere.training.replica_group import leave_rank
 
 log = logging.getLogger("diloco_anywhere.replica")
 
@@ -120,4 +121,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave_rank(main())

@@ -9,6 +9,9 @@ same as the others.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -59,3 +62,27 @@ def test_a_bad_process_count_is_refused_before_anything_starts(tmp_path, monkeyp
     )
     assert expected in result.output
     assert not (tmp_path / "store").exists()
+
+
+LEAVING = """
+import atexit, sys
+from diloco_anywhere.training.replica_group import leave_rank
+atexit.register(lambda: print("finalized", flush=True))
+print("trained", flush=True)
+print("buffered, not flushed", end="")
+leave_rank(7)
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("world_size", "finalized"), [("2", False), ("1", True)])
+def test_a_rank_of_several_leaves_without_the_interpreters_finalization(world_size, finalized):
+    """``leave_rank``: a rank under torchrun exits with its code and its output flushed but no
+    finalization (a gloo worker thread outliving ``destroy_process_group`` then aborted the
+    process, and torchrun failed a replica that had trained to the end); a replica of one
+    process exits as Python does."""
+    ended = subprocess.run([sys.executable, "-c", LEAVING], capture_output=True, text=True,
+                           env={**os.environ, "WORLD_SIZE": world_size}, timeout=120)  # fmt: skip
+    assert ended.returncode == 7, ended.stderr
+    assert ended.stdout.startswith("trained\nbuffered, not flushed")
+    assert ("finalized" in ended.stdout) is finalized

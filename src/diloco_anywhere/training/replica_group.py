@@ -20,7 +20,9 @@ the bucket for its own shard (``sharding.py``). The managers of each rank are in
 from __future__ import annotations
 
 import atexit
+import logging
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -33,11 +35,27 @@ from torch.utils import _pytree as pytree
 def _destroy_at_exit() -> None:
     """The process group torn down before the interpreter finalizes (PyTorch's
     ``destroy_process_group``, as its docs ask of every program), unless the script did it
-    itself. Left to the interpreter's teardown (static destructors), a follower rank of a
-    replica that had trained to the end once aborted at exit ("terminate called without an
-    active exception", SIGABRT), and torchrun failed the replica."""
+    itself."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def leave_rank(code: int) -> None:
+    """End this rank of a replica of several processes with ``code``, its work done, without
+    the interpreter's finalization. ``destroy_process_group`` does not end a gloo group that
+    DDP still references: its worker threads live on into finalization, and one that drops
+    its last reference to a finished collective's tensors then needs the GIL the dying
+    interpreter no longer grants, and the process aborts ("terminate called without an active
+    exception", SIGABRT; pytorch/pytorch#179291). Under load it did, for a follower rank that
+    had trained to the end, and torchrun failed the replica. A process of its own (no torchrun)
+    exits as usual."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        sys.exit(code)
+    _destroy_at_exit()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @dataclass(frozen=True)
