@@ -10,11 +10,15 @@ import time
 
 import pytest
 
+from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective
-from diloco_anywhere.collective.membership import LeasePolicy
+from diloco_anywhere.collective.membership import LeasePolicy, run_hopeless
 from diloco_anywhere.collective.policy import CollectiveConfig
+from diloco_anywhere.config import parse_config
 from diloco_anywhere.contract import EXIT_BAD_CONFIG
+from diloco_anywhere.launching.launch import run_metrics
+from diloco_anywhere.training.replica import Replica
 from diloco_anywhere.training.replica_index import DuplicateIndexError, take_index
 
 RUN = "indexed"
@@ -106,3 +110,27 @@ def test_a_replica_process_with_a_running_replicas_index_exits_2_naming_both(
     assert ended.returncode == EXIT_BAD_CONFIG, ended.stderr
     assert "replica index 1 is local-1's" in ended.stderr
     assert "extra-1 was given it too" in ended.stderr
+
+
+def test_a_duplicate_is_refused_before_it_votes_and_the_run_it_leaves_is_hopeless(
+    join, tmp_path
+) -> None:
+    """local-1 runs; extra-1, given its index in a run that needs both of its 2 replicas, is
+    refused as it joins: before it votes on what the run starts with (a vote that would wait
+    for the other replica up to the sync timeout), saying why in its metrics and leaving for
+    good, so that the run's rounds, which can never reach min_replicas now, fail at once."""
+    take_index(join("local-1"), 1, 2)
+    config = parse_config(
+        f'[run]\nname = "{RUN}"\nstore = "{tmp_path / "store"}"\nreplicas = 2\n'
+        "min_replicas = 2\n[sync]\ntimeout = 120.0\n",
+        "run.toml",
+    )
+    with pytest.raises(DuplicateIndexError, match="replica index 1 is local-1's"):
+        Replica(config, "extra-1", 1)
+    store, layout = Store(str(tmp_path / "store")), RunLayout(RUN)
+    assert [key for key in store.list_prefix(RUN) if "votes" in key] == []  # it never voted
+    (failed,) = [e for e in run_metrics(config).read()["extra-1"].events if e.event == "failed"]
+    assert failed.detail.startswith("DuplicateIndexError: replica index 1 is local-1's")
+    hopeless = run_hopeless(store, layout, replicas=2, least=2)
+    assert hopeless is not None
+    assert "1 of the run's 2 replicas stopped for good (extra-1: failed: Duplicate" in hopeless

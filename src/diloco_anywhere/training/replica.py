@@ -71,7 +71,7 @@ from diloco_anywhere.training.outside_diloco import OutsideDilocoWatch
 from diloco_anywhere.training.pace import Pacer
 from diloco_anywhere.training.parameter_names import uncompiled
 from diloco_anywhere.training.replica_group import ReplicaGroup
-from diloco_anywhere.training.replica_index import DuplicateIndexError, take_index
+from diloco_anywhere.training.replica_index import take_index
 from diloco_anywhere.training.sharding import Sharding, check_sharded, check_sharding
 from diloco_anywhere.training.training import Training
 
@@ -144,8 +144,6 @@ class Replica:
             self.electorate = replace(
                 self.electorate, check=_stop_if_hopeless(store, layout, config)
             )
-            if self.group.is_leader:
-                check_sharding(store, layout, self._sharding(), self.electorate)
             keep = config.checkpoint.keep
             self.collective = BucketCollective(
                 store, layout.run, replica_id, config.collective_config(),
@@ -154,21 +152,28 @@ class Replica:
                 on_superseded=self._superseded, joined=self.electorate.since,
             )  # fmt: skip
         if self.group.is_leader:
-            self._take_index()
             incarnation = self.collective.me.incarnation  # type: ignore[union-attr]
             self.metrics = MetricsWriter(store, layout, replica_id, incarnation, platform)
+            self._admit(store, layout)
         # joined: until ``diloco``, an optimizer stepping outside DiLoCo is stopped (a Trainer
         # given no DilocoCallback), not left to train alone for days
         self.outside = OutsideDilocoWatch(config.diloco.round_steps)
 
-    def _take_index(self) -> None:
-        """Refuse to run beside another running replica given the same data shard index
-        (``replica_index.py``), leaving the run at once: no lease of ours makes others wait."""
+    def _admit(self, store: Store, layout: RunLayout) -> None:
+        """Refuse, at once, to run beside another running replica given the same data shard
+        index (``replica_index.py``), then with a sharding unlike the run's (decided by the
+        replicas' votes, which may wait for the others: a duplicate must not wait with them).
+        A refused replica says why in its metrics and leaves the run for good, so rounds that
+        cannot reach ``min_replicas`` without it fail at once (``collective/departures.py``)."""
         assert self.collective is not None
+        assert self.metrics is not None
         try:
             take_index(self.collective, self.index, self.config.run.replicas)
-        except DuplicateIndexError:
-            self.collective.close(wait=False)
+            check_sharding(store, layout, self._sharding(), self.electorate)
+        except ConfigError as refused:
+            detail = f"{type(refused).__name__}: {refused}"[:2000]
+            self.metrics.event("failed", detail)
+            self.collective.close(wait=False, reason=f"failed: {detail}", final=True)
             raise
 
     @property
