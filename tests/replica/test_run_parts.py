@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import html
 import json
 import logging
 import math
 import sys
 import time
 import uuid
+from datetime import datetime, timezone
 
 import pytest
 import torch
@@ -27,10 +29,12 @@ from diloco_anywhere.config import RunConfig
 from diloco_anywhere.launching.report import summarize
 from diloco_anywhere.launching.status import (
     ReplicaStatus,
+    advice_lines,
     replica_skews,
     replica_statuses,
     waiting_share,
 )
+from diloco_anywhere.launching.status_page import PageFacts, render_page
 from diloco_anywhere.task import TaskContext, build_task, load_entrypoint
 from diloco_anywhere.training.builders import split_fragments
 from diloco_anywhere.training.global_state import GlobalState
@@ -385,3 +389,34 @@ def test_the_waiting_share_is_exposed_sync_time_over_the_recent_rounds_of_one_in
     assert waiting_share(lines) == pytest.approx((1 + 3 + 1) / 30)
     many = [sync(10.0 * k, 5.0 * k) for k in range(20)]  # half the time, every round
     assert waiting_share(many) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("pace", ["steps", "time"])
+def test_replicas_that_wait_for_slower_ones_are_told_the_pace_fix_where_it_applies(pace):
+    """A fast replica waiting 75% of its rounds on slower ones in a run paced by steps: its
+    row (``--json``, status.json), the lines under ``diloco status``'s table and the page name
+    ``pace = "time"``; paced by time there is nothing to change for it."""
+    store, layout = Store(f"memory://status-pace-{pace}"), RunLayout("run")
+    for replica, waited in (("local-0", 7.5), ("local-1", 0.2)):
+        writer = MetricsWriter(store, layout, replica, 0, "local")
+        for k in range(4):  # rounds of 10 s
+            writer.add(
+                _sync(k, None).model_copy(
+                    update={"time": 10.0 * k, "sync_exposed_seconds": waited * k}
+                )
+            )
+        writer.flush()
+    metrics = MetricsReader(store, layout).read()
+    fast, slow = replica_statuses(metrics, [], lambda _: "unknown", pace=pace)
+    assert fast.waiting == pytest.approx(0.75)
+    assert slow.advice is None
+    lines = advice_lines([fast, slow])
+    page = render_page([fast, slow], metrics, PageFacts("run", datetime.now(timezone.utc), "h"))
+    if pace == "time":
+        assert (fast.advice, lines) == (None, [])
+        assert "To change" not in page
+        return
+    assert fast.as_dict()["advice"] == 'set [diloco] pace = "time" in run.toml: pace = "time" ' \
+        "lets them train instead (docs/tuning.md)"  # fmt: skip
+    assert lines == [f"local-0 (75%) wait on syncs for slower replicas: {fast.advice}"]
+    assert html.escape(lines[0]) in page

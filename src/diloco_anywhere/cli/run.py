@@ -61,7 +61,7 @@ from diloco_anywhere.launching.launch import (
     start,
 )
 from diloco_anywhere.launching.report import RunSummary, data_coverage, plot_losses, summarize
-from diloco_anywhere.launching.status import ReplicaStatus, replica_statuses
+from diloco_anywhere.launching.status import ReplicaStatus, advice_lines, replica_statuses
 from diloco_anywhere.launching.status_page import page_url
 from diloco_anywhere.launching.supervisor import Outcome, Supervisor, outcome
 
@@ -172,7 +172,8 @@ def _where_it_stands(
 ) -> _Standing:
     jobs = {h.replica_id: supervisor.state(h) for h in supervisor.handles}
     rows = replica_statuses(metrics, supervisor.handles, lambda h: jobs[h.replica_id],
-                            supervisor.stopped(), skews=skews)  # fmt: skip
+                            supervisor.stopped(), skews=skews,
+                            pace=plan.config.diloco.pace)  # fmt: skip
     codes = {h.replica_id: supervisor.exit_code(h) for h in supervisor.handles
              if jobs[h.replica_id] not in ACTIVE_STATES}  # fmt: skip
     ended = outcome(rows, jobs, metrics, codes, plan.config.run.min_replicas,
@@ -356,6 +357,7 @@ def status(
             lambda handle: job_state(backends[handle.platform], handle),
             stopped=launch.stopped,
             skews=run_skews(config),
+            pace=config.diloco.pace,
         )
     if json_output:
         print_json([row.as_dict() for row in rows])
@@ -366,6 +368,8 @@ def status(
         stdout.print(f"run {config.run.name}: no replicas launched or reporting yet")
     else:
         stdout.print(status_table(rows, f"run {config.run.name}"))
+    for line in advice_lines(rows):
+        print(f"\n{line}")
     if not markdown and (coverage := data_coverage(config)) is not None:
         print(coverage.summary())
     if launch.end is not None:

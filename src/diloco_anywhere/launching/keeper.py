@@ -214,7 +214,8 @@ class Keeper:
             known = seen.get((handle.replica_id, launch.jobs[handle.replica_id].attempt))
             return known or job_state(self._backend(handle.platform), handle)
 
-        rows = replica_statuses(metrics, launch.handles, state, launch.stopped)
+        rows = replica_statuses(metrics, launch.handles, state, launch.stopped,
+                                pace=self.config.diloco.pace)  # fmt: skip
         recent = [f"{a.event}: {a.text}" for a in alerts.recorded()[-PAGE_ALERTS:]]
         facts = PageFacts(
             title=self.config.run.name, written_at=datetime.now(timezone.utc),

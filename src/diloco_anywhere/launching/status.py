@@ -42,6 +42,7 @@ class ReplicaStatus:
     round_steps: int = 0  # inner steps of its latest round (its pace, with pace = "time")
     waiting: float | None = None  # share of its recent rounds' time spent waiting on syncs
     behind: bool = False  # it said it holds the rounds up (too slow for min_round_steps)
+    advice: str | None = None  # what to change about its note, where there is a fix
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -84,12 +85,14 @@ def replica_statuses(
     stopped: Collection[str] = (),
     now: float | None = None,
     skews: Mapping[str, float | None] | None = None,
+    pace: str = "steps",
 ) -> list[ReplicaStatus]:
     """Rows for every launched replica and every replica that wrote metrics, by replica id.
     ``job_state`` asks the backend that knows the job (the one that started it, if alive);
     ``stopped`` are the replicas ``diloco stop`` stopped; ``skews``: each replica's clock
     against the store's, from its lease (``replica_skews``): "last seen" is counted in the
-    store's time, so a replica whose clock is off is not shown as silent or from the future."""
+    store's time, so a replica whose clock is off is not shown as silent or from the future.
+    ``pace``: the run's ``[diloco] pace``, for the fix of a replica that waits (``advice``)."""
     skews = skews or {}
     now = now or time.time()
     jobs = {handle.replica_id: handle for handle in handles}
@@ -97,6 +100,7 @@ def replica_statuses(
     for replica in sorted(jobs.keys() | metrics.keys()):
         seen, handle = metrics.get(replica), jobs.get(replica)
         job = job_state(handle) if handle else "unknown"
+        waiting = waiting_share(seen.syncs) if seen else None
         last_sync = seen.syncs[-1] if seen and seen.syncs else None
         last_step = seen.steps[-1] if seen and seen.steps else None
         rows.append(
@@ -122,14 +126,41 @@ def replica_statuses(
                 clock_skew=skews.get(replica),
                 values=dict(last_step.values) if last_step else {},
                 round_steps=last_sync.round_steps if last_sync else 0,
-                waiting=waiting_share(seen.syncs) if seen else None,
+                waiting=waiting,
                 behind=bool(seen and seen.behind()),
+                advice=waiting_fix(pace) if shown_waiting(waiting) else None,
             )
         )
     return rows
 
 
 WAITING_SHOWN = 0.1  # a replica waiting on syncs a tenth of its time or more is shown so
+# What the launch's estimate says of replicas that wait for slower ones (``round_plan.py``)
+PACE_FIX = 'pace = "time" lets them train instead'
+
+
+def shown_waiting(waiting: float | None) -> bool:
+    return waiting is not None and waiting >= WAITING_SHOWN
+
+
+def waiting_fix(pace: str) -> str | None:
+    """The fix for replicas that wait on syncs: in a run paced by steps they wait for the
+    slower replicas, which ``pace = "time"`` lets them spend training (docs/tuning.md, "Mixed
+    hardware"); paced by time, nothing to say here (the slowest replica is ``behind``)."""
+    if pace != "steps":
+        return None
+    return f'set [diloco] pace = "time" in run.toml: {PACE_FIX} (docs/tuning.md)'
+
+
+def advice_lines(rows: Collection[ReplicaStatus]) -> list[str]:
+    """One line per fix the rows' notes call for, naming the replicas it is for: what
+    ``diloco status`` and the status page print under the table."""
+    waiting: dict[str, list[str]] = {}
+    for row in rows:
+        if row.advice is not None:
+            waiting.setdefault(row.advice, []).append(f"{row.replica} ({row.waiting:.0%})")
+    return [f"{', '.join(replicas)} wait on syncs for slower replicas: {advice}"
+            for advice, replicas in waiting.items()]  # fmt: skip
 
 
 def notes(row: ReplicaStatus) -> list[tuple[str, str]]:
@@ -146,7 +177,7 @@ def notes(row: ReplicaStatus) -> list[tuple[str, str]]:
         said.append(("warn", f"clock {row.clock_skew:+.0f}s"))
     if row.behind:  # too slow even for min_round_steps: the others wait for it
         said.append(("warn", "behind"))
-    if row.waiting is not None and row.waiting >= WAITING_SHOWN:  # idle, and billed
+    if shown_waiting(row.waiting):  # idle, and billed
         said.append(("warn", f"waits {row.waiting:.0%}"))
     return said
 

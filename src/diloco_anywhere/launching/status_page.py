@@ -28,7 +28,12 @@ from urllib.parse import urlsplit
 from diloco_anywhere.bucket.errors import StoreError
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.launching.status import ReplicaStatus, finite_or_null, notes
+from diloco_anywhere.launching.status import (
+    ReplicaStatus,
+    advice_lines,
+    finite_or_null,
+    notes,
+)
 from diloco_anywhere.training.metrics import ReplicaMetrics
 
 HTML_TYPE = "text/html; charset=utf-8"  # with the charset, or a browser may guess another
@@ -171,6 +176,7 @@ def render_page(
         f'<p class="written">written {written} by the keeper on {_e(facts.host)}</p>',
         f'<p class="headline">{_e(headline.text())}</p></header>',
         _replica_table(rows),
+        _advice_section(advice_lines(rows)),
         _notes_section(facts.notes),
         _spend_section(headline.spend),
         _plot_section(metrics, title),
@@ -234,6 +240,12 @@ def _replica_table(rows: Sequence[ReplicaStatus]) -> str:
         '<section><h2>Replicas</h2><table class="replicas">'
         f"<thead><tr>{head}</tr></thead><tbody>{''.join(lines)}</tbody></table></section>"
     )
+
+
+def _advice_section(lines: Sequence[str]) -> str:
+    """What to change (``status.advice_lines``), right under the table it is about."""
+    items = "".join(f"<li>{_e(line)}</li>" for line in lines)
+    return f'<section><h2>To change</h2><ul class="notes">{items}</ul></section>' if lines else ""
 
 
 def _notes_section(notes: Sequence[str]) -> str:
