@@ -259,8 +259,11 @@ def test_a_timeout_is_read_from_the_message_or_from_the_time_the_job_ran(hub):
 def test_a_replica_started_again_is_a_new_job_with_its_id_and_shard(tmp_path, s3_run, hub):
     """What `diloco keep` does: the one spec of replica hf_jobs-1, launched again after its
     job ended, is a new job that trains as hf_jobs-1 on shard 1 (a new incarnation of it)."""
-    config = load_config(write_run(tmp_path, s3_run[0], outer_steps=500))
-    plan = plan_launch(config, {"hf_jobs": 2})  # hf_jobs-0 never starts: hf_jobs-1 waits
+    path = write_run(tmp_path, s3_run[0], outer_steps=500)
+    # hf_jobs-0 never starts: hf_jobs-1 trains alone (min_replicas = 1), not waiting for it
+    Path(path).write_text(Path(path).read_text().replace("min_replicas = 2", "min_replicas = 1"))
+    config = load_config(path)
+    plan = plan_launch(config, {"hf_jobs": 2})
     with Store(config.store_url()) as bucket:
         publish_config(bucket, config)
     backend, spec = plan.backends["hf_jobs"], plan.specs[1]

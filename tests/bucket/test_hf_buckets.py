@@ -108,13 +108,15 @@ def test_the_hf_storage_and_hf_jobs_answers_run_end_to_end(tmp_path, monkeypatch
     makes the bucket and `diloco launch` runs both replicas as jobs, with Hugging Face
     credentials alone (the Hub and the gateway are their stand-ins)."""
     project = render(tmp_path, storage="hf", bucket="alice/demo-diloco", backends=["hf_jobs"],
-                     hf_jobs_replicas=2, outer_steps=2, sync_every=5)  # fmt: skip
+                     hf_jobs_replicas=2, outer_steps=2, sync_every=5,
+                     model_preset="tiny")  # fmt: skip
     run_toml = project / "run.toml"
     # the stand-in gateway's address, as the jobs must reach it (s3.hf.co in production)
     text = run_toml.read_text().replace(
         '"HF_BUCKETS_SECRET_ACCESS_KEY"]', '"HF_BUCKETS_SECRET_ACCESS_KEY", "HF_BUCKETS_ENDPOINT"]'
-    )
-    run_toml.write_text(text)
+    )  # and a slice of the standard library as the corpus (the whole is 45 s through it)
+    run_toml.write_text(text.replace('preset = "tiny"', 'preset = "tiny"\ncorpus_bytes = 300000'))
+    assert "corpus_bytes = 300000" in run_toml.read_text()
     monkeypatch.chdir(project)
     monkeypatch.setenv("PYTHONPATH", str(project / "src"))  # the image has the project installed
     with hf_gateway(namespace="alice", bucket="demo-diloco") as gateway, hf_jobs_api() as hub:

@@ -9,7 +9,6 @@ import pytest
 
 from diloco_anywhere.bench.chaos import fingerprint_disagreements
 from diloco_anywhere.bench.unattended import (
-    DISRUPTIONS,
     PLATFORMS,
     Disruption,
     Platforms,
@@ -35,7 +34,9 @@ def test_a_detached_run_left_to_the_keeper_completes(
     tmp_path, monkeypatch, s3_run, hub, cluster, webhook
 ):
     """HF Jobs attempts end after 20 s; k8s-0 freezes after round 2 (then wakes a zombie),
-    local-0 and hf_jobs-0 are SIGKILLed after rounds 15 and 25. The benchmark gives Kubernetes
+    local-0 and hf_jobs-0 are SIGKILLed after rounds 8 and 14, of 24 (the benchmark's run is
+    55 rounds, disrupted after rounds 5, 15 and 25: here every disruption comes as early as it
+    can, each after the run has moved on from the one before). The benchmark gives Kubernetes
     Jobs a 90 s deadline; here none ends within the run's own deadline (600 s): the zombie must
     wake (12 s hung, keeper passes, a new pod claiming its id) and sync before anything else
     ends it, and on a loaded machine the 90 s deadline came first (its first round took 47 s),
@@ -48,13 +49,14 @@ def test_a_detached_run_left_to_the_keeper_completes(
     limits = machine_limits(startup_seconds())
     path = tmp_path / "run.toml"
     path.write_text(unattended_toml(
-        s3_run[0], hf_jobs_timeout=f"{limits.hf_jobs_timeout:.0f}s",
+        s3_run[0], outer_steps=24, hf_jobs_timeout=f"{limits.hf_jobs_timeout:.0f}s",
         k8s_deadline_s=int(limits.deadline), hung_after=limits.hung_after,
     ))  # fmt: skip
     result = diloco("launch", "--config", str(path), *PLATFORMS, "--detach")
     assert result.exit_code == 0, result.output
 
-    plan = (Disruption("k8s-0", 2, "freeze"), *DISRUPTIONS[1:])
+    plan = (Disruption("k8s-0", 2, "freeze"), Disruption("local-0", 8, "kill"),
+            Disruption("hf_jobs-0", 14, "kill"))  # fmt: skip
     run = leave_alone(
         str(path), Platforms(hub, cluster), lambda _: None, plan,
         deadline_seconds=limits.deadline,

@@ -21,6 +21,7 @@ none of the loaded applies through the proxy.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -180,8 +181,7 @@ class Applied:
         }
         # The plan right after the apply, which must change nothing; then, as moto ignores a
         # bucket policy's conditions (its TLS-only Deny would refuse every request), the
-        # policy is removed, before any test, whichever tests a worker runs (each pytest
-        # worker applies its own: a test that removed it left the other workers denied).
+        # policy is removed before the bucket is used.
         self.plan = terraform("plan", "-detailed-exitcode", "-var-file=run.tfvars.json")
         s3 = self.client("s3")
         self.tls_only_policy = json.loads(s3.get_bucket_policy(Bucket=BUCKET)["Policy"])
@@ -196,20 +196,32 @@ class Applied:
         return Store(url, storage_options=options)
 
 
-@pytest.fixture(scope="module")
-def applied(tmp_path_factory) -> Iterator[Applied]:
+@contextlib.contextmanager
+def applied_on_moto(folder: Path) -> Iterator[Applied]:
     with (
         moto_server({"INITIAL_NO_AUTH_ACTION_COUNT": "3"}) as endpoint,
         FaultProxy(endpoint) as proxy,
     ):
         admin = _admin(endpoint)
-        terraform = Terraform(tmp_path_factory.mktemp("terraform") / "aws", proxy.url, admin)
+        terraform = Terraform(folder / "aws", proxy.url, admin)
         terraform("init")
         terraform("apply", "-auto-approve", "-var-file=run.tfvars.json")
         yield Applied(endpoint, admin, terraform)
 
 
-def test_apply_creates_every_resource_and_a_plan_then_changes_nothing(applied):
+def test_apply_then_a_run_with_the_replica_keys_then_destroy(tmp_path, monkeypatch):
+    """One apply, used in order (one test, so that no scheduling of tests across workers can
+    destroy before use): every resource exists and a plan right after changes nothing; the
+    replica identity reaches the run prefix and nothing else; a 2-replica run completes with
+    its keys; `terraform destroy` leaves nothing."""
+    with applied_on_moto(tmp_path / "terraform") as applied:
+        _every_resource_exists_and_a_plan_then_changes_nothing(applied)
+        _the_replica_identity_uses_the_run_prefix_and_nothing_else(applied)
+        _a_two_replica_run_completes_with_the_replica_keys(applied, tmp_path / "run", monkeypatch)
+        _destroy_leaves_nothing(applied)
+
+
+def _every_resource_exists_and_a_plan_then_changes_nothing(applied: Applied) -> None:
     assert applied.plan.returncode == 0
     assert applied.outputs["store_url"] == f"s3://{BUCKET}/runs"
     s3 = applied.client("s3")
@@ -227,7 +239,7 @@ def test_apply_creates_every_resource_and_a_plan_then_changes_nothing(applied):
     assert applied.tls_only_policy["Statement"][0]["Effect"] == "Deny"  # applied, then removed
 
 
-def test_the_replica_identity_uses_the_run_prefix_and_nothing_else(applied):
+def _the_replica_identity_uses_the_run_prefix_and_nothing_else(applied: Applied) -> None:
     applied.client("s3").create_bucket(Bucket="another-bucket")
     mine = applied.store(applied.outputs["store_url"])
     mine.put("t/probe", b"create-only")
@@ -248,13 +260,16 @@ def test_the_replica_identity_uses_the_run_prefix_and_nothing_else(applied):
     applied.client("s3").delete_bucket(Bucket="another-bucket")
 
 
-def test_a_two_replica_run_completes_with_the_replica_keys(applied, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+def _a_two_replica_run_completes_with_the_replica_keys(
+    applied: Applied, folder: Path, monkeypatch
+) -> None:
+    folder.mkdir()
+    monkeypatch.chdir(folder)
     for name, value in {**applied.replica, "AWS_ENDPOINT_URL": applied.endpoint,
                         "AWS_DEFAULT_REGION": REGION}.items():  # fmt: skip
         monkeypatch.setenv(name, value)
     text = RUN_TOML.format(replicas=2, outer_steps=2)
-    (tmp_path / "run.toml").write_text(
+    (folder / "run.toml").write_text(
         text.replace('store = "store"', f'store = "{applied.outputs["store_url"]}"')
     )
     result = diloco("launch", "--config", "run.toml")
@@ -263,7 +278,7 @@ def test_a_two_replica_run_completes_with_the_replica_keys(applied, tmp_path, mo
     assert {(row["state"], row["outer_step"]) for row in rows.values()} == {("done", 2)}
 
 
-def test_destroy_leaves_nothing(applied):
+def _destroy_leaves_nothing(applied: Applied) -> None:
     iam, s3 = applied.client("iam"), applied.client("s3")
     user = applied.outputs["replica_user_name"]
     for key in iam.list_access_keys(UserName=user)["AccessKeyMetadata"]:

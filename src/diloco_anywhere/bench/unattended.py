@@ -28,9 +28,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -263,6 +264,9 @@ class _Disrupter:
             os.killpg(group, number)
 
 
+DISRUPT_EVERY = 0.25  # seconds between looks at the run's progress for a disruption due
+
+
 def leave_alone(
     config_path: str,
     platforms: Platforms,
@@ -273,27 +277,56 @@ def leave_alone(
 ) -> UnattendedRun:
     """Run ``diloco keep`` every ``keep_every`` seconds on a launched run, disrupting its
     replicas as planned, until a pass ends the launch and no replica is left running (one
-    restarted just before the last commit heals to it and ends by itself)."""
+    restarted just before the last commit heals to it and ends by itself). The disruptions
+    follow the run's progress on a thread of their own, not the keeper's passes: a pass
+    takes seconds on a loaded machine, in which a short run may train past the rounds they
+    are due at, even to its end."""
     config, run = load_config(config_path), UnattendedRun()
     started = time.monotonic()
     deadline = started + deadline_seconds
     disrupter, reader = _Disrupter(config, platforms, disruptions), run_metrics(config)
-    try:
-        while not (run.passes and run.passes[-1]["ended"]):
-            _check_deadline(deadline, deadline_seconds, run.passes)
-            run.keep(config_path)
-            disrupter.step(newest_committed(reader.read()), progress)
-            time.sleep(keep_every)
-        progress(f"launch ended: {run.passes[-1]['ended']}")
-        while set(replica_states(config_path).values()) & {"running", "starting"}:
-            _check_deadline(deadline, deadline_seconds, run.passes)
-            run.keep(config_path)
-            time.sleep(keep_every)
-    finally:
-        disrupter.wake_all()
+    with _following(lambda: disrupter.step(newest_committed(reader.read()), progress)):
+        try:
+            while not (run.passes and run.passes[-1]["ended"]):
+                _check_deadline(deadline, deadline_seconds, run.passes)
+                run.keep(config_path)
+                time.sleep(keep_every)
+            progress(f"launch ended: {run.passes[-1]['ended']}")
+            while set(replica_states(config_path).values()) & {"running", "starting"}:
+                _check_deadline(deadline, deadline_seconds, run.passes)
+                run.keep(config_path)
+                time.sleep(keep_every)
+        finally:
+            disrupter.wake_all()
     run.metrics, run.disrupted = reader.read(), disrupter.done
     run.seconds = time.monotonic() - started
     return run
+
+
+@contextlib.contextmanager
+def _following(look: Callable[[], None]) -> Iterator[None]:
+    """``look()`` every ``DISRUPT_EVERY`` seconds on a thread while the block runs; its first
+    error ends the block's run (raised when the block leaves)."""
+    done, failed = threading.Event(), []
+
+    def follow() -> None:
+        while not done.is_set():
+            try:
+                look()
+            except Exception as exc:  # said when the block ends
+                failed.append(exc)
+                return
+            done.wait(DISRUPT_EVERY)
+
+    thread = threading.Thread(target=follow, name="disruptions", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+    if failed:
+        raise failed[0]
 
 
 def _check_deadline(deadline: float, seconds: float, passes: list[dict[str, Any]]) -> None:
