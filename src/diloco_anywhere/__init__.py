@@ -13,6 +13,7 @@ the ``diloco`` CLI) stays quick:
   ``transformers`` and ``accelerate``, loaded only when it is used).
 """
 
+import os
 from importlib import import_module
 from importlib.metadata import PackageNotFoundError, packages_distributions, version
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,14 @@ def _installed_version() -> str:
 
 
 __version__ = _installed_version()
+
+# In a script the replica entrypoint started (``[task] command``: ``training/command.py``'s
+# ``ENV_JOINED`` is set for it), one of this project's mistakes ends the process with its own
+# exit code wherever it is raised, from the first import of this package on
+# (``training/script_end.py``); elsewhere nothing is installed, and the import stays quick.
+STARTED_BY_THE_ENTRYPOINT = "DILOCO_JOINED"
+if STARTED_BY_THE_ENTRYPOINT in os.environ:
+    import_module("diloco_anywhere.training.script_end").end_on_mistakes()
 __all__ = [
     "BucketManager",
     "Collective",

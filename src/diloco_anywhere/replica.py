@@ -16,11 +16,12 @@ the platform's standard environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS, AZUR
 the store's SDK, never by us.
 
 Exit codes: 0 when the run's outer steps are done, 2 for a bad run.toml or arguments (nothing
-started), 1 when training failed (the reason is printed and recorded in the run's metrics), 143
-when stopped by SIGTERM (``diloco stop``, or the platform preempting or evicting the job; also
-recorded, as a ``stopped`` event), 3 when superseded: a newer incarnation of this replica id was
-started while this process still ran, so it ended itself (a ``superseded`` event;
-docs/collective.md, "Membership").
+started), 4-6 for a script's mistake no restart can fix (``training/mistakes.py``; the same code
+wherever it is raised: ``training/script_end.py``), 1 when training failed (the reason is
+printed and recorded in the run's metrics), 143 when stopped by SIGTERM (``diloco stop``, or
+the platform preempting or evicting the job; also recorded, as a ``stopped`` event), 3 when
+superseded: a newer incarnation of this replica id was started while this process still ran,
+so it ended itself (a ``superseded`` event; docs/collective.md, "Membership").
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from diloco_anywhere.contract import (
 )
 from diloco_anywhere.training.command import run_command
 from diloco_anywhere.training.loop import train
+from diloco_anywhere.training.mistakes import mistake_exit_code
 from diloco_anywhere.training.replica import Replica, StopRequestedError, raise_stopped
 from diloco_anywhere.training.replica_group import leave_rank
 
@@ -109,13 +111,15 @@ def main(argv: list[str] | None = None) -> int:
         # At once: the stop is recorded, and rounds in flight (their threads would hold the
         # interpreter's exit) are abandoned; the bucket's lifecycle rule expires their objects.
         os._exit(EXIT_STOPPED)
+    except SystemExit as ended:  # a mistake, recorded and said where the replica ended
+        return ended.code if isinstance(ended.code, int) else 1
     except SupersededError as exc:  # a newer incarnation runs: nothing to restart
         print(f"replica {replica_id}: {exc}", file=sys.stderr)
         return EXIT_SUPERSEDED
-    except ConfigError as exc:  # e.g. a sharding unlike the run's: would only fail again
-        print(f"error: replica {replica_id}: {exc}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
     except (StoreError, ValueError, RuntimeError) as exc:
+        if (code := mistake_exit_code(exc)) is not None:  # would only fail again
+            print(f"error: replica {replica_id}: {exc}", file=sys.stderr)
+            return code
         print(f"error: replica {replica_id} failed: {exc}", file=sys.stderr)
         return 1
 

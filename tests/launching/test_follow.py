@@ -16,11 +16,20 @@ import pytest
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.membership import departed
+from diloco_anywhere.contract import EXIT_BAD_CONFIG
+from diloco_anywhere.launching.launches import Launches
 from diloco_anywhere.launching.status import ReplicaStatus
 from diloco_anywhere.launching.supervisor import outcome
 from diloco_anywhere.training.metrics import MetricsReader, MetricsWriter
-from support.runs import statuses
-from support.scripts import FAILS_BEFORE_JOIN_ON_INDEX_1, SEEDED_ALIKE, SEEDED_PER_REPLICA
+from support.runs import diloco, statuses
+from support.scripts import (
+    BEFORE_JOIN,
+    FAILS_BEFORE_JOIN_ON_INDEX_1,
+    MISTAKEN,
+    MISTAKES,
+    SEEDED_ALIKE,
+    SEEDED_PER_REPLICA,
+)
 
 
 def _row(replica: str, state: str, platform: str = "local") -> ReplicaStatus:
@@ -104,10 +113,10 @@ def _write_run(tmp_path, script: str, replicas: int = 2, min_replicas: int = 2) 
     )
 
 
-def _launch(tmp_path) -> subprocess.Popen:
+def _launch(tmp_path, *options: str) -> subprocess.Popen:
     """`diloco launch` in the foreground, as a user runs it."""
     command = [sys.executable, "-c", "from diloco_anywhere.cli import app; app()", "launch",
-               "--config", "run.toml"]  # fmt: skip
+               "--config", "run.toml", *options]  # fmt: skip
     return subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
 
@@ -180,3 +189,72 @@ def test_a_foreground_launch_sent_sigterm_stops_the_replicas_it_started(tmp_path
     assert launch.returncode == 130, err
     assert "interrupted: stopping the replicas on this machine" in err
     assert {row["state"] for row in statuses("run.toml").values()} == {"stopped"}
+
+
+def test_after_the_launch_ended_nothing_comes_back_and_following_is_over():
+    """The issue's launch that never returned: a replica refused for its mistake (exit 1 then,
+    so the keeper's restart counted), the others done, and the keeper's END written. Nothing is
+    restarted after END, so the launch is over, whatever ``may_restart`` says."""
+    rows = [_row("local-0", "done"), _row("local-1", "failed")]
+    jobs = {"local-0": "exited", "local-1": "exited"}
+    codes = {"local-0": 0, "local-1": 1}
+    assert not outcome(rows, jobs, {}, codes, 1, lambda _: True).over  # it would come back
+    ended = outcome(rows, jobs, {}, codes, 1, lambda _: True, launch_ended=True)
+    assert ended.over
+    assert [e.replica for e in ended.unfinished] == ["local-1"]
+    mistaken = outcome(rows, jobs, {}, {**codes, "local-1": EXIT_BAD_CONFIG}, 1, lambda _: True)
+    assert mistaken.over  # a mistake's exit code is never restarted
+
+
+def _mistakes_run(tmp_path) -> None:
+    (tmp_path / "train.py").write_text(MISTAKEN)
+    (tmp_path / "run.toml").write_text(
+        '[run]\nname = "mistakes"\nstore = "store"\nreplicas = 8\nmin_replicas = 1\n'
+        "[diloco]\nsync_every = 5\nouter_steps = 3\n[sync]\ngrace = 1.0\n"
+        "[keep]\nbackoff = 0.5\n"
+        f"[task]\ncommand = {json.dumps([sys.executable, 'train.py'])}\n"
+    )
+
+
+@pytest.mark.integration
+def test_mistakes_raised_outside_the_with_end_their_replicas_as_themselves_and_the_launch_returns(
+    tmp_path, monkeypatch
+):
+    """Replica 0 trains the run; replicas 1-6 each raise one of the project's mistakes after
+    join but outside `with replica:` (as a Trainer built first raises its shared output_dir),
+    replica 7 a run.toml mistake before it joins. Each ends with its mistake's exit code and
+    its message in the launch's output; those that joined with a `failed` event, shown by
+    `diloco status`, and a final departure where no restart helps; none is restarted; and the
+    launch with --restart-on-failure returns within seconds of the keeper's END."""
+    monkeypatch.chdir(tmp_path)
+    _mistakes_run(tmp_path)
+    launch = _launch(tmp_path, "--restart-on-failure")
+    try:
+        _out, err = launch.communicate(timeout=240)
+    finally:
+        launch.kill()
+    returned = time.time()
+    said = " ".join(err.split())
+    assert launch.returncode == 1, err  # the replicas that did not finish, each on a line
+    store, layout = Store(str(tmp_path / "store")), RunLayout("mistakes")
+    launches = Launches(store, layout)
+    end = launches.read(launches.numbers()[-1]).end
+    assert end is not None, err
+    assert end.reason == "done", end
+    assert returned - end.at < 10
+    events = MetricsReader(store, layout).read()
+    gone = departed(store, layout)
+    for index, (name, _module) in MISTAKES.items():
+        replica, exited = f"local-{index}", 6 if name == "RunCannotGoOnError" else None
+        code = exited or {"NotSyncingError": 4, "TrainingOutsideDilocoError": 4,
+                          "ModelUnlikeRunError": 5}.get(name, EXIT_BAD_CONFIG)  # fmt: skip
+        assert f"{replica}: failed (exit {code}): {name}: {name} outside the with" in said
+        assert [e.event for e in events[replica].events] == ["failed"]
+        assert gone[replica].final == (name != "RunCannotGoOnError")  # the others' doing
+    assert (f"local-{BEFORE_JOIN}: failed (exit {EXIT_BAD_CONFIG}): replica 7's settings: "
+            "raised before join") in said  # fmt: skip
+    rows = statuses("run.toml")
+    assert rows["local-0"]["state"] == "done"
+    assert all(row["restarts"] == 0 for row in rows.values())  # no mistake restarted
+    status = diloco("status", "--config", "run.toml").stdout
+    assert "local-2 failed: SharedOutputDirError: SharedOutputDirError outside the with" in status

@@ -125,8 +125,10 @@ def test_a_duplicate_is_refused_before_it_votes_and_the_run_it_leaves_is_hopeles
         "min_replicas = 2\n[sync]\ntimeout = 120.0\n",
         "run.toml",
     )
-    with pytest.raises(DuplicateIndexError, match="replica index 1 is local-1's"):
+    with pytest.raises(SystemExit) as refused:  # a mistake's exit code: never retried
         Replica(config, "extra-1", 1)
+    assert refused.value.code == EXIT_BAD_CONFIG
+    assert isinstance(refused.value.__cause__, DuplicateIndexError)
     store, layout = Store(str(tmp_path / "store")), RunLayout(RUN)
     assert [key for key in store.list_prefix(RUN) if "votes" in key] == []  # it never voted
     (failed,) = [e for e in run_metrics(config).read()["extra-1"].events if e.event == "failed"]

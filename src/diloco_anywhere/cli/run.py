@@ -61,7 +61,12 @@ from diloco_anywhere.launching.launch import (
     start,
 )
 from diloco_anywhere.launching.report import RunSummary, data_coverage, plot_losses, summarize
-from diloco_anywhere.launching.status import ReplicaStatus, advice_lines, replica_statuses
+from diloco_anywhere.launching.status import (
+    ReplicaStatus,
+    advice_lines,
+    failure_lines,
+    replica_statuses,
+)
 from diloco_anywhere.launching.status_page import page_url
 from diloco_anywhere.launching.supervisor import Outcome, Supervisor, outcome
 
@@ -153,7 +158,7 @@ def _follow(plan: LaunchPlan, supervisor: Supervisor) -> int:
         stderr.print(f"[red]error:[/red] {escape(where.outcome.hopeless)}")
         supervisor.tell_the_others(where.outcome.unfinished)
         _stop_here(plan.config, supervisor, "the run cannot go on")
-    for ended in where.outcome.unfinished:
+    for ended in supervisor.in_their_words(where.outcome.unfinished):
         stderr.print(escape(f"  {ended.line()}"), highlight=False, soft_wrap=True)
     if where.outcome.unfinished or where.outcome.hopeless:
         stderr.print("[red]error:[/red] the run did not finish; see `diloco logs REPLICA`")
@@ -171,13 +176,14 @@ def _where_it_stands(
     plan: LaunchPlan, supervisor: Supervisor, metrics: dict, skews: dict
 ) -> _Standing:
     jobs = {h.replica_id: supervisor.state(h) for h in supervisor.handles}
+    records = supervisor.records()
     rows = replica_statuses(metrics, supervisor.handles, lambda h: jobs[h.replica_id],
-                            supervisor.stopped(), skews=skews,
+                            records.stopped, skews=skews,
                             pace=plan.config.diloco.pace)  # fmt: skip
     codes = {h.replica_id: supervisor.exit_code(h) for h in supervisor.handles
              if jobs[h.replica_id] not in ACTIVE_STATES}  # fmt: skip
     ended = outcome(rows, jobs, metrics, codes, plan.config.run.min_replicas,
-                    supervisor.may_restart)  # fmt: skip
+                    supervisor.may_restart, launch_ended=records.end is not None)  # fmt: skip
     return _Standing(rows, ended)
 
 
@@ -368,7 +374,7 @@ def status(
         stdout.print(f"run {config.run.name}: no replicas launched or reporting yet")
     else:
         stdout.print(status_table(rows, f"run {config.run.name}"))
-    for line in advice_lines(rows):
+    for line in [*failure_lines(rows), *advice_lines(rows)]:
         print(f"\n{line}")
     if not markdown and (coverage := data_coverage(config)) is not None:
         print(coverage.summary())

@@ -43,6 +43,7 @@ class ReplicaStatus:
     waiting: float | None = None  # share of its recent rounds' time spent waiting on syncs
     behind: bool = False  # it said it holds the rounds up (too slow for min_round_steps)
     advice: str | None = None  # what to change about its note, where there is a fix
+    last_word: str | None = None  # why it failed, as it said (its failed event's detail)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -129,9 +130,23 @@ def replica_statuses(
                 waiting=waiting,
                 behind=bool(seen and seen.behind()),
                 advice=waiting_fix(pace) if shown_waiting(waiting) else None,
+                last_word=_why_failed(seen),
             )
         )
     return rows
+
+
+def _why_failed(seen: ReplicaMetrics | None) -> str | None:
+    ending = seen.ending() if seen else None
+    if ending is None or ending.event != "failed":
+        return None
+    return ending.detail or None
+
+
+def failure_lines(rows: Collection[ReplicaStatus]) -> list[str]:
+    """A line per replica whose newest incarnation failed, with its own last word (the error,
+    a script's mistake and its fix): what ``diloco status`` prints under the table."""
+    return [f"{row.replica} failed: {row.last_word}" for row in rows if row.last_word]
 
 
 WAITING_SHOWN = 0.1  # a replica waiting on syncs a tenth of its time or more is shown so

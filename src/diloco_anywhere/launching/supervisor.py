@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from diloco_anywhere.backends.base import ACTIVE_STATES, Backend, JobState, ReplicaHandle
 from diloco_anywhere.bucket.layout import RunLayout
@@ -22,6 +22,7 @@ from diloco_anywhere.config import with_changes
 from diloco_anywhere.contract import NOT_RETRIED
 from diloco_anywhere.launching.keeper import Keeper, PassReport
 from diloco_anywhere.launching.launch import LaunchPlan, job_state, run_launches
+from diloco_anywhere.launching.launches import Launch
 from diloco_anywhere.launching.status import ReplicaStatus
 from diloco_anywhere.training.metrics import ReplicaMetrics
 
@@ -40,6 +41,7 @@ class Ended:
     replica: str
     state: str
     why: str  # its own last word (its failed event's detail), else its platform's
+    own_word: bool = True  # ``why`` is the replica's own, not its platform's
 
     def line(self) -> str:
         return f"{self.replica}: {self.state}: {self.why}"
@@ -69,16 +71,20 @@ def outcome(
     exit_codes: Mapping[str, int | None],
     min_replicas: int,
     may_restart: Callable[[str], bool] = lambda _: False,
+    launch_ended: bool = False,
 ) -> Outcome:
-    """Whether following is over: every replica ended for good (``may_restart(replica)``:
-    the launch's keeper would start it again), or too few are left to seal a round (fewer
-    than ``min_replicas`` running or coming back, none done)."""
+    """Whether following is over: every replica ended for good, or too few are left to seal
+    a round (fewer than ``min_replicas`` running or coming back, none done). A replica that
+    ended comes back where ``may_restart(replica)`` (the launch's keeper would start it
+    again), unless it ended with a mistake's exit code (never retried) or the launch has
+    ended (``launch_ended``: a keeper wrote its ``END``, after which nothing is restarted)."""
     running = [row for row in rows if still_running(row, jobs.get(row.replica, "unknown"))]
     ended = [row for row in rows if row not in running and row.state != "done"]
     unfinished = tuple(
         _ended(row, metrics.get(row.replica), exit_codes.get(row.replica)) for row in ended
     )
-    back = [row for row in ended if exit_codes.get(row.replica) not in NOT_RETRIED
+    back = [row for row in ended if not launch_ended
+            and exit_codes.get(row.replica) not in NOT_RETRIED
             and may_restart(row.replica)]  # fmt: skip
     if not running and not back:
         return Outcome(True, unfinished)
@@ -97,7 +103,15 @@ def _ended(row: ReplicaStatus, metrics: ReplicaMetrics | None, code: int | None)
     exited = "" if code is None else f" (exit {code})"
     if ending is not None and ending.event != "done" and ending.detail:
         return Ended(row.replica, f"{row.state}{exited}", ending.detail)
-    return Ended(row.replica, f"{row.state}{exited}", f"its {row.platform} job {row.state}")
+    why = f"its {row.platform} job {row.state}"
+    return Ended(row.replica, f"{row.state}{exited}", why, own_word=False)
+
+
+def last_error(log: str) -> str | None:
+    """The last ``error: ...`` line a replica's process printed (the entrypoint's and a
+    script's mistakes say theirs so), without the prefix."""
+    said = [line for line in log.splitlines() if line.startswith("error: ")]
+    return said[-1].removeprefix("error: ") if said else None
 
 
 class Supervisor:
@@ -151,9 +165,27 @@ class Supervisor:
         decisions = self.last.decisions.values() if self.last else ()
         return any(decision.action in ("wait", "restart") for decision in decisions)
 
-    def stopped(self) -> frozenset[str]:
-        """The replicas of this launch stopped on purpose, from whichever machine."""
-        return self.launches.stopped(self.number)
+    def records(self) -> Launch:
+        """This launch's records as they stand: which replicas were stopped on purpose (from
+        whichever machine), and whether a keeper ended it (``END``)."""
+        return self.launches.read(self.number)
+
+    def in_their_words(self, unfinished: Iterable[Ended]) -> list[Ended]:
+        """``unfinished`` with the last error each replica printed, where it left no word in
+        the bucket (it failed before it joined the run: a script's error before ``join``)."""
+        handles = {handle.replica_id: handle for handle in self.handles}
+        worded = []
+        for ended in unfinished:
+            handle = handles.get(ended.replica)
+            said = None if ended.own_word or handle is None else self._last_error(handle)
+            worded.append(ended if said is None else replace(ended, why=said, own_word=True))
+        return worded
+
+    def _last_error(self, handle: ReplicaHandle) -> str | None:
+        try:
+            return last_error(self.backends[handle.platform].logs(handle))
+        except Exception:  # a platform's logs may be gone or out of reach: its word stands
+            return None
 
     def tell_the_others(self, gone: Iterable[Ended]) -> None:
         """The run cannot go on: say in the bucket that ``gone`` left for good (some may have

@@ -33,10 +33,19 @@ import tempfile
 import time
 from pathlib import Path
 
+from diloco_anywhere import STARTED_BY_THE_ENTRYPOINT
 from diloco_anywhere.config import RunConfig
-from diloco_anywhere.contract import ENV_CONFIG, ENV_PLATFORM, ENV_REPLICA_ID, ENV_REPLICA_INDEX
+from diloco_anywhere.contract import (
+    ENV_CONFIG,
+    ENV_PLATFORM,
+    ENV_REPLICA_ID,
+    ENV_REPLICA_INDEX,
+    NOT_RETRIED,
+)
 
-ENV_JOINED = "DILOCO_JOINED"  # the file the script's join() reports to
+# the file the script's join() reports to; its presence also tells the package it is imported
+# in a script this entrypoint started (``diloco_anywhere/__init__.py``)
+ENV_JOINED = STARTED_BY_THE_ENTRYPOINT
 JOINED, DONE = "joined", "done"
 STOP_GRACE = 30.0  # seconds a stopped script has to record its stop and exit
 POLL = 0.5
@@ -107,7 +116,9 @@ def run_command(config: RunConfig, replica_id: str, index: int, platform: str) -
         state = joined.read_text() if joined.exists() else ""
     if code < 0:  # killed by a signal: as shells and platforms report it
         code = 128 - code
-    if code != 0:
+    if code in NOT_RETRIED:  # a mistake the script said, in its last error line
+        print(f"[task] command {config.task.command} exited {code}: not retried", file=sys.stderr)
+    elif code != 0:
         print(f"error: [task] command {config.task.command} exited {code}", file=sys.stderr)
     if code == 0 and state != DONE:
         raise CommandError(

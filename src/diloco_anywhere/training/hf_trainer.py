@@ -3,7 +3,7 @@
 
     with diloco_anywhere.join() as replica:
         trainer = Trainer(model, args, train_dataset=shard,
-                          callbacks=[DilocoCallback(replica, tokens_per_step=...)])
+                          callbacks=[DilocoCallback(replica)])
         trainer.train()
 
 The Trainer's loop, optimizer, scheduler, data and logging stay its own; the callback trains
@@ -51,9 +51,10 @@ LOGGED_WITH_LOSS = ("learning_rate", "grad_norm")
 class DilocoCallback(TrainerCallback):
     """Makes the ``Trainer`` it is given to a DiLoCo replica of ``replica``'s run.
 
-    ``tokens_per_step``: what one optimizer step of the Trainer trains on in this process
-    (``per_device_train_batch_size x gradient_accumulation_steps x`` the sequence length; or
-    samples), which weighs the replica's contributions. ``evaluate(model)``: a held-out loss,
+    ``tokens_per_step``: what one optimizer step of the Trainer trains on in this process,
+    which weighs the replica's contributions; by default the Trainer's own arguments say it
+    (``per_device_train_batch_size x gradient_accumulation_steps``, times the sequence length
+    when the Trainer reads the run's data, ``dataset``). ``evaluate(model)``: a held-out loss,
     as for ``replica.diloco``.
 
     The run decides ``args.max_steps`` (``replica.total_steps``) and where the learning-rate
@@ -74,11 +75,12 @@ class DilocoCallback(TrainerCallback):
         self,
         replica: Replica,
         *,
-        tokens_per_step: int,
+        tokens_per_step: int | None = None,
         evaluate: Callable[[nn.Module], float] | None = None,
     ) -> None:
         self.replica, self.tokens_per_step, self.evaluate = replica, tokens_per_step, evaluate
         self.training: Training | None = None
+        self._sequence_tokens = 1  # tokens a sample trains on, where the run's data says
         self._diloco = ExitStack()
 
     def dataset(self, stream: Stream) -> RunDataset:
@@ -86,6 +88,7 @@ class DilocoCallback(TrainerCallback):
         (``replica.stream(seq_len, batch_sequences)``, ``batch_sequences`` being one optimizer
         step's: ``per_device_train_batch_size x gradient_accumulation_steps``), resumed
         with the replica (``RunDataset``)."""
+        self._sequence_tokens = stream.shape.seq_len
         return RunDataset(self, stream)
 
     def on_init_end(
@@ -142,13 +145,21 @@ class DilocoCallback(TrainerCallback):
         if isinstance(optimizer, AcceleratedOptimizer):
             optimizer = optimizer.optimizer
         self.replica.contexts.enter_context(self._diloco)
+        tokens = self._tokens_per_step(args)
         self.training = self._diloco.enter_context(
-            self.replica.diloco(
-                model, optimizer, tokens_per_step=self.tokens_per_step, evaluate=self.evaluate
-            )
+            self.replica.diloco(model, optimizer, tokens_per_step=tokens, evaluate=self.evaluate)
         )
         self._schedule_to_run(lr_scheduler)
         self._add_configs_to_export(model)
+
+    def _tokens_per_step(self, args: TrainingArguments) -> int:
+        """The script's ``tokens_per_step``, else one optimizer step's samples as the Trainer's
+        arguments give them, in tokens when it reads the run's data: the same on every
+        replica running the script, so their contributions weigh alike."""
+        if self.tokens_per_step is not None:
+            return self.tokens_per_step
+        samples = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        return samples * self._sequence_tokens
 
     def _add_configs_to_export(self, model: nn.Module) -> None:
         """The model's configuration files as ``save_pretrained`` writes them, for ``diloco

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from diloco_anywhere import contract
+from diloco_anywhere.config import ConfigError
 
 
 class ScriptMistakeError(RuntimeError):
@@ -63,3 +64,14 @@ class SharedOutputDirError(ScriptMistakeError):
     refused run.toml: never retried)."""
 
     exit_code = contract.EXIT_BAD_CONFIG
+
+
+def mistake_exit_code(error: BaseException) -> int | None:
+    """The exit code ``error`` ends a replica's process with, where it is one of this
+    project's mistakes that no restart can fix (a script's, or a run.toml or arguments the
+    run refuses: exit 2); ``None`` for any other error, which a restart may get past."""
+    if isinstance(error, ScriptMistakeError):
+        return error.exit_code
+    if isinstance(error, ConfigError):
+        return contract.EXIT_BAD_CONFIG
+    return None

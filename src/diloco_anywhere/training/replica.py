@@ -72,6 +72,7 @@ from diloco_anywhere.training.pace import Pacer
 from diloco_anywhere.training.parameter_names import uncompiled
 from diloco_anywhere.training.replica_group import ReplicaGroup
 from diloco_anywhere.training.replica_index import take_index
+from diloco_anywhere.training.script_end import end_at_exit, end_with
 from diloco_anywhere.training.sharding import Sharding, check_sharded, check_sharding
 from diloco_anywhere.training.training import Training
 
@@ -151,29 +152,27 @@ class Replica:
                 rank=self.group.rank if self.group.sharded else 0,
                 on_superseded=self._superseded, joined=self.electorate.since,
             )  # fmt: skip
+        # joined: until ``diloco``, an optimizer stepping outside DiLoCo is stopped (a Trainer
+        # given no DilocoCallback), not left to train alone for days
+        self.outside = OutsideDilocoWatch(config.diloco.round_steps)
         if self.group.is_leader:
             incarnation = self.collective.me.incarnation  # type: ignore[union-attr]
             self.metrics = MetricsWriter(store, layout, replica_id, incarnation, platform)
             self._admit(store, layout)
-        # joined: until ``diloco``, an optimizer stepping outside DiLoCo is stopped (a Trainer
-        # given no DilocoCallback), not left to train alone for days
-        self.outside = OutsideDilocoWatch(config.diloco.round_steps)
 
     def _admit(self, store: Store, layout: RunLayout) -> None:
         """Refuse, at once, to run beside another running replica given the same data shard
         index (``replica_index.py``), then with a sharding unlike the run's (decided by the
         replicas' votes, which may wait for the others: a duplicate must not wait with them).
-        A refused replica says why in its metrics and leaves the run for good, so rounds that
-        cannot reach ``min_replicas`` without it fail at once (``collective/departures.py``)."""
+        Whatever ends the replica here ends it as it would in training (``_end``): recorded,
+        and a mistake's departure final, so rounds that cannot reach ``min_replicas`` without
+        it fail at once (``collective/departures.py``), with the mistake's exit code."""
         assert self.collective is not None
-        assert self.metrics is not None
         try:
             take_index(self.collective, self.index, self.config.run.replicas)
             check_sharding(store, layout, self._sharding(), self.electorate)
-        except ConfigError as refused:
-            detail = f"{type(refused).__name__}: {refused}"[:2000]
-            self.metrics.event("failed", detail)
-            self.collective.close(wait=False, reason=f"failed: {detail}", final=True)
+        except BaseException as refused:
+            self._end(refused)
             raise
 
     @property
@@ -272,14 +271,15 @@ class Replica:
         stays as it is (no re-indenting): ``finish()`` ends it. A replica that never calls
         ``finish`` is finished anyway: an error the script does not catch (a stop's included)
         is recorded before Python prints it (``sys.excepthook``), and a normal end when the
-        main thread ends, so its end is in the run's metrics either way."""
+        main thread ends, so its end is in the run's metrics either way (``script_end.py``)."""
         if self._started or self._ended:
             raise RuntimeError("replica.start(...) was called already: once per replica")
         training = self.contexts.enter_context(
             self.diloco(model, inner_optimizer, tokens_per_step=tokens_per_step, evaluate=evaluate)
         )
         self._started = True
-        _finish_unfinished(self)
+        end_with(self)
+        end_at_exit(self)
         return training
 
     def finish(self) -> None:
@@ -385,29 +385,6 @@ class Replica:
         return "done", f"{detail}, eval loss {result.eval_loss}"
 
 
-def _finish_unfinished(replica: Replica) -> None:
-    """Finish ``replica`` if its script does not (``Replica.start``): on an error it does not
-    catch, before Python prints the traceback, and when the main thread ends. A script's
-    mistake (``mistakes.py``) still exits with its own code, at once: Python would exit 1
-    after an uncaught error, which platforms retry. The end is registered with threading's
-    shutdown hook, the one ``concurrent.futures`` itself uses, not ``atexit``: atexit runs
-    after the thread pools are shut, and recording the end writes through them."""
-    previous = sys.excepthook
-
-    def finish_with(kind: type[BaseException], error: BaseException, tb: TracebackType) -> None:
-        try:
-            replica.__exit__(kind, error, tb)
-        except SystemExit as mistake:
-            previous(kind, error, tb)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(int(mistake.code or 1))
-        previous(kind, error, tb)
-
-    sys.excepthook = finish_with
-    threading._register_atexit(replica.__exit__, None, None, None)  # type: ignore[attr-defined]
-
-
 def join(
     config: str | Path | RunConfig | None = None,
     *,
@@ -428,6 +405,7 @@ def join(
     index = contract.replica_index(name, given, loaded.run.replicas)
     platform = platform or environ.get(contract.ENV_PLATFORM, "local")
     replica = Replica(loaded, name, index, platform)
+    end_with(replica)  # an error the script does not catch, wherever: the replica's end
     _stops_are_errors()
     report(JOINED)  # to the entrypoint that started this script, if one did
     return replica
