@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from diloco_anywhere.bucket.agreement import (
+    INDEX_DIGITS,
     Electorate,
     Vote,
     agree,
@@ -122,3 +123,24 @@ def test_a_vote_that_is_not_a_record_is_left_out_and_said(tmp_path, caplog):
     assert result.holders == ("local-0",)
     assert "a vote left out" in caplog.text
     assert "000001-local-1" in caplog.text
+
+
+def test_a_replica_waiting_on_the_votes_says_in_its_log_what_it_waits_for(tmp_path, caplog):
+    """Every SAY_EVERY seconds of waiting: how many voted, split how, and how long at most;
+    at the timeout the votes there are decide."""
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    clock = {"clock": lambda: now[0], "sleep": sleep, "since": 0.0, "poll": 10.0}
+    store = Store(str(tmp_path))
+    store.overwrite(
+        f"{votes_prefix('run/plan')}/{1:0{INDEX_DIGITS}d}-local-1", encode_record(Plan(width=2))
+    )  # another replica's vote, still waiting
+    caplog.set_level("INFO", logger="diloco_anywhere.bucket.agreement")
+    wide = _electorate(0, least=3, timeout=100.0, **clock)
+    assert agree(store, "run/plan", Plan(width=4), wide).record == Plan(width=4)  # the lowest
+    said = [r.getMessage() for r in caplog.records if "replicas voted" in r.getMessage()]
+    assert said[0] == ("run/plan: 2 of the run's 3 replicas voted, split 2 ways (min_replicas = "
+                       "3); waiting for more, 70 s at most ([sync] timeout)")  # fmt: skip

@@ -7,19 +7,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from diloco_anywhere.backends.base import ReplicaHandle
+from diloco_anywhere.backends.local import LocalBackend
 from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.membership import departed
 from diloco_anywhere.contract import EXIT_BAD_CONFIG
 from diloco_anywhere.launching.launches import Launches
 from diloco_anywhere.launching.status import ReplicaStatus
-from diloco_anywhere.launching.supervisor import outcome
+from diloco_anywhere.launching.supervisor import logged_error, outcome
 from diloco_anywhere.training.metrics import MetricsReader, MetricsWriter
 from support.runs import diloco, statuses
 from support.scripts import (
@@ -258,3 +261,15 @@ def test_mistakes_raised_outside_the_with_end_their_replicas_as_themselves_and_t
     assert all(row["restarts"] == 0 for row in rows.values())  # no mistake restarted
     status = diloco("status", "--config", "run.toml").stdout
     assert "local-2 failed: SharedOutputDirError: SharedOutputDirError outside the with" in status
+
+
+def test_a_replica_s_last_error_is_read_from_its_log_where_the_platform_can_show_it(tmp_path):
+    """The launch's line for a replica that left no word in the bucket: its last `error:`
+    line; none where its log is out of reach (another machine's local process)."""
+    log = tmp_path / "local-7.log"
+    log.write_text("error: an early one\nTraceback ...\nerror: replica 7's settings\n"
+                   "[task] command ['python', 'train.py'] exited 2: not retried\n")  # fmt: skip
+    here = ReplicaHandle("local-7", "local", {"log": str(log), "host": socket.gethostname()})
+    assert logged_error(LocalBackend(), here) == "replica 7's settings"
+    elsewhere = ReplicaHandle("local-7", "local", {"log": str(log), "host": "another-host"})
+    assert logged_error(LocalBackend(), elsewhere) is None

@@ -321,3 +321,10 @@ def test_every_rank_of_a_replica_paced_by_time_trains_the_steps_its_leader_plann
     assert [sync.round_steps for sync in fast] == [5] * 4
     assert all(sync.round_steps < 5 for sync in slow[2:]), [s.round_steps for s in slow]
     assert all(sync.committed and sync.participants == 2 for sync in fast + slow)
+
+
+def test_the_entrypoint_refuses_a_run_toml_it_cannot_start_with_exit_2(tmp_path, capsys):
+    """Nothing started: exit 2 (never retried), the problem said on stderr."""
+    (tmp_path / "run.toml").write_text("[run]\nreplicas = 0\n")
+    assert replica_main(["--config", str(tmp_path / "run.toml"), "--replica-id", "local-0"]) == 2
+    assert "replicas" in capsys.readouterr().err

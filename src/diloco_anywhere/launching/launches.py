@@ -232,10 +232,6 @@ class Launches:
         key = self.layout.launch_job(number, handle.replica_id, attempt)
         self.store.put(key, encode_record(record))
 
-    def stopped(self, number: int) -> frozenset[str]:
-        """The replicas of launch ``number`` whose current job was stopped on purpose."""
-        return self.read(number).stopped
-
     def mark_stopped(self, number: int, replica_id: str, attempt: int) -> None:
         """Record that ``attempt`` of ``replica_id`` is being stopped on purpose: not to be
         restarted."""

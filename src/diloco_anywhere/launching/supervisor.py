@@ -107,6 +107,14 @@ def _ended(row: ReplicaStatus, metrics: ReplicaMetrics | None, code: int | None)
     return Ended(row.replica, f"{row.state}{exited}", why, own_word=False)
 
 
+def logged_error(backend: Backend, handle: ReplicaHandle) -> str | None:
+    """The last error ``handle``'s replica printed, where its platform can show its log."""
+    try:
+        return last_error(backend.logs(handle))
+    except Exception:  # a platform's logs may be gone or out of reach: its word stands
+        return None
+
+
 def last_error(log: str) -> str | None:
     """The last ``error: ...`` line a replica's process printed (the entrypoint's and a
     script's mistakes say theirs so), without the prefix."""
@@ -177,15 +185,11 @@ class Supervisor:
         worded = []
         for ended in unfinished:
             handle = handles.get(ended.replica)
-            said = None if ended.own_word or handle is None else self._last_error(handle)
+            said = None
+            if not ended.own_word and handle is not None:
+                said = logged_error(self.backends[handle.platform], handle)
             worded.append(ended if said is None else replace(ended, why=said, own_word=True))
         return worded
-
-    def _last_error(self, handle: ReplicaHandle) -> str | None:
-        try:
-            return last_error(self.backends[handle.platform].logs(handle))
-        except Exception:  # a platform's logs may be gone or out of reach: its word stands
-            return None
 
     def tell_the_others(self, gone: Iterable[Ended]) -> None:
         """The run cannot go on: say in the bucket that ``gone`` left for good (some may have
