@@ -20,7 +20,7 @@ from diloco_anywhere.bucket.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.membership import departed
 from diloco_anywhere.contract import EXIT_BAD_CONFIG
-from diloco_anywhere.launching.launches import Launches
+from diloco_anywhere.launching.launches import EndRecord, Launches, RestartRecord
 from diloco_anywhere.launching.status import ReplicaStatus
 from diloco_anywhere.launching.supervisor import logged_error, outcome
 from diloco_anywhere.training.metrics import MetricsReader, MetricsWriter
@@ -273,3 +273,24 @@ def test_a_replica_s_last_error_is_read_from_its_log_where_the_platform_can_show
     assert logged_error(LocalBackend(), here) == "replica 7's settings"
     elsewhere = ReplicaHandle("local-7", "local", {"log": str(log), "host": "another-host"})
     assert logged_error(LocalBackend(), elsewhere) is None
+
+
+def test_of_two_keepers_claiming_one_restart_or_ending_one_launch_one_acts(tmp_path):
+    """Create-only records, each keeper's bytes its own (a nonce): the second claim and the
+    second END are refused; a claim given back (its job could not start) can be made again."""
+    launches = Launches(Store(str(tmp_path)), RunLayout("run"))
+
+    def restart(keeper: str) -> RestartRecord:
+        return RestartRecord(replica_id="local-0", attempt=1, reason="failed", detail="exit 1",
+                             counted=1, streak=1, host=keeper, at=1.0, nonce=keeper)  # fmt: skip
+
+    def end(keeper: str) -> EndRecord:
+        return EndRecord(reason="done", detail="the last outer step is committed", host=keeper,
+                         at=1.0, nonce=keeper)  # fmt: skip
+
+    assert launches.claim_restart(0, restart("a"))
+    assert not launches.claim_restart(0, restart("b"))
+    launches.release_restart(0, restart("a"))
+    assert launches.claim_restart(0, restart("b"))
+    assert launches.end(0, end("a"))
+    assert not launches.end(0, end("b"))
