@@ -113,4 +113,7 @@ def test_a_replica_slowed_mid_run_is_re_paced_within_two_rounds(
     length = config.diloco.round_steps * min(figures[taken], their_figures[taken])
     planned = config.diloco.steps_to_fit(length, figures[taken])
     assert mine[taken + LAG].round_steps == planned, (taken, paces, their_figures)
-    assert planned <= config.diloco.round_steps // 2, (taken, paces)  # 4x slower: far fewer
+    # slower than the other by the ratio the machine measured (4x, less where the load slowed
+    # the other too): as many fewer steps, whatever the load
+    slower = figures[taken] / their_figures[taken]
+    assert planned <= config.diloco.round_steps / slower + 1, (taken, paces, their_figures)
