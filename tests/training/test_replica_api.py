@@ -11,6 +11,7 @@ def test_a_replica_knows_its_shard_and_how_many_inner_steps_the_run_trains(tmp_p
     config = RunConfig.model_validate({
         "run": {"name": "api", "store": str(tmp_path / "store"), "replicas": 3},
         "diloco": {"sync_every": 6, "outer_steps": 5},
+        "sync": {"grace": 0.5},  # alone of three, it waits out the grace on its vote
     })  # fmt: skip
     with join(config, replica_id="local-2") as replica:
         assert (replica.index, replica.total_steps) == (2, 30)
