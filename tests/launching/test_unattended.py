@@ -5,6 +5,10 @@ time). The test never starts or restarts a replica itself."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+
 import pytest
 
 from diloco_anywhere.bench.chaos import fingerprint_disagreements
@@ -12,6 +16,7 @@ from diloco_anywhere.bench.unattended import (
     PLATFORMS,
     Disruption,
     Platforms,
+    _Disrupter,
     keep_pass,
     leave_alone,
     machine_limits,
@@ -78,8 +83,9 @@ def test_a_detached_run_left_to_the_keeper_completes(
     assert fingerprint_disagreements(run.metrics) == {}
     made = restarts(run)
     reasons = {reason for _, reason in made}
+    seen = (made, run.disrupted, f"{run.seconds:.0f} s, {len(run.passes)} passes")
     assert {"hung", "timed_out"} <= reasons <= {"failed", "exited", "stopped", "timed_out",
-                                                "hung"}, made  # fmt: skip
+                                                "hung"}, seen  # fmt: skip
     assert {replica for replica, _ in made} >= {"local-0", "hf_jobs-0", "k8s-0"}, made
     assert ("hf_jobs-0", "timed_out") in made, made  # its frozen attempt: timed out, not hung
     # each replica's newest incarnation trained to the end (done), or it was stopped (by its
@@ -123,3 +129,14 @@ def test_a_budget_below_the_runs_cost_stops_every_platform_with_the_reason(
     rows = statuses(path)
     assert {row["state"] for row in rows.values()} == {"stopped"}, rows
     assert "launch ended (budget)" in diloco("status", "--config", path).output
+
+
+@pytest.mark.integration  # starts a process that ends
+def test_a_disruption_counts_only_where_its_signal_reached_a_live_process():
+    """A replica whose process had already ended (the run moved on, or its attempt ended) was
+    not disrupted: the disrupter tries again at its next look instead of counting it done,
+    which had let a run that outran it end with nothing for the keeper to restart."""
+    ended = subprocess.Popen(["true"], start_new_session=True)
+    ended.wait()
+    assert not _Disrupter._signal(ended.pid, signal.SIGKILL)
+    assert _Disrupter._signal(os.getpgrp(), 0)  # signal 0: only whether the group lives

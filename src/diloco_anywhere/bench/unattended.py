@@ -244,11 +244,11 @@ class _Disrupter:
                 del self.frozen[replica]
         for disruption in [d for d in self.pending if newest >= d.after_round]:
             group = self.platforms.pid(self.config, disruption.replica)
-            if group is None:
-                continue  # between attempts: try again on the next pass
+            how = signal.SIGSTOP if disruption.how == "freeze" else signal.SIGKILL
+            if group is None or not self._signal(group, how):
+                continue  # between attempts, or its process ended: try again on the next look
             if disruption.how == "freeze":
                 self.frozen[disruption.replica] = (group, launch.attempt(disruption.replica))
-            self._signal(group, signal.SIGSTOP if disruption.how == "freeze" else signal.SIGKILL)
             self.pending.remove(disruption)
             self.done.append(dataclasses.replace(disruption, after_round=newest))
             progress(f"round {newest}: {disruption.how} {disruption.replica}")
@@ -259,9 +259,15 @@ class _Disrupter:
         self.frozen.clear()
 
     @staticmethod
-    def _signal(group: int, number: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+    def _signal(group: int, number: signal.Signals) -> bool:
+        """Whether the signal reached a live process group: a replica whose process already
+        ended was not disrupted (counted as done, a disruption that came after the run's last
+        round would leave nothing for the keeper to do)."""
+        try:
             os.killpg(group, number)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 DISRUPT_EVERY = 0.25  # seconds between looks at the run's progress for a disruption due
