@@ -88,9 +88,9 @@ test: lint $(AZURITE) $(ACTIONLINT) $(CHECKOV)
 
 # Line coverage of src/ per module, replica processes included (coverage's patch for
 # subprocesses and forks; pyproject's [tool.coverage]): the whole suite, then the table.
-# COVERAGE_BEFORE=file.json compares with an earlier measurement and fails on any module
-# that covers less (docs/testing.md, "Coverage").
-COVERAGE_BEFORE ?=
+# It compares with COVERAGE_BEFORE (by default docs/coverage-before.json: main at fd12737, before
+# issue 50's speed-ups) and fails on any module that covers less (docs/testing.md, "Coverage").
+COVERAGE_BEFORE ?= docs/coverage-before.json
 coverage: setup $(AZURITE) $(ACTIONLINT) $(CHECKOV)
 	rm -f .coverage .coverage.*
 	$(PY) -m pytest $(PYTEST_PARALLEL) --cov --cov-report= -q
