@@ -64,7 +64,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # is the order in which workers take them up.
 LONGEST = (
     "tests/bench/test_gpu_check.py::test_every_gpu_check_passes",
-    "tests/launching/test_unattended.py::test_a_detached_run",
+    "tests/launching/keep/test_unattended.py::test_a_detached_run",
     "tests/project/test_terraform_apply.py",
     "tests/project/test_template.py::test_the_rendered_projects_own_tests_pass",
     "tests/cli/test_cli.py::test_bench_overlap_and_throughput",

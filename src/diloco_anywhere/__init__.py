@@ -41,10 +41,10 @@ __version__ = _installed_version()
 # In a script the replica entrypoint started (``[task] command``: ``training/command.py``'s
 # ``ENV_JOINED`` is set for it), one of this project's mistakes ends the process with its own
 # exit code wherever it is raised, from the first import of this package on
-# (``training/script_end.py``); elsewhere nothing is installed, and the import stays quick.
+# (``training/mistakes/script_end.py``); elsewhere nothing is installed, and the import stays quick.
 STARTED_BY_THE_ENTRYPOINT = "DILOCO_JOINED"
 if STARTED_BY_THE_ENTRYPOINT in os.environ:
-    import_module("diloco_anywhere.training.script_end").end_on_mistakes()
+    import_module("diloco_anywhere.training.mistakes.script_end").end_on_mistakes()
 __all__ = [
     "BucketManager",
     "Collective",

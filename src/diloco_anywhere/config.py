@@ -29,8 +29,8 @@ from pydantic import (
 )
 
 from diloco_anywhere.bucket.agreement import Electorate
-from diloco_anywhere.bucket.codec_names import CODEC_NAMES, DEFAULT_CODEC, CodecName
-from diloco_anywhere.bucket.layout import NAME
+from diloco_anywhere.bucket.codecs.codec_names import CODEC_NAMES, DEFAULT_CODEC, CodecName
+from diloco_anywhere.bucket.format.layout import NAME
 from diloco_anywhere.bucket.redaction import redact_url
 from diloco_anywhere.bucket.schemes import check_store_url
 from diloco_anywhere.collective.policy import (
@@ -81,7 +81,7 @@ class RunSection(_Section):
 
 
 class SparseSection(_Section):
-    """``[diloco.sparse]``: what ``codec = "sparse"`` sends (``bucket/sparse_codec.py``) and
+    """``[diloco.sparse]``: what ``codec = "sparse"`` sends (``bucket/codecs/sparse_codec.py``) and
     the error feedback that keeps what it leaves out (``bucket/feedback.py``), SparseLoCo's
     method (arXiv 2508.15706). The defaults are what ``diloco bench convergence`` measured
     best at 1/50 of fp32's bytes (docs/tuning.md, "Sparse"): 8% of every chunk of 4,096 at 2
@@ -185,10 +185,10 @@ class DilocoSection(_Section):
 
     def steps_to_fit(self, seconds: float, step_seconds: float) -> int:
         """The steps a replica paced by time trains in a round of ``seconds`` at
-        ``step_seconds`` a step (``training/pace.py``; the estimate, ``launching/round_plan``),
-        within ``round_steps_bounds``: ``round_steps`` for a replica within ``PACE_TOLERANCE``
-        of the round's pace (the fastest's, measured with noise), else the whole
-        ``step_quantum`` units that fit, rounded down. A round closes when its last
+        ``step_seconds`` a step (``training/pacing/pace.py``; the estimate,
+        ``launching/cost/round_plan``), within ``round_steps_bounds``: ``round_steps`` for a replica
+        within ``PACE_TOLERANCE`` of the round's pace (the fastest's, measured with noise), else the
+        whole ``step_quantum`` units that fit, rounded down. A round closes when its last
         contribution comes, so a replica that trains a unit more than fits keeps every other
         replica waiting, and one that trains less idles only itself."""
         quantum, (least, most) = self.step_quantum, self.round_steps_bounds
@@ -303,7 +303,7 @@ class CheckpointSection(_Section):
     ] = Field(default_factory=list)
     # Each single-process replica also saves its own state (inner optimizer, random generators,
     # buffers) under its id at every checkpoint step, so that a restart goes on exactly where
-    # it stopped (training/own_state.py); about 2 to 3 times the model's bytes per replica.
+    # it stopped (training/recovery/own_state.py); about 2 to 3 times the model's bytes per replica.
     own_state: bool = True
 
 
@@ -365,8 +365,8 @@ class KeepSection(_Section):
 
 
 class BudgetSection(_Section):
-    """A run's spending cap, and what its estimates assume (``launching/cost_estimate.py``).
-    Prices are public list prices with their date (``launching/prices.py``); override them for
+    """A run's spending cap, and what its estimates assume (``launching/cost/cost_estimate.py``).
+    Prices are public list prices with their date (``launching/cost/prices.py``); override them for
     your discounts."""
 
     max_hours: Annotated[float, Field(ge=0)] = 0.0  # wall hours since the launch; 0: no cap
@@ -393,7 +393,7 @@ class BudgetSection(_Section):
 
 
 class AlertsSection(_Section):
-    """Where the run's events go (``launching/alerts.py``): a Slack- or Discord-compatible
+    """Where the run's events go (``launching/keep/alerts.py``): a Slack- or Discord-compatible
     webhook whose URL is in an environment variable (a URL is a secret: never in run.toml)."""
 
     webhook_env: Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] = "DILOCO_ALERT_WEBHOOK"
@@ -456,7 +456,7 @@ class RunConfig(_Section):
     def collective_config(self) -> CollectiveConfig:
         """What a replica's collective runs with: ``[sync]``'s policies and the codec, built
         here once (in torch: only a replica calls this)."""
-        from diloco_anywhere.bucket.codec import make_codec
+        from diloco_anywhere.bucket.codecs.codec import make_codec
 
         return CollectiveConfig(
             codec=make_codec(self.diloco.codec, **self.diloco.codec_params()),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import signal
 
-from diloco_anywhere.bucket.layout import check_name, parse_count
+from diloco_anywhere.bucket.format.layout import check_name, parse_count
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import ConfigError, RunConfig, load_config, validate_config
 from diloco_anywhere.published_config import (
@@ -38,12 +38,12 @@ EXIT_BAD_CONFIG = 2  # run.toml or arguments refused, nothing started: a retry c
 # A newer incarnation of this replica id took its place (membership.py): not a failure of the
 # run, and a restart would only supersede the newer one in turn.
 EXIT_SUPERSEDED = 3
-# A training script's mistake that a restart would meet again (training/mistakes.py): it trains
-# without stepping the optimizer DiLoCo wraps; its model is unlike the run's.
+# A training script's mistake that a restart would meet again (training/mistakes/__init__.py): it
+# trains without stepping the optimizer DiLoCo wraps; its model is unlike the run's.
 EXIT_NOT_SYNCING = 4
 EXIT_MODEL_UNLIKE_RUN = 5
 # Too few replicas are left to seal a round, the others stopped for good by their mistakes
-# (collective/departures.py): a restart would meet the same until they are replaced.
+# (collective/members/departures.py): a restart would meet the same until they are replaced.
 EXIT_RUN_CANNOT_GO_ON = 6
 # Ends a platform's retry cannot help: a refused run.toml, a newer incarnation of this id
 # running (a retry would supersede it, and be superseded in turn), a script's mistake, a run

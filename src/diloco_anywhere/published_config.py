@@ -15,7 +15,7 @@ import re
 import crc32c
 import tomli_w
 
-from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.format.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import ConfigError, RunConfig, parse_config
 

@@ -16,9 +16,9 @@ the platform's standard environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS, AZUR
 the store's SDK, never by us.
 
 Exit codes: 0 when the run's outer steps are done, 2 for a bad run.toml or arguments (nothing
-started), 4-6 for a script's mistake no restart can fix (``training/mistakes.py``; the same code
-wherever it is raised: ``training/script_end.py``), 1 when training failed (the reason is
-printed and recorded in the run's metrics), 143 when stopped by SIGTERM (``diloco stop``, or
+started), 4-6 for a script's mistake no restart can fix (``training/mistakes/__init__.py``; the same
+code wherever it is raised: ``training/mistakes/script_end.py``), 1 when training failed (the reason
+is printed and recorded in the run's metrics), 143 when stopped by SIGTERM (``diloco stop``, or
 the platform preempting or evicting the job; also recorded, as a ``stopped`` event), 3 when
 superseded: a newer incarnation of this replica id was started while this process still ran,
 so it ended itself (a ``superseded`` event; docs/collective.md, "Membership").
@@ -33,7 +33,7 @@ import signal
 import sys
 
 from diloco_anywhere.bucket.errors import StoreError
-from diloco_anywhere.collective.membership import SupersededError
+from diloco_anywhere.collective.members.membership import SupersededError
 from diloco_anywhere.config import ConfigError, RunConfig
 from diloco_anywhere.contract import (
     ENV_CONFIG_KEY,
@@ -50,8 +50,8 @@ from diloco_anywhere.contract import (
 from diloco_anywhere.training.command import run_command
 from diloco_anywhere.training.loop import train
 from diloco_anywhere.training.mistakes import mistake_exit_code
+from diloco_anywhere.training.ranks.replica_group import leave_rank
 from diloco_anywhere.training.replica import Replica, StopRequestedError, raise_stopped
-from diloco_anywhere.training.replica_group import leave_rank
 
 log = logging.getLogger("diloco_anywhere.replica")
 

@@ -15,7 +15,7 @@ from diloco_anywhere.backends.base import BackendUnavailableError, ReplicaHandle
 from diloco_anywhere.backends.hf_jobs import HfJobsBackend, hub_api
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import ConfigError, load_config, parse_config
-from diloco_anywhere.launching.launch import plan_launch, run_metrics, start
+from diloco_anywhere.launching.start.launch import plan_launch, run_metrics, start
 from diloco_anywhere.published_config import publish_config
 from diloco_anywhere.standins import free_port
 from diloco_anywhere.standins.hf_jobs import USER, hf_jobs_api

@@ -28,7 +28,7 @@ from diloco_anywhere.backends.k8s import (
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import ConfigError, load_config
 from diloco_anywhere.contract import identity
-from diloco_anywhere.launching.launch import plan_launch, run_metrics, start
+from diloco_anywhere.launching.start.launch import plan_launch, run_metrics, start
 from diloco_anywhere.published_config import publish_config
 from diloco_anywhere.standins import StandIn, moto_s3
 

@@ -13,7 +13,7 @@ import pytest
 
 from diloco_anywhere.backends.local import LocalBackend, zombie
 from diloco_anywhere.config import load_config
-from diloco_anywhere.launching.launch import plan_launch, run_metrics
+from diloco_anywhere.launching.start.launch import plan_launch, run_metrics
 from support.runs import RUN_TOML, wait_for_starts
 
 

@@ -24,7 +24,7 @@ from diloco_anywhere.backends.base import BackendUnavailableError, ReplicaHandle
 from diloco_anywhere.backends.modal import ModalBackend, ReplicaExitError
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import ConfigError, load_config, parse_config
-from diloco_anywhere.launching.launch import plan_launch, run_metrics
+from diloco_anywhere.launching.start.launch import plan_launch, run_metrics
 from diloco_anywhere.published_config import publish_config
 from diloco_anywhere.standins import free_port
 from support.runs import RUN_TOML

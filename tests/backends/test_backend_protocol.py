@@ -27,7 +27,7 @@ from diloco_anywhere.backends.base import (
 )
 from diloco_anywhere.cli.run import parse_backends
 from diloco_anywhere.config import ConfigError, RunConfig, parse_config
-from diloco_anywhere.launching.launch import check_remote_store, job_state
+from diloco_anywhere.launching.start.launch import check_remote_store, job_state
 from support import ROOT
 from support.imports import loaded_modules
 

@@ -31,7 +31,7 @@ from diloco_anywhere.backends.base import (
 )
 from diloco_anywhere.backends.sagemaker import LOG_GROUP, MAX_JOB_NAME, SageMakerBackend, job_state
 from diloco_anywhere.config import ConfigError, load_config
-from diloco_anywhere.launching.launch import LaunchError, load_handles, plan_launch, start
+from diloco_anywhere.launching.start.launch import LaunchError, load_handles, plan_launch, start
 from support.proxy import Fault, FaultProxy
 
 ECR_IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/diloco:1"

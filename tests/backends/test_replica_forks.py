@@ -110,7 +110,7 @@ def test_with_forking_off_the_local_backend_starts_a_process_of_its_own(
     tmp_path, monkeypatch, run_toml
 ):
     from diloco_anywhere.config import load_config
-    from diloco_anywhere.launching.launch import plan_launch
+    from diloco_anywhere.launching.start.launch import plan_launch
 
     monkeypatch.setenv(ENV_FORK_REPLICAS, "0")
     config = load_config(run_toml(replicas=2, outer_steps=500))
@@ -129,7 +129,7 @@ def test_a_replica_of_a_server_that_ended_is_seen_by_its_process(tmp_path, run_t
     """The least recently used server ends when a process holds too many: the replicas it
     forked go on, and their backend sees them end through their pids."""
     from diloco_anywhere.config import load_config
-    from diloco_anywhere.launching.launch import plan_launch
+    from diloco_anywhere.launching.start.launch import plan_launch
 
     config = load_config(run_toml(replicas=2, outer_steps=500))
     plan = plan_launch(config, {"local": 2}, root=tmp_path)

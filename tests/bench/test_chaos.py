@@ -24,8 +24,8 @@ from diloco_anywhere.bench.chaos import (
     unhealed_restarts,
 )
 from diloco_anywhere.bench.train import bench_config
-from diloco_anywhere.bucket.layout import RunLayout
-from diloco_anywhere.bucket.record import decode_record
+from diloco_anywhere.bucket.format.layout import RunLayout
+from diloco_anywhere.bucket.format.record import decode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.records import Seal
 from diloco_anywhere.data.claims import TRAINED, Claims

@@ -17,7 +17,11 @@ from diloco_anywhere.bench.gpu.compiled_loop import missing_compiler
 from diloco_anywhere.bench.gpu.outcome import Judge
 from diloco_anywhere.bench.gpu.plan import CHECK_NAMES, SIZES, Check
 from diloco_anywhere.bench.gpu.runner import run_one, running
-from diloco_anywhere.bench.plain_loop import StepTime, inner_intervals, inner_tokens_per_second
+from diloco_anywhere.bench.tools.plain_loop import (
+    StepTime,
+    inner_intervals,
+    inner_tokens_per_second,
+)
 from support.runs import diloco
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,9 +9,9 @@ import pytest
 from rich.console import Console
 
 from diloco_anywhere.bench.hetero import loss_at, repaced
-from diloco_anywhere.bench.slowed_task import Slowness
+from diloco_anywhere.bench.tools.slowed_task import Slowness
 from diloco_anywhere.cli.bench.training import hetero_table
-from diloco_anywhere.training.metrics import ReplicaMetrics, SyncLine
+from diloco_anywhere.training.records.metrics import ReplicaMetrics, SyncLine
 from support.runs import diloco
 
 

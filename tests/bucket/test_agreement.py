@@ -16,7 +16,7 @@ from diloco_anywhere.bucket.agreement import (
     read_votes,
     votes_prefix,
 )
-from diloco_anywhere.bucket.record import Record, encode_record
+from diloco_anywhere.bucket.format.record import Record, encode_record
 from diloco_anywhere.bucket.store import Store
 
 

@@ -19,10 +19,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco_anywhere.bucket import framing
-from diloco_anywhere.bucket.codec import make_codec
-from diloco_anywhere.bucket.layout import Participant, RunLayout
-from diloco_anywhere.bucket.record import (
+from diloco_anywhere.bucket.codecs.codec import make_codec
+from diloco_anywhere.bucket.format import framing
+from diloco_anywhere.bucket.format.layout import Participant, RunLayout
+from diloco_anywhere.bucket.format.record import (
     RECORD_MAGIC,
     RECORD_READ_LIMIT,
     decode_record,
@@ -31,7 +31,7 @@ from diloco_anywhere.bucket.record import (
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import finish_round
 from diloco_anywhere.collective.errors import SealedContributionError
-from diloco_anywhere.collective.membership import MembershipView, member_progress
+from diloco_anywhere.collective.members.membership import MembershipView, member_progress
 from diloco_anywhere.collective.policy import RoundPolicy
 from diloco_anywhere.collective.round import Round
 from diloco_anywhere.config import ConfigError, RunConfig, load_config
@@ -43,7 +43,7 @@ from diloco_anywhere.training.checkpoints.records import (
     CheckpointError,
 )
 from diloco_anywhere.training.checkpoints.writer import CheckpointPolicy, CheckpointWriter
-from diloco_anywhere.training.metrics import MetricsReader, MetricsWriter, StepLine
+from diloco_anywhere.training.records.metrics import MetricsReader, MetricsWriter, StepLine
 
 RUN = RunLayout("run")
 HUGE = 3 * RECORD_READ_LIMIT  # an object three times the largest record

@@ -15,12 +15,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco_anywhere.bucket import framing, wire
-from diloco_anywhere.bucket.codec import make_codec
-from diloco_anywhere.bucket.layout import RunLayout
-from diloco_anywhere.bucket.record import decode_record, encode_record
+from diloco_anywhere.bucket.codecs.codec import make_codec
+from diloco_anywhere.bucket.format import framing, wire
+from diloco_anywhere.bucket.format.layout import RunLayout
+from diloco_anywhere.bucket.format.record import decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.collective.membership import Claim, Lease
+from diloco_anywhere.collective.members.membership import Claim, Lease
 from diloco_anywhere.collective.records import Manifest, PartEntry, Seal, ShardFailure
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.training.checkpoints.reader import load_checkpoint
@@ -31,7 +31,7 @@ from diloco_anywhere.training.checkpoints.records import (
     StoredObject,
 )
 from diloco_anywhere.training.checkpoints.writer import CheckpointPolicy, CheckpointWriter
-from diloco_anywhere.training.metrics import EventLine, MetricsChunk, StepLine, SyncLine
+from diloco_anywhere.training.records.metrics import EventLine, MetricsChunk, StepLine, SyncLine
 from support.checkpoints import counters_after, diloco_like_state, record_bytes, rewrite_counters
 from support.wire import craft_raw
 

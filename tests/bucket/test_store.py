@@ -13,7 +13,7 @@ import crc32c
 import fsspec
 import pytest
 
-from diloco_anywhere.bench.processes import worker_context
+from diloco_anywhere.bench.tools.processes import worker_context
 from diloco_anywhere.bucket import store as store_module
 from diloco_anywhere.bucket.errors import StoreError
 from diloco_anywhere.bucket.keys import check_key

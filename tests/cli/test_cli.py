@@ -11,7 +11,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from diloco_anywhere.bucket.codec import make_codec
+from diloco_anywhere.bucket.codecs.codec import make_codec
 from diloco_anywhere.cli import app, parse_size
 
 runner = CliRunner()

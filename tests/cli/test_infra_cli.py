@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from diloco_anywhere.config import load_config
-from diloco_anywhere.launching.infra import image_in, secrets_to_set
+from diloco_anywhere.launching.start.infra import image_in, secrets_to_set
 from diloco_anywhere.standins.hf_jobs import hf_jobs_api
 from support import ROOT
 from support.runs import diloco

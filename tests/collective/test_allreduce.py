@@ -10,17 +10,17 @@ import time
 import pytest
 import torch
 
-from diloco_anywhere.bench.processes import worker_context
 from diloco_anywhere.bench.store import sample_tensor
-from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bench.tools.processes import worker_context
+from diloco_anywhere.bucket.format.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.errors import RoundTimeoutError
 from diloco_anywhere.collective.mean import weighted_mean
-from diloco_anywhere.collective.membership import Heartbeat, claim_incarnation
+from diloco_anywhere.collective.members.membership import Heartbeat, claim_incarnation
 from diloco_anywhere.collective.policy import CollectiveConfig, LeasePolicy, RoundPolicy
 from diloco_anywhere.training.checkpoints.writer import prune_checkpoints
-from diloco_anywhere.training.metrics import MetricsReader, MetricsWriter
+from diloco_anywhere.training.records.metrics import MetricsReader, MetricsWriter
 
 CONFIG = CollectiveConfig(
     round=RoundPolicy(min_replicas=1, grace=5.0, timeout=60.0), lease=LeasePolicy(period=5.0)

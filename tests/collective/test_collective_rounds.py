@@ -13,12 +13,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from diloco_anywhere.bench.processes import worker_context
 from diloco_anywhere.bench.store import sample_tensor
-from diloco_anywhere.bucket import framing, wire
-from diloco_anywhere.bucket.codec import make_codec, reduced_codec
-from diloco_anywhere.bucket.layout import Participant, RunLayout
-from diloco_anywhere.bucket.record import decode_record, encode_record
+from diloco_anywhere.bench.tools.processes import worker_context
+from diloco_anywhere.bucket.codecs.codec import make_codec, reduced_codec
+from diloco_anywhere.bucket.format import framing, wire
+from diloco_anywhere.bucket.format.layout import Participant, RunLayout
+from diloco_anywhere.bucket.format.record import decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import finish_round
 from diloco_anywhere.collective.errors import (

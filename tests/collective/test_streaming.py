@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diloco_anywhere.bench.store import sample_tensor
-from diloco_anywhere.bucket import framing, wire
-from diloco_anywhere.bucket.codec import make_codec
+from diloco_anywhere.bucket.codecs.codec import make_codec
 from diloco_anywhere.bucket.errors import StoreError
-from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.format import framing, wire
+from diloco_anywhere.bucket.format.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.flat import FlatTensors

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import zstandard
 
-from diloco_anywhere.bucket.framing import PREFIX, WireFormatError
-from diloco_anywhere.bucket.record import decode_record
+from diloco_anywhere.bucket.format.framing import PREFIX, WireFormatError
+from diloco_anywhere.bucket.format.record import decode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.data.documents import DataSourceError, kind_of, pieces, sources
 from diloco_anywhere.data.heldout import held_out

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from diloco_anywhere.bucket.framing import WireFormatError
-from diloco_anywhere.bucket.layout import RunLayout, contributor
-from diloco_anywhere.bucket.record import decode_record, encode_record
+from diloco_anywhere.bucket.format.framing import WireFormatError
+from diloco_anywhere.bucket.format.layout import RunLayout, contributor
+from diloco_anywhere.bucket.format.record import decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.records import Seal
 from diloco_anywhere.config import ConfigError

@@ -12,7 +12,7 @@ import tomli_w
 import tomllib
 
 from diloco_anywhere.config import load_config
-from diloco_anywhere.launching.launch import run_metrics
+from diloco_anywhere.launching.start.launch import run_metrics
 from diloco_anywhere.standins.containers import ENV_STANDIN_ENGINE
 from support import image_engine as engine
 from support.runs import K8S, diloco, statuses, write_run

@@ -231,7 +231,7 @@ def test_every_checkov_skip_gives_its_reason(cloud: str) -> None:
 @pytest.mark.parametrize("cloud", CLOUDS)
 def test_round_lifecycle_matches_the_store_layout(cloud: str) -> None:
     """Round objects are <store_prefix>/<run>/rounds/... (layout.py); only they expire."""
-    from diloco_anywhere.bucket.layout import RunLayout
+    from diloco_anywhere.bucket.format.layout import RunLayout
 
     round_key = RunLayout("demo").round(7)
     assert round_key.startswith("demo/rounds/")

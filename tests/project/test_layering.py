@@ -28,8 +28,8 @@ except SystemExit as exit:
 
 @pytest.mark.parametrize(
     "module",
-    ["diloco_anywhere.launching.launch", "diloco_anywhere.launching.keeper",
-     "diloco_anywhere.launching.status", "diloco_anywhere.backends.k8s",
+    ["diloco_anywhere.launching.start.launch", "diloco_anywhere.launching.keep.keeper",
+     "diloco_anywhere.launching.watch.status", "diloco_anywhere.backends.k8s",
      "diloco_anywhere.backends.modal", "diloco_anywhere.config"],
 )  # fmt: skip
 def test_the_launchers_side_loads_neither_the_entrypoint_nor_torch(module):

@@ -31,7 +31,7 @@ from packaging.requirements import Requirement
 from diloco_anywhere.backends import modal as modal_backend
 from diloco_anywhere.backends import sagemaker as sagemaker_backend
 from diloco_anywhere.config import parse_config
-from diloco_anywhere.launching.launch import plan_launch
+from diloco_anywhere.launching.start.launch import plan_launch
 from diloco_anywhere.task import TaskContext
 from support import ROOT
 from support.template import ACCOUNT, BACKENDS, render

@@ -27,7 +27,7 @@ import yaml
 
 from diloco_anywhere.backends.hf_jobs import Settings as HfJobsSettings
 from diloco_anywhere.config import validate_config
-from diloco_anywhere.launching.launch import plan_launch
+from diloco_anywhere.launching.start.launch import plan_launch
 from support import ROOT
 from support.template import ACCOUNT, BACKENDS, render
 

@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.format.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.contract import EXIT_NOT_SYNCING
-from diloco_anywhere.training.metrics import MetricsReader
+from diloco_anywhere.training.records.metrics import MetricsReader
 
 pytestmark = pytest.mark.integration  # every test here starts processes
 

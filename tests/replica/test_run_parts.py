@@ -18,34 +18,34 @@ from rich.console import Console
 from torch import nn
 
 from diloco_anywhere.backends.base import ReplicaHandle
-from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.format.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.cli.common import print_json
 from diloco_anywhere.cli.run import parse_backends
 from diloco_anywhere.cli.tables import status_table
-from diloco_anywhere.collective.membership import Heartbeat, claim_incarnation
+from diloco_anywhere.collective.members.membership import Heartbeat, claim_incarnation
 from diloco_anywhere.collective.policy import LeasePolicy
 from diloco_anywhere.config import RunConfig
-from diloco_anywhere.launching.report import summarize
-from diloco_anywhere.launching.status import (
+from diloco_anywhere.launching.watch.report import summarize
+from diloco_anywhere.launching.watch.status import (
     ReplicaStatus,
     advice_lines,
     replica_skews,
     replica_statuses,
     waiting_share,
 )
-from diloco_anywhere.launching.status_page import PageFacts, render_page
+from diloco_anywhere.launching.watch.status_page import PageFacts, render_page
 from diloco_anywhere.task import TaskContext, build_task, load_entrypoint
 from diloco_anywhere.training.builders import split_fragments
-from diloco_anywhere.training.global_state import GlobalState
-from diloco_anywhere.training.metrics import (
+from diloco_anywhere.training.records.metrics import (
     EventLine,
     MetricsReader,
     MetricsWriter,
     StepLine,
     SyncLine,
 )
-from diloco_anywhere.training.parameter_names import stored_names
+from diloco_anywhere.training.state.global_state import GlobalState
+from diloco_anywhere.training.state.parameter_names import stored_names
 
 
 def tied_model() -> nn.Module:

@@ -8,9 +8,9 @@ import threading
 import torch
 from crc32c import crc32c
 
-from diloco_anywhere.bucket.framing import PREFIX, VERSION
-from diloco_anywhere.bucket.layout import RunLayout
-from diloco_anywhere.bucket.record import RECORD_MAGIC, decode_record
+from diloco_anywhere.bucket.format.framing import PREFIX, VERSION
+from diloco_anywhere.bucket.format.layout import RunLayout
+from diloco_anywhere.bucket.format.record import RECORD_MAGIC, decode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.training.checkpoints.records import CheckpointCommit

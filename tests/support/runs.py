@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from diloco_anywhere.backends.local import zombie
 from diloco_anywhere.cli import app
 from diloco_anywhere.config import load_config
-from diloco_anywhere.launching.launch import run_metrics
+from diloco_anywhere.launching.start.launch import run_metrics
 
 RUN_TOML = """
 [run]

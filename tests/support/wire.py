@@ -7,7 +7,7 @@ import json
 
 import crc32c
 
-from diloco_anywhere.bucket import framing, wire
+from diloco_anywhere.bucket.format import framing, wire
 
 
 def craft_raw(header: bytes, payload: bytes) -> bytes:

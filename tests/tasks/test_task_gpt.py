@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from diloco_anywhere.bucket.record import encode_record
+from diloco_anywhere.bucket.format.record import encode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.data.manifest import MANIFEST, SETTINGS, Manifest
 from diloco_anywhere.data.prepare import settings_for

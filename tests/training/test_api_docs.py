@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from matplotlib.image import imread
 
-from diloco_anywhere.bucket.layout import RunLayout, contributor
+from diloco_anywhere.bucket.format.layout import RunLayout, contributor
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.data.claims import Claims
 from diloco_anywhere.training.checkpoints.catalogue import newest_checkpoints

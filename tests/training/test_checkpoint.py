@@ -14,7 +14,7 @@ from crc32c import crc32c
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from diloco_anywhere.bucket.record import decode_record, encode_record
+from diloco_anywhere.bucket.format.record import decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.training.checkpoints.catalogue import newest_checkpoints
@@ -32,9 +32,9 @@ from diloco_anywhere.training.checkpoints.records import CheckpointCommit, Check
 from diloco_anywhere.training.checkpoints.staging import HostStaging, write_part
 from diloco_anywhere.training.checkpoints.tree import flatten, plan_shards, unflatten, whole_tree
 from diloco_anywhere.training.checkpoints.writer import CheckpointPolicy, CheckpointWriter
-from diloco_anywhere.training.fingerprints import fingerprint
-from diloco_anywhere.training.global_state import LocalShard, tree_checksum
-from diloco_anywhere.training.mirrors import copy_checkpoint
+from diloco_anywhere.training.recovery.mirrors import copy_checkpoint
+from diloco_anywhere.training.state.fingerprints import fingerprint
+from diloco_anywhere.training.state.global_state import LocalShard, tree_checksum
 from support.checkpoints import (
     CONTRIBUTORS,
     RUN,

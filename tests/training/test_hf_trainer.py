@@ -23,14 +23,14 @@ from transformers import (
 )
 
 from diloco_anywhere import DilocoCallback, join
-from diloco_anywhere.bucket.layout import RunLayout, contributor
-from diloco_anywhere.bucket.record import decode_record
+from diloco_anywhere.bucket.format.layout import RunLayout, contributor
+from diloco_anywhere.bucket.format.record import decode_record
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.collective.departures import Departure
+from diloco_anywhere.collective.members.departures import Departure
 from diloco_anywhere.config import RunConfig, load_config
 from diloco_anywhere.contract import EXIT_BAD_CONFIG, EXIT_NOT_SYNCING
 from diloco_anywhere.data.claims import Claims
-from diloco_anywhere.launching.launch import run_metrics
+from diloco_anywhere.launching.start.launch import run_metrics
 from support.docs import example
 from support.hf import TINY_LLAMA
 from support.runs import diloco, statuses

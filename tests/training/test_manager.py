@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from diloco_anywhere.bench.processes import worker_context
+from diloco_anywhere.bench.tools.processes import worker_context
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.policy import CollectiveConfig, RoundPolicy

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from torchft.local_sgd import DiLoCo
 
-from diloco_anywhere.bucket import wire
-from diloco_anywhere.bucket.codec import make_codec
+from diloco_anywhere.bucket.codecs.codec import make_codec
 from diloco_anywhere.bucket.feedback import ErrorFeedback
+from diloco_anywhere.bucket.format import wire
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.mean import weighted_mean

@@ -289,7 +289,7 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def hardware(self) -> str:
-        """What one replica runs on, as the price table names it (``launching/prices.py``):
+        """What one replica runs on, as the price table names it (``launching/cost/prices.py``):
         e.g. ``A100-80GB:2`` on Modal, ``a10g-large`` on HF Jobs, ``ml.p4d.24xlarge`` on
         SageMaker; ``""`` where no list price applies (local processes, your own cluster)."""
 

@@ -41,7 +41,7 @@ from diloco_anywhere.backends.base import (
     SecretHints,
 )
 from diloco_anywhere.bucket import hf_buckets
-from diloco_anywhere.bucket.layout import parse_count
+from diloco_anywhere.bucket.format.layout import parse_count
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.contract import NOT_RETRIED
 

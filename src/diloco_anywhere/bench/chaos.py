@@ -28,9 +28,9 @@ from typing import Any
 
 from diloco_anywhere.bench.train import Progress, local_plan, run_diloco
 from diloco_anywhere.config import RunConfig, with_changes
-from diloco_anywhere.launching.launch import run_metrics, start
-from diloco_anywhere.launching.supervisor import Supervisor
-from diloco_anywhere.training.metrics import ReplicaMetrics
+from diloco_anywhere.launching.keep.supervisor import Supervisor
+from diloco_anywhere.launching.start.launch import run_metrics, start
+from diloco_anywhere.training.records.metrics import ReplicaMetrics
 
 # [keep] backoff, seconds: the time a replica takes to return measures healing, not the wait
 CHAOS_BACKOFF = 0.5

@@ -6,7 +6,7 @@ The model is the issue's: Linear layers without bias, 8192 wide (256 MiB each; n
 1 GiB), trained by the public API (``join``, ``replica.diloco``) with int8 and one inner step a
 round; the inner optimizer is AdamW, whose moments (2P) are the replica's own state. Every
 operation runs in a fresh interpreter of its own (``spawn``: a forked one would share its
-parent's pages), so its resident set is its own, sampled every 5 ms (``bench/memory.py``):
+parent's pages), so its resident set is its own, sampled every 5 ms (``bench/tools/memory.py``):
 
 - ``sync``: one round in the training loop, for comparison (torchft's pseudo-gradients and
   outer step included);
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diloco_anywhere.bench.memory import PeakMemory, resident_bytes
+from diloco_anywhere.bench.tools.memory import PeakMemory, resident_bytes
 
 Progress = Callable[[str], None]
 WIDTH = 8192  # the layers: Linear(8192, 8192), 256 MiB of fp32 each
@@ -136,7 +136,7 @@ def _heal(bench: CheckpointBench, results: Any, key: str, write_after: bool) -> 
     from diloco_anywhere.bucket.store import Store
     from diloco_anywhere.collective.allreduce import BucketCollective
     from diloco_anywhere.training.builders import build_parts
-    from diloco_anywhere.training.healing import heal
+    from diloco_anywhere.training.recovery.healing import heal
 
     config = bench.config(own_state=False)
     model = _model(bench)
@@ -149,8 +149,8 @@ def _heal(bench: CheckpointBench, results: Any, key: str, write_after: bool) -> 
         state = parts.global_state()
         measured = _measured(lambda: heal(collective, state, parts.manager, 1, from_initial=False))
         if write_after:
-            from diloco_anywhere.training.after_sync import GlobalCheckpoints
-            from diloco_anywhere.training.replica_group import ReplicaGroup
+            from diloco_anywhere.training.ranks.replica_group import ReplicaGroup
+            from diloco_anywhere.training.recovery.after_sync import GlobalCheckpoints
 
             checkpoints = GlobalCheckpoints(config, collective, ReplicaGroup(), lambda _: None)
             checkpoints.write_now(parts.manager, state)
@@ -160,7 +160,7 @@ def _heal(bench: CheckpointBench, results: Any, key: str, write_after: bool) -> 
 
 
 def _export(bench: CheckpointBench, results: Any, destination: str) -> None:
-    from diloco_anywhere.launching.export import export
+    from diloco_anywhere.launching.watch.export import export
 
     results.put({"export": _measured(lambda: export(bench.config(), destination))})
 

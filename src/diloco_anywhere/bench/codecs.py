@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from diloco_anywhere.bench.memory import PeakMemory, resident_bytes
 from diloco_anywhere.bench.store import BENCH_META, Progress, sample_tensor
+from diloco_anywhere.bench.tools.memory import PeakMemory, resident_bytes
 from diloco_anywhere.bench.train import results_of
-from diloco_anywhere.bucket import wire
-from diloco_anywhere.bucket.codec import Codec, make_codec
+from diloco_anywhere.bucket.codecs.codec import Codec, make_codec
 from diloco_anywhere.bucket.feedback import ErrorFeedback
+from diloco_anywhere.bucket.format import wire
 from diloco_anywhere.config import DilocoSection, describe_codec, parse_codec
 
 REFERENCE = "int8"  # what the others are compared with

@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import save_file
 
 from diloco_anywhere.backends.local import threads_per_replica
-from diloco_anywhere.bench.processes import worker_context
+from diloco_anywhere.bench.tools.processes import worker_context
 from diloco_anywhere.bench.train import (
     Progress,
     results_of,
@@ -41,12 +41,12 @@ from diloco_anywhere.bench.train import (
     wall_seconds,
 )
 from diloco_anywhere.config import RunConfig, describe_codec, parse_codec, with_changes
-from diloco_anywhere.launching.report import summarize
-from diloco_anywhere.launching.traffic import fragment_sizes
+from diloco_anywhere.launching.cost.traffic import fragment_sizes
+from diloco_anywhere.launching.watch.report import summarize
 from diloco_anywhere.task import Task, TaskContext, build_task
 from diloco_anywhere.training.builders import SINGLE_PROCESS, task_context
 from diloco_anywhere.training.loop import backward_batch, before_inner_step
-from diloco_anywhere.training.warm_start import warm_start
+from diloco_anywhere.training.state.warm_start import warm_start
 
 Curve = list[tuple[int, float]]  # (tokens of all replicas, held-out loss)
 

@@ -5,14 +5,14 @@ share of the fastest's pace (``slowed_task.py``). Three real runs of the same re
 
 - ``steps``: every replica ``sync_every`` steps a round (``pace = "steps"``), the round at the
   slowest one's pace;
-- ``time``: each as many steps as fit in the round (``pace = "time"``, ``training/pace.py``);
+- ``time``: each as many steps as fit in the round (``pace = "time"``, ``training/pacing/pace.py``);
 - ``equal``: as many replicas, all at the fastest's pace: the held-out loss to match;
 - ``slowdown`` (if asked): paced by time, one replica slowed some factor after a number of its
   own inner steps (counted, so the round it comes in does not hang on the machine's load), and
   how many rounds it took to be re-paced.
 
 From each run's own metrics: the fleet's throughput against the sum of its replicas' own
-(``launching/fleet.py``), the fastest replicas' waiting share, and the held-out loss at equal
+(``launching/watch/fleet.py``), the fastest replicas' waiting share, and the held-out loss at equal
 total tokens (the run that trained fewer tokens sets the point, the other's loss
 interpolated there).
 """
@@ -28,13 +28,13 @@ from typing import Any
 
 from diloco_anywhere.bench.train import Progress, bench_config, run_diloco
 from diloco_anywhere.config import RunConfig, with_changes
-from diloco_anywhere.launching.fleet import contributed, fleet_throughput, tokens_per_step
-from diloco_anywhere.launching.launch import replica_id_of
-from diloco_anywhere.launching.status import waiting_share
-from diloco_anywhere.training.metrics import ReplicaMetrics
-from diloco_anywhere.training.pace import REGIME, moving_step_seconds
+from diloco_anywhere.launching.start.launch import replica_id_of
+from diloco_anywhere.launching.watch.fleet import contributed, fleet_throughput, tokens_per_step
+from diloco_anywhere.launching.watch.status import waiting_share
+from diloco_anywhere.training.pacing.pace import REGIME, moving_step_seconds
+from diloco_anywhere.training.records.metrics import ReplicaMetrics
 
-TASK = "diloco_anywhere.bench.slowed_task:build"
+TASK = "diloco_anywhere.bench.tools.slowed_task:build"
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ def repaced(metrics: ReplicaMetrics) -> dict[str, int | None] | None:
     It slowed in the first round whose step time measured more than ``SLOWED`` times the
     median of the rounds before it; or, where the slowdown came part-way through the round
     before that one and the pace already took that round's step time whole (``REGIME`` times
-    its moving figure, rebuilt from the rounds' step times as ``training/pace.py`` keeps it),
+    its moving figure, rebuilt from the rounds' step times as ``training/pacing/pace.py`` keeps it),
     in that one. Counted from the first round the pace took as slow, a replica re-paced by the
     plan two rounds on reads 2 whether its slowdown came at a round's start or in its middle."""
     paced = [(s.round, s.step_seconds, s.round_steps) for s in metrics.syncs if s.step_seconds]

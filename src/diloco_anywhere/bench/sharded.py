@@ -3,7 +3,7 @@
 With ``[run] sharding = "fsdp"`` and ``processes_per_replica = N``, rank r of every replica
 holds shard r of the model and exchanges only that shard, 1/N of the pseudo-gradient, in a
 round namespace of its own (``{run}/ranks/{r}/``), in parallel with the other ranks
-(``training/sharding.py``). The claim to check: each rank moves about 1/N of what an
+(``training/ranks/sharding.py``). The claim to check: each rank moves about 1/N of what an
 unsharded replica moves, so the bytes through any one host fall by N when every rank has a
 host (and a NIC) of its own, while a replica's bytes in all stay the same.
 
@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from diloco_anywhere.bench.processes import worker_context
 from diloco_anywhere.bench.sync import SyncBench, traffic_bound
-from diloco_anywhere.bench.wan import WanShape
-from diloco_anywhere.bucket.codec import make_codec
+from diloco_anywhere.bench.tools.processes import worker_context
+from diloco_anywhere.bench.tools.wan import WanShape
+from diloco_anywhere.bucket.codecs.codec import make_codec
 from diloco_anywhere.bucket.redaction import redact_url
 from diloco_anywhere.bucket.stats import StoreStats
 from diloco_anywhere.bucket.store import Store

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from diloco_anywhere.bucket import wire
-from diloco_anywhere.bucket.codec import Codec, make_codec
+from diloco_anywhere.bucket.codecs.codec import Codec, make_codec
+from diloco_anywhere.bucket.format import wire
 from diloco_anywhere.bucket.store import Store
 
 MiB = 1 << 20

@@ -41,11 +41,11 @@ import numpy as np
 import torch
 
 from diloco_anywhere.bench.codecs import codec_of
-from diloco_anywhere.bench.memory import PeakMemory, resident_bytes
 from diloco_anywhere.bench.store import BENCH_META
-from diloco_anywhere.bench.wan import WanShape
-from diloco_anywhere.bucket import wire
-from diloco_anywhere.bucket.codec import reduced_codec
+from diloco_anywhere.bench.tools.memory import PeakMemory, resident_bytes
+from diloco_anywhere.bench.tools.wan import WanShape
+from diloco_anywhere.bucket.codecs.codec import reduced_codec
+from diloco_anywhere.bucket.format import wire
 from diloco_anywhere.bucket.redaction import redact_url
 from diloco_anywhere.bucket.stats import StoreStats
 from diloco_anywhere.bucket.store import Store

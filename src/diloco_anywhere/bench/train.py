@@ -20,12 +20,12 @@ from typing import Any
 import tomli_w
 
 from diloco_anywhere.backends.local import LocalBackend
-from diloco_anywhere.bench.plain_loop import plain_loop
+from diloco_anywhere.bench.tools.plain_loop import plain_loop
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import RunConfig, load_config, validate_config, with_changes
-from diloco_anywhere.launching.launch import LaunchPlan, plan_launch, run_metrics
+from diloco_anywhere.launching.start.launch import LaunchPlan, plan_launch, run_metrics
 from diloco_anywhere.published_config import publish_config
-from diloco_anywhere.training.metrics import ReplicaMetrics
+from diloco_anywhere.training.records.metrics import ReplicaMetrics
 
 Progress = Callable[[str], None]
 

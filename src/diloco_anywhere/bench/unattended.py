@@ -38,16 +38,16 @@ from typing import Any
 
 from diloco_anywhere.bench.chaos import fingerprint_disagreements, goodput
 from diloco_anywhere.bench.train import Progress
-from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.format.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import RunConfig, load_config
-from diloco_anywhere.launching.alerts import Alerts
-from diloco_anywhere.launching.launch import run_launches, run_metrics
+from diloco_anywhere.launching.keep.alerts import Alerts
+from diloco_anywhere.launching.start.launch import run_launches, run_metrics
 from diloco_anywhere.standins import standin
 from diloco_anywhere.standins.hf_jobs import HfJobsStandIn, hf_jobs_api
 from diloco_anywhere.standins.kubernetes import K8sStandIn, k8s_api
 from diloco_anywhere.standins.webhook import WebhookServer
-from diloco_anywhere.training.metrics import ReplicaMetrics
+from diloco_anywhere.training.records.metrics import ReplicaMetrics
 
 DILOCO = str(Path(sys.executable).parent / "diloco")
 BUCKET_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL",

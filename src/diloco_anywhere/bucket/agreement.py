@@ -34,8 +34,13 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from diloco_anywhere.bucket.framing import WireFormatError
-from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
+from diloco_anywhere.bucket.format.framing import WireFormatError
+from diloco_anywhere.bucket.format.record import (
+    RECORD_READ_LIMIT,
+    Record,
+    decode_record,
+    encode_record,
+)
 from diloco_anywhere.bucket.store import Store
 
 log = logging.getLogger(__name__)
@@ -57,7 +62,7 @@ class Electorate:
     timeout: float  # [sync] timeout
     poll: float = 0.5
     # raises when the run cannot go on (its replicas that stopped for good leave too few, as
-    # a round waiting on them finds: ``collective/departures.py``), every ``check_every`` s
+    # a round waiting on them finds: ``collective/members/departures.py``), every ``check_every`` s
     check: Callable[[], None] = field(default=lambda: None, compare=False)
     check_every: float = 5.0
     clock: Callable[[], float] = field(default=time.monotonic, compare=False)

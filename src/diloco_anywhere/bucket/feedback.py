@@ -12,7 +12,7 @@ out of one round builds up until it is among the largest of its chunk.
 Nothing is lost when a round's mean does not include this replica's contribution (the round
 failed, was not committed, or sealed without it): ``applied`` is then not called, and the
 accumulator keeps all it would have sent. The buffers are the replica's own state: they are
-saved with it and restored on a restart (``training/own_state.py``).
+saved with it and restored on a restart (``training/recovery/own_state.py``).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
-from diloco_anywhere.bucket.codec import Codec
-from diloco_anywhere.bucket.wire import chunk_elements
+from diloco_anywhere.bucket.codecs.codec import Codec
+from diloco_anywhere.bucket.format.wire import chunk_elements
 
 log = logging.getLogger(__name__)
 

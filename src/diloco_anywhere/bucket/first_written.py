@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
+from diloco_anywhere.bucket.format.record import (
+    RECORD_READ_LIMIT,
+    Record,
+    decode_record,
+    encode_record,
+)
 from diloco_anywhere.bucket.store import Store
 
 R = TypeVar("R", bound=Record)

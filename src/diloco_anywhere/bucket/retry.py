@@ -25,7 +25,7 @@ T = TypeVar("T")
 # Jitter draws from a generator of its own, never from Python's global one: how often a
 # replica polls and retries follows the store's timing, and a training script's own draws
 # from ``random`` (data order, augmentation) must not shift with it, or a replica restored
-# to its saved generator states (training/own_state.py) would not go on as it did.
+# to its saved generator states (training/recovery/own_state.py) would not go on as it did.
 JITTER = random.Random()
 
 # HTTP statuses worth another try: request timeout, throttling, server errors.

@@ -19,11 +19,11 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from diloco_anywhere.backends.base import BackendUnavailableError
 from diloco_anywhere.bucket.errors import StoreError
 from diloco_anywhere.config import ConfigError
-from diloco_anywhere.launching.infra import InfraError
-from diloco_anywhere.launching.launch import LaunchError
-from diloco_anywhere.launching.launches import LaunchTakenError
-from diloco_anywhere.launching.status import finite_or_null
-from diloco_anywhere.launching.tracking import TrackerUnavailableError
+from diloco_anywhere.launching.start.infra import InfraError
+from diloco_anywhere.launching.start.launch import LaunchError
+from diloco_anywhere.launching.start.launches import LaunchTakenError
+from diloco_anywhere.launching.watch.status import finite_or_null
+from diloco_anywhere.launching.watch.tracking import TrackerUnavailableError
 from diloco_anywhere.standins import StandInUnavailableError
 
 CONFIG_OPTION = typer.Option(

@@ -11,7 +11,7 @@ import typer
 from diloco_anywhere.bucket import hf_buckets
 from diloco_anywhere.cli.common import stderr, stdout, user_errors
 from diloco_anywhere.config import RunConfig, load_config
-from diloco_anywhere.launching.infra import (
+from diloco_anywhere.launching.start.infra import (
     CLOUDS,
     HubBucket,
     InfraError,

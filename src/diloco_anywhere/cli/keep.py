@@ -20,7 +20,7 @@ from diloco_anywhere.cli.common import (
     user_errors,
 )
 from diloco_anywhere.config import load_config, with_changes
-from diloco_anywhere.launching.keeper import Keeper, PassReport
+from diloco_anywhere.launching.keep.keeper import Keeper, PassReport
 
 MIN_EVERY = 60.0  # seconds: faster passes only add API calls (platforms throttle)
 

@@ -21,7 +21,7 @@ from diloco_anywhere.backends.base import (
     one_line,
     stop_all,
 )
-from diloco_anywhere.bucket.layout import RunLayout, parse_count
+from diloco_anywhere.bucket.format.layout import RunLayout, parse_count
 from diloco_anywhere.bucket.redaction import redact_url
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.cli.common import (
@@ -41,8 +41,9 @@ from diloco_anywhere.cli.tables import (
 )
 from diloco_anywhere.config import RunConfig, load_config, validate_config
 from diloco_anywhere.contract import ENV_STORE
-from diloco_anywhere.launching.forecast import forecast
-from diloco_anywhere.launching.launch import (
+from diloco_anywhere.launching.cost.forecast import forecast
+from diloco_anywhere.launching.keep.supervisor import Outcome, Supervisor, outcome
+from diloco_anywhere.launching.start.launch import (
     LaunchPlan,
     backends_for,
     describe,
@@ -60,15 +61,14 @@ from diloco_anywhere.launching.launch import (
     run_skews,
     start,
 )
-from diloco_anywhere.launching.report import RunSummary, data_coverage, plot_losses, summarize
-from diloco_anywhere.launching.status import (
+from diloco_anywhere.launching.watch.report import RunSummary, data_coverage, plot_losses, summarize
+from diloco_anywhere.launching.watch.status import (
     ReplicaStatus,
     advice_lines,
     failure_lines,
     replica_statuses,
 )
-from diloco_anywhere.launching.status_page import page_url
-from diloco_anywhere.launching.supervisor import Outcome, Supervisor, outcome
+from diloco_anywhere.launching.watch.status_page import page_url
 
 LOCAL_POLL_SECONDS = 1.0
 REMOTE_POLL_SECONDS = 10.0
@@ -457,7 +457,7 @@ def export(
     """Write the run's trained model: the global weights of a committed checkpoint (checked as
     healing checks it) as model.safetensors, a model card (README.md), run.toml, and the task's
     own save format when it has one."""
-    from diloco_anywhere.launching.export import export as export_run
+    from diloco_anywhere.launching.watch.export import export as export_run
 
     with user_errors():
         config = load_config(config_path)
@@ -468,9 +468,7 @@ def export(
 
 
 def _track(config: RunConfig, tensorboard: Path | None, project: str | None) -> None:
-    from diloco_anywhere.launching import (
-        tracking,  # the trackers' packages load only when asked for
-    )
+    from diloco_anywhere.launching.watch import tracking
 
     metrics = run_metrics(config).read()
     if tensorboard is not None:

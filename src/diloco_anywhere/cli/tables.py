@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 from rich import box
 from rich.table import Table
 
-from diloco_anywhere.launching.report import RunSummary
-from diloco_anywhere.launching.status import ReplicaStatus, notes
+from diloco_anywhere.launching.watch.report import RunSummary
+from diloco_anywhere.launching.watch.status import ReplicaStatus, notes
 
 if TYPE_CHECKING:
     from diloco_anywhere.data.coverage import Coverage

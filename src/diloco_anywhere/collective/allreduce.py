@@ -26,15 +26,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco_anywhere.bucket.codec import Codec
-from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.codecs.codec import Codec
+from diloco_anywhere.bucket.format.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.collect import RoundCollector
-from diloco_anywhere.collective.departures import Departure, hopeless, newest_departures
 from diloco_anywhere.collective.errors import ModelMismatchError
 from diloco_anywhere.collective.flat import FlatTensors
 from diloco_anywhere.collective.gather import gather_mean
-from diloco_anywhere.collective.membership import (
+from diloco_anywhere.collective.members.departures import Departure, hopeless, newest_departures
+from diloco_anywhere.collective.members.membership import (
     Clock,
     Membership,
     SupersededError,

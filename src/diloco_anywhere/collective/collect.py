@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Iterable
 
 from diloco_anywhere.bucket.errors import StoreError
-from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.format.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import contextlib
 
 import torch
 
-from diloco_anywhere.bucket import framing
+from diloco_anywhere.bucket.format import framing
 from diloco_anywhere.collective.flat import FlatTensors
 from diloco_anywhere.collective.mean import WeightedMean
 from diloco_anywhere.collective.records import Seal

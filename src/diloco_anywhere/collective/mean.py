@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from diloco_anywhere.bucket.codec import require_finite
+from diloco_anywhere.bucket.codecs.codec import require_finite
 
 
 class WeightedMean:

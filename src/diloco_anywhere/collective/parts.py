@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from diloco_anywhere.bucket import framing, wire
-from diloco_anywhere.bucket.codec import Codec
+from diloco_anywhere.bucket.codecs.codec import Codec
+from diloco_anywhere.bucket.format import framing, wire
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.flat import FlatTensors
 from diloco_anywhere.collective.records import Manifest, PartEntry

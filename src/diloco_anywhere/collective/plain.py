@@ -26,8 +26,8 @@ from collections.abc import Iterator
 
 import torch
 
-from diloco_anywhere.bucket.codec import make_codec
-from diloco_anywhere.bucket.codec_names import DEFAULT_CODEC, CodecName
+from diloco_anywhere.bucket.codecs.codec import make_codec
+from diloco_anywhere.bucket.codecs.codec_names import DEFAULT_CODEC, CodecName
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective, Work
 from diloco_anywhere.collective.policy import CollectiveConfig, RoundPolicy

@@ -14,18 +14,20 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from diloco_anywhere.bucket.codec_names import DEFAULT_CODEC, CodecName
+from diloco_anywhere.bucket.codecs.codec_names import DEFAULT_CODEC, CodecName
 from diloco_anywhere.bucket.retry import JITTER
 
 if TYPE_CHECKING:
-    from diloco_anywhere.bucket.codec import Codec
+    from diloco_anywhere.bucket.codecs.codec import Codec
 
 ExchangeMode = Literal["gather", "sharded"]
 ExchangeChoice = Literal["auto", "gather", "sharded"]
 
 
 def _codec(name: CodecName) -> Codec:
-    from diloco_anywhere.bucket.codec import make_codec  # torch: only when a collective is built
+    from diloco_anywhere.bucket.codecs.codec import (
+        make_codec,  # torch: only when a collective is built
+    )
 
     return make_codec(name)
 

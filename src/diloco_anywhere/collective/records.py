@@ -8,11 +8,11 @@ from typing import Annotated
 
 from pydantic import Field, field_validator, model_validator
 
-from diloco_anywhere.bucket.codec import Codec
-from diloco_anywhere.bucket.framing import Count, Name
-from diloco_anywhere.bucket.layout import parse_contributor
-from diloco_anywhere.bucket.record import Record
-from diloco_anywhere.bucket.wire import max_object_nbytes
+from diloco_anywhere.bucket.codecs.codec import Codec
+from diloco_anywhere.bucket.format.framing import Count, Name
+from diloco_anywhere.bucket.format.layout import parse_contributor
+from diloco_anywhere.bucket.format.record import Record
+from diloco_anywhere.bucket.format.wire import max_object_nbytes
 from diloco_anywhere.collective.policy import ExchangeMode
 
 # Weights are tokens or samples per sync: 2^64 is beyond any run, and a sum of any number of
@@ -34,7 +34,7 @@ MAX_PACE_SECONDS = 7 * 86400.0  # a round's training longer than a week is no pa
 class Pace:
     """How a contribution was trained: its inner steps and the seconds they took, the sync's
     waiting left out (0, 0: not measured). Replicas pacing rounds by time plan their next
-    ones from the paces a round was sealed with (``training/pace.py``)."""
+    ones from the paces a round was sealed with (``training/pacing/pace.py``)."""
 
     steps: int = 0
     seconds: float = 0.0

@@ -21,12 +21,11 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from diloco_anywhere.bucket import framing, wire
-from diloco_anywhere.bucket.codec import Codec, reduced_codec
-from diloco_anywhere.bucket.layout import Participant, RunLayout, parse_contributor
-from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, decode_record, encode_record
+from diloco_anywhere.bucket.codecs.codec import Codec, reduced_codec
+from diloco_anywhere.bucket.format import framing, wire
+from diloco_anywhere.bucket.format.layout import Participant, RunLayout, parse_contributor
+from diloco_anywhere.bucket.format.record import RECORD_READ_LIMIT, decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.collective.departures import Departure, hopeless
 from diloco_anywhere.collective.errors import (
     DivergedError,
     RoundDataMissingError,
@@ -35,7 +34,8 @@ from diloco_anywhere.collective.errors import (
     SealedContributionError,
 )
 from diloco_anywhere.collective.flat import FlatTensors
-from diloco_anywhere.collective.membership import (
+from diloco_anywhere.collective.members.departures import Departure, hopeless
+from diloco_anywhere.collective.members.membership import (
     MembershipView,
     SupersededError,
     newer_claim,

@@ -36,9 +36,9 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
-from diloco_anywhere.bucket import framing, wire
-from diloco_anywhere.bucket.codec import reduced_codec
-from diloco_anywhere.bucket.record import (
+from diloco_anywhere.bucket.codecs.codec import reduced_codec
+from diloco_anywhere.bucket.format import framing, wire
+from diloco_anywhere.bucket.format.record import (
     RECORD_MAGIC,
     RECORD_READ_LIMIT,
     decode_record,

@@ -20,7 +20,7 @@ from typing import TypeVar
 
 import torch
 
-from diloco_anywhere.bucket.framing import MAX_HEADER_BYTES, PREFIX
+from diloco_anywhere.bucket.format.framing import MAX_HEADER_BYTES, PREFIX
 
 SIZE_CLASS = 1 << 20
 HEADROOM = PREFIX.size + MAX_HEADER_BYTES  # an encode reserves room for the largest header

@@ -2,8 +2,8 @@
 
 The data stream (``order.py``) is cut into units of ``unit_sequences`` consecutive positions:
 ``batches_per_unit x sequences per batch``, one process's steps of a round at the reference pace
-(a part of them when rounds are paced by time, ``training/pace.py``). At the start of each round
-a replica claims the units its processes train with create-only writes of
+(a part of them when rounds are paced by time, ``training/pacing/pace.py``). At the start of each
+round a replica claims the units its processes train with create-only writes of
 ``data/claims/{unit}-{attempt}`` naming the round and itself (``Replica-incarnation``), taking
 the lowest unit that is free: one nobody claimed yet, or one given back. No server decides:
 two replicas racing for a unit both try the same key, and the store lets one create it.
@@ -33,9 +33,14 @@ from typing import Literal
 from pydantic import Field
 
 from diloco_anywhere.bucket.agreement import Electorate, agree
-from diloco_anywhere.bucket.framing import Count, WireFormatError
-from diloco_anywhere.bucket.layout import RunLayout, parse_contributor
-from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
+from diloco_anywhere.bucket.format.framing import Count, WireFormatError
+from diloco_anywhere.bucket.format.layout import RunLayout, parse_contributor
+from diloco_anywhere.bucket.format.record import (
+    RECORD_READ_LIMIT,
+    Record,
+    decode_record,
+    encode_record,
+)
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.records import Seal
 from diloco_anywhere.config import ConfigError

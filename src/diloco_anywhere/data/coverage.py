@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import asdict, dataclass
 
-from diloco_anywhere.bucket.layout import RunLayout
-from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, decode_record
+from diloco_anywhere.bucket.format.layout import RunLayout
+from diloco_anywhere.bucket.format.record import RECORD_READ_LIMIT, decode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.data.claims import GIVEN_BACK, TAKEN, TRAINED, Claims, DataPlan
 

@@ -11,7 +11,7 @@ Keys under the corpus's folder (a store URL, ``prepare.py``):
     manifest               the whole corpus (``Manifest``): the settings and every source
                            entry, written last, create-only: a corpus never changes under a run
 
-Every record is a checked record (``bucket/record.py``); nothing is pickled. The manifest
+Every record is a checked record (``bucket/format/record.py``); nothing is pickled. The manifest
 holds a few hundred bytes per shard, whatever the corpus's size (a shard's block checksums are
 in its own header): 8 MiB, the most a record holds, is tens of thousands of shards.
 """
@@ -22,8 +22,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from diloco_anywhere.bucket.framing import Count
-from diloco_anywhere.bucket.record import Record
+from diloco_anywhere.bucket.format.framing import Count
+from diloco_anywhere.bucket.format.record import Record
 from diloco_anywhere.data.shards import Split
 from diloco_anywhere.data.tokenizers import DtypeName, TokenizerIdentity
 

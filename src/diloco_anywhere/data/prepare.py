@@ -24,8 +24,13 @@ import crc32c
 import numpy as np
 
 from diloco_anywhere.bucket.first_written import first_written
-from diloco_anywhere.bucket.framing import PREFIX, stored_checksum
-from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
+from diloco_anywhere.bucket.format.framing import PREFIX, stored_checksum
+from diloco_anywhere.bucket.format.record import (
+    RECORD_READ_LIMIT,
+    Record,
+    decode_record,
+    encode_record,
+)
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.data.documents import Piece, Source, pieces, sources
 from diloco_anywhere.data.heldout import held_out

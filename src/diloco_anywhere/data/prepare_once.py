@@ -19,8 +19,13 @@ from functools import partial
 
 from pydantic import Field
 
-from diloco_anywhere.bucket.framing import Count
-from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, Record, decode_record, encode_record
+from diloco_anywhere.bucket.format.framing import Count
+from diloco_anywhere.bucket.format.record import (
+    RECORD_READ_LIMIT,
+    Record,
+    decode_record,
+    encode_record,
+)
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.data.manifest import MANIFEST, SETTINGS, Manifest, PrepareSettings
 from diloco_anywhere.data.prepare import prepare

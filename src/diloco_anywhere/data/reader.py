@@ -18,7 +18,7 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from diloco_anywhere.bucket.errors import StoreError
-from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, decode_record
+from diloco_anywhere.bucket.format.record import RECORD_READ_LIMIT, decode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.data.manifest import MANIFEST, Manifest, ShardEntry
 from diloco_anywhere.data.shards import ShardHeader, Split, decode_blocks, decode_header

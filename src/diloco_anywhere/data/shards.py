@@ -1,6 +1,6 @@
 """A token shard: consecutive tokens of one split of a corpus, as one checked object.
 
-Layout: the prefix every object of this tool starts with (``bucket/framing.py``), with magic
+Layout: the prefix every object of this tool starts with (``bucket/format/framing.py``), with magic
 ``DLTK``; a JSON header (``ShardHeader``); then the tokens, little-endian, of the header's
 ``dtype``. The prefix's CRC32C covers the header and the tokens. The tokens are also checked in
 blocks of ``block_tokens``, each block's CRC32C in the header, whose own CRC32C the corpus's
@@ -16,7 +16,7 @@ import crc32c
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from diloco_anywhere.bucket.framing import (
+from diloco_anywhere.bucket.format.framing import (
     MAX_HEADER_BYTES,
     PREFIX,
     VERSION,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import crc32c
 
-from diloco_anywhere.bucket.record import encode_record
+from diloco_anywhere.bucket.format.record import encode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import ConfigError
 from diloco_anywhere.data.claims import DataPlan, share

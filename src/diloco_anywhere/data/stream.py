@@ -1,7 +1,7 @@
 """A process's batches from a prepared corpus: its units of the run's one order, read ahead.
 
 A replica's inner steps fall in rounds (``RoundSpan``: the round, its first step, its steps),
-which the replica's pace decides (``training/pace.py``; ``steps_of`` without one: every round
+which the replica's pace decides (``training/pacing/pace.py``; ``steps_of`` without one: every round
 the same steps). A unit (``claims.py``, or a fixed one without a bucket) is ``batches_per_unit``
 steps of the order's positions (``order.py``); a round of ``n`` steps trains ``n /
 batches_per_unit`` of them, and its step ``k`` is positions ``(k mod batches_per_unit) x

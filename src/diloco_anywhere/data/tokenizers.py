@@ -20,8 +20,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
-from diloco_anywhere.bucket.framing import Count
-from diloco_anywhere.bucket.record import Record
+from diloco_anywhere.bucket.format.framing import Count
+from diloco_anywhere.bucket.format.record import Record
 
 BYTES = "bytes"
 DtypeName = Literal["uint8", "uint16", "uint32"]

@@ -19,19 +19,19 @@ from torch import nn
 from torchft.local_sgd import DiLoCo
 
 from diloco_anywhere.bucket.feedback import ErrorFeedback
-from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.format.layout import RunLayout
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.data.source import DataSource, fixed_units
 from diloco_anywhere.task import TaskContext
-from diloco_anywhere.training.data_units import claimed_units
-from diloco_anywhere.training.global_state import GlobalState
 from diloco_anywhere.training.managers.bucket import BucketManager
 from diloco_anywhere.training.managers.group import make_manager
-from diloco_anywhere.training.pace import Pacer
-from diloco_anywhere.training.parameter_names import stored_names
-from diloco_anywhere.training.replica_group import ReplicaGroup
-from diloco_anywhere.training.sharding import shard_model
+from diloco_anywhere.training.pacing.data_units import claimed_units
+from diloco_anywhere.training.pacing.pace import Pacer
+from diloco_anywhere.training.ranks.replica_group import ReplicaGroup
+from diloco_anywhere.training.ranks.sharding import shard_model
+from diloco_anywhere.training.state.global_state import GlobalState
+from diloco_anywhere.training.state.parameter_names import stored_names
 
 SINGLE_PROCESS = ReplicaGroup()
 

@@ -35,7 +35,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_utils import SaveStrategy
 
 from diloco_anywhere.data.stream import Stream
-from diloco_anywhere.training.output_claims import claim_output_dir
+from diloco_anywhere.training.mistakes.output_claims import claim_output_dir
 from diloco_anywhere.training.replica import Replica
 from diloco_anywhere.training.training import Training
 

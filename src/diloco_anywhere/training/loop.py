@@ -10,8 +10,8 @@ from torch import nn
 from diloco_anywhere.task import Batch, Task, build_task
 from diloco_anywhere.training.builders import inner_optimizer, task_context
 from diloco_anywhere.training.replica import Replica
+from diloco_anywhere.training.state.warm_start import warm_start
 from diloco_anywhere.training.training import TrainingResult
-from diloco_anywhere.training.warm_start import warm_start
 
 
 def train(replica: Replica) -> TrainingResult:

@@ -43,11 +43,11 @@ import torch
 from torch import nn
 
 from diloco_anywhere import contract
-from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.format.layout import RunLayout
 from diloco_anywhere.bucket.redaction import scrub_secrets
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective
-from diloco_anywhere.collective.membership import SupersededError, run_hopeless
+from diloco_anywhere.collective.members.membership import SupersededError, run_hopeless
 from diloco_anywhere.config import ConfigError, RunConfig
 from diloco_anywhere.data.stream import Stream
 from diloco_anywhere.data.tokenizers import load_tokenizer
@@ -59,21 +59,21 @@ from diloco_anywhere.training.builders import (
 )
 from diloco_anywhere.training.checkpoints.commits import committed_rounds, retained_after
 from diloco_anywhere.training.command import DONE, JOINED, report
-from diloco_anywhere.training.export_files import add_export_file
-from diloco_anywhere.training.initial_state import check_initial_state
-from diloco_anywhere.training.metrics import MetricsWriter
 from diloco_anywhere.training.mistakes import (
     RunCannotGoOnError,
     ScriptMistakeError,
     stop_if_hopeless,
 )
-from diloco_anywhere.training.outside_diloco import OutsideDilocoWatch
-from diloco_anywhere.training.pace import Pacer
-from diloco_anywhere.training.parameter_names import uncompiled
-from diloco_anywhere.training.replica_group import ReplicaGroup
-from diloco_anywhere.training.replica_index import take_index
-from diloco_anywhere.training.script_end import end_at_exit, end_with
-from diloco_anywhere.training.sharding import Sharding, check_sharded, check_sharding
+from diloco_anywhere.training.mistakes.outside_diloco import OutsideDilocoWatch
+from diloco_anywhere.training.mistakes.replica_index import take_index
+from diloco_anywhere.training.mistakes.script_end import end_at_exit, end_with
+from diloco_anywhere.training.pacing.pace import Pacer
+from diloco_anywhere.training.ranks.replica_group import ReplicaGroup
+from diloco_anywhere.training.ranks.sharding import Sharding, check_sharded, check_sharding
+from diloco_anywhere.training.records.metrics import MetricsWriter
+from diloco_anywhere.training.state.export_files import add_export_file
+from diloco_anywhere.training.state.initial_state import check_initial_state
+from diloco_anywhere.training.state.parameter_names import uncompiled
 from diloco_anywhere.training.training import Training
 
 log = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ class Replica:
         replicas' votes, which may wait for the others: a duplicate must not wait with them).
         Whatever ends the replica here ends it as it would in training (``_end``): recorded,
         and a mistake's departure final, so rounds that cannot reach ``min_replicas`` without
-        it fail at once (``collective/departures.py``), with the mistake's exit code."""
+        it fail at once (``collective/members/departures.py``), with the mistake's exit code."""
         assert self.collective is not None
         try:
             take_index(self.collective, self.index, self.config.run.replicas)
@@ -317,7 +317,8 @@ class Replica:
     def close(self, wait: bool = True, reason: str = "", final: bool = False) -> None:
         """Leave the run; with ``wait``, first let rounds in flight finish (after an error or
         a stop they are abandoned: the bucket's lifecycle rule expires their objects).
-        ``reason``, ``final``: how it left, for the others (``collective/departures.py``)."""
+        ``reason``, ``final``: how it left, for the others
+        (``collective/members/departures.py``)."""
         if self.collective is not None:
             self.collective.close(wait=wait, reason=reason, final=final)
 

@@ -23,20 +23,20 @@ from torchft.local_sgd import DiLoCo
 from diloco_anywhere.bucket.redaction import scrub_secrets
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.errors import DivergedError, RoundHopelessError
-from diloco_anywhere.collective.membership import SupersededError
+from diloco_anywhere.collective.members.membership import SupersededError
 from diloco_anywhere.collective.records import MAX_PACE_SECONDS, Pace
 from diloco_anywhere.task import Batch
-from diloco_anywhere.training.after_sync import GlobalCheckpoints, heal_replica
 from diloco_anywhere.training.builders import ReplicaParts
 from diloco_anywhere.training.fixed_rng import fixed_random_state
-from diloco_anywhere.training.global_state import GlobalState
-from diloco_anywhere.training.log_window import LogWindow
-from diloco_anywhere.training.metrics import MetricsWriter, StepLine, SyncLine
 from diloco_anywhere.training.mistakes import NotSyncingError, RunCannotGoOnError
-from diloco_anywhere.training.own_state import OwnState
-from diloco_anywhere.training.pace import Pacer
-from diloco_anywhere.training.replica_group import ReplicaGroup
-from diloco_anywhere.training.sharding import reshard
+from diloco_anywhere.training.pacing.pace import Pacer
+from diloco_anywhere.training.ranks.replica_group import ReplicaGroup
+from diloco_anywhere.training.ranks.sharding import reshard
+from diloco_anywhere.training.records.log_window import LogWindow
+from diloco_anywhere.training.records.metrics import MetricsWriter, StepLine, SyncLine
+from diloco_anywhere.training.recovery.after_sync import GlobalCheckpoints, heal_replica
+from diloco_anywhere.training.recovery.own_state import OwnState
+from diloco_anywhere.training.state.global_state import GlobalState
 
 log = logging.getLogger(__name__)
 

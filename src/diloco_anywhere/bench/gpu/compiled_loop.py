@@ -20,7 +20,7 @@ from diloco_anywhere.bench.gpu.gpt_runs import eval_losses, final_weights, gpt_c
 from diloco_anywhere.bench.gpu.outcome import Judge, Outcome, skipped
 from diloco_anywhere.bench.gpu.plan import Sizes
 from diloco_anywhere.bench.train import run_diloco
-from diloco_anywhere.launching.export import trained_task
+from diloco_anywhere.launching.watch.export import trained_task
 from diloco_anywhere.training.fixed_rng import fixed_random_state
 
 log = logging.getLogger(__name__)

@@ -21,8 +21,8 @@ from diloco_anywhere.bench.gpu.outcome import Judge, Outcome
 from diloco_anywhere.bench.gpu.plan import Sizes
 from diloco_anywhere.bench.store import BENCH_META
 from diloco_anywhere.bench.sync import fill_gaussian
-from diloco_anywhere.bucket import wire
 from diloco_anywhere.bucket.feedback import ErrorFeedback
+from diloco_anywhere.bucket.format import wire
 
 CODECS = ("int8", "sparse")
 SPARSE_AGREEMENT = 1e-3  # relative L2 between the device's and the host's decoded values

@@ -12,12 +12,16 @@ from typing import Any
 
 from diloco_anywhere.bench.gpu.plan import Sizes
 from diloco_anywhere.bench.train import local_plan
-from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.format.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import RunConfig, validate_config
-from diloco_anywhere.launching.export import GlobalWeights, committed_checkpoint, global_weights
-from diloco_anywhere.launching.launch import run_metrics
-from diloco_anywhere.training.metrics import ReplicaMetrics
+from diloco_anywhere.launching.start.launch import run_metrics
+from diloco_anywhere.launching.watch.export import (
+    GlobalWeights,
+    committed_checkpoint,
+    global_weights,
+)
+from diloco_anywhere.training.records.metrics import ReplicaMetrics
 
 log = logging.getLogger(__name__)
 CORPUS_BYTES = 2_000_000

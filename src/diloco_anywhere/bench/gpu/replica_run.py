@@ -25,7 +25,7 @@ from diloco_anywhere.bench.chaos import fingerprint_disagreements
 from diloco_anywhere.bench.gpu.corpus import write_corpus
 from diloco_anywhere.bench.gpu.outcome import Judge, Outcome
 from diloco_anywhere.bench.gpu.plan import Sizes
-from diloco_anywhere.bench.plain_loop import (
+from diloco_anywhere.bench.tools.plain_loop import (
     StepTime,
     inner_intervals,
     inner_tokens_per_second,
@@ -33,7 +33,7 @@ from diloco_anywhere.bench.plain_loop import (
 )
 from diloco_anywhere.bench.train import results_of, run_diloco
 from diloco_anywhere.config import RunConfig, validate_config
-from diloco_anywhere.training.metrics import ReplicaMetrics
+from diloco_anywhere.training.records.metrics import ReplicaMetrics
 
 log = logging.getLogger(__name__)
 REPLICAS = 2

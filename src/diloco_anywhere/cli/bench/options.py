@@ -15,7 +15,7 @@ from diloco_anywhere.cli.common import parse_size
 from diloco_anywhere.standins import STANDINS, standin
 
 if TYPE_CHECKING:
-    from diloco_anywhere.bench.wan import WanShape
+    from diloco_anywhere.bench.tools.wan import WanShape
 
 
 STORE_OPTION = typer.Option(
@@ -67,7 +67,7 @@ def bench_target(
 
 def wan_shape(bandwidth: int | None, latency: float, link: int | None) -> WanShape | None:
     """--bandwidth, --latency and --link as a shape; None (no WAN) without --bandwidth."""
-    from diloco_anywhere.bench.wan import WanShape
+    from diloco_anywhere.bench.tools.wan import WanShape
 
     if bandwidth is None:
         return None
@@ -81,7 +81,7 @@ def wan_options(
     through a shaped link of its own; without, ``options`` as they are."""
     from urllib.parse import urlsplit
 
-    from diloco_anywhere.bench.wan import shaped_links
+    from diloco_anywhere.bench.tools.wan import shaped_links
 
     if shape is None:
         return [options] * processes

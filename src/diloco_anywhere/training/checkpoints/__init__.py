@@ -11,9 +11,9 @@ ones above it in this list, so none needs the whole:
 - ``reader``: one committed checkpoint loaded, every byte checked;
 - ``catalogue``: which checkpoints exist, and the newest that loads intact;
 - ``writer``: writing, committing and pruning them.
-- ``replica_states``: one replica's own state (``training/own_state.py``), written and read
+- ``replica_states``: one replica's own state (``training/recovery/own_state.py``), written and read
   as a checkpoint is.
 
-Copying a checkpoint to another store lives with the mirrors (``training/mirrors.py``). Nothing
-is re-exported here: import each name from its module.
+Copying a checkpoint to another store lives with the mirrors (``training/recovery/mirrors.py``).
+Nothing is re-exported here: import each name from its module.
 """

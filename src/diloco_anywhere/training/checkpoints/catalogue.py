@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 from diloco_anywhere.bucket.errors import StoreError
-from diloco_anywhere.bucket.layout import RunLayout
+from diloco_anywhere.bucket.format.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.training.checkpoints.commits import committed_rounds
 from diloco_anywhere.training.checkpoints.reader import open_checkpoint

@@ -5,9 +5,9 @@ commits without loading any checkpoint (``reader.py`` does that).
 
 from __future__ import annotations
 
-from diloco_anywhere.bucket.framing import WireFormatError
-from diloco_anywhere.bucket.layout import RunLayout
-from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, R, decode_record
+from diloco_anywhere.bucket.format.framing import WireFormatError
+from diloco_anywhere.bucket.format.layout import RunLayout
+from diloco_anywhere.bucket.format.record import RECORD_READ_LIMIT, R, decode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.training.checkpoints.records import CheckpointCommit, CheckpointError
 

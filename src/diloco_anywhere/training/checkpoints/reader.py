@@ -30,10 +30,10 @@ import crc32c
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from diloco_anywhere.bucket.crc_combine import crc32c_combine
 from diloco_anywhere.bucket.errors import StoreError
+from diloco_anywhere.bucket.format.crc_combine import crc32c_combine
+from diloco_anywhere.bucket.format.layout import MAX_COUNT, RunLayout
 from diloco_anywhere.bucket.keys import check_key
-from diloco_anywhere.bucket.layout import MAX_COUNT, RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.training.checkpoints.commits import read_commit
 from diloco_anywhere.training.checkpoints.objects import Spools
@@ -50,8 +50,8 @@ from diloco_anywhere.training.checkpoints.records import (
 )
 from diloco_anywhere.training.checkpoints.staging import PartFile, PartTensor, part_tensors
 from diloco_anywhere.training.checkpoints.tree import LazyTensor, unflatten, whole_tree
-from diloco_anywhere.training.fingerprints import fingerprint
-from diloco_anywhere.training.global_state import LocalShard, tree_checksum
+from diloco_anywhere.training.state.fingerprints import fingerprint
+from diloco_anywhere.training.state.global_state import LocalShard, tree_checksum
 
 COUNTERS = ("step", "batches_committed", "sync")  # the manager's, as ``state_dict`` gives them
 
@@ -419,7 +419,7 @@ def _check_counters(key: str, tree: Any, commit: CheckpointCommit) -> None:
 
 def _check_meshes(key: str, tree: Any, ranks: int) -> None:
     """Each sharded leaf's device mesh spans as many ranks as the COMMIT has parts (a sharded
-    replica's mesh is its ranks, ``training/sharding.py``)."""
+    replica's mesh is its ranks, ``training/ranks/sharding.py``)."""
     for leaf in tree_leaves(tree):
         if isinstance(leaf, LocalShard) and math.prod(leaf.mesh) != ranks:
             raise CheckpointError(f"{key}: a tensor is sharded over a mesh of {list(leaf.mesh)}; "

@@ -34,10 +34,10 @@ from typing import Annotated, Any, Protocol
 import crc32c
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
-from diloco_anywhere.bucket.framing import Count, Name
-from diloco_anywhere.bucket.layout import MAX_RANK, MAX_ROUND
-from diloco_anywhere.bucket.record import Record
-from diloco_anywhere.training.fingerprints import combine_fingerprints
+from diloco_anywhere.bucket.format.framing import Count, Name
+from diloco_anywhere.bucket.format.layout import MAX_RANK, MAX_ROUND
+from diloco_anywhere.bucket.format.record import Record
+from diloco_anywhere.training.state.fingerprints import combine_fingerprints
 
 Round = Annotated[int, Field(ge=0, le=MAX_ROUND)]  # a round that has a key (``RunLayout``)
 # ``fingerprint(step, checksum)``, or ranks' fingerprints combined: the same form

@@ -1,5 +1,5 @@
 """One replica's own state in the bucket (what it holds and how it is put back into a replica:
-``training/own_state.py``), stored as a checkpoint is and read back as strictly.
+``training/recovery/own_state.py``), stored as a checkpoint is and read back as strictly.
 
 A saved state of round ``r`` lives under ``replicas/{replica}/state/{r}/``: ``tree.py``'s
 safetensors shards and JSON structure (never pickled), then a create-only COMMIT
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from diloco_anywhere.bucket.layout import RunLayout
-from diloco_anywhere.bucket.record import encode_record
+from diloco_anywhere.bucket.format.layout import RunLayout
+from diloco_anywhere.bucket.format.record import encode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.training.checkpoints.commits import read_commit_record
 from diloco_anywhere.training.checkpoints.objects import Spools, describe, put

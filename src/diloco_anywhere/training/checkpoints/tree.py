@@ -21,9 +21,9 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
-from diloco_anywhere.bucket.layout import MAX_COUNT
+from diloco_anywhere.bucket.format.layout import MAX_COUNT
 from diloco_anywhere.training.checkpoints.records import CheckpointError
-from diloco_anywhere.training.global_state import LocalShard, fill_from
+from diloco_anywhere.training.state.global_state import LocalShard, fill_from
 
 JSON_LEAVES = (bool, int, float, str, type(None))
 

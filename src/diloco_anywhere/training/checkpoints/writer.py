@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 
-from diloco_anywhere.bucket.framing import WireFormatError
-from diloco_anywhere.bucket.layout import MAX_ROUND, RunLayout, parse_count
-from diloco_anywhere.bucket.record import RECORD_READ_LIMIT, decode_record, encode_record
+from diloco_anywhere.bucket.format.framing import WireFormatError
+from diloco_anywhere.bucket.format.layout import MAX_ROUND, RunLayout, parse_count
+from diloco_anywhere.bucket.format.record import RECORD_READ_LIMIT, decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.training.checkpoints.commits import committed_rounds, read_commit
@@ -60,8 +60,8 @@ from diloco_anywhere.training.checkpoints.records import (
 )
 from diloco_anywhere.training.checkpoints.staging import HostStaging, write_part
 from diloco_anywhere.training.checkpoints.tree import flatten, plan_shards
-from diloco_anywhere.training.fingerprints import combine_fingerprints, fingerprint
-from diloco_anywhere.training.global_state import tree_checksum
+from diloco_anywhere.training.state.fingerprints import combine_fingerprints, fingerprint
+from diloco_anywhere.training.state.global_state import tree_checksum
 
 log = logging.getLogger(__name__)
 # Shards of this size: a device tensor is staged in host memory a shard at a time, and a

@@ -46,13 +46,13 @@ from typing import Any
 import torch
 from torch.distributed import ReduceOp
 
-from diloco_anywhere.bucket.codec import Codec
+from diloco_anywhere.bucket.codecs.codec import Codec
 from diloco_anywhere.bucket.feedback import ErrorFeedback
 from diloco_anywhere.collective.allreduce import BucketCollective, RoundResult, Work
 from diloco_anywhere.collective.plain import Collective
 from diloco_anywhere.collective.records import NO_PACE, Pace, check_weight
-from diloco_anywhere.training.fingerprints import fingerprint
-from diloco_anywhere.training.global_state import state_tree, tree_checksum
+from diloco_anywhere.training.state.fingerprints import fingerprint
+from diloco_anywhere.training.state.global_state import state_tree, tree_checksum
 
 log = logging.getLogger(__name__)
 FRAGMENT_KEY = "StreamingDiLoCoFragment_"  # how torchft's DiLoCo registers each fragment's state

@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from diloco_anywhere.bucket.layout import Participant
+from diloco_anywhere.bucket.format.layout import Participant
 from diloco_anywhere.collective.allreduce import BucketCollective, RoundResult
 from diloco_anywhere.collective.errors import DivergedError
 from diloco_anywhere.collective.policy import CollectiveConfig
 from diloco_anywhere.collective.records import Seal
 from diloco_anywhere.training.managers.bucket import BucketManager
 from diloco_anywhere.training.managers.sharded import ShardManager
-from diloco_anywhere.training.replica_group import ReplicaGroup
+from diloco_anywhere.training.ranks.replica_group import ReplicaGroup
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ through its own collective, and each sync's decision taken with the replica's ot
 The ranks agree in ``should_commit``, on the training thread, where every rank is at the same
 point: they gather each rank's outcome over the replica's gloo group and all take the same
 decision, the same error (a divergence on any rank heals every rank) and one fingerprint,
-their shards' fingerprints combined (``training/sharding.py`` says how the model is sharded).
+their shards' fingerprints combined (``training/ranks/sharding.py`` says how the model is sharded).
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from diloco_anywhere.bucket.layout import parse_contributor
+from diloco_anywhere.bucket.format.layout import parse_contributor
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.errors import DivergedError
-from diloco_anywhere.training.fingerprints import combine_fingerprints
 from diloco_anywhere.training.managers.bucket import BucketManager
-from diloco_anywhere.training.replica_group import ReplicaGroup
+from diloco_anywhere.training.ranks.replica_group import ReplicaGroup
+from diloco_anywhere.training.state.fingerprints import combine_fingerprints
 
 
 @dataclass(frozen=True)

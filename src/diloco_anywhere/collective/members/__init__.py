@@ -1,0 +1,1 @@
+"""Who is in the run: incarnation claims, leases, and how replicas left."""
