@@ -1,0 +1,73 @@
+"""docs/architecture.md is the map of the package: every folder on it, every path it names still
+there, and no folder grown past the 15 modules a newcomer can take in at a glance."""
+
+from __future__ import annotations
+
+import re
+
+from support import ROOT
+
+PAGE = ROOT / "docs" / "architecture.md"
+PACKAGE = ROOT / "src" / "diloco_anywhere"
+MOST_MODULES = 15
+
+
+def _package_folders() -> set[str]:
+    return {
+        "diloco_anywhere/" if init.parent == PACKAGE else f"{init.parent.relative_to(PACKAGE)}/"
+        for init in PACKAGE.rglob("__init__.py")
+    }
+
+
+def _section(title: str) -> str:
+    text = PAGE.read_text()
+    start = text.index(f"## {title}")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else len(text)]
+
+
+def _first_cells(section: str) -> list[str]:
+    """The first cell of every table row below the header, its backticks removed."""
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    return [row.split("|")[1].strip().strip("`") for row in rows]
+
+
+def test_every_package_folder_has_its_line_and_every_line_a_folder():
+    listed = _first_cells(_section("Folders"))
+    assert len(listed) == len(set(listed)), "a folder is listed twice"
+    assert set(listed) == _package_folders(), (
+        f"missing from the page: {sorted(_package_folders() - set(listed))}; "
+        f"on the page but gone: {sorted(set(listed) - _package_folders())}"
+    )
+
+
+def test_where_to_change_names_one_existing_file_for_each_of_ten_things():
+    section = _section("Where to change X")
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "`" in line]
+    assert len(rows) >= 10, rows
+    for row in rows:
+        named = re.findall(r"`([^`]+)`", row)
+        assert len(named) == 1, row
+        assert (PACKAGE / named[0]).is_file(), f"{named[0]} (in {row!r}) is not in the package"
+
+
+def test_every_path_the_page_names_exists():
+    """A path with a folder in it (``collective/round.py``, ``launching/keep/``) is the
+    package's; a test path is the repository's."""
+    named = set(re.findall(r"`((?:tests/)?[a-z_]+/[a-z_/]*(?:\.py|\.toml|/))`", PAGE.read_text()))
+    assert len(named) > 40, named
+    missing = [
+        path for path in sorted(named)
+        if not (ROOT / path).exists() and not (PACKAGE / path).exists()
+        and path != "diloco_anywhere/"
+    ]  # fmt: skip
+    assert not missing, missing
+
+
+def test_no_folder_holds_more_than_fifteen_modules_side_by_side():
+    crowded = {}
+    for init in PACKAGE.rglob("__init__.py"):
+        modules = [p for p in init.parent.glob("*.py") if p.name != "__init__.py"]
+        if len(modules) > MOST_MODULES:
+            crowded[str(init.parent.relative_to(PACKAGE))] = len(modules)
+    assert not crowded, f"more than {MOST_MODULES} modules: {crowded}; give a job its own folder"
