@@ -1,7 +1,7 @@
 """Which URLs a ``Store`` can open, told from the URL alone.
 
 A store is only as safe as its create-only write, and only some schemes have one (``store.py``
-says how each does it). ``config.py`` checks the store URLs of run.toml on load, where no
+says how each does it). ``config/sections.py`` checks the store URLs of run.toml on load, where no
 credentials or network may be at hand, so the check lives here, apart from ``Store``: it builds
 no filesystem and needs nothing but fsspec's scheme names.
 """

@@ -1,7 +1,7 @@
 """The collective's settings, each default written here once: when a round seals and gives up,
 how it exchanges and splits contributions (``RoundPolicy``), how often members renew their
 leases (``LeasePolicy``), and what goes on the wire (``CollectiveConfig``). run.toml's
-``[sync]`` section takes its defaults from these and builds them (``config.py``).
+``[sync]`` section takes its defaults from these and builds them (``config/sections.py``).
 
 Torch-free, so that reading a run's configuration (every ``diloco`` command) loads no torch:
 a codec is built, in torch, only when a collective is (``_codec``).
