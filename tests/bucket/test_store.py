@@ -14,7 +14,7 @@ import fsspec
 import pytest
 
 from diloco_anywhere.bench.tools.processes import worker_context
-from diloco_anywhere.bucket import store as store_module
+from diloco_anywhere.bucket import whole_files
 from diloco_anywhere.bucket.errors import StoreError
 from diloco_anywhere.bucket.keys import check_key
 from diloco_anywhere.bucket.redaction import redact_url, scrub_secrets
@@ -70,7 +70,7 @@ def test_a_file_put_and_got_back_in_chunks_is_the_same_bytes(backend, tmp_path, 
     os.unlink(spool)
     key = "checkpoints/0/shard-00000.safetensors"
     assert store.checksum(key, len(payload) + 1) == (len(payload), crc32c.crc32c(payload))
-    monkeypatch.setattr(store_module, "DOWNLOAD_BYTES", 5 << 20)  # chunks that end mid-object
+    monkeypatch.setattr(whole_files, "DOWNLOAD_BYTES", 5 << 20)  # chunks that end mid-object
     back = tmp_path / "back"
     assert store.get_file(key, str(back), len(payload) + 1) == len(payload)
     assert back.read_bytes() == payload
