@@ -27,8 +27,9 @@ from diloco_anywhere.collective.errors import (
     SealedContributionError,
 )
 from diloco_anywhere.collective.mean import weighted_mean
+from diloco_anywhere.collective.parts import part_ranges
 from diloco_anywhere.collective.records import Manifest, PartEntry, Seal
-from diloco_anywhere.collective.round import Round, RoundPolicy, part_ranges
+from diloco_anywhere.collective.round import Round, RoundPolicy
 
 RUN = RunLayout("run")
 META = wire.ObjectMeta(run="run", round=0, replica="a", incarnation=0, shard=0)

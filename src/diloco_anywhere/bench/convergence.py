@@ -329,7 +329,7 @@ def _diloco_run(
 def _payload_per_outer_step(run: RunConfig, parameters: int) -> int:
     """The payload bytes of one replica's contribution for every fragment once, as
     ``Round.contribute`` splits it into parts (each part's ~300-byte header aside)."""
-    from diloco_anywhere.collective.round import part_ranges
+    from diloco_anywhere.collective.parts import part_ranges
 
     config = run.collective_config()
     codec, policy = config.codec, config.round

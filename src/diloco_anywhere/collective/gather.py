@@ -19,8 +19,9 @@ import torch
 from diloco_anywhere.bucket.format import framing
 from diloco_anywhere.collective.flat import FlatTensors
 from diloco_anywhere.collective.mean import WeightedMean
+from diloco_anywhere.collective.parts import release
 from diloco_anywhere.collective.records import Seal
-from diloco_anywhere.collective.round import Round, release
+from diloco_anywhere.collective.round import Round
 
 
 def gather_mean(round_: Round, seal: Seal, destination: FlatTensors) -> None:

@@ -15,6 +15,8 @@ always what was sealed.
 from __future__ import annotations
 
 import logging
+import math
+import threading
 from collections.abc import Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -205,3 +207,35 @@ class PartIO:
             return self.download(name, manifest, shard)
         except framing.WireFormatError as exc:
             return exc
+
+
+def release(part: Part | Exception) -> None:
+    """Give a fetched part's buffer back (an error holds none)."""
+    if isinstance(part, Part):
+        part.release()
+
+
+_DEFAULT_TRANSFERS: dict[int, Transfers] = {}
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_transfers(window: int) -> Transfers:
+    """Threads and buffers shared by the rounds of this process that bring none of their own
+    (a ``BucketCollective`` brings its own)."""
+    with _DEFAULT_LOCK:
+        if window not in _DEFAULT_TRANSFERS:
+            _DEFAULT_TRANSFERS[window] = Transfers.create(window, rounds=4)
+        return _DEFAULT_TRANSFERS[window]
+
+
+def part_ranges(numel: int, codec: Codec, part_elements: int, multiple: int = 1) -> list[range]:
+    """Element ranges of a contribution's parts: a multiple of ``multiple`` parts of at most
+    ``part_elements`` each (fewer when there are fewer codec blocks than that), whole codec
+    blocks each, sizes within one block of each other. Every replica computes the same ranges
+    from the same numel, codec and policy, which sharded mode relies on."""
+    align = codec.align
+    blocks = math.ceil(numel / align)
+    wanted = math.ceil(math.ceil(numel / max(part_elements, 1)) / multiple) * multiple
+    parts = max(1, min(wanted, blocks))
+    edges = [min(numel, (i * blocks // parts) * align) for i in range(parts + 1)]
+    return [range(edges[i], edges[i + 1]) for i in range(parts)]

@@ -170,3 +170,9 @@ class ShardFailure(Record):
     shard: Count
     key: str
     problem: str = Field(max_length=4096)
+
+
+def same_layout(a: Manifest, b: Manifest) -> bool:
+    """Whether two contributions cut the same values into the same parts with one codec."""
+    spans = [[(p.start, p.stop) for p in m.parts] for m in (a, b)]
+    return a.numel == b.numel and a.codec == b.codec and spans[0] == spans[1]

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -40,50 +38,21 @@ from diloco_anywhere.collective.members.membership import (
     SupersededError,
     newer_claim,
 )
-from diloco_anywhere.collective.parts import MissingPartError, Part, PartIO, Transfers
+from diloco_anywhere.collective.parts import (
+    MissingPartError,
+    Part,
+    PartIO,
+    Transfers,
+    default_transfers,
+    part_ranges,
+    release,
+)
 from diloco_anywhere.collective.policy import ExchangeMode, RoundPolicy
-from diloco_anywhere.collective.records import NO_PACE, Manifest, Pace, PartEntry, Seal
+from diloco_anywhere.collective.records import NO_PACE, Manifest, Pace, PartEntry, Seal, same_layout
 from diloco_anywhere.collective.transfers import windowed
 
 log = logging.getLogger(__name__)
 PartId = tuple[str, int]  # (contributor, shard)
-
-
-def release(part: Part | Exception) -> None:
-    """Give a fetched part's buffer back (an error holds none)."""
-    if isinstance(part, Part):
-        part.release()
-
-
-_DEFAULT_TRANSFERS: dict[int, Transfers] = {}
-_DEFAULT_LOCK = threading.Lock()
-
-
-def default_transfers(window: int) -> Transfers:
-    """Threads and buffers shared by the rounds of this process that bring none of their own
-    (a ``BucketCollective`` brings its own)."""
-    with _DEFAULT_LOCK:
-        if window not in _DEFAULT_TRANSFERS:
-            _DEFAULT_TRANSFERS[window] = Transfers.create(window, rounds=4)
-        return _DEFAULT_TRANSFERS[window]
-
-
-def part_ranges(numel: int, codec: Codec, part_elements: int, multiple: int = 1) -> list[range]:
-    """Element ranges of a contribution's parts: a multiple of ``multiple`` parts of at most
-    ``part_elements`` each (fewer when there are fewer codec blocks than that), whole codec
-    blocks each, sizes within one block of each other. Every replica computes the same ranges
-    from the same numel, codec and policy, which sharded mode relies on."""
-    align = codec.align
-    blocks = math.ceil(numel / align)
-    wanted = math.ceil(math.ceil(numel / max(part_elements, 1)) / multiple) * multiple
-    parts = max(1, min(wanted, blocks))
-    edges = [min(numel, (i * blocks // parts) * align) for i in range(parts + 1)]
-    return [range(edges[i], edges[i + 1]) for i in range(parts)]
-
-
-def _same_layout(a: Manifest, b: Manifest) -> bool:
-    spans = [[(p.start, p.stop) for p in m.parts] for m in (a, b)]
-    return a.numel == b.numel and a.codec == b.codec and spans[0] == spans[1]
 
 
 class Round:
@@ -218,7 +187,7 @@ class Round:
                 f"fingerprint {manifest.fingerprint!r} differs from this replica's "
                 f"{reference.fingerprint!r}: their global weights differ",
             )
-        if reference is not None and not _same_layout(manifest, reference):
+        if reference is not None and not same_layout(manifest, reference):
             raise framing.WireFormatError(
                 key,
                 f"{manifest.numel} elements in {len(manifest.parts)} parts with codec "
@@ -497,7 +466,7 @@ class Round:
         """The sealed contributors' manifests in SEAL order, all of the same layout."""
         manifests = [self.manifests[name] for name in seal.contributors]
         for name, manifest in zip(seal.contributors, manifests, strict=True):
-            if not _same_layout(manifest, manifests[0]):
+            if not same_layout(manifest, manifests[0]):
                 raise SealedContributionError(
                     f"round {self.round} fragment {self.fragment}: sealed contributions "
                     f"{seal.contributors[0]} and {name} are laid out differently; replicas "
@@ -513,7 +482,7 @@ class Round:
             return
         sealed = self.sealed_manifests(seal)[0]
         where = f"round {self.round} fragment {self.fragment}"
-        if not _same_layout(own, sealed):
+        if not same_layout(own, sealed):
             raise SealedContributionError(
                 f"{where}: this replica sent {own.numel} values in {len(own.parts)} parts; the "
                 f"sealed contributions have {sealed.numel} in {len(sealed.parts)}; replicas "

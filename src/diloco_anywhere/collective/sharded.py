@@ -47,8 +47,9 @@ from diloco_anywhere.bucket.format.record import (
 from diloco_anywhere.collective.errors import SealedContributionError
 from diloco_anywhere.collective.flat import FlatTensors
 from diloco_anywhere.collective.mean import WeightedMean
+from diloco_anywhere.collective.parts import release
 from diloco_anywhere.collective.records import Seal, ShardFailure
-from diloco_anywhere.collective.round import Round, release
+from diloco_anywhere.collective.round import Round
 from diloco_anywhere.collective.transfers import Held
 
 log = logging.getLogger(__name__)

@@ -80,8 +80,8 @@ def round_traffic(
     parts and exchanged as the round does (``collective/round.py``), plus one metrics chunk.
     ``codec_params``: the codec's own (``DilocoSection.codec_params``)."""
     from diloco_anywhere.bucket.codecs.codec import make_codec, reduced_codec
+    from diloco_anywhere.collective.parts import part_ranges
     from diloco_anywhere.collective.policy import RoundPolicy
-    from diloco_anywhere.collective.round import part_ranges
 
     encoder = make_codec(codec, **(codec_params or {}))
     policy = RoundPolicy(mode=mode)  # type: ignore[arg-type]
