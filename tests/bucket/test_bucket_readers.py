@@ -181,7 +181,7 @@ def _read_config_or_refuse(data: bytes) -> None:
     assert refused or isinstance(outcome, RunConfig), outcome
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100)
 @given(data=st.binary(max_size=300) | st.text(max_size=300).map(str.encode))
 def test_arbitrary_bytes_as_a_published_config(data):
     _read_config_or_refuse(data)
@@ -194,7 +194,7 @@ TOML_VALUES = (
 )  # fmt: skip
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150)
 @given(data=st.data())
 def test_a_published_config_with_a_field_changed(data):
     published = tomllib.loads(config_text(load_config()).decode())
@@ -259,7 +259,7 @@ def _with_commit_fixed(objects: dict[str, bytes], changed: str) -> dict[str, byt
     return {**objects, key: encode_record(commit)}
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=120)
 @given(data=st.data())
 def test_a_checkpoint_with_an_object_changed_loads_or_is_refused_naming_a_key(data):
     objects = dict(_committed_checkpoint())
@@ -282,7 +282,7 @@ def test_a_checkpoint_with_an_object_changed_loads_or_is_refused_naming_a_key(da
     assert refused or isinstance(outcome, Checkpoint), outcome
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100)
 @given(data=st.binary(max_size=300))
 def test_arbitrary_bytes_at_a_metrics_chunk_cost_that_chunk_only(data):
     with Store(f"memory://metrics-{uuid.uuid4().hex[:12]}") as store:

@@ -84,13 +84,13 @@ def _read_or_refuse(data: bytes, model: type) -> None:
     assert _refused_here(outcome) or isinstance(outcome, model), outcome
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150)
 @given(sample=st.sampled_from(SAMPLES), data=st.binary(max_size=300))
 def test_arbitrary_bytes_at_a_record_key(sample, data):
     _read_or_refuse(data, type(sample))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(sample=st.sampled_from(SAMPLES), data=st.data())
 def test_a_record_with_a_field_changed(sample, data):
     body = json.loads(encode_record(sample)[framing.PREFIX.size :])
@@ -99,7 +99,7 @@ def test_a_record_with_a_field_changed(sample, data):
     _read_or_refuse(record_bytes(json.dumps(body).encode()), type(sample))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(sample=st.sampled_from(SAMPLES), data=st.data())
 def test_a_record_with_bytes_changed_and_its_checksum_made_right(sample, data):
     body = bytearray(encode_record(sample)[framing.PREFIX.size :])
@@ -112,7 +112,7 @@ META = wire.ObjectMeta(run="run", round=1, replica="a", incarnation=0, shard=0)
 
 
 @pytest.mark.parametrize("codec", ["fp32", "bf16", "int8", "sparse"])
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100)
 @given(data=st.data())
 def test_a_wire_object_with_bytes_changed_is_refused_or_exact(codec, data):
     """Any byte of a part changed: the checksum, the header or the codec's checks refuse it
@@ -127,7 +127,7 @@ def test_a_wire_object_with_bytes_changed_is_refused_or_exact(codec, data):
 SPARSE = make_codec("sparse", chunk=64, k=8, bits=3)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(data=st.data())
 def test_a_sparse_object_with_payload_bytes_changed_and_its_checksum_made_right(data):
     """Past the checksum, the sparse codec's own checks: an object refused naming its key, or
@@ -148,7 +148,7 @@ def test_a_sparse_object_with_payload_bytes_changed_and_its_checksum_made_right(
     assert all(int(kept[start : start + 64].sum()) <= 8 for start in range(0, 150, 64))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150)
 @given(data=st.binary(max_size=400))
 def test_arbitrary_bytes_at_a_part_key(data):
     outcome = _outcome(lambda: wire.decode(data, key=KEY))
@@ -189,7 +189,7 @@ def _refused_naming_a_key(outcome: object) -> bool:
 COUNTER_VALUES = JSON_VALUES | st.integers(-3, 10) | st.sampled_from([10**10, 2**63, 2**64])
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100)
 @given(data=st.data())
 def test_a_checkpoint_with_counters_changed_holds_a_managers_counters_or_is_refused(data):
     """Counters the state and its COMMIT agree on (checksums and fingerprint made right): the
@@ -212,7 +212,7 @@ def test_a_checkpoint_with_counters_changed_holds_a_managers_counters_or_is_refu
 FLOATS = st.floats(width=32) | st.sampled_from([math.nan, math.inf, -math.inf])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(values=st.lists(FLOATS, min_size=4, max_size=4))
 def test_a_checkpoint_with_weights_of_any_value_loads_them_finite_or_is_refused(values):
     """Whatever values the writer was given (its checksums and fingerprint agree with them),

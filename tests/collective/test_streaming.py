@@ -215,7 +215,7 @@ def test_collecting_fills_the_window_from_streaming_owners_and_probes_the_others
     assert chosen == [1]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(
     weights=st.lists(st.floats(min_value=2.0**-30, max_value=MAX_WEIGHT), min_size=1, max_size=6),
     data=st.data(),

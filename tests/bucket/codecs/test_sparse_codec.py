@@ -22,7 +22,7 @@ def round_trip(tensor: torch.Tensor, codec: SparseCodec) -> torch.Tensor:
     return wire.decode(bytes(wire.encode(tensor, codec, META))).tensor
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100)
 @given(
     bits=st.integers(1, 16),
     rows=st.integers(0, 4),
@@ -38,7 +38,7 @@ def test_packed_integers_come_back_and_each_row_starts_on_a_byte(bits, rows, cou
     assert torch.equal(bitpack.unpack(packed, bits, count), values)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=80)
 @given(data=st.data(), universe=st.integers(1, 4096), rows=st.integers(1, 3))
 def test_ascending_positions_come_back_from_their_elias_fano_form(data, universe, rows):
     count = data.draw(st.integers(1, universe))

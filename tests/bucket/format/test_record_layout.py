@@ -39,7 +39,7 @@ def test_record_round_trip():
     assert decode_record(encode_record(SEALED), Sealed, key="k") == SEALED
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(bit=st.integers(0, len(encode_record(SEALED)) * 8 - 1))
 def test_any_flipped_bit_in_a_record_is_rejected(bit):
     data = bytearray(encode_record(SEALED))

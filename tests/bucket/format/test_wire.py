@@ -22,7 +22,7 @@ CODECS = st.one_of(
     st.just(Bf16Codec()),
     st.sampled_from([8, 16, 64, 128]).map(lambda block: Int8Codec(block=block)),
 )
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite

@@ -434,7 +434,7 @@ Action = st.one_of(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(actions=st.lists(Action, min_size=1, max_size=30), mode=st.sampled_from(MODES))
 def test_no_interleaving_seals_a_zombie_or_two_incarnations(actions, mode):
     """Zombie ``a-0`` and its restart ``a-1`` (claimed at any point), ``b`` and ``c``: each
