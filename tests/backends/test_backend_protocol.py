@@ -25,7 +25,7 @@ from diloco_anywhere.backends.base import (
     one_line,
     stop_all,
 )
-from diloco_anywhere.cli.run import parse_backends
+from diloco_anywhere.cli.launch import parse_backends
 from diloco_anywhere.config import ConfigError, RunConfig, parse_config
 from diloco_anywhere.launching.start.launch import check_remote_store, job_state
 from support import ROOT

@@ -1,5 +1,6 @@
 """docs/architecture.md is the map of the package: every folder on it, every path it names still
-there, and no folder grown past the 15 modules a newcomer can take in at a glance."""
+there; and the house stays one a newcomer can find their way in: no folder past 15 modules side
+by side, no module past 500 lines."""
 
 from __future__ import annotations
 
@@ -71,3 +72,14 @@ def test_no_folder_holds_more_than_fifteen_modules_side_by_side():
         if len(modules) > MOST_MODULES:
             crowded[str(init.parent.relative_to(PACKAGE))] = len(modules)
     assert not crowded, f"more than {MOST_MODULES} modules: {crowded}; give a job its own folder"
+
+
+def test_no_module_is_longer_than_a_newcomer_reads_at_once():
+    """500 lines, 600 for a platform's module in backends/ (its SDK's calls, its limits and
+    its stand-in's quirks together)."""
+    long = {}
+    for module in PACKAGE.rglob("*.py"):
+        most = 600 if module.parent.name == "backends" else 500
+        if (lines := len(module.read_text().splitlines())) > most:
+            long[str(module.relative_to(PACKAGE))] = lines
+    assert not long, f"split these where their own seams are: {long}"

@@ -21,7 +21,7 @@ from diloco_anywhere.backends.base import ReplicaHandle
 from diloco_anywhere.bucket.format.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.cli.common import print_json
-from diloco_anywhere.cli.run import parse_backends
+from diloco_anywhere.cli.launch import parse_backends
 from diloco_anywhere.cli.tables import status_table
 from diloco_anywhere.collective.members.membership import Heartbeat, claim_incarnation
 from diloco_anywhere.collective.policy import LeasePolicy

@@ -1,13 +1,13 @@
-"""The ``diloco`` command line: run commands (``run.py``, printing ``tables.py``), keeping a
-run going (``keep.py``), training data (``data.py``), cloud resources (``infra.py``) and
-benchmarks (``bench/``). Nothing
+"""The ``diloco`` command line: a run launched (``launch.py``) and watched (``run.py``), printing
+``tables.py``, keeping a run going (``keep.py``), training data (``data.py``), cloud resources
+(``infra.py``) and benchmarks (``bench/``). Nothing
 here imports torch until a command needs it: ``diloco --help`` answers at once."""
 
 from __future__ import annotations
 
 import typer
 
-from diloco_anywhere.cli import keep, run
+from diloco_anywhere.cli import keep, launch, run
 from diloco_anywhere.cli.bench import bench_app
 from diloco_anywhere.cli.common import parse_size
 from diloco_anywhere.cli.data import data_app
@@ -19,7 +19,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
-for command in (run.launch, run.status, run.logs, run.stop, keep.keep, keep.replace, run.report,
+for command in (launch.launch, run.status, run.logs, run.stop, keep.keep, keep.replace, run.report,
                 run.export):  # fmt: skip
     app.command()(command)
 app.add_typer(data_app, name="data")

@@ -1,7 +1,7 @@
 """A foreground launch ends: when every replica has ended, or when the run cannot go on (too
 few replicas left to seal a round), with a line per replica that did not finish; interrupted
 (Ctrl-C, SIGTERM), it stops the replicas on this machine (launching/keep/supervisor.py,
-cli/run.py)."""
+cli/launch.py)."""
 
 from __future__ import annotations
 
