@@ -28,7 +28,7 @@ from diloco_anywhere.bucket.format.layout import RunLayout
 from diloco_anywhere.bucket.format.record import decode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.records import Seal
-from diloco_anywhere.data.claims import TRAINED, Claims
+from diloco_anywhere.data.claims import GIVEN_BACK, TRAINED, Claims
 from diloco_anywhere.data.coverage import read_coverage
 
 pytestmark = pytest.mark.integration  # every test here starts processes
@@ -73,12 +73,14 @@ def test_a_run_survives_replicas_killed_and_restarted(tmp_path) -> None:
     assert len(set(evaluations.values())) == 1
     assert 0.3 < figures["goodput"] <= 1.0
     # the data: each unit of the order trained by at most one sealed contribution; the units
-    # the kills gave back trained again, but for those of the last rounds
+    # the kills gave back trained again, but for those of the last rounds. Whether a kill gives
+    # a unit back is a race (the victim may not have claimed its next unit yet when it dies):
+    # the coverage's lost tokens follow the claims given back, whichever way it went
     store, layout = Store(str(tmp_path / "store")), RunLayout(config.run.name)
     [epoch] = read_coverage(store, layout, config.run.min_replicas).epochs
-    assert epoch.trained_more == 0
-    assert epoch.lost_tokens > 0
     claims = Claims(store, layout, "judge-0", config.run.min_replicas).every_claim()
+    assert epoch.trained_more == 0
+    assert (epoch.lost_tokens > 0) == any(outcome == GIVEN_BACK for _, outcome in claims)
     newest = {claim.unit: (claim, outcome) for claim, outcome in sorted(
         claims, key=lambda pair: (pair[0].unit, pair[0].attempt))}  # fmt: skip
     left = [claim.round for claim, outcome in newest.values() if outcome != TRAINED]

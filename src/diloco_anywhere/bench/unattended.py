@@ -43,6 +43,7 @@ from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import RunConfig, load_config
 from diloco_anywhere.launching.keep.alerts import Alerts
 from diloco_anywhere.launching.start.launch import run_launches, run_metrics
+from diloco_anywhere.launching.start.launches import Launch
 from diloco_anywhere.standins import standin
 from diloco_anywhere.standins.hf_jobs import HfJobsStandIn, hf_jobs_api
 from diloco_anywhere.standins.kubernetes import K8sStandIn, k8s_api
@@ -68,7 +69,7 @@ codec = "fp32"
 inner_lr = 3e-3
 [sync]
 grace = 2.0
-timeout = 60.0
+timeout = {sync_timeout}
 lease_period = 1.0
 [task]
 log_every = 1
@@ -99,15 +100,15 @@ stalled_after = 30.0
 
 def unattended_toml(
     store: str, outer_steps: int = 55, hf_jobs_timeout: str = "20s", k8s_deadline_s: int = 90,
-    hung_after: float = 12.0,
+    hung_after: float = 12.0, sync_timeout: float = 60.0,
 ) -> str:  # fmt: skip
     """The run's run.toml: HF Jobs attempts end after ``hf_jobs_timeout``, Kubernetes Jobs
-    after ``k8s_deadline_s`` seconds, and the keeper restarts a replica with no sign of life
-    for ``hung_after`` seconds."""
+    after ``k8s_deadline_s`` seconds, the keeper restarts a replica with no sign of life for
+    ``hung_after`` seconds, and a round waits ``sync_timeout`` seconds for all three."""
     return RUN_TOML.format(
         store=store, outer_steps=outer_steps, hf_jobs_timeout=hf_jobs_timeout,
         secrets=json.dumps(list(BUCKET_SECRETS)), k8s_deadline_hours=k8s_deadline_s / 3600,
-        hung_after=hung_after,
+        hung_after=hung_after, sync_timeout=sync_timeout,
     )  # fmt: skip
 
 
@@ -118,6 +119,7 @@ class MachineLimits:
     hung_after: float
     hf_jobs_timeout: float
     deadline: float  # the keeper is left alone this long at most
+    sync_timeout: float  # a round waits this long for a replica the keeper is replacing
 
 
 def startup_seconds() -> float:
@@ -128,16 +130,25 @@ def startup_seconds() -> float:
     return time.perf_counter() - started
 
 
-def machine_limits(startup: float) -> MachineLimits:
+def machine_limits(startup: float, keep_every: float = 3.0) -> MachineLimits:
     """Limits that let each attempt start, claim and sync whatever the machine's speed: 12 s
     hung, 20 s per HF Jobs attempt and 600 s for the run where a replica starts in 3 s, at
     least 4, 6 and 200 start-ups. Fixed at 12 and 20, a machine three times slower and busy
     with other tests took longer than 12 s to start k8s-0, which the keeper then restarted as
     hung 18 times in a row while every HF Jobs attempt ended before a round could seal: with
-    every round needing all three replicas, the run never ended."""
+    every round needing all three replicas, the run never ended.
+
+    A round waits for all three while the keeper replaces a hung one: silent for
+    ``hung_after``, seen by a pass within ``keep_every`` (the pass itself a start-up), the
+    backoff (at most 4 s here), then the new attempt's start-up, its healing and its first
+    inner steps (a few start-ups more). The sync timeout is that sum with room to spare, at
+    least 60 s: fixed at 60 s while hung_after grew with a slow machine, the round ended
+    before the replacement could join it, and the run's replicas failed."""
+    hung_after = max(12.0, 4 * startup)
+    replace_seconds = hung_after + keep_every + 4.0 + 6 * startup
     return MachineLimits(
-        hung_after=max(12.0, 4 * startup), hf_jobs_timeout=max(20.0, 6 * startup),
-        deadline=max(600.0, 200 * startup),
+        hung_after=hung_after, hf_jobs_timeout=max(20.0, 6 * startup),
+        deadline=max(600.0, 200 * startup), sync_timeout=max(60.0, 2 * replace_seconds),
     )  # fmt: skip
 
 
@@ -166,9 +177,9 @@ class Platforms:
     hub: HfJobsStandIn
     cluster: K8sStandIn
 
-    def pid(self, config: RunConfig, replica: str) -> int | None:
+    def pid(self, launch: Launch, replica: str) -> int | None:
         """The process group of ``replica``'s current job, None while it has no process."""
-        job = run_launches(config).latest().jobs[replica].job
+        job = launch.jobs[replica].job
         if replica.startswith("local"):
             return job["pid"]
         if replica.startswith("hf_jobs"):
@@ -237,13 +248,16 @@ class _Disrupter:
         self.frozen: dict[str, tuple[int, int]] = {}  # replica -> (process group, attempt)
 
     def step(self, newest: int, progress: Progress) -> None:
+        due = [d for d in self.pending if newest >= d.after_round]
+        if not (due or self.frozen):
+            return  # the launch record is read from the bucket only when there is work
         launch = run_launches(self.config).latest()
         for replica, (group, attempt) in list(self.frozen.items()):
             if launch.attempt(replica) > attempt:
                 self._signal(group, signal.SIGCONT)
                 del self.frozen[replica]
-        for disruption in [d for d in self.pending if newest >= d.after_round]:
-            group = self.platforms.pid(self.config, disruption.replica)
+        for disruption in due:
+            group = self.platforms.pid(launch, disruption.replica)
             how = signal.SIGSTOP if disruption.how == "freeze" else signal.SIGKILL
             if group is None or not self._signal(group, how):
                 continue  # between attempts, or its process ended: try again on the next look
@@ -291,13 +305,26 @@ def leave_alone(
     started = time.monotonic()
     deadline = started + deadline_seconds
     disrupter, reader = _Disrupter(config, platforms, disruptions), run_metrics(config)
-    with _following(lambda: disrupter.step(newest_committed(reader.read()), progress)):
+
+    seen = [-1]
+
+    def said(line: str) -> None:  # when, for a run that went otherwise than planned
+        progress(f"{time.monotonic() - started:6.1f} s  {line}")
+
+    def look() -> None:
+        newest = newest_committed(reader.read())
+        if newest > seen[0]:
+            said(f"round {newest} committed")
+            seen[0] = newest
+        disrupter.step(newest, said)
+
+    with _following(look):
         try:
             while not (run.passes and run.passes[-1]["ended"]):
                 _check_deadline(deadline, deadline_seconds, run.passes)
                 run.keep(config_path)
                 time.sleep(keep_every)
-            progress(f"launch ended: {run.passes[-1]['ended']}")
+            said(f"launch ended: {run.passes[-1]['ended']}")
             while set(replica_states(config_path).values()) & {"running", "starting"}:
                 _check_deadline(deadline, deadline_seconds, run.passes)
                 run.keep(config_path)

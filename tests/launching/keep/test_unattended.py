@@ -1,7 +1,7 @@
-"""A run left alone: launched with ``--detach`` on local + HF Jobs + Kubernetes stand-ins whose
-time limits end attempts within a minute, replicas SIGKILLed, one frozen (a zombie once it
-wakes), and nothing but ``diloco keep`` run on a schedule as cron would (a fresh process each
-time). The test never starts or restarts a replica itself."""
+"""A run left alone: launched with ``--detach`` on local + HF Jobs + Kubernetes stand-ins,
+replicas SIGKILLed or frozen (a zombie once it wakes) as the run reaches given rounds, and
+nothing but ``diloco keep`` run on a schedule as cron would (a fresh process each time). The
+test never starts or restarts a replica itself."""
 
 from __future__ import annotations
 
@@ -38,38 +38,39 @@ PYTEST_LIMIT_S = 2400  # past the run's own deadline (``machine_limits``) on any
 def test_a_detached_run_left_to_the_keeper_completes(
     tmp_path, monkeypatch, s3_run, hub, cluster, webhook
 ):
-    """HF Jobs attempts end after 20 s; k8s-0 freezes after round 2 (then wakes a zombie),
-    local-0 is SIGKILLed after round 8 and hf_jobs-0 frozen after round 14, of 24 (the
-    benchmark's run is 55 rounds, disrupted after rounds 5, 15 and 25: here every disruption
-    comes as early as it can, each after the run has moved on from the one before). A frozen
-    HF Jobs attempt is ended by its timeout before the keeper would call it hung (here the
-    keeper waits two start-ups longer than an attempt's timeout), so the run restarts one
-    attempt as timed out whatever its pace: with its HF attempts left alone, a 24-round run
-    that went fast ended before any reached its timeout, and the test failed. The benchmark
-    gives Kubernetes Jobs a 90 s deadline; here none ends within the run's own deadline (600
-    s): the zombie must wake (hung, keeper passes, a new pod claiming its id) and sync before
-    anything else ends it, and on a loaded machine the 90 s deadline came first (its first
-    round took 47 s), leaving nothing to supersede. The test's limit is that deadline too, not
-    pytest's 300 s (``leave_alone`` then says what the keeper passes saw). The platforms'
-    limits are seconds: where this machine starts a replica slower than in 3 s, they and the
-    deadline grow with it (``machine_limits``), or attempts would end, and hung replicas be
-    restarted, before they could ever sync."""
+    """k8s-0 freezes after round 2 (then wakes a zombie), local-0 is SIGKILLed after round 6
+    and hf_jobs-0 frozen after round 10, of 30 (the benchmark's run is 55 rounds, disrupted
+    after rounds 5, 15 and 25: here every disruption comes as early as it can, each after the
+    run has moved on from the one before, which every round needing all three replicas makes
+    sure of). The rounds after the last are the disrupter's slack: it sees the run's progress
+    in its metrics, rounds behind on a loaded machine (where the run went on at a round in 0.7
+    s, the disrupter saw round 12 when it was at 15 and froze hf_jobs-0 after its last
+    contribution, of 16 rounds: nothing for the keeper to do). Every disruption is made on the
+    run's progress, none on the clock: the platforms' own time limits (HF Jobs' timeout, the
+    Kubernetes deadline) are the run's deadline here, never reached. Made on the clock they
+    raced the run: HF attempts that ended every 39 s on a loaded CI machine took most of each
+    attempt to start and heal, and a 24-round run was not done after 1,293 s; an attempt's
+    timeout as a restart reason is proven by the keeper's own tests and the HF Jobs backend's.
+    The keeper's limits are seconds too: where this machine starts a replica slower than in 3
+    s, hung_after, the round's timeout and the deadline grow with it (``machine_limits``), or
+    hung replicas would be restarted, and rounds end, before a replacement could ever sync. The
+    test's limit is past that deadline, not pytest's 300 s (``leave_alone`` then says what the
+    keeper passes saw)."""
     monkeypatch.chdir(tmp_path)
-    startup = startup_seconds()
-    limits = machine_limits(startup)
-    hung_after = max(limits.hung_after, limits.hf_jobs_timeout + 2 * startup)
+    limits = machine_limits(startup_seconds())
     path = tmp_path / "run.toml"
     path.write_text(unattended_toml(
-        s3_run[0], outer_steps=24, hf_jobs_timeout=f"{limits.hf_jobs_timeout:.0f}s",
-        k8s_deadline_s=int(limits.deadline), hung_after=hung_after,
+        s3_run[0], outer_steps=30, hf_jobs_timeout=f"{limits.deadline:.0f}s",
+        k8s_deadline_s=int(limits.deadline), hung_after=limits.hung_after,
+        sync_timeout=limits.sync_timeout,
     ))  # fmt: skip
     result = diloco("launch", "--config", str(path), *PLATFORMS, "--detach")
     assert result.exit_code == 0, result.output
 
-    plan = (Disruption("k8s-0", 2, "freeze"), Disruption("local-0", 8, "kill"),
-            Disruption("hf_jobs-0", 14, "freeze"))  # fmt: skip
+    plan = (Disruption("k8s-0", 2, "freeze"), Disruption("local-0", 6, "kill"),
+            Disruption("hf_jobs-0", 10, "freeze"))  # fmt: skip
     run = leave_alone(
-        str(path), Platforms(hub, cluster), lambda _: None, plan,
+        str(path), Platforms(hub, cluster), print, plan,
         deadline_seconds=limits.deadline,
     )  # fmt: skip
 
@@ -84,16 +85,16 @@ def test_a_detached_run_left_to_the_keeper_completes(
     made = restarts(run)
     reasons = {reason for _, reason in made}
     seen = (made, run.disrupted, f"{run.seconds:.0f} s, {len(run.passes)} passes")
-    assert {"hung", "timed_out"} <= reasons <= {"failed", "exited", "stopped", "timed_out",
-                                                "hung"}, seen  # fmt: skip
-    assert {replica for replica, _ in made} >= {"local-0", "hf_jobs-0", "k8s-0"}, made
-    assert ("hf_jobs-0", "timed_out") in made, made  # its frozen attempt: timed out, not hung
+    assert reasons <= {"failed", "exited", "stopped", "hung"}, seen
+    assert {("k8s-0", "hung"), ("hf_jobs-0", "hung")} <= set(made), seen  # the two frozen
+    assert {reason for replica, reason in made if replica == "local-0"} & {"failed", "exited"}
     # each replica's newest incarnation trained to the end (done), or it was stopped (by its
     # platform's time limit, or by the keeper once the run ended) and no keeper pass left it so:
     # the end came before a pass could restart it (at any time of the run, the last round too)
     states = {r: m.state() for r, m in run.metrics.items()}
-    assert "done" in states.values(), states
-    assert set(states.values()) <= {"done", "stopped"}, states
+    endings = {r: m.ending() for r, m in run.metrics.items()}
+    assert "done" in states.values(), endings
+    assert set(states.values()) <= {"done", "stopped"}, (endings, seen)
     assert not [d for p in run.passes for d in p["decisions"].values()
                 if d["action"] == "give_up"], run.passes  # fmt: skip
     for replica, state in states.items():

@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 
 from diloco_anywhere.backends.base import ReplicaHandle, ReplicaSpec
-from diloco_anywhere.bucket.format.layout import RunLayout
+from diloco_anywhere.bucket.format.layout import RunLayout, parse_contributor
+from diloco_anywhere.bucket.format.record import decode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.policy import CollectiveConfig, LeasePolicy
+from diloco_anywhere.collective.records import Seal
 from diloco_anywhere.config import load_config
 from diloco_anywhere.launching.cost.model_size import parameter_count
 from diloco_anywhere.launching.keep.supervisor import Supervisor
@@ -146,18 +148,35 @@ def _checkpoint_committed(config: Path) -> bool:
     return bool(committed_rounds(Store(loaded.store_url()), RunLayout(loaded.run.name)))
 
 
+def _first_checkpoints_writer(config: str) -> str:
+    """The replica that commits the run's first checkpoint (round 0's): the first of its
+    SEAL's contributors (``checkpoints/writer.py``)."""
+    loaded = load_config(config)
+    layout = RunLayout(loaded.run.name)
+    seal = decode_record(Store(loaded.store_url()).get(layout.seal(0, 0)), Seal, key="seal")
+    return parse_contributor(seal.contributors[0])[0]
+
+
 @pytest.mark.integration
 def test_a_run_killed_whole_resumes_where_it_was_and_loses_no_round(run_toml):
     """Every replica SIGKILLed mid-run; the same launch again resumes from the bucket."""
     outer_steps = 8
     config = run_toml(replicas=2, outer_steps=outer_steps)
     assert diloco("launch", "--config", config, "--detach").exit_code == 0
+    pids = {handle["replica_id"]: handle["job"]["pid"] for handle in
+            json.loads(Path(".diloco/t/launch.json").read_text())["replicas"]}  # fmt: skip
     deadline = time.monotonic() + 120
-    # killed once every replica is 3 steps in and the first checkpoint is committed (it is
-    # written in the background after the first commit: its time is not a step count's)
-    while min(
-        (row["outer_step"] for row in statuses(config).values()), default=0
-    ) < 3 or not _checkpoint_committed(config):
+    while min((row["outer_step"] for row in statuses(config).values()), default=0) < 3:
+        assert time.monotonic() < deadline, statuses(config)
+        time.sleep(0.2)
+    # Killed mid-run once the first checkpoint is committed (it is written in the background
+    # after the first commit: its time is not a step count's). Meanwhile the replica that does
+    # not commit it is frozen, so that the run cannot end first: every round needs both. On a
+    # loaded machine the run once trained to its end before the checkpoint was seen.
+    committer = _first_checkpoints_writer(config)
+    [other] = set(pids) - {committer}
+    os.kill(pids[other], signal.SIGSTOP)
+    while not _checkpoint_committed(config):
         assert time.monotonic() < deadline, statuses(config)
         time.sleep(0.2)
     kill_all(config)
