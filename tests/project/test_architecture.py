@@ -4,7 +4,13 @@ by side, no module past 500 lines."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
 
 from support import ROOT
 
@@ -83,3 +89,24 @@ def test_no_module_is_longer_than_a_newcomer_reads_at_once():
         if (lines := len(module.read_text().splitlines())) > most:
             long[str(module.relative_to(PACKAGE))] = lines
     assert not long, f"split these where their own seams are: {long}"
+
+
+@pytest.mark.integration  # asks git
+def test_every_link_in_the_repository_points_inside_it():
+    """A worktree's links to the main checkout's .venv and .tools (absolute paths) were once
+    committed: a fresh clone then had a .venv pointing at a folder it does not have, and git
+    replaced the real ones with the links when the branch was merged. Every link git tracks
+    is relative and resolves inside the repository (the template's links to the real code)."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout: nothing tracked to check")
+    listed = subprocess.run(
+        ["git", "ls-files", "-s"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    links = [line.split("\t", 1)[1] for line in listed if line.startswith("120000 ")]
+    assert links, "the template links to the real code: none found"
+    outside = [
+        link for link in links
+        if Path(os.readlink(ROOT / link)).is_absolute()
+        or not (ROOT / link).resolve().is_relative_to(ROOT.resolve())
+    ]  # fmt: skip
+    assert outside == [], f"links that leave the repository (git rm --cached them): {outside}"
