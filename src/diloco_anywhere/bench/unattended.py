@@ -20,33 +20,36 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import dataclasses
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from diloco_anywhere.bench.chaos import fingerprint_disagreements, goodput
+from diloco_anywhere.bench.disruptions import (
+    DISRUPTIONS,
+    Disrupter,
+    Disruption,
+    Platforms,
+    following,
+)
 from diloco_anywhere.bench.train import Progress
 from diloco_anywhere.bucket.format.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.config import RunConfig, load_config
 from diloco_anywhere.launching.keep.alerts import Alerts
 from diloco_anywhere.launching.start.launch import run_launches, run_metrics
-from diloco_anywhere.launching.start.launches import Launch
 from diloco_anywhere.standins import standin
-from diloco_anywhere.standins.hf_jobs import HfJobsStandIn, hf_jobs_api
-from diloco_anywhere.standins.kubernetes import K8sStandIn, k8s_api
+from diloco_anywhere.standins.hf_jobs import hf_jobs_api
+from diloco_anywhere.standins.kubernetes import k8s_api
 from diloco_anywhere.standins.webhook import WebhookServer
 from diloco_anywhere.training.records.metrics import ReplicaMetrics
 
@@ -152,44 +155,6 @@ def machine_limits(startup: float, keep_every: float = 3.0) -> MachineLimits:
     )  # fmt: skip
 
 
-@dataclass(frozen=True)
-class Disruption:
-    """``replica`` is SIGKILLed (``kill``: preempted) or SIGSTOPped until the keeper has started
-    its next attempt, then woken (``freeze``: hung, then a zombie) once the run has committed
-    ``after_round``."""
-
-    replica: str
-    after_round: int
-    how: str
-
-
-DISRUPTIONS = (
-    Disruption("k8s-0", 5, "freeze"),  # early in its Job's time
-    Disruption("local-0", 15, "kill"),
-    Disruption("hf_jobs-0", 25, "kill"),
-)
-
-
-@dataclass
-class Platforms:
-    """Where each platform runs its replicas' processes: found to disrupt them."""
-
-    hub: HfJobsStandIn
-    cluster: K8sStandIn
-
-    def pid(self, launch: Launch, replica: str) -> int | None:
-        """The process group of ``replica``'s current job, None while it has no process."""
-        job = launch.jobs[replica].job
-        if replica.startswith("local"):
-            return job["pid"]
-        if replica.startswith("hf_jobs"):
-            return self.hub.jobs[job["id"]].container.process.pid
-        cluster_job = self.cluster.jobs.get((job["namespace"], job["name"]))
-        pods = self.cluster.pods_of(cluster_job) if cluster_job else []
-        running = [pod for pod in pods if pod.container is not None]
-        return running[-1].container.process.pid if running else None
-
-
 @dataclass
 class UnattendedRun:
     passes: list[dict[str, Any]] = field(default_factory=list)  # `diloco keep --json`, in order
@@ -238,55 +203,6 @@ def newest_committed(metrics: dict[str, ReplicaMetrics]) -> int:
     return max((s.round for m in metrics.values() for s in m.syncs if s.committed), default=-1)
 
 
-class _Disrupter:
-    """Applies the disruptions as the run reaches their rounds; wakes a frozen replica once
-    the keeper has started its next attempt, and whatever is still frozen at the end."""
-
-    def __init__(self, config: RunConfig, platforms: Platforms, plan: tuple[Disruption, ...]):
-        self.config, self.platforms, self.pending = config, platforms, list(plan)
-        self.done: list[Disruption] = []
-        self.frozen: dict[str, tuple[int, int]] = {}  # replica -> (process group, attempt)
-
-    def step(self, newest: int, progress: Progress) -> None:
-        due = [d for d in self.pending if newest >= d.after_round]
-        if not (due or self.frozen):
-            return  # the launch record is read from the bucket only when there is work
-        launch = run_launches(self.config).latest()
-        for replica, (group, attempt) in list(self.frozen.items()):
-            if launch.attempt(replica) > attempt:
-                self._signal(group, signal.SIGCONT)
-                del self.frozen[replica]
-        for disruption in due:
-            group = self.platforms.pid(launch, disruption.replica)
-            how = signal.SIGSTOP if disruption.how == "freeze" else signal.SIGKILL
-            if group is None or not self._signal(group, how):
-                continue  # between attempts, or its process ended: try again on the next look
-            if disruption.how == "freeze":
-                self.frozen[disruption.replica] = (group, launch.attempt(disruption.replica))
-            self.pending.remove(disruption)
-            self.done.append(dataclasses.replace(disruption, after_round=newest))
-            progress(f"round {newest}: {disruption.how} {disruption.replica}")
-
-    def wake_all(self) -> None:
-        for group, _ in self.frozen.values():
-            self._signal(group, signal.SIGCONT)
-        self.frozen.clear()
-
-    @staticmethod
-    def _signal(group: int, number: signal.Signals) -> bool:
-        """Whether the signal reached a live process group: a replica whose process already
-        ended was not disrupted (counted as done, a disruption that came after the run's last
-        round would leave nothing for the keeper to do)."""
-        try:
-            os.killpg(group, number)
-        except ProcessLookupError:
-            return False
-        return True
-
-
-DISRUPT_EVERY = 0.25  # seconds between looks at the run's progress for a disruption due
-
-
 def leave_alone(
     config_path: str,
     platforms: Platforms,
@@ -304,7 +220,7 @@ def leave_alone(
     config, run = load_config(config_path), UnattendedRun()
     started = time.monotonic()
     deadline = started + deadline_seconds
-    disrupter, reader = _Disrupter(config, platforms, disruptions), run_metrics(config)
+    disrupter, reader = Disrupter(config, platforms, disruptions), run_metrics(config)
 
     seen = [-1]
 
@@ -318,7 +234,7 @@ def leave_alone(
             seen[0] = newest
         disrupter.step(newest, said)
 
-    with _following(look):
+    with following(look):
         try:
             while not (run.passes and run.passes[-1]["ended"]):
                 _check_deadline(deadline, deadline_seconds, run.passes)
@@ -334,32 +250,6 @@ def leave_alone(
     run.metrics, run.disrupted = reader.read(), disrupter.done
     run.seconds = time.monotonic() - started
     return run
-
-
-@contextlib.contextmanager
-def _following(look: Callable[[], None]) -> Iterator[None]:
-    """``look()`` every ``DISRUPT_EVERY`` seconds on a thread while the block runs; its first
-    error ends the block's run (raised when the block leaves)."""
-    done, failed = threading.Event(), []
-
-    def follow() -> None:
-        while not done.is_set():
-            try:
-                look()
-            except Exception as exc:  # said when the block ends
-                failed.append(exc)
-                return
-            done.wait(DISRUPT_EVERY)
-
-    thread = threading.Thread(target=follow, name="disruptions", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
-    if failed:
-        raise failed[0]
 
 
 def _check_deadline(deadline: float, seconds: float, passes: list[dict[str, Any]]) -> None:

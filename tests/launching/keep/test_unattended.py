@@ -12,11 +12,9 @@ import subprocess
 import pytest
 
 from diloco_anywhere.bench.chaos import fingerprint_disagreements
+from diloco_anywhere.bench.disruptions import Disrupter, Disruption, Platforms
 from diloco_anywhere.bench.unattended import (
     PLATFORMS,
-    Disruption,
-    Platforms,
-    _Disrupter,
     keep_pass,
     leave_alone,
     machine_limits,
@@ -139,5 +137,5 @@ def test_a_disruption_counts_only_where_its_signal_reached_a_live_process():
     which had let a run that outran it end with nothing for the keeper to restart."""
     ended = subprocess.Popen(["true"], start_new_session=True)
     ended.wait()
-    assert not _Disrupter._signal(ended.pid, signal.SIGKILL)
-    assert _Disrupter._signal(os.getpgrp(), 0)  # signal 0: only whether the group lives
+    assert not Disrupter._signal(ended.pid, signal.SIGKILL)
+    assert Disrupter._signal(os.getpgrp(), 0)  # signal 0: only whether the group lives
