@@ -239,19 +239,6 @@ def test_bench_convergence_sweeps_from_a_warm_start_against_data_parallel(tmp_pa
     assert "steps (10) must be a multiple of every H (3)" in uneven.output
 
 
-@pytest.mark.integration
-def test_bench_convergence_studies_the_task_of_a_run_toml(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "run.toml").write_text(
-        '[task]\nentrypoint = "diloco_anywhere.tasks.gpt:build"\n'
-        '[task.options]\npreset = "tiny"\nbatch_size = 4\ncorpus_bytes = 200000\n'
-    )
-    report = study_report("--config", "run.toml", "--replicas", "1", "--sync-every", "5",
-                          "--steps", "5")  # fmt: skip
-    assert report["task"] == {"preset": "tiny", "batch_size": 4, "corpus_bytes": 200000}
-    assert [tokens for tokens, _ in report["runs"][0]["curve"]] == [5 * 4 * 64]
-
-
 RECORDING_TASK = """
 import os
 from diloco_anywhere.tasks import gpt
@@ -266,8 +253,9 @@ def build(context):
 
 @pytest.mark.integration
 def test_every_model_of_a_study_is_built_knowing_its_runs_length(tmp_path, monkeypatch):
-    """A task's learning-rate schedule runs over ``total_steps``: the warm start's, the
-    baseline's and the replicas' models are each told the length of their own run."""
+    """A study trains the task a run.toml names, with its options; a task's learning-rate
+    schedule runs over ``total_steps``: the warm start's, the baseline's and the replicas'
+    models are each told the length of their own run."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "recording_task.py").write_text(RECORDING_TASK)
     monkeypatch.syspath_prepend(str(tmp_path))  # the study's own processes (spawned)
@@ -277,10 +265,14 @@ def test_every_model_of_a_study_is_built_knowing_its_runs_length(tmp_path, monke
         '[task]\nentrypoint = "recording_task:build"\n'
         '[task.options]\npreset = "tiny"\nbatch_size = 4\ncorpus_bytes = 200000\n'
     )
-    study_report("--config", "run.toml", "--replicas", "1", "--sync-every", "5", "--steps", "10",
-                 "--warm-start", "5")  # fmt: skip
+    report = study_report("--config", "run.toml", "--replicas", "1", "--sync-every", "5",
+                          "--steps", "10", "--warm-start", "5")  # fmt: skip
     logged = (tmp_path / "total_steps.log").read_text().split()
     assert logged == ["5", "10", "10"]  # warm start, plain AdamW, the DiLoCo replica
+    # the study trained the run.toml's task, as its options say: batches of 4 of 64 tokens
+    assert report["task"] == {"preset": "tiny", "batch_size": 4, "corpus_bytes": 200000}
+    tokens = [tokens for tokens, _ in report["runs"][0]["curve"]]
+    assert tokens == [5 * 4 * 64, 10 * 4 * 64], tokens
 
 
 @pytest.mark.integration
