@@ -64,13 +64,20 @@ def _final_weights(store: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.integration
-def test_fsdp_replicas_sync_shard_by_shard_agree_and_match_ddp(tmp_path, monkeypatch):
+def test_fsdp_replicas_sync_shard_by_shard_agree_match_ddp_and_resume_from_their_mirror(
+    tmp_path, monkeypatch
+):
+    """One FSDP run (its checkpoints mirrored) and the same run with DDP inside each replica:
+    the FSDP run syncs shard by shard, ends at DDP's model, mirrors every rank's part, and
+    resumes from the mirror once its store is lost (one run serves all four: each is two
+    replicas of two torchrun ranks)."""
     runs = {}
     for sharding in ("ddp", "fsdp"):
         folder = tmp_path / sharding
         folder.mkdir()
         monkeypatch.chdir(folder)
-        config = _write_run(folder, sharding, outer_steps=3)
+        mirrored = str(tmp_path / "mirror") if sharding == "fsdp" else ""
+        config = _write_run(folder, sharding, outer_steps=3, mirror=mirrored)
         result = diloco("launch", "--config", config)
         assert result.exit_code == 0, result.output
         assert {row["state"] for row in statuses(config).values()} == {"done"}
@@ -119,6 +126,26 @@ def test_fsdp_replicas_sync_shard_by_shard_agree_and_match_ddp(tmp_path, monkeyp
     for name, expected in exported["ddp"].items():
         assert exported["fsdp"][name].shape == expected.shape
         torch.testing.assert_close(exported["fsdp"][name], expected, rtol=1e-5, atol=1e-6)
+
+    # Every rank mirrored its part: the COMMIT as committed, over both ranks' parts, intact
+    # in the mirror; the run's store lost, the same launch resumes from the mirror exactly.
+    monkeypatch.chdir(folder)
+    mirror = Store(str(tmp_path / "mirror"))
+    rounds = committed_rounds(store, layout)
+    assert committed_rounds(mirror, layout) == rounds == [2, 0]
+    for round_ in rounds:
+        assert read_commit(mirror, layout, round_)[1] == read_commit(store, layout, round_)[1]
+        for rank in (0, 1):
+            load_checkpoint(mirror, layout, round_, shard=ShardOf(rank, 2))
+    trained = _final_weights(str(folder / "store"))
+    shutil.rmtree(folder / "store")
+    resumed = diloco("launch", "--config", "run.toml", "--resume-from", str(tmp_path / "mirror"))
+    assert resumed.exit_code == 0, resumed.output
+    for replica in run_metrics(load_config("run.toml")).read().values():
+        healed = [event.detail for event in replica.events if event.event == "healed"]
+        assert healed[-1].startswith("healed from checkpoint 2: replayed 0 rounds"), healed
+    restored = _final_weights(str(folder / "store"))
+    assert all(torch.equal(restored[name], trained[name]) for name in trained)
 
 
 @pytest.mark.integration
@@ -195,33 +222,6 @@ def test_a_rank_killed_takes_its_replica_down_and_the_restart_heals_every_rank(
     for replica in metrics.values():
         last = replica.syncs[-1]
         assert (last.outer_step, last.committed) == (8, True)
-
-
-@pytest.mark.integration
-def test_every_rank_mirrors_its_part_and_a_lost_store_resumes_from_the_mirror(
-    tmp_path, monkeypatch
-):
-    monkeypatch.chdir(tmp_path)
-    config = _write_run(tmp_path, "fsdp", outer_steps=3, mirror="mirror")
-    result = diloco("launch", "--config", config)
-    assert result.exit_code == 0, result.output
-    store, mirror, layout = Store(str(tmp_path / "store")), Store("mirror"), RunLayout("t")
-    rounds = committed_rounds(store, layout)
-    assert committed_rounds(mirror, layout) == rounds == [2, 0]
-    for round_ in rounds:  # the COMMIT as committed, over both ranks' parts, intact there
-        assert read_commit(mirror, layout, round_)[1] == read_commit(store, layout, round_)[1]
-        for rank in (0, 1):
-            load_checkpoint(mirror, layout, round_, shard=ShardOf(rank, 2))
-    trained = _final_weights(str(tmp_path / "store"))
-
-    shutil.rmtree(tmp_path / "store")  # the run's store is lost
-    resumed = diloco("launch", "--config", config, "--resume-from", "mirror")
-    assert resumed.exit_code == 0, resumed.output
-    for replica in run_metrics(load_config(config)).read().values():
-        healed = [event.detail for event in replica.events if event.event == "healed"]
-        assert healed[-1].startswith("healed from checkpoint 2: replayed 0 rounds"), healed
-    restored = _final_weights(str(tmp_path / "store"))
-    assert all(torch.equal(restored[name], trained[name]) for name in trained)
 
 
 def test_a_replica_unlike_the_runs_sharding_is_refused(tmp_path):
