@@ -187,6 +187,11 @@ def test_keys_with_numbers_no_writer_makes_are_not_ours(bad):
     layout = RunLayout("run")
     assert layout.parse_member_key(f"run/members/r/{bad}/claim") is None
     assert layout.parse_member_key(f"run/members/r/0/lease-{bad}") is None
+    assert layout.parse_member_key("run/members/r/0/heartbeat") is None  # neither claim nor lease
+    assert layout.parse_data_claim(f"run/data/claims/{bad}-0") is None
+    assert layout.parse_data_claim("run/data/claims/1-0/extra") is None
+    assert layout.parse_data_claim("other/data/claims/1-0") is None
+    assert layout.parse_data_claim(layout.data_claim(3, 1)) == (3, 1)
     assert layout.parse_checkpoint_commit(f"run/checkpoints/{bad}/COMMIT") is None
     assert layout.parse_seal(f"run/rounds/{bad}/0/SEAL") is None
     assert layout.parse_seal(f"run/rounds/0000000001/{bad}/SEAL") is None
