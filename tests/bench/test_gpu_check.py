@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco_anywhere.bench.gpu.compiled_loop import missing_compiler
 from diloco_anywhere.bench.gpu.outcome import Judge
 from diloco_anywhere.bench.gpu.plan import CHECK_NAMES, SIZES, Check
 from diloco_anywhere.bench.gpu.runner import run_one, running
@@ -40,8 +39,7 @@ def test_every_gpu_check_passes_on_the_cpu_through_make_gpu_checks_script(tmp_pa
     )  # fmt: skip
     assert ended.returncode == 0, ended.stdout + ended.stderr
     summary = json.loads((tmp_path / "gpu-check.json").read_text())
-    compile_expected = "SKIP" if missing_compiler(torch.device("cpu")) else "PASS"
-    expected = {name: "PASS" for name in CHECK_NAMES} | {"compile": compile_expected}
+    expected = {name: "PASS" for name in CHECK_NAMES}  # the CPU's compile needs no compiler
     assert {row["name"]: row["status"] for row in summary["checks"]} == expected, ended.stdout
     assert all((tmp_path / f"gpu-check-{name}.log").exists() for name in CHECK_NAMES)
     lines = [line for line in ended.stdout.splitlines() if line[:4] in ("PASS", "FAIL", "SKIP")]
@@ -58,8 +56,8 @@ def test_every_gpu_check_passes_on_the_cpu_through_make_gpu_checks_script(tmp_pa
     assert numbers["codecs"]["feedback_residual_exact"]
     assert numbers["sync"]["host_memory_added_bytes"] > 0
     assert numbers["fsdp"]["apart_vs_moved"] == 0  # the CPU's one run, against itself
-    if compile_expected == "PASS":
-        assert "exact" in numbers["compile"]["resumed"][0]
+    assert "exact" in numbers["compile"]["resumed"][0]
+    assert "compiled (aot_eager)" in ended.stdout
 
 
 def test_inner_throughput_counts_the_intervals_free_of_syncs_between_two_syncs():

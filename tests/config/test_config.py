@@ -218,3 +218,20 @@ def test_a_benchmarks_codec_is_a_name_and_its_run_toml_settings(spec, message):
     assert parse_codec("int8")[0] == "int8"
     with pytest.raises(ConfigError, match=re.escape(message)):
         parse_codec(spec)
+
+
+@pytest.mark.parametrize(
+    ("value", "loaded"),
+    [("false", False), ("true", True), ('"aot_eager"', "aot_eager"), ('"cudagraphs"', "cudagraphs")],
+)
+def test_compile_is_a_switch_or_one_of_torchs_backends(value, loaded):
+    assert parse_config(f"[task]\ncompile = {value}", "run.toml").task.compile == loaded
+
+
+def test_a_compile_backend_torch_lacks_is_one_line_naming_those_allowed():
+    with pytest.raises(ConfigError) as caught:
+        parse_config('[task]\ncompile = "tensorrt"', "run.toml")
+    message = str(caught.value)
+    assert message.startswith("run.toml: task.compile = 'tensorrt': ")
+    assert "False, True, 'inductor', 'cudagraphs', 'aot_eager' or 'eager'" in message
+    assert len(message.splitlines()) == 1

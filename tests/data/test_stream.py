@@ -21,6 +21,7 @@ from diloco_anywhere.bucket.format.record import decode_record, encode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.records import Seal
 from diloco_anywhere.config import ConfigError
+from diloco_anywhere.data import prepare_once as prepare_once_module
 from diloco_anywhere.data.claims import Claims, DataPlan, DataPlanError, UnitClaim, agree_on_plan
 from diloco_anywhere.data.coverage import read_coverage
 from diloco_anywhere.data.order import Order, permute
@@ -243,13 +244,38 @@ def test_a_replica_waits_for_the_one_preparing_then_reads_its_copy(tmp_path):
     assert manifest == read_manifest(copy)
 
 
-def test_a_stalled_prepare_is_taken_over(tmp_path):
+@pytest.mark.parametrize("lock", ["stalled", "deleted"])
+def test_a_stalled_prepare_is_taken_over(tmp_path, monkeypatch, lock):
+    """The holder's key unchanged for longer than STALE_SECONDS of the waiter's clock, or gone
+    between two looks (deleted by hand, or by a lifecycle rule): either way the waiter takes
+    the prepare over, as resuming it writes the same bytes whoever writes them."""
     raw, copy = _raw(tmp_path), Store(str(tmp_path / "copy"))
     copy.put(PREPARING, encode_record(Preparing(holder="gone-0", text_bytes=0)))
+    monkeypatch.setattr(prepare_once_module, "POLL_SECONDS", 0.0)
     ticks = iter(range(0, 10**6, 100))  # the waiter's clock: 100 s a look
+
+    def clock() -> int:
+        if lock == "deleted":  # after the waiter failed to take it
+            (tmp_path / "copy" / PREPARING).unlink(missing_ok=True)
+        return next(ticks)
+
     settings = settings_for(BYTES, "text", 0.1, 5000, 256)
-    manifest = prepare_once(raw, copy, BYTES, settings, "second-0", clock=lambda: next(ticks))
+    manifest = prepare_once(raw, copy, BYTES, settings, "second-0", clock=clock)
     assert manifest.tokens("train") > 10_000
+    assert manifest == read_manifest(copy)
+
+
+def test_the_one_preparing_beats_with_how_far_it_got(tmp_path, monkeypatch):
+    """Every BEAT_SECONDS the holder rewrites its key with the text it has read so far (what
+    the waiters print, and what tells them it still works): at the end, all of it."""
+    raw, copy = _raw(tmp_path), Store(str(tmp_path / "copy"))
+    monkeypatch.setattr(prepare_once_module, "BEAT_SECONDS", 0.0)  # a beat at every piece
+    settings = settings_for(BYTES, "text", 0.1, 5000, 256)
+    manifest = prepare_once(raw, copy, BYTES, settings, "first-0")
+    beat = decode_record(copy.get(PREPARING, 0, 4096), Preparing, key=PREPARING)
+    text_bytes = sum(source.text_bytes for source in manifest.sources)
+    assert text_bytes > 10_000
+    assert (beat.holder, beat.text_bytes) == ("first-0", text_bytes)
 
 
 # -- claims ------------------------------------------------------------------------------------

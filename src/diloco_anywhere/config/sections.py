@@ -92,6 +92,10 @@ class CheckpointSection(_Section):
     own_state: bool = True
 
 
+# false, true (torch.compile's default backend, Inductor) or one of torch's own backends
+Compile = Literal[False, True, "inductor", "cudagraphs", "aot_eager", "eager"]
+
+
 class TaskSection(_Section):
     entrypoint: Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")] = (
         "diloco_anywhere.tasks.gpt:build"
@@ -99,8 +103,12 @@ class TaskSection(_Section):
     device: str = "auto"  # auto: cuda when there is one, else cpu
     # torch.compile the module the built-in loop's inner steps run through (a script of one's
     # own compiles its model itself): the first steps compile (a minute or so), later ones run
-    # faster on a GPU. Checkpoints and exports hold the model's own names either way.
-    compile: bool = False
+    # faster on a GPU. Checkpoints and exports hold the model's own names either way. true is
+    # torch.compile's own default backend, Inductor; a name picks another of torch's built-in
+    # backends (torch.compiler docs: "cudagraphs" replays CUDA graphs without Inductor's
+    # kernels; "aot_eager" traces forward and backward but runs them eagerly, the first step
+    # when bisecting a compile failure, and compiles nothing with a C++ or Triton compiler).
+    compile: Compile = False
     options: dict[str, Any] = Field(default_factory=dict)
     log_every: PositiveInt = 10  # inner steps between two loss lines in the metrics
     # Outer steps between held-out evaluations (and always the last one); 0: never.

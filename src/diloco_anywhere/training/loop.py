@@ -40,11 +40,14 @@ def train(replica: Replica) -> TrainingResult:
     return training.result()
 
 
-def compiled(module: nn.Module, compile_module: bool) -> nn.Module:
-    """``module`` through ``torch.compile`` when run.toml's ``[task] compile`` asks: the
-    compiled wrapper runs the forward and backward; DiLoCo, the outer step, checkpoints and the
-    held-out evaluation work on the module's own parameters, which it shares."""
-    return torch.compile(module) if compile_module else module
+def compiled(module: nn.Module, compile_module: bool | str) -> nn.Module:
+    """``module`` through ``torch.compile`` when run.toml's ``[task] compile`` asks (true:
+    torch's default backend, Inductor; else the backend it names): the compiled wrapper runs
+    the forward and backward; DiLoCo, the outer step, checkpoints and the held-out evaluation
+    work on the module's own parameters, which it shares."""
+    if compile_module is False:
+        return module
+    return torch.compile(module, backend="inductor" if compile_module is True else compile_module)
 
 
 def backward_batch(task: Task, model: nn.Module, batch: Batch) -> torch.Tensor:

@@ -23,6 +23,7 @@ from diloco_anywhere.bench.unattended import (
     restarts,
     sent_alerts,
     startup_seconds,
+    unattended_figures,
     unattended_toml,
 )
 from diloco_anywhere.config import load_config
@@ -100,6 +101,16 @@ def test_a_detached_run_left_to_the_keeper_completes(
     assert run.metrics["k8s-0"].count("superseded") >= 1  # the zombie ended itself when it woke
     for replica in ("local-0", "hf_jobs-0", "k8s-0"):
         assert all(n <= 1 for n in passes_to_return(run, replica)), replica  # back in 2
+
+    figures = unattended_figures(run, config)  # what `diloco bench unattended` reports
+    assert figures["rounds"] == figures["outer_steps"] == 30, figures
+    assert figures["restarts"] == len(made), figures
+    assert figures["done"], figures
+    assert figures["rounds_with_disagreeing_fingerprints"] == 0
+    assert figures["passes_to_return_max"] <= 1
+    assert 0 < figures["goodput"] < 1  # each restart is charged a round it lost
+    assert figures["return_seconds_max"] >= figures["return_seconds_median"] > 0, figures
+    assert figures["keeper_passes"] == len(run.passes)
 
     texts = webhook.texts()
     assert sorted(texts) == sorted(sent_alerts(config, launch.number))  # once each
