@@ -222,7 +222,12 @@ def test_a_benchmarks_codec_is_a_name_and_its_run_toml_settings(spec, message):
 
 @pytest.mark.parametrize(
     ("value", "loaded"),
-    [("false", False), ("true", True), ('"aot_eager"', "aot_eager"), ('"cudagraphs"', "cudagraphs")],
+    [
+        ("false", False),
+        ("true", True),
+        ('"aot_eager"', "aot_eager"),
+        ('"cudagraphs"', "cudagraphs"),
+    ],
 )
 def test_compile_is_a_switch_or_one_of_torchs_backends(value, loaded):
     assert parse_config(f"[task]\ncompile = {value}", "run.toml").task.compile == loaded
