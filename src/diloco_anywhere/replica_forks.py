@@ -38,6 +38,8 @@ no torch.
 
 from __future__ import annotations
 
+import gc
+import importlib
 import itertools
 import json
 import os
@@ -55,6 +57,12 @@ from typing import IO, Any
 IMPORT_ENVIRONMENT = ("PYTHON", "OMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_", "CUDA_",
                       "NCCL_", "FSSPEC_")  # fmt: skip
 REAP_EVERY = 0.05  # seconds between looks for ended children
+# What a replica imports before its first step, imported once in the server rather than in each
+# child: the entrypoint (torch, torchft, every layer below it) and torch._dynamo, which torch
+# imports lazily on a process's first optimizer (``torch._compile._disable_dynamo``), 0.75 s of
+# CPU a replica on a two-core machine, and the profiler's module its first step imports. None
+# starts a thread (tests/backends/test_replica_forks.py: a child's first step imports nothing).
+PRELOAD = ("diloco_anywhere.replica", "torch._dynamo", "torch.profiler._cupti_monitor")
 
 
 def import_environment(environment: dict[str, str]) -> tuple[tuple[str, str], ...]:
@@ -121,7 +129,13 @@ def _become(request: dict[str, Any], log: int) -> None:
 def serve() -> dict[str, Any]:
     """Fork a replica for every request until stdin closes (then exit); in each child, return
     its request."""
-    import diloco_anywhere.replica  # noqa: F401  (what every child would import: once, here)
+    for module in PRELOAD:  # what every child would import: once, here
+        importlib.import_module(module)
+    # What the imports made is never collected (it lives as long as the modules): frozen, the
+    # children's garbage collector skips it rather than touching every object's header, which
+    # copied the server's pages into each child (the gc module's docs, gc.freeze: "avoiding
+    # unnecessary copy-on-write in child processes").
+    gc.freeze()
 
     children: set[int] = set()
     pending = b""
@@ -250,6 +264,34 @@ class ForkServer:
         """``pid``'s exit code once the server reaped it (None while it runs)."""
         with self._said:
             return self._codes.get(pid)
+
+    def wait(self, pid: int, timeout: float | None = None) -> int | None:
+        """``pid``'s exit code once it ends, or None when ``timeout`` passed first or the server
+        ended (then no one can say how its children end)."""
+        with self._said:
+            self._said.wait_for(lambda: pid in self._codes or self._gone, timeout)
+            return self._codes.get(pid)
+
+
+class ForkedProcess:
+    """A forked child as ``subprocess.Popen`` shows the process it started (``pid``, ``poll``,
+    ``wait``, ``returncode``), for code written for a ``Popen``."""
+
+    def __init__(self, server: ForkServer, pid: int) -> None:
+        self.server, self.pid = server, pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        self.returncode = self.server.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.returncode = self.server.wait(self.pid, timeout)
+        if self.returncode is None:
+            if self.server.answering:
+                raise subprocess.TimeoutExpired(f"forked pid {self.pid}", timeout or 0.0)
+            raise ForkServerGoneError(f"the fork server ended before pid {self.pid} did")
+        return self.returncode
 
 
 MAX_SERVERS = 4  # kept per process; the least recently used ends first (its replicas go on)

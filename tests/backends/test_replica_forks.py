@@ -73,6 +73,7 @@ def test_a_forked_child_looks_started_by_the_backend_and_its_exit_code_comes_bac
     assert seen[0]["random"] != seen[1]["random"]  # seeded afresh, not the server's state
     assert seen[0]["torch"] != seen[1]["torch"]
     assert (tmp_path / "a.log").read_text() == "probe 3\n"
+    assert seen[0]["first_step"] == [], "imported in every replica: add it to PRELOAD"
 
 
 def test_the_server_ends_with_its_starter_and_leaves_its_children_running(tmp_path):

@@ -22,8 +22,7 @@ import os
 from multiprocessing.context import ForkServerContext, ForkServerProcess
 from typing import Any
 
-# the replica entrypoint imports torch, torchft and every layer of the data path below it
-PRELOAD = ["torch", "diloco_anywhere.replica"]
+from diloco_anywhere.replica_forks import PRELOAD  # what a local replica's fork server holds
 
 
 class _WorkerProcess(ForkServerProcess):
@@ -46,5 +45,5 @@ class _WorkerContext(ForkServerContext):
 def worker_context() -> ForkServerContext:
     """A multiprocessing context whose workers start from a server holding ``PRELOAD``."""
     context = _WorkerContext()
-    context.set_forkserver_preload(PRELOAD)
+    context.set_forkserver_preload(list(PRELOAD))
     return context
