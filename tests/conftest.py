@@ -12,6 +12,7 @@ import multiprocessing.process
 import os
 import random
 import subprocess
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -97,11 +98,48 @@ def _uses_servers(item: pytest.Item) -> bool:
     return "standins" in getattr(item, "fixturenames", ())
 
 
+# Fixtures shared by several tests (module or session scope) that started a process while being
+# set up, on this worker: a test that uses one starts processes too, if only when it happens to
+# be the first to use it, so it must be marked ``integration`` like the tests that start their
+# own (a function-scoped fixture's process is refused below, as the test's own would be).
+# Spawns are counted on the main thread only, where fixtures are set up.
+_spawns = {"count": 0}
+_spawning_fixtures: set[str] = set()
+
+
+def _counted(start: Callable) -> Callable:
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is threading.main_thread():
+            _spawns["count"] += 1
+        return start(*args, **kwargs)
+
+    return counting
+
+
+subprocess.Popen.__init__ = _counted(subprocess.Popen.__init__)
+multiprocessing.process.BaseProcess.start = _counted(multiprocessing.process.BaseProcess.start)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest):
+    before = _spawns["count"]
+    try:
+        return (yield)
+    finally:
+        if _spawns["count"] > before and fixturedef.scope != "function":
+            _spawning_fixtures.add(fixturedef.argname)
+
+
 @pytest.fixture(autouse=True)
 def _in_process_unless_integration(request: pytest.FixtureRequest, monkeypatch) -> None:
-    """A test not marked ``integration`` starts no process."""
+    """A test not marked ``integration`` starts no process, nor uses a fixture that did."""
     if request.node.get_closest_marker("integration"):
         return
+    spawning = sorted(_spawning_fixtures.intersection(request.fixturenames))
+    assert not spawning, (
+        f"{request.node.nodeid} uses {', '.join(spawning)}, which started processes: "
+        "mark it @pytest.mark.integration"
+    )
 
     def refuse(*_: object, **__: object) -> None:
         raise AssertionError(

@@ -280,6 +280,7 @@ def ended(states: list[str]) -> bool:
     return all(state in ("exited", "failed", "timed_out", "stopped") for state in states)
 
 
+@pytest.mark.integration
 def test_a_server_side_dry_run_creates_nothing(tmp_path, kube):
     config = write_config(tmp_path, f'secret = "{STORE_SECRET}"')
     plan = plan_launch(config, {"k8s": 2}, root=tmp_path)
@@ -301,6 +302,7 @@ def test_a_server_side_dry_run_creates_nothing(tmp_path, kube):
     assert backend.state(handle) == "stopped"  # no such Job
 
 
+@pytest.mark.integration
 def test_api_errors_reach_the_user_as_one_short_line(tmp_path, kube, monkeypatch):
     """An ApiException's text holds the response's headers and body over many lines: the
     user gets its status, reason and the API server's message."""

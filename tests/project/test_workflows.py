@@ -278,6 +278,7 @@ def test_the_build_context_is_enough_to_install_a_rendered_project(project, tmp_
 # -- the workflows ------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 def test_workflows_are_these_five(project) -> None:
     for root in (ROOT, project):
         assert sorted(p.name for p in (root / ".github" / "workflows").iterdir()) == sorted(
@@ -330,6 +331,7 @@ def test_zizmor(workflows) -> None:
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
 
+@pytest.mark.integration
 def test_every_action_is_pinned_to_a_commit(workflows) -> None:
     for path in sorted(workflows.glob("*.yml")):
         for line in path.read_text().splitlines():
@@ -339,6 +341,7 @@ def test_every_action_is_pinned_to_a_commit(workflows) -> None:
                 assert VERSION_COMMENT.search(used.group(2)), f"{path.name}: {line.strip()}"
 
 
+@pytest.mark.integration
 def test_no_run_step_splices_inputs_or_event_data(workflows) -> None:
     for path, name, job in jobs_of(workflows):
         for step in job.get("steps", []):
@@ -347,6 +350,7 @@ def test_no_run_step_splices_inputs_or_event_data(workflows) -> None:
                 assert untrusted not in script, f"{path.name} {name}: pass it through env:"
 
 
+@pytest.mark.integration
 def test_checkout_keeps_no_token_and_every_job_has_its_permissions(workflows) -> None:
     for path, name, job in jobs_of(workflows):
         workflow = load(path)
@@ -369,6 +373,7 @@ def granted(path: Path) -> dict[str, set[str]]:
     }  # fmt: skip
 
 
+@pytest.mark.integration
 def test_write_permissions_are_where_they_are_used(workflows) -> None:
     assert granted(workflows / "ci.yml") == {"test": set()}
     assert granted(workflows / "launch.yml") == {"dry-run": set(), "launch": {"id-token"}}
@@ -376,6 +381,7 @@ def test_write_permissions_are_where_they_are_used(workflows) -> None:
     assert granted(workflows / "smoke.yml") == {"smoke": {"id-token"}}
 
 
+@pytest.mark.integration
 def test_smoke_skips_a_backend_without_credentials_with_a_notice(workflows) -> None:
     smoke = load(workflows / "smoke.yml")
     (job,) = smoke["jobs"].values()
@@ -473,6 +479,7 @@ def test_smoke_gate_wants_the_launcher_role_for_an_s3_store(workflows, tmp_path)
 AWS_IDENTITY = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 
 
+@pytest.mark.integration
 def test_no_step_replaces_the_launchers_aws_identity_with_the_replica_key(workflows) -> None:
     """The replica user's key (STORE_AWS_*) reaches HF Jobs through run.toml's NAME=SOURCE
     entries; put in the launcher's AWS_* it would replace the OIDC role for the whole launch
@@ -492,6 +499,7 @@ def test_no_step_replaces_the_launchers_aws_identity_with_the_replica_key(workfl
                 assert not passed or variable == passed.group(1), f"{where}: {variable}"
 
 
+@pytest.mark.integration
 def test_launch_passes_the_replica_key_under_its_own_names(workflows) -> None:
     """Repository and project (S3 + hf_jobs): the launch step gets STORE_AWS_* as they are."""
     launch = load(workflows / "launch.yml")["jobs"]["launch"]
@@ -507,6 +515,7 @@ def test_launch_passes_the_replica_key_under_its_own_names(workflows) -> None:
     assert not [v for v in stop.get("env", {}) if v.startswith("STORE_AWS_")], stop["name"]
 
 
+@pytest.mark.integration
 def test_a_projects_launch_step_has_every_variable_its_hf_jobs_secrets_read(project) -> None:
     """run.toml's [backends.hf_jobs] secrets and launch.yml agree; on S3 the replicas' key is
     read from STORE_AWS_*, which the launch step gets, never from the launcher's AWS_*."""
@@ -521,6 +530,7 @@ def test_a_projects_launch_step_has_every_variable_its_hf_jobs_secrets_read(proj
     assert set(sources.values()) <= set(step["env"])
 
 
+@pytest.mark.integration
 def test_backends_input_is_split_never_globbed(workflows) -> None:
     for path, name, job in jobs_of(workflows):
         for step in job.get("steps", []):
@@ -530,6 +540,7 @@ def test_backends_input_is_split_never_globbed(workflows) -> None:
                 assert 'read -ra backends <<< "$BACKENDS"' in script, f"{path.name} {name}"
 
 
+@pytest.mark.integration
 def test_ecr_push_only_from_the_default_branch(workflows) -> None:
     """The launcher role trusts the default branch: a run by hand elsewhere builds, pushes to
     the registry, and skips ECR instead of failing on the role."""
@@ -574,6 +585,7 @@ SMOKE_ENV = {
 }  # fmt: skip
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_smoke_run_toml_is_two_replicas_two_rounds_that_the_launcher_accepts(
     backend, project, tmp_path

@@ -64,6 +64,7 @@ def finished_run(tmp_path_factory):
     return folder
 
 
+@pytest.mark.integration
 def test_the_export_holds_the_committed_global_weights(finished_run, tmp_path, monkeypatch):
     monkeypatch.chdir(finished_run)
     monkeypatch.syspath_prepend(str(finished_run))
@@ -101,6 +102,7 @@ def test_the_export_holds_the_committed_global_weights(finished_run, tmp_path, m
                 ).read_bytes() == path.read_bytes()
 
 
+@pytest.mark.integration
 def test_an_export_to_a_store_is_create_only_and_the_same_export_again_a_no_op(
     finished_run, monkeypatch
 ):
@@ -119,6 +121,7 @@ def test_an_export_to_a_store_is_create_only_and_the_same_export_again_a_no_op(
     assert "already exists; keys are create-only: export to an empty folder" in other.output
 
 
+@pytest.mark.integration
 def test_nothing_committed_or_a_missing_round_says_so(finished_run, tmp_path, monkeypatch):
     monkeypatch.chdir(finished_run)
     missing = diloco("export", str(tmp_path / "x"), "--config", "run.toml", "--round", "999")

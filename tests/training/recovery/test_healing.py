@@ -44,6 +44,9 @@ from diloco_anywhere.training.training import Training
 from support.checkpoints import record_bytes, rewrite_counters
 from support.proxy import Fault, FaultProxy
 
+# every test heals from, or damages a copy of, a run that processes trained (train())
+pytestmark = pytest.mark.integration
+
 OUTER_STEPS = 6
 RUN_TOML = f"""
 [run]
@@ -200,7 +203,6 @@ def test_a_newcomer_of_another_model_is_stopped_as_unlike_the_run_naming_the_wei
     assert "Every replica must build the same model" in said
 
 
-@pytest.mark.integration
 def test_a_replica_that_heals_to_the_end_commits_the_last_checkpoint_nobody_committed(run):
     """The last round's committer was killed writing its checkpoint (an attempt's time limit),
     the other replica too: the run's end is its last COMMIT, so the restarted replica, which
