@@ -125,16 +125,28 @@ def test_a_sparse_streaming_run_agrees_and_keeps_each_fragments_accumulator(run_
 
 @pytest.mark.integration
 def test_a_killed_replica_leaves_the_others_to_finish(run_toml):
-    """min_replicas = 2 of 3: once local-2 is SIGKILLed, the others seal without it."""
-    config = run_toml(replicas=3, outer_steps=12)  # long enough that the kill lands mid-run
+    """min_replicas = 2 of 3: once local-2 is SIGKILLed, the others seal without it.
+
+    The kill must land while the run goes on: forked replicas trained all 12 rounds in 5 s on
+    a loaded machine, between two looks of ``diloco status`` (whose metrics also lag rounds).
+    So the test looks in the store for local-2's manifest of round 1 (it synced round 0; a
+    look takes milliseconds), then freezes local-0 and local-1: local-2, alone, can seal no
+    round more, so it is alive when it is killed. Woken, the two seal the rest without it."""
+    config = run_toml(replicas=3, outer_steps=12)
     assert diloco("launch", "--config", config, "--detach").exit_code == 0
     state = json.loads(Path(".diloco/t/launch.json").read_text())
     pids = {handle["replica_id"]: handle["job"]["pid"] for handle in state["replicas"]}
-    deadline = time.monotonic() + 120
-    while statuses(config).get("local-2", {}).get("outer_step", 0) < 1:
+    store, deadline = Store(load_config(config).store_url()), time.monotonic() + 120
+    layout = RunLayout("t")
+    while layout.manifest(1, 0, "local-2", 0) not in store.list_prefix(layout.manifests(1, 0)):
         assert time.monotonic() < deadline, statuses(config)
-        time.sleep(0.5)
+        time.sleep(0.05)
+    held = [pids["local-0"], pids["local-1"]]
+    for pid in held:
+        os.killpg(pid, signal.SIGSTOP)
     os.kill(pids["local-2"], signal.SIGKILL)
+    for pid in held:
+        os.killpg(pid, signal.SIGCONT)
     while {statuses(config)[r]["state"] for r in ("local-0", "local-1")} != {"done"}:
         assert time.monotonic() < deadline, statuses(config)
         time.sleep(0.5)
