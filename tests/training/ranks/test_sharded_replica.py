@@ -191,14 +191,19 @@ def test_a_rank_killed_takes_its_replica_down_and_the_restart_heals_every_rank(
     supervisor = Supervisor(plan, start(plan), max_restarts=1)
     store, layout = Store(config.store_url()), RunLayout("t")
     deadline = time.monotonic() + 300
-    # killed once local-1 is in and a checkpoint is committed (its time is not a step count's)
-    while statuses(str(config.source)).get("local-1", {}).get("outer_step", 0) < 2 or not (
+    # killed once local-1 is in round 2 and a checkpoint is committed, both read in the store
+    # (a status's metrics lag rounds), with local-0 frozen meanwhile: local-1 then cannot end
+    # the run before its rank is killed, however fast the machine trains
+    launchers = {h.replica_id: h.job["pid"] for h in supervisor.handles}
+    in_round_2 = layout.manifest(2, 0, "local-1", 0)
+    while in_round_2 not in store.list_prefix(layout.manifests(2, 0)) or not (
         committed_rounds(store, layout)
     ):
         assert time.monotonic() < deadline, statuses(str(config.source))
         time.sleep(0.2)
-    launcher = next(h for h in supervisor.handles if h.replica_id == "local-1").job["pid"]
-    os.kill(_rank_process(launcher, rank=1), signal.SIGKILL)
+    os.killpg(launchers["local-0"], signal.SIGSTOP)
+    os.kill(_rank_process(launchers["local-1"], rank=1), signal.SIGKILL)
+    os.killpg(launchers["local-0"], signal.SIGCONT)
 
     restarts: list[str] = []
     while supervisor.restarting or any(
