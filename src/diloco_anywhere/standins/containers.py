@@ -5,13 +5,10 @@ A stand-in server (HF Jobs, Kubernetes) accepts a job as its platform would and 
 command with only the environment the platform would give the container: the job's own
 variables and secrets. By default this machine's Python stands in for the image (a leading
 ``python`` becomes ``sys.executable``, and the image's PATH, PYTHONPATH and HOME are this
-machine's), and the replica entrypoint is forked from a server that has imported it, as the
-local backend forks its replicas (``replica_forks``): a container that starts at once, as a
-warm image does, where a fresh interpreter spent seconds of CPU on its imports. With
-``DILOCO_STANDIN_ENGINE=podman``, the command runs in the image the job names (a local one), as
-its platform starts it (``make image-test``, docs/ci.md): host networking, so the job reaches
-the stand-in store on loopback as a cloud job reaches its bucket; a Kubernetes ``command``
-replaces the image's ENTRYPOINT, an HF Jobs command is given to it.
+machine's). With ``DILOCO_STANDIN_ENGINE=podman``, the command runs in the image the job names
+(a local one), as its platform starts it (``make image-test``, docs/ci.md): host networking,
+so the job reaches the stand-in store on loopback as a cloud job reaches its bucket; a
+Kubernetes ``command`` replaces the image's ENTRYPOINT, an HF Jobs command is given to it.
 """
 
 from __future__ import annotations
@@ -26,14 +23,6 @@ import threading
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-
-from diloco_anywhere.replica_forks import (
-    ForkedProcess,
-    ForksUnavailableError,
-    forkable,
-    forking_enabled,
-    start_forked,
-)
 
 IMAGE_ENV = ("PATH", "PYTHONPATH", "HOME", "LANG", "TMPDIR")
 ENV_STANDIN_ENGINE = "DILOCO_STANDIN_ENGINE"  # "podman": jobs run in their images
@@ -76,17 +65,6 @@ def standin_engine() -> str | None:
     return engine
 
 
-def _forked(argv: list[str], env: dict[str, str], log: Path) -> ForkedProcess | None:
-    """The replica entrypoint forked from its server (None for any other command, or where
-    no server can fork it, or forking is off: ``DILOCO_FORK_REPLICAS=0``)."""
-    if not (forkable(argv) and forking_enabled(env)):
-        return None
-    try:
-        return ForkedProcess(*start_forked(argv[3:], env, os.getcwd(), log))
-    except ForksUnavailableError:
-        return None
-
-
 class ContainerProcess:
     """One container of a job: its process, its output, and how it ended. ``image`` is the
     image the job names and ``replaces_entrypoint`` whether the platform's command replaces its
@@ -114,17 +92,15 @@ class ContainerProcess:
             argv, process_env = local_process(command, env)
         self.log = log
         self.cancelled = False
-        self.process = _forked(argv, process_env, log) if self.engine is None else None
-        if self.process is None:
-            with log.open("ab") as output:
-                self.process = subprocess.Popen(
-                    argv,
-                    env=process_env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=output,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
+        with log.open("ab") as output:
+            self.process = subprocess.Popen(
+                argv,
+                env=process_env,
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def exit_code(self) -> int | None:
         return self.process.poll()
