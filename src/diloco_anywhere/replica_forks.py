@@ -265,34 +265,6 @@ class ForkServer:
         with self._said:
             return self._codes.get(pid)
 
-    def wait(self, pid: int, timeout: float | None = None) -> int | None:
-        """``pid``'s exit code once it ends, or None when ``timeout`` passed first or the server
-        ended (then no one can say how its children end)."""
-        with self._said:
-            self._said.wait_for(lambda: pid in self._codes or self._gone, timeout)
-            return self._codes.get(pid)
-
-
-class ForkedProcess:
-    """A forked child as ``subprocess.Popen`` shows the process it started (``pid``, ``poll``,
-    ``wait``, ``returncode``), for code written for a ``Popen``."""
-
-    def __init__(self, server: ForkServer, pid: int) -> None:
-        self.server, self.pid = server, pid
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        self.returncode = self.server.exit_code(self.pid)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        self.returncode = self.server.wait(self.pid, timeout)
-        if self.returncode is None:
-            if self.server.answering:
-                raise subprocess.TimeoutExpired(f"forked pid {self.pid}", timeout or 0.0)
-            raise ForkServerGoneError(f"the fork server ended before pid {self.pid} did")
-        return self.returncode
-
 
 MAX_SERVERS = 4  # kept per process; the least recently used ends first (its replicas go on)
 _servers: dict[tuple, ForkServer] = {}  # by import environment, least recently used first
