@@ -127,14 +127,18 @@ def test_a_claimed_attempt_is_being_started_until_its_grace_ends_then_counts_as_
     [(2, "it refused run.toml"),
      (4, "its script trains without syncing (outside `replica.diloco`, a Trainer without "
          "DilocoCallback, or another optimizer than the one DiLoCo wraps)"),
-     (5, "its model is unlike the run's")],
+     (5, "its model is unlike the run's"),
+     (6, "too few replicas are left for a round (the others stopped for good)")],
 )  # fmt: skip
 def test_a_replica_whose_end_no_restart_can_help_is_not_restarted(code, why):
+    """Each is out for good but the one that ended for the others' doing (exit 6): once they
+    are replaced, it can come back, so its departure does not count against the run."""
     decision = decide(seen(state="failed", exit_code=code), NOW, KEEP)
     assert decision.action == "give_up"
     assert f"{why} and would only fail again; fix it, then `diloco replace modal-0`" in (
         decision.detail
     )
+    assert decision.final == (code != 6)
 
 
 def test_attempts_that_end_before_contributing_are_bounded_whatever_ended_them():

@@ -143,13 +143,15 @@ def run_hopeless(store: Store, layout: RunLayout, replicas: int, least: int) -> 
     return hopeless(departed(store, layout), replicas, least)
 
 
-def depart_for(store: Store, layout: RunLayout, replica: str, reason: str) -> None:
-    """Say for ``replica`` that it left for good (``departures.py``), where it could not: the
-    keeper gave up on it, or the launch following it found the run cannot go on. Its newest
-    claimed incarnation, or none where it never joined; a later incarnation (``diloco
-    replace``) is not concerned."""
+def depart_for(
+    store: Store, layout: RunLayout, replica: str, reason: str, final: bool = True
+) -> None:
+    """Say for ``replica`` that it left (``departures.py``; for good unless not ``final``),
+    where it could not: the keeper gave up on it, or the launch following it found the run
+    cannot go on. Its newest claimed incarnation, or none where it never joined; a later
+    incarnation (``diloco replace``) is not concerned."""
     newest = MembershipView.read(store, layout).newest().get(replica)
-    record_departure(store, layout, replica, newest, reason, final=True)
+    record_departure(store, layout, replica, newest, reason, final=final)
 
 
 def newer_claim(replica: str, newest: int) -> str:

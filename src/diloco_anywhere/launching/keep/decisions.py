@@ -86,6 +86,9 @@ class Decision:
     streak: int = 0  # quick ends in a row, this one included
     stop_first: bool = False  # a hung job: stopped before the next starts
     fruitless: int = 0  # attempts in a row that ended without contributing, this one included
+    # give_up: the replica is out for good (``Departure.final``); not where it ended for the
+    # others' doing (they left too few for a round): replacing them brings it back too
+    final: bool = True
 
 
 def backoff(keep: KeepSection, streak: int) -> float:
@@ -127,7 +130,8 @@ def decide(replica: Observed, now: float, keep: KeepSection) -> Decision:
     if replica.exit_code in GIVEN_UP_ON:
         why = GIVEN_UP_ON[replica.exit_code]
         return Decision("give_up", reason, f"{detail}: {why} and would only fail again; fix "
-                        f"it, then `diloco replace {replica.replica_id}`")  # fmt: skip
+                        f"it, then `diloco replace {replica.replica_id}`",
+                        final=replica.exit_code != EXIT_RUN_CANNOT_GO_ON)  # fmt: skip
     if replica.exit_code == EXIT_SUPERSEDED:
         return Decision("leave", "superseded by a newer incarnation started elsewhere")
     ran = replica.last_alive - replica.started_at

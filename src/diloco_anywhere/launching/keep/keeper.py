@@ -351,7 +351,7 @@ class Keeper:
             # the others learn it through the bucket (it may have left no word: it never
             # joined, or was killed): their rounds fail at once when it leaves too few
             depart_for(self.store, self.layout, name, f"the keeper gave up on it: "
-                       f"{decision.detail}")  # fmt: skip
+                       f"{decision.detail}", final=decision.final)  # fmt: skip
         alerts.send(Alert(f"ended.{name}.{replica.attempt}", said))
         return [said]
 
