@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from diloco_anywhere.bucket.codecs.codec import make_codec
 from diloco_anywhere.cli import app, parse_size
+from diloco_anywhere.collective.phases import PHASES
 
 runner = CliRunner()
 SMALL = ["--size", "256KiB", "--objects", "4", "--repeats", "1"]
@@ -126,6 +127,10 @@ def test_bench_sync_json_reports_traffic_near_the_mode_bound(tmp_path, mode, rep
         assert ratio < 1.05
     assert report["round_seconds"] > 0
     assert report["raw_copy_seconds"] > 0
+    # where a round's time went: every phase, thread-seconds, both ways of moving bytes
+    assert set(report["phase_seconds"]) == set(PHASES)
+    assert all(report["phase_seconds"][phase] > 0 for phase in ("transfer", "decode", "reduce"))
+    assert [set(split) for split in report["phase_seconds_each"]] == [set(PHASES)]
 
 
 @pytest.mark.integration

@@ -19,12 +19,12 @@ from diloco_anywhere.bucket.format import framing, wire
 from diloco_anywhere.bucket.format.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective
+from diloco_anywhere.collective.exchanges.sharded import _ShardedExchange
 from diloco_anywhere.collective.flat import FlatTensors
 from diloco_anywhere.collective.mean import weighted_mean
 from diloco_anywhere.collective.parts import PartIO, Transfers
 from diloco_anywhere.collective.policy import CollectiveConfig, RoundPolicy
 from diloco_anywhere.collective.records import MAX_WEIGHT, Manifest, check_weight
-from diloco_anywhere.collective.sharded import _ShardedExchange
 from diloco_anywhere.collective.transfers import windowed
 
 META = wire.ObjectMeta(run="run", round=0, replica="a", incarnation=0, shard=0)

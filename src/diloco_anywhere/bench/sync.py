@@ -50,6 +50,7 @@ from diloco_anywhere.bucket.redaction import redact_url
 from diloco_anywhere.bucket.stats import StoreStats
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective
+from diloco_anywhere.collective.phases import PHASES
 from diloco_anywhere.collective.policy import CollectiveConfig, RoundPolicy
 
 MODES = ("gather", "sharded", "auto")
@@ -91,6 +92,7 @@ class RoundMeasure:
     traffic: StoreStats
     mode: str
     memory_added: int | None
+    phases: dict[str, float]  # thread-seconds per phase (``collective/phases.py``)
 
 
 def _replica(url, options, index, bench: SyncBench, barrier, results) -> None:
@@ -114,12 +116,14 @@ def _replica(url, options, index, bench: SyncBench, barrier, results) -> None:
                     work = collective.allreduce(tensor, round_=round_)
                     work.wait()
                 added = None if baseline is None or peak.bytes is None else peak.bytes - baseline
+                result = work.result()
                 measured.append(
                     RoundMeasure(
                         time.perf_counter() - started + late,
                         store.stats() - before,
-                        work.result().seal.mode,
+                        result.seal.mode,
                         added,
+                        result.seconds,
                     )
                 )
         results.put((index, measured))
@@ -260,7 +264,7 @@ def _local_folder(url: str) -> str | None:
 
 def _codec_seconds(numel: int, spec: str, device: str) -> tuple[float, float]:
     """(encode, decode) seconds of the whole payload, each alone, on one thread here: encoded
-    from ``device``, decoded on the host, as a round does (its reduction is the host's)."""
+    from ``device`` and decoded onto it, as a round does (it reduces where the tensors are)."""
     codec = codec_of(spec)
     tensor = torch.empty(numel, device=device)
     fill_gaussian(tensor, seed=0)
@@ -270,7 +274,9 @@ def _codec_seconds(numel: int, spec: str, device: str) -> tuple[float, float]:
     started = time.perf_counter()
     encoded = wire.encode(tensor, codec, BENCH_META, into=buffer)
     encoded_at = time.perf_counter()
-    wire.decode(encoded)
+    wire.decode(encoded, device=torch.device(device))
+    if device == "cuda":
+        torch.cuda.synchronize()
     return encoded_at - started, time.perf_counter() - encoded_at
 
 
@@ -311,6 +317,13 @@ def _median_requests(rows: list[RoundMeasure]) -> dict[str, int]:
     return {
         kind: int(statistics.median(_requests(row.traffic)[kind] for row in rows))
         for kind in ("puts", "gets", "lists")
+    }
+
+
+def phase_split(rows: list[RoundMeasure]) -> dict[str, float]:
+    """The median thread-seconds of each phase over ``rows`` (``collective/phases.py``)."""
+    return {
+        phase: statistics.median(row.phases.get(phase, 0.0) for row in rows) for phase in PHASES
     }
 
 
@@ -369,6 +382,11 @@ def bench_sync(url: str, options: list[dict[str, Any]], bench: SyncBench, progre
         "s3_request_usd_per_1000_rounds_per_replica": request_cost(requests),
         "round_seconds": round_seconds,
         "round_seconds_each": [max(m[r].seconds for m in outcomes) for r in rounds],
+        # thread-seconds per phase of a replica's round (medians; they overlap: phases.py)
+        "phase_seconds": phase_split(rows),
+        "phase_seconds_each": [
+            max((m[r] for m in outcomes), key=lambda row: row.seconds).phases for r in rounds
+        ],
         "raw_copy_seconds": raw,
         "raw_copy_seconds_each": raw_each,
         "round_vs_raw": round_seconds / raw if raw else float("inf"),

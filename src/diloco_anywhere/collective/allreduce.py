@@ -31,8 +31,9 @@ from diloco_anywhere.bucket.format.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.collect import RoundCollector
 from diloco_anywhere.collective.errors import ModelMismatchError
+from diloco_anywhere.collective.exchanges.gather import gather_mean
+from diloco_anywhere.collective.exchanges.sharded import sharded_mean
 from diloco_anywhere.collective.flat import FlatTensors
-from diloco_anywhere.collective.gather import gather_mean
 from diloco_anywhere.collective.members.departures import Departure, hopeless, newest_departures
 from diloco_anywhere.collective.members.membership import (
     Clock,
@@ -43,7 +44,6 @@ from diloco_anywhere.collective.parts import Transfers, one_intra_op_thread
 from diloco_anywhere.collective.policy import CollectiveConfig
 from diloco_anywhere.collective.records import NO_PACE, Pace, Seal
 from diloco_anywhere.collective.round import Round
-from diloco_anywhere.collective.sharded import sharded_mean
 from diloco_anywhere.collective.stream_order import StreamOrder
 
 EXCHANGES = {"gather": gather_mean, "sharded": sharded_mean}
@@ -58,13 +58,17 @@ class RoundResult:
     fingerprint: str  # of the sealed contributors' global state
     excluded: dict[str, str] = field(default_factory=dict)  # contributor -> why
     paces: dict[str, Pace] = field(default_factory=dict)  # sealed contributor -> its pace
+    # this replica's thread-seconds per phase of the round (``phases.py``)
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 def _exchange(round_: Round, seal: Seal, destination: FlatTensors) -> RoundResult:
     EXCHANGES[seal.mode](round_, seal, destination)
     manifests = round_.sealed_manifests(seal)
     paces = {name: m.pace for name, m in zip(seal.contributors, manifests, strict=True)}
-    return RoundResult(seal, manifests[0].fingerprint, dict(round_.excluded), paces)
+    return RoundResult(
+        seal, manifests[0].fingerprint, dict(round_.excluded), paces, round_.times.seconds()
+    )
 
 
 def finish_round(round_: Round, destination: FlatTensors | None = None) -> RoundResult:

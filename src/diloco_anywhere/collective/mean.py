@@ -10,7 +10,8 @@ from diloco_anywhere.bucket.codecs.codec import require_finite
 class WeightedMean:
     """sum((w_i / sum(w)) * g_i) accumulated into ``out`` one contribution at a time, in the
     order given, each step one IEEE float32 operation (a multiply, then an add; no fused
-    multiply-add), so any machine gets the same bits. The sum starts from the first term.
+    multiply-add), so any machine gets the same bits, a CPU or a GPU alike. The sum starts
+    from the first term.
 
     Each contribution is scaled by its share of the total weight (computed in float64, then
     used as a float32 scalar), not by its weight: every share is at most 1, so every partial
@@ -24,11 +25,15 @@ class WeightedMean:
     they agree bit for bit, whatever the chunking.
     """
 
-    def __init__(self, out: torch.Tensor, total_weight: float) -> None:
+    def __init__(
+        self, out: torch.Tensor, total_weight: float, scratch: torch.Tensor | None = None
+    ) -> None:
+        """``scratch``: room for a scaled chunk on ``out``'s device, reused across shards (one
+        is made, and grown, when not given)."""
         self.out = out
         self._flat = out.view(-1)
         self._total = total_weight
-        self._scaled = torch.empty(0)
+        self._scaled = torch.empty(0, device=out.device) if scratch is None else scratch
         self._filled = 0  # elements the first contribution has set so far
 
     def add(self, start: int, values: torch.Tensor, weight: float) -> None:
@@ -42,7 +47,7 @@ class WeightedMean:
             self._filled = start + count
             return
         if self._scaled.numel() < count:
-            self._scaled = torch.empty(count)
+            self._scaled = torch.empty(count, device=self.out.device)
         scaled = self._scaled[:count]
         torch.mul(values, share, out=scaled)
         target.add_(scaled)

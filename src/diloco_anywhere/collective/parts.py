@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -27,6 +27,7 @@ from diloco_anywhere.bucket.codecs.codec import Codec
 from diloco_anywhere.bucket.format import framing, wire
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.flat import FlatTensors
+from diloco_anywhere.collective.phases import PhaseTimes
 from diloco_anywhere.collective.records import Manifest, PartEntry
 from diloco_anywhere.collective.transfers import BufferPool, Held
 
@@ -79,9 +80,14 @@ class Part:
     def entry(self) -> PartEntry:
         return self.manifest.parts[self.shard]
 
-    def chunks(self, device: torch.device = wire.CPU) -> Iterator[tuple[int, torch.Tensor]]:
+    def chunks(
+        self,
+        device: torch.device = wire.CPU,
+        on_time: Callable[[str, float], None] | None = None,
+    ) -> Iterator[tuple[int, torch.Tensor]]:
         """The part's float32 values in chunks; ``WireFormatError`` naming the part's key if
-        it is not the one its manifest describes (provisional until the iteration ends)."""
+        it is not the one its manifest describes (provisional until the iteration ends).
+        ``on_time``: as ``WireReader.chunks``'s."""
         data, entry = self.held.view, self.entry
         if not self.trusted:
             checksum = framing.stored_checksum(data)
@@ -102,7 +108,9 @@ class Part:
         ) or header.numel != entry.stop - entry.start:
             raise framing.WireFormatError(entry.key, "part header does not match the manifest")
         checks = not self.trusted
-        yield from reader.chunks(device, check_values=checks, check_checksum=checks)
+        yield from reader.chunks(
+            device, check_values=checks, check_checksum=checks, on_time=on_time
+        )
 
     def verify(self) -> None:
         """Read the part through once, checking everything; then it is ``trusted``."""
@@ -115,10 +123,12 @@ class Part:
 
 
 class PartIO:
-    """Uploads and reads of parts through ``store`` with ``transfers``."""
+    """Uploads and reads of parts through ``store`` with ``transfers``; the seconds they take
+    go to ``times`` (``phases.py``)."""
 
-    def __init__(self, store: Store, transfers: Transfers) -> None:
+    def __init__(self, store: Store, transfers: Transfers, times: PhaseTimes | None = None) -> None:
         self.store, self.transfers = store, transfers
+        self.times = times or PhaseTimes()
 
     def encode(
         self,
@@ -130,14 +140,15 @@ class PartIO:
     ) -> memoryview:
         """Elements ``elements`` of ``source`` as a wire object in ``held``'s buffer."""
         nbytes = wire.max_object_nbytes(codec, len(elements))
-        return wire.encode_values(
-            lambda start, stop: source.read(elements.start + start, elements.start + stop),
-            len(elements),
-            codec,
-            meta,
-            device=source.device,
-            into=held.allocate(nbytes),
-        )
+        with self.times.measure("encode"):
+            return wire.encode_values(
+                lambda start, stop: source.read(elements.start + start, elements.start + stop),
+                len(elements),
+                codec,
+                meta,
+                device=source.device,
+                into=held.allocate(nbytes),
+            )
 
     def upload(
         self, source: FlatTensors, elements: range, codec: Codec, meta: wire.ObjectMeta, key: str
@@ -146,7 +157,8 @@ class PartIO:
         held = Held(self.transfers.pool)
         try:
             data = self.encode(source, elements, codec, meta, held)
-            self.store.put(key, data)
+            with self.times.measure("transfer"):
+                self.store.put(key, data)
             return PartEntry(
                 key=key,
                 size=len(data),
@@ -163,7 +175,9 @@ class PartIO:
         key = manifest.parts[shard].key
         try:
             # one byte past the manifest's size: a larger object is refused, not downloaded
-            held.keep(self.store.get_into(key, held.allocate, limit=manifest.parts[shard].size + 1))
+            limit = manifest.parts[shard].size + 1
+            with self.times.measure("transfer"):
+                held.keep(self.store.get_into(key, held.allocate, limit=limit))
         except FileNotFoundError:
             held.release()
             raise MissingPartError(key, "part named in the manifest is missing") from None

@@ -56,6 +56,9 @@ class RoundPolicy:
     # Parts in flight per round (encoding, uploading, downloading, waiting to be reduced): the
     # bound on a round's host memory (window x part size) and its concurrent requests.
     window: int = 8
+    # Shards reduced at once, each by a thread of its own (``exchanges/reduction.py``); None:
+    # one per core this process may use on the CPU (at most ``window``), two on a GPU.
+    reducers: int | None = None
     # gather: checked parts kept in memory between the wait for the SEAL and the exchange, at
     # most this many bytes; ``auto`` shards when the others' contributions would not fit.
     gather_memory: int = 256 << 20

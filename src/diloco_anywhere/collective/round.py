@@ -47,6 +47,7 @@ from diloco_anywhere.collective.parts import (
     part_ranges,
     release,
 )
+from diloco_anywhere.collective.phases import PhaseTimes
 from diloco_anywhere.collective.policy import ExchangeMode, RoundPolicy
 from diloco_anywhere.collective.records import NO_PACE, Manifest, Pace, PartEntry, Seal, same_layout
 from diloco_anywhere.collective.transfers import windowed
@@ -90,7 +91,8 @@ class Round:
         self.manifests: dict[str, Manifest] = {}  # checked manifests
         self._foreign: dict[str, str] = {}  # contributor -> a fingerprint unlike ours
         self.excluded: dict[str, str] = {}  # contributor -> why
-        self.parts = PartIO(store, transfers or default_transfers(policy.window))
+        self.times = PhaseTimes()  # where the round's time goes (``phases.py``)
+        self.parts = PartIO(store, transfers or default_transfers(policy.window), self.times)
         self.source: FlatTensors | None = None  # our contribution: the caller's tensors
         self._verified: set[str] = set()  # contributions checked in full (gather)
         self.cache: dict[PartId, Part] = {}  # verified parts kept for a gather exchange
@@ -197,14 +199,11 @@ class Round:
             )
         return manifest
 
-    def parts_in_order(
-        self, wanted: Iterable[PartId], window: int | None = None
-    ) -> Iterator[Part | framing.WireFormatError]:
-        """Each of ``wanted`` in a pooled buffer, ``window`` (the transfers' by default) in
-        flight, in order: kept from a gather prefetch, encoded again from our tensors if it
-        is ours, else downloaded; or the error naming its key. The consumer releases each
-        part."""
-        manifests = dict(self.manifests)  # as now: exclusions meanwhile change nothing here
+    def part_fetcher(self) -> Callable[[PartId], Part | framing.WireFormatError]:
+        """Fetches a part into a pooled buffer: kept from a gather prefetch, encoded again
+        from our tensors if it is ours, else downloaded; or the error naming its key. The
+        manifests are taken as now: exclusions meanwhile change nothing for it."""
+        manifests = dict(self.manifests)
 
         def fetch(part: PartId) -> Part | framing.WireFormatError:
             name, shard = part
@@ -215,10 +214,18 @@ class Round:
                 own = (self.source, self.part_meta(shard))
             return self.parts.fetch(name, manifests[name], shard, own)
 
+        return fetch
+
+    def parts_in_order(
+        self, wanted: Iterable[PartId], window: int | None = None
+    ) -> Iterator[Part | framing.WireFormatError]:
+        """Each of ``wanted`` (``part_fetcher``), ``window`` (the transfers' by default) in
+        flight, in order. The consumer releases each part."""
         transfers = self.parts.transfers
         return windowed(
-            transfers.executor, fetch, wanted, window or transfers.window, release=release
-        )
+            transfers.executor, self.part_fetcher(), wanted, window or transfers.window,
+            release=release,
+        )  # fmt: skip
 
     def _exclude(self, name: str, problem: Exception) -> None:
         self.excluded[name] = str(problem)
@@ -395,7 +402,8 @@ class Round:
                     f"{self.store.url}; start the missing replicas (see `diloco status`), "
                     f"lower run.min_replicas, or raise sync.timeout"
                 )
-            time.sleep(next(delays))
+            with self.times.measure("waiting"):
+                time.sleep(next(delays))
 
     def _missing(self) -> str:
         """Who a round that timed out waited for: the members that sent nothing, how the

@@ -50,7 +50,11 @@ def _sync_table(result: dict[str, Any]) -> Table:
             f"; link bound {result['link_bound_seconds']:.2f} s "
             f"({result['round_vs_link_bound']:.2f}x)"
         )
+    split = ", ".join(
+        f"{phase} {seconds:.3f}" for phase, seconds in result["phase_seconds"].items()
+    )
     table.caption = (
+        f"where a replica's round goes, in thread-seconds (they overlap): {split}; "
         f"store {result['url']}; (x) = multiple of the {result['mode']} bound for a "
         f"{result['payload_bytes']:,}-byte payload; raw = parallel file copy of the same bytes; "
         f"memory added = peak a sync added to a replica process (x the fp32 payload); codec "
@@ -115,9 +119,10 @@ def bench_sync_command(
 
     Reports per-replica bytes up and down against the mode's bound, requests (and their price
     at S3's), wall time per round, a raw parallel copy of the same bytes, the codec's time
-    alone, and the host memory one sync added to a replica process (sampled inside it every
-    5 ms). With --bandwidth, each replica reaches the stand-in through its own shaped link
-    and the round is compared with what that link allows.
+    alone, where a round's time goes (thread-seconds of transfer, checksum, decode, reduce,
+    encode and waiting), and the host memory one sync added to a replica process (sampled
+    inside it every 5 ms). With --bandwidth, each replica reaches the stand-in through its own
+    shaped link and the round is compared with what that link allows.
     """
     from diloco_anywhere.bench.sync import MODES, SyncBench, bench_sync
 

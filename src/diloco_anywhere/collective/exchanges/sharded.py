@@ -8,8 +8,9 @@ shards it does not hold (LambdaML's ScatterReduce, SIGMOD'21, section 4.2, with 
 the only medium). Per replica, with contributions of ``P`` bytes and a reduced result of
 ``R`` (``R = P`` but for sparse): up ``P + R/n``, down ``(P + R)(n - 1)/n``, whatever ``n``.
 
-It streams: an owner accumulates each shard as its parts arrive (one accumulator, a window of
-parts in flight), puts the reduced shard in the background while it reduces the next, and
+It streams: an owner accumulates each shard as its parts arrive, where the destination lives
+and several shards at a time (``reduction.py``: an accumulator per reducer, a window of parts
+in flight), puts each reduced shard in the background while it reduces the next, and
 writes every reduced shard into the destination as soon as it is stored or read: no whole
 contribution or result is ever held.
 
@@ -27,14 +28,11 @@ A sealed part that cannot be read intact is never averaged: the reducer puts a
 from __future__ import annotations
 
 import bisect
-import contextlib
 import logging
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-
-import torch
 
 from diloco_anywhere.bucket.codecs.codec import reduced_codec
 from diloco_anywhere.bucket.format import framing, wire
@@ -45,9 +43,8 @@ from diloco_anywhere.bucket.format.record import (
     encode_record,
 )
 from diloco_anywhere.collective.errors import SealedContributionError
+from diloco_anywhere.collective.exchanges.reduction import ShardMean, Slots, reduce_shards
 from diloco_anywhere.collective.flat import FlatTensors
-from diloco_anywhere.collective.mean import WeightedMean
-from diloco_anywhere.collective.parts import release
 from diloco_anywhere.collective.records import Seal, ShardFailure
 from diloco_anywhere.collective.round import Round
 from diloco_anywhere.collective.transfers import Held
@@ -71,7 +68,6 @@ class _ShardedExchange:
         manifests = round_.sealed_manifests(seal)
         self.reference = manifests[0]
         self.reduced_codec = reduced_codec(self.reference.codec)
-        self.weights = [manifest.weight for manifest in manifests]
         self.owners = shard_owners(seal, len(self.reference.parts))
         self.transfers = round_.parts.transfers
         self._mine_done_at: float | None = None  # monotonic time our own shards were reduced
@@ -86,34 +82,32 @@ class _ShardedExchange:
     # -- reducing ----------------------------------------------------------------------------
 
     def _reduce(self, shards: list[int]) -> None:
-        """Reduce ``shards`` in order from the sealed parts; publish each (``_publish``)."""
-        contributors = self.seal.contributors
-        wanted = ((name, shard) for shard in shards for name in contributors)
-        entries = self.reference.parts
-        accumulator = torch.empty(max(entries[s].stop - entries[s].start for s in shards))
-        publishing: deque[Future[None]] = deque()
-        with contextlib.closing(self.round.parts_in_order(wanted, self._downloads())) as parts:
-            for shard in shards:
-                entry = entries[shard]
-                mean = WeightedMean(accumulator[: entry.stop - entry.start], sum(self.weights))
-                failure: framing.WireFormatError | None = None
-                for weight in self.weights:
-                    part = next(parts)
-                    try:
-                        if isinstance(part, framing.WireFormatError):
-                            raise part
-                        if failure is None:
-                            for start, values in part.chunks():
-                                mean.add(start, values, weight)
-                    except framing.WireFormatError as exc:
-                        failure = failure or exc
-                    finally:
-                        release(part)
-                held = Held(self.transfers.pool)
-                data = self._reduced_object(shard, mean, failure, held)
-                if len(publishing) >= self.transfers.window:
-                    publishing.popleft().result()
-                publishing.append(self.transfers.executor.submit(self._publish, shard, data, held))
+        """Reduce ``shards`` from the sealed parts where the destination lives, several at a
+        time (``reduction.py``), and publish each in the background, at most ``window``
+        publishing at once (``_publish``)."""
+        publishing: list[Future[None]] = []
+        slots = Slots(self.transfers.window)
+
+        def publish(reduced: ShardMean) -> None:
+            slots.take()
+            held = Held(self.transfers.pool)
+            try:
+                data = self._reduced_object(reduced, held)
+                future = self.transfers.executor.submit(self._publish, reduced.shard, data, held)
+            except BaseException:
+                held.release()
+                slots.give()
+                raise
+            future.add_done_callback(lambda _: slots.give())
+            publishing.append(future)  # list.append is atomic: reducers call this at once
+
+        try:
+            reduce_shards(
+                self.round, self.seal, shards, self.destination.device, publish,
+                slots=self._downloads(),
+            )  # fmt: skip
+        finally:
+            wait(publishing)  # nothing writes into the destination after the round returns
         for future in publishing:
             future.result()
 
@@ -125,21 +119,16 @@ class _ShardedExchange:
             return window
         return -(-window * n // (n - 1))
 
-    def _reduced_object(
-        self,
-        shard: int,
-        mean: WeightedMean,
-        failure: framing.WireFormatError | None,
-        held: Held,
-    ) -> bytes | memoryview:
+    def _reduced_object(self, reduced: ShardMean, held: Held) -> bytes | memoryview:
         """The reduced shard as a wire object, or a ``ShardFailure`` record if a part is bad."""
-        if failure is not None:
+        if reduced.failure is not None:
+            _, failure = reduced.failure
             return encode_record(
                 ShardFailure(
                     run=self.round.layout.run,
                     round=self.round.round,
                     fragment=self.round.fragment,
-                    shard=shard,
+                    shard=reduced.shard,
                     key=failure.key,
                     problem=failure.problem,
                 )
@@ -149,19 +138,21 @@ class _ShardedExchange:
             round=self.round.round,
             replica=REDUCER,
             incarnation=0,
-            shard=shard,
+            shard=reduced.shard,
         )
-        result = mean.result()
+        result = reduced.mean.result()
         codec = self.reduced_codec
         nbytes = wire.max_object_nbytes(codec, result.numel())
-        return wire.encode(result, codec, meta, into=held.allocate(nbytes))
+        with self.round.times.measure("encode"):
+            return wire.encode(result, codec, meta, into=held.allocate(nbytes))
 
     def _publish(self, shard: int, data: bytes | memoryview, held: Held) -> None:
         """Put the reduced shard, then write what the bucket holds for it into the
         destination: ours, or the bytes of a reducer that stored other bytes first."""
         try:
             try:
-                self.round.store.put(self._key(shard), data)
+                with self.round.times.measure("transfer"):
+                    self.round.store.put(self._key(shard), data)
             except FileExistsError:
                 held.release()
                 if not self._fetch(shard):
@@ -194,9 +185,12 @@ class _ShardedExchange:
                 shard,
             ) or (header.numel, header.codec) != (entry.stop - entry.start, self.reduced_codec):
                 raise framing.WireFormatError(key, "reduced shard header does not match the SEAL")
-            checks = not trusted
+            checks, times = not trusted, self.round.times
             for start, values in reader.chunks(
-                self.destination.device, check_values=checks, check_checksum=checks
+                self.destination.device,
+                check_values=checks,
+                check_checksum=checks,
+                on_time=times.add,
             ):
                 self.destination.write(entry.start + start, values)
         except framing.WireFormatError as exc:
@@ -213,9 +207,10 @@ class _ShardedExchange:
         """Read reduced shard ``shard`` into the destination; False while it does not exist."""
         held = Held(self.transfers.pool)
         try:
-            data = self.round.store.get_into(
-                self._key(shard), held.allocate, limit=self._largest(shard) + 1
-            )
+            with self.round.times.measure("transfer"):
+                data = self.round.store.get_into(
+                    self._key(shard), held.allocate, limit=self._largest(shard) + 1
+                )
         except FileNotFoundError:
             return False
         else:
@@ -277,7 +272,8 @@ class _ShardedExchange:
                 probe_at = min((due[owner] for owner in waiting), default=None)
                 timeout = None if probe_at is None else max(0.0, probe_at - time.monotonic())
                 if not in_flight:
-                    self._abandon.wait(timeout)
+                    with self.round.times.measure("waiting"):
+                        self._abandon.wait(timeout)
                     continue
                 done, _ = wait(in_flight, timeout, return_when=FIRST_COMPLETED)
                 for future in done:
