@@ -274,7 +274,8 @@ def _codec_seconds(numel: int, spec: str, device: str) -> tuple[float, float]:
     started = time.perf_counter()
     encoded = wire.encode(tensor, codec, BENCH_META, into=buffer)
     encoded_at = time.perf_counter()
-    wire.decode(encoded, device=torch.device(device))
+    for _ in wire.WireReader(encoded).chunks(torch.device(device)):
+        pass  # checked and decoded chunk by chunk into temporaries, as a round reduces them
     if device == "cuda":
         torch.cuda.synchronize()
     return encoded_at - started, time.perf_counter() - encoded_at

@@ -1,11 +1,14 @@
 """Where a round's time goes: seconds per phase, summed over the threads that spent them.
 
-A round runs on many threads at once (transfers, reducers, the collector), so its phases
-overlap: the figures are thread-seconds, and their sum can exceed the round's wall time. Set
-beside the wall time they say what bounds a round: transfer seconds near the wall time and
-little else is a round at the speed of its link; decode or reduce seconds many times the wall
-time is a round spread over the host's cores; one phase alone near the wall time on one
-thread is the bottleneck (``diloco bench sync --json``, docs/benchmarks.md "Sync").
+The work of the host (checksum, decode, reduce, encode) is counted in CPU seconds of the
+thread that did it (``time.thread_time``), so a round whose threads outnumber the cores is
+not charged for the time they waited for one; a transfer, and waiting, in wall seconds of the
+thread: what a request or the others cost, whatever the CPU did meanwhile. A round runs on
+many threads at once (transfers, reducers, the collector), so the figures overlap and their
+sum can exceed the round's wall time. Set beside it they say what bounds a round: transfer
+seconds near the wall time and little else, the link; CPU seconds near the wall time times
+the cores, the host; one phase alone near the wall time, that phase on one thread (``diloco
+bench sync --json``, docs/benchmarks.md "Sync").
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Iterator
 # float32 values and their checks; reduce: the weighted mean's multiply-adds; encode: values to
 # codec bytes; waiting: for the SEAL, and for others' reduced shards with none in flight.
 PHASES = ("transfer", "checksum", "decode", "reduce", "encode", "waiting")
+WALL_PHASES = ("transfer", "waiting")  # the others are CPU seconds of their thread
 
 
 class PhaseTimes:
@@ -34,11 +38,12 @@ class PhaseTimes:
 
     @contextlib.contextmanager
     def measure(self, phase: str) -> Iterator[None]:
-        started = time.perf_counter()
+        clock = time.perf_counter if phase in WALL_PHASES else time.thread_time
+        started = clock()
         try:
             yield
         finally:
-            self.add(phase, time.perf_counter() - started)
+            self.add(phase, clock() - started)
 
     def seconds(self) -> dict[str, float]:
         with self._lock:

@@ -145,7 +145,9 @@ class Int8Codec(CodecBase):
         blocks = [rows] + ([tail.view(1, -1)] if tail is not None else [])
         scales, levels = [], []
         for block_values in blocks:
-            absmax = torch.linalg.vector_norm(block_values, ord=math.inf, dim=1)
+            # the same exact maximum as vector_norm(ord=inf), 13x faster on a CPU thread
+            # (0.07 s against 0.96 s per GiB: docs/benchmarks.md, "Sync")
+            absmax = block_values.abs().amax(dim=1)
             # by a tensor, not a Python number: CUDA divides by a number as a multiply by its
             # reciprocal (1 ulp off the quotient), so a GPU's scales would differ from a CPU's
             scale = absmax / absmax.new_tensor(127.0)
@@ -153,8 +155,9 @@ class Int8Codec(CodecBase):
             inverse = torch.where(absmax > 0, 127 / absmax, torch.zeros_like(absmax))
             levels.append((block_values * inverse[:, None]).round_().clamp_(-127, 127).reshape(-1))
             scales.append(scale)
-        to_host(torch.cat(scales), scales_out)
-        to_host(torch.cat(levels).to(torch.int8), quantized_out)
+        to_host(scales[0] if len(scales) == 1 else torch.cat(scales), scales_out)
+        quantized = levels[0] if len(levels) == 1 else torch.cat(levels)
+        to_host(quantized.to(torch.int8), quantized_out)
 
     def decode_range(
         self, payload: memoryview, numel: int, start: int, stop: int, device: torch.device = CPU
