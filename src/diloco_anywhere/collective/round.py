@@ -5,7 +5,7 @@ and the manifests of the members it has not seen yet with one ``get_many``. It c
 manifest as it appears; when it expects a ``gather`` exchange it also downloads and checks the
 contribution at once, so waiting and downloading overlap. It seals once every member's
 contribution is in, or once ``min_replicas`` are in and the grace window has passed. The SEAL
-fixes the contributor set and the exchange mode; ``gather.py`` and ``sharded.py`` then reduce
+fixes the contributor set and the exchange mode; ``exchanges/`` then reduces
 exactly the sealed set, so every replica gets the same bytes.
 """
 
@@ -216,16 +216,11 @@ class Round:
 
         return fetch
 
-    def parts_in_order(
-        self, wanted: Iterable[PartId], window: int | None = None
-    ) -> Iterator[Part | framing.WireFormatError]:
-        """Each of ``wanted`` (``part_fetcher``), ``window`` (the transfers' by default) in
-        flight, in order. The consumer releases each part."""
-        transfers = self.parts.transfers
-        return windowed(
-            transfers.executor, self.part_fetcher(), wanted, window or transfers.window,
-            release=release,
-        )  # fmt: skip
+    def parts_in_order(self, wanted: Iterable[PartId]) -> Iterator[Part | framing.WireFormatError]:
+        """Each of ``wanted`` (``part_fetcher``), a window in flight, in order; the consumer
+        releases each part."""
+        executor, window = self.parts.transfers.executor, self.parts.transfers.window
+        return windowed(executor, self.part_fetcher(), wanted, window, release=release)
 
     def _exclude(self, name: str, problem: Exception) -> None:
         self.excluded[name] = str(problem)
