@@ -9,10 +9,12 @@ import re
 
 import pytest
 import typer
+from rich.console import Console
 from typer.testing import CliRunner
 
 from diloco_anywhere.bucket.codecs.codec import make_codec
 from diloco_anywhere.cli import app, parse_size
+from diloco_anywhere.cli.bench.sync import sync_table
 from diloco_anywhere.collective.phases import PHASES
 
 runner = CliRunner()
@@ -188,6 +190,13 @@ def test_bench_sync_through_a_shaped_wan_link_cannot_beat_the_link():
         (report["bytes_up_per_replica"] + report["bytes_down_per_replica"]) / 8e6
     )
     assert report["round_vs_link_bound"] >= 1
+    # the table a terminal gets from the same report: the round, its bound and its split
+    console = Console(width=200, record=True)
+    console.print(sync_table(report))
+    shown = console.export_text()
+    assert f"link bound {report['link_bound_seconds']:.2f} s" in shown
+    assert f"decode {report['phase_seconds']['decode']:.3f}" in shown
+    assert f"{report['round_seconds']:.3f}" in shown
 
 
 def test_bench_sync_wan_needs_a_standin(tmp_path):
@@ -198,7 +207,7 @@ def test_bench_sync_wan_needs_a_standin(tmp_path):
 
 @pytest.mark.parametrize(
     ("option", "message"), [("--mode=ring", "this build has gather, sharded, auto"),
-                            ("--codec=fp4", "fp4")]
+                            ("--codec=fp4", "fp4"), ("--device=tpu", "'tpu': cpu or cuda")]
 )  # fmt: skip
 def test_bench_sync_rejects_what_it_cannot_run(option, message):
     result = run("bench", "sync", option)
@@ -350,3 +359,17 @@ def test_every_help_is_readable_at_80_columns(path):
     assert described, "no option with its description beside it"
     for line in described:
         assert re.match(r"  -\S.*?\s{2,}", line).end() <= 34, line
+
+
+def test_status_and_logs_of_a_run_never_launched_say_so(run_toml):
+    """Before any launch there is nothing to show: status says so in a line (not an empty
+    table), and logs of an unknown replica name what there is to ask for."""
+    config = run_toml()
+    status = run("status", "--config", config)
+    assert status.exit_code == 0, status.output
+    assert "run t: no replicas launched or reporting yet" in status.stdout
+    logs = run("logs", "local-9", "--config", config)
+    assert logs.exit_code != 0
+    assert "no replica 'local-9' in this run's launch; replicas: none launched from here" in (
+        logs.output
+    )

@@ -26,6 +26,7 @@ from diloco_anywhere.collective.errors import (
     RoundTimeoutError,
     SealedContributionError,
 )
+from diloco_anywhere.collective.flat import FlatTensors
 from diloco_anywhere.collective.mean import weighted_mean
 from diloco_anywhere.collective.parts import part_ranges
 from diloco_anywhere.collective.records import Manifest, PartEntry, Seal
@@ -442,3 +443,22 @@ def test_a_result_laid_out_unlike_what_a_replica_sent_is_refused():
     late.contribute(small, 1.0, make_codec("fp32"))
     with pytest.raises(SealedContributionError, match="this replica sent 100 values"):
         finish_round(late)
+
+
+def test_a_replica_that_contributed_nothing_reads_the_mean_into_a_destination_it_names():
+    store = Store("memory://rounds-observer")
+    tensor = sample_tensor("gaussian", 300, seed=2)
+    policy = RoundPolicy(grace=0.2, timeout=30.0)
+    sealed = Round(store, RUN, 0, 0, Participant("a", 0), [Participant("a", 0)], policy)
+    sealed.contribute(tensor, 1.0, make_codec("fp32"))
+    finish_round(sealed)
+
+    def observer() -> Round:
+        return Round(store, RUN, 0, 0, Participant("b", 0), [Participant("a", 0)], policy)
+
+    with pytest.raises(ValueError, match="needs a destination when this replica contributed"):
+        finish_round(observer())
+    destination = torch.zeros(300)
+    result = finish_round(observer(), FlatTensors([destination]))
+    assert result.seal.contributors == ("a-0",)
+    assert torch.equal(destination, tensor)

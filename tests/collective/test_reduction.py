@@ -174,3 +174,10 @@ def test_the_device_checks_mean_is_the_int8_mean_of_what_each_replica_sent(mode)
         assert torch.equal(mean, exact)
     else:
         assert 0 < float((mean - exact).norm() / exact.norm()) < 0.02  # int8 once more
+
+
+def test_the_device_checks_mean_raises_a_replicas_error_in_the_callers_thread():
+    """A replica thread that fails (here: tensors on the meta device, which hold no values)
+    fails the check with its own error instead of a mean of what the others did."""
+    with pytest.raises(RuntimeError, match="meta tensors"):
+        device_mean(torch.device("meta"), "gather")

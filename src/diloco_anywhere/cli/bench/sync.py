@@ -25,7 +25,7 @@ from diloco_anywhere.cli.common import parse_size, print_json, progress_display,
 from diloco_anywhere.config import ConfigError, parse_codec
 
 
-def _sync_table(result: dict[str, Any]) -> Table:
+def sync_table(result: dict[str, Any]) -> Table:
     table = Table(
         title=f"Sync: {result['replicas']} replicas, {result['size_bytes'] / 2**20:.0f} MiB "
         f"each, {result['codec']}, {result['mode']} (median of {result['rounds']} rounds)"
@@ -145,7 +145,7 @@ def bench_sync_command(
     if json_output:
         print_json(result)
         return
-    stdout.print(_sync_table(result))
+    stdout.print(sync_table(result))
 
 
 def _parse_ranks(text: str) -> list[int]:
