@@ -113,15 +113,22 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(EXIT_STOPPED)
     except SystemExit as ended:  # a mistake, recorded and said where the replica ended
         return ended.code if isinstance(ended.code, int) else 1
-    except SupersededError as exc:  # a newer incarnation runs: nothing to restart
-        print(f"replica {replica_id}: {exc}", file=sys.stderr)
+    except (SupersededError, StoreError, ValueError, RuntimeError) as exc:
+        return failure_exit_code(replica_id, exc)
+
+
+def failure_exit_code(replica_id: str, error: Exception) -> int:
+    """Say why training ended and return the exit code that tells the launcher and keeper
+    what to do: superseded (a newer incarnation runs: nothing to restart), a mistake no
+    restart fixes (its own code), or a failure a restart may fix (1)."""
+    if isinstance(error, SupersededError):
+        print(f"replica {replica_id}: {error}", file=sys.stderr)
         return EXIT_SUPERSEDED
-    except (StoreError, ValueError, RuntimeError) as exc:
-        if (code := mistake_exit_code(exc)) is not None:  # would only fail again
-            print(f"error: replica {replica_id}: {exc}", file=sys.stderr)
-            return code
-        print(f"error: replica {replica_id} failed: {exc}", file=sys.stderr)
-        return 1
+    if (code := mistake_exit_code(error)) is not None:  # would only fail again
+        print(f"error: replica {replica_id}: {error}", file=sys.stderr)
+        return code
+    print(f"error: replica {replica_id} failed: {error}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":
