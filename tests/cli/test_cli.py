@@ -199,6 +199,19 @@ def test_bench_sync_through_a_shaped_wan_link_cannot_beat_the_link():
     assert f"{report['round_seconds']:.3f}" in shown
 
 
+@pytest.mark.integration
+def test_bench_sync_says_in_a_line_why_its_replica_failed():
+    """A replica process that fails (here: a store the parent never opens) is reported with
+    its own error, at once, instead of the parent waiting for it or printing a traceback."""
+    result = run("bench", "sync", "--replicas", "1", "--size", "256KiB", "--store",
+                 "nosuchproto://bucket")  # fmt: skip
+    assert result.exit_code == 1
+    assert "error: replica r0 failed: ValueError: Protocol not known: nosuchproto" in (
+        result.output
+    )
+    assert "Traceback" not in result.output
+
+
 def test_bench_sync_wan_needs_a_standin(tmp_path):
     result = run("bench", "sync", "--store", str(tmp_path), "--bandwidth", "25MB")
     assert result.exit_code == 2

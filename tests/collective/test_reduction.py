@@ -13,6 +13,7 @@ import torch
 from diloco_anywhere.bench.gpu.device_sync import (
     AGREEMENT_NUMEL,
     AGREEMENT_REPLICAS,
+    agreed_mean,
     device_mean,
 )
 from diloco_anywhere.bench.store import sample_tensor
@@ -181,3 +182,12 @@ def test_the_device_checks_mean_raises_a_replicas_error_in_the_callers_thread():
     fails the check with its own error instead of a mean of what the others did."""
     with pytest.raises(RuntimeError, match="meta tensors"):
         device_mean(torch.device("meta"), "gather")
+
+
+def test_replicas_whose_means_differ_in_one_bit_fail_the_device_check():
+    mean = torch.arange(4.0)
+    assert agreed_mean([mean, mean.clone()], "r") is mean
+    nudged = mean.clone()
+    nudged[3] = torch.nextafter(nudged[3], torch.tensor(9.0))
+    with pytest.raises(AssertionError, match="r: the replicas' means differ"):
+        agreed_mean([mean, nudged], "r")

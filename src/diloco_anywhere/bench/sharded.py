@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from diloco_anywhere.bench.sync import SyncBench, traffic_bound
-from diloco_anywhere.bench.tools.processes import worker_context
+from diloco_anywhere.bench.tools.processes import collect, report, worker_context
 from diloco_anywhere.bench.tools.wan import WanShape
 from diloco_anywhere.bucket.codecs.codec import make_codec
 from diloco_anywhere.bucket.redaction import redact_url
@@ -118,7 +118,8 @@ def _rank(url, options, replica, rank, bench: ShardedBench, barrier, results) ->
         codec=make_codec(exchange.codec), round=exchange.policy(), keep_rounds=1
     )
     start, stop = bench.shard(rank)
-    try:
+
+    def measure() -> list[RankRound]:
         with (
             Store(url, storage_options=options) as store,
             BucketCollective(store, bench.run, f"r{replica}", config, rank=rank) as collective,
@@ -129,10 +130,9 @@ def _rank(url, options, replica, rank, bench: ShardedBench, barrier, results) ->
                 _fill(tensor, start, round_, replica)
                 barrier.wait()
                 measured.append(_round(collective, tensor, start, round_, bench.replicas))
-        results.put(((replica, rank), measured))
-    except Exception as exc:  # reported to the parent instead of a silent hang
-        barrier.abort()  # the other ranks stop waiting for this one, and end too
-        results.put(((replica, rank), f"{type(exc).__name__}: {exc}"))
+        return measured
+
+    report(results, (replica, rank), barrier, measure)
 
 
 def _run_ranks(
@@ -153,15 +153,12 @@ def _run_ranks(
     ]
     for worker in workers:
         worker.start()
-    outcomes: dict[tuple[int, int], list[RankRound]] = {}
-    for done in range(processes):
-        progress(f"{bench.ranks} rank(s) x {bench.replicas} replicas: {done} of {processes} done")
-        (replica, rank), measured = results.get(timeout=3 * 3600)
-        if isinstance(measured, str):
-            raise RuntimeError(f"replica r{replica} rank {rank} failed: {measured}")
-        outcomes[replica, rank] = measured
-    for worker in workers:
-        worker.join(timeout=60)
+    outcomes = collect(
+        workers,
+        results,
+        lambda key: f"replica r{key[0]} rank {key[1]}",
+        lambda done: progress(f"{bench.ranks} rank(s) x {bench.replicas} replicas: {done}"),
+    )
     return [outcomes[j, r] for j in range(bench.replicas) for r in range(bench.ranks)]
 
 

@@ -43,6 +43,7 @@ import torch
 from diloco_anywhere.bench.codecs import codec_of
 from diloco_anywhere.bench.store import BENCH_META
 from diloco_anywhere.bench.tools.memory import PeakMemory, resident_bytes
+from diloco_anywhere.bench.tools.processes import collect, report
 from diloco_anywhere.bench.tools.wan import WanShape
 from diloco_anywhere.bucket.codecs.codec import reduced_codec
 from diloco_anywhere.bucket.format import wire
@@ -96,39 +97,40 @@ class RoundMeasure:
 
 
 def _replica(url, options, index, bench: SyncBench, barrier, results) -> None:
+    report(results, index, barrier, lambda: _measured_rounds(url, options, index, bench, barrier))
+
+
+def _measured_rounds(url, options, index, bench: SyncBench, barrier) -> list[RoundMeasure]:
     store = Store(url, storage_options=options)
     # keep_rounds=1: a large benchmark's rounds must fit the store (tmpfs is memory)
     config = CollectiveConfig(codec=codec_of(bench.codec), round=bench.policy(), keep_rounds=1)
     late = bench.straggler if index == bench.replicas - 1 else 0.0
-    try:
-        with BucketCollective(store, f"bench-{bench.replicas}", f"r{index}", config) as collective:
-            measured = []
-            # one pseudo-gradient, refilled every round
-            tensor = torch.empty(bench.size // 4, device=bench.device)
-            baseline = None
-            for round_ in range(bench.rounds):
-                fill_gaussian(tensor, seed=1000 * round_ + index)
-                baseline = baseline or resident_bytes()  # with the device's context, if any
-                barrier.wait()
-                time.sleep(late)
-                before, started = store.stats(), time.perf_counter()
-                with PeakMemory() as peak:
-                    work = collective.allreduce(tensor, round_=round_)
-                    work.wait()
-                added = None if baseline is None or peak.bytes is None else peak.bytes - baseline
-                result = work.result()
-                measured.append(
-                    RoundMeasure(
-                        time.perf_counter() - started + late,
-                        store.stats() - before,
-                        result.seal.mode,
-                        added,
-                        result.seconds,
-                    )
+    measured = []
+    with BucketCollective(store, f"bench-{bench.replicas}", f"r{index}", config) as collective:
+        # one pseudo-gradient, refilled every round
+        tensor = torch.empty(bench.size // 4, device=bench.device)
+        baseline = None
+        for round_ in range(bench.rounds):
+            fill_gaussian(tensor, seed=1000 * round_ + index)
+            baseline = baseline or resident_bytes()  # with the device's context, if any
+            barrier.wait()
+            time.sleep(late)
+            before, started = store.stats(), time.perf_counter()
+            with PeakMemory() as peak:
+                work = collective.allreduce(tensor, round_=round_)
+                work.wait()
+            added = None if baseline is None or peak.bytes is None else peak.bytes - baseline
+            result = work.result()
+            measured.append(
+                RoundMeasure(
+                    time.perf_counter() - started + late,
+                    store.stats() - before,
+                    result.seal.mode,
+                    added,
+                    result.seconds,
                 )
-        results.put((index, measured))
-    except Exception as exc:  # reported to the parent instead of a silent hang
-        results.put((index, f"{type(exc).__name__}: {exc}"))
+            )
+    return measured
 
 
 def fill_gaussian(tensor: torch.Tensor, seed: int) -> None:
@@ -150,15 +152,12 @@ def _run_replicas(url, options: list[dict[str, Any]], bench: SyncBench, progress
     ]
     for process in processes:
         process.start()
-    outcomes: dict[int, list[RoundMeasure]] = {}
-    for done in range(bench.replicas):
-        progress(f"{bench.replicas} replicas x {bench.rounds} rounds: {done} finished")
-        index, measured = results.get(timeout=3 * 3600)
-        if isinstance(measured, str):
-            raise RuntimeError(f"replica r{index} failed: {measured}")
-        outcomes[index] = measured
-    for process in processes:
-        process.join(timeout=60)
+    outcomes = collect(
+        processes,
+        results,
+        lambda index: f"replica r{index}",
+        lambda done: progress(f"{bench.replicas} replicas x {bench.rounds} rounds: {done}"),
+    )
     return [outcomes[i] for i in range(bench.replicas)]
 
 

@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from diloco_anywhere.backends.base import BackendUnavailableError
+from diloco_anywhere.bench.tools.processes import WorkerFailedError
 from diloco_anywhere.bucket.errors import StoreError
 from diloco_anywhere.config import ConfigError
 from diloco_anywhere.launching.start.infra import InfraError
@@ -46,6 +47,7 @@ MIN_BENCH_SIZE = 1024
 USER_ERRORS = (
     StoreError, StandInUnavailableError, ConfigError, ValueError, FileNotFoundError,
     BackendUnavailableError, LaunchError, LaunchTakenError, InfraError, TrackerUnavailableError,
+    WorkerFailedError,
 )  # fmt: skip
 
 

@@ -4,11 +4,19 @@ has imported the package once, with their parent's environment of the moment."""
 from __future__ import annotations
 
 import os
+import queue
 import sys
+import threading
+from functools import partial
 
 import pytest
 
-from diloco_anywhere.bench.tools.processes import worker_context
+from diloco_anywhere.bench.tools.processes import (
+    WorkerFailedError,
+    collect,
+    report,
+    worker_context,
+)
 
 pytestmark = pytest.mark.integration  # every test here starts processes
 
@@ -37,3 +45,46 @@ def test_a_worker_has_the_package_imported_and_its_parents_environment_of_the_mo
     assert _worker_sees(context) == (None, True)  # this module imports no replica: preloaded
     monkeypatch.setenv(VARIABLE, "set after the server started")
     assert _worker_sees(context) == ("set after the server started", True)
+
+
+def _at_the_barrier(result: list[int]):
+    """A worker's measure: meet the others, then give ``result``."""
+
+    def measure(barrier: threading.Barrier) -> list[int]:
+        barrier.wait()
+        return result
+
+    return measure
+
+
+def _workers(*measures) -> tuple[list[threading.Thread], queue.Queue]:
+    """Threads reporting as a benchmark's worker processes do, each measure given the one
+    barrier they meet at."""
+    results: queue.Queue = queue.Queue()
+    barrier = threading.Barrier(len(measures))
+    workers = [
+        threading.Thread(target=report, args=(results, key, barrier, partial(measure, barrier)))
+        for key, measure in enumerate(measures)
+    ]
+    for worker in workers:
+        worker.start()
+    return workers, results
+
+
+def test_workers_that_report_give_their_results_by_key():
+    workers, results = _workers(_at_the_barrier([1]), _at_the_barrier([2]))
+    assert collect(workers, results, str, lambda _: None) == {0: [1], 1: [2]}
+
+
+def test_a_failed_worker_is_named_with_its_error_not_the_ones_it_stopped():
+    """One worker fails before the barrier; the other, waiting there, is stopped (its error
+    is the broken barrier): the parent names the one that failed, with its own error."""
+
+    def failing(barrier):
+        raise ValueError("Protocol not known: nosuchproto")
+
+    workers, results = _workers(_at_the_barrier([1]), failing)
+    with pytest.raises(WorkerFailedError) as failed:
+        collect(workers, results, lambda key: f"replica r{key}", lambda _: None)
+    assert str(failed.value) == "replica r1 failed: ValueError: Protocol not known: nosuchproto"
+    assert not any(worker.is_alive() for worker in workers)

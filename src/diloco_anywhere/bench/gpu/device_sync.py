@@ -67,9 +67,14 @@ def device_mean(device: torch.device, mode: str) -> torch.Tensor:
         thread.join()
     if errors:
         raise errors[0]
-    means = [tensor.cpu() for tensor in tensors]
+    return agreed_mean([tensor.cpu() for tensor in tensors], f"replicas on {device}, {mode}")
+
+
+def agreed_mean(means: list[torch.Tensor], who: str) -> torch.Tensor:
+    """The one mean every replica holds after a round; ``AssertionError`` naming ``who`` if
+    any bit differs (the round's result is the same bytes on every replica)."""
     if not all(torch.equal(mean, means[0]) for mean in means):
-        raise AssertionError(f"replicas on {device} disagree on the {mode} mean")
+        raise AssertionError(f"{who}: the replicas' means differ")
     return means[0]
 
 

@@ -19,6 +19,8 @@ worker here takes its parent's environment as it was when the worker was created
 from __future__ import annotations
 
 import os
+import queue
+from collections.abc import Callable
 from multiprocessing.context import ForkServerContext, ForkServerProcess
 from typing import Any
 
@@ -47,3 +49,57 @@ def worker_context() -> ForkServerContext:
     context = _WorkerContext()
     context.set_forkserver_preload(list(PRELOAD))
     return context
+
+
+class WorkerFailedError(RuntimeError):
+    """A benchmark's worker process failed: which one, and its error (a store it could not
+    reach, a device it does not have), said in one line."""
+
+
+BROKEN_BARRIER = "BrokenBarrierError"  # a worker that stopped because another one failed
+AFTER_A_FAILURE = 60.0  # seconds the other workers have to report once one has failed
+
+
+def report(results: Any, key: Any, barrier: Any, measure: Callable[[], Any]) -> None:
+    """In a worker: put ``(key, measure())`` on ``results``, or ``(key, its error)`` and
+    break ``barrier`` so that the workers waiting there for this one stop and report too.
+    Every worker reports once, whatever happens, so its parent never waits for a dead one."""
+    try:
+        results.put((key, measure()))
+    except Exception as exc:
+        results.put((key, f"{type(exc).__name__}: {exc}"))
+        barrier.abort()
+
+
+def collect(
+    workers: list[Any], results: Any, name: Callable[[Any], str], progress: Callable[[str], None]
+) -> dict[Any, Any]:
+    """In the parent: each worker's result by key (``report``). After a failure it waits a
+    little for the others' reports, ends the workers either way, and raises
+    ``WorkerFailedError`` naming the workers whose own error it was (not those it stopped)."""
+    outcomes: dict[Any, Any] = {}
+    failures: dict[Any, str] = {}
+    try:
+        while len(outcomes) + len(failures) < len(workers):
+            progress(f"{len(outcomes)} of {len(workers)} done")
+            try:
+                key, result = results.get(timeout=AFTER_A_FAILURE if failures else 3 * 3600)
+            except queue.Empty:
+                if failures:
+                    break
+                raise
+            if isinstance(result, str):
+                failures[key] = result
+            else:
+                outcomes[key] = result
+    finally:
+        for worker in workers:
+            worker.join(timeout=60 if not failures else 0)
+            if worker.is_alive():
+                worker.terminate()
+    if failures:
+        causes = [k for k, error in failures.items() if not error.startswith(BROKEN_BARRIER)]
+        raise WorkerFailedError(
+            "; ".join(f"{name(key)} failed: {failures[key]}" for key in causes or failures)
+        )
+    return outcomes
