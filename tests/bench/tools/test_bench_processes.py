@@ -88,3 +88,31 @@ def test_a_failed_worker_is_named_with_its_error_not_the_ones_it_stopped():
         collect(workers, results, lambda key: f"replica r{key}", lambda _: None)
     assert str(failed.value) == "replica r1 failed: ValueError: Protocol not known: nosuchproto"
     assert not any(worker.is_alive() for worker in workers)
+
+
+class _Stuck(threading.Thread):
+    """A worker that never reports until it is ended, as a process hung in a store call."""
+
+    def __init__(self) -> None:
+        self.ended = threading.Event()
+        super().__init__(target=self.ended.wait)
+
+    def terminate(self) -> None:
+        self.ended.set()
+
+
+def test_a_worker_that_never_reports_is_ended_and_not_waited_for():
+    stuck = _Stuck()
+    stuck.start()
+    silent: queue.Queue = queue.Queue()
+    with pytest.raises(WorkerFailedError, match=r"1 worker\(s\) reported nothing within 0.2 s"):
+        collect([stuck], silent, str, lambda _: None, patience=0.2)
+    assert stuck.ended.is_set()
+    # after another worker failed, the stuck one is given a little time, then ended
+    stuck = _Stuck()
+    stuck.start()
+    failed: queue.Queue = queue.Queue()
+    failed.put((1, "OSError: disk full"))
+    with pytest.raises(WorkerFailedError, match=r"^r1 failed: OSError: disk full$"):
+        collect([stuck, stuck], failed, lambda k: f"r{k}", lambda _: None, after_a_failure=0.2)
+    assert stuck.ended.is_set()

@@ -57,6 +57,7 @@ class WorkerFailedError(RuntimeError):
 
 
 BROKEN_BARRIER = "BrokenBarrierError"  # a worker that stopped because another one failed
+PATIENCE = 3 * 3600.0  # seconds a benchmark's workers may take to report (large sizes)
 AFTER_A_FAILURE = 60.0  # seconds the other workers have to report once one has failed
 
 
@@ -72,7 +73,12 @@ def report(results: Any, key: Any, barrier: Any, measure: Callable[[], Any]) -> 
 
 
 def collect(
-    workers: list[Any], results: Any, name: Callable[[Any], str], progress: Callable[[str], None]
+    workers: list[Any],
+    results: Any,
+    name: Callable[[Any], str],
+    progress: Callable[[str], None],
+    patience: float = PATIENCE,
+    after_a_failure: float = AFTER_A_FAILURE,
 ) -> dict[Any, Any]:
     """In the parent: each worker's result by key (``report``). After a failure it waits a
     little for the others' reports, ends the workers either way, and raises
@@ -83,18 +89,21 @@ def collect(
         while len(outcomes) + len(failures) < len(workers):
             progress(f"{len(outcomes)} of {len(workers)} done")
             try:
-                key, result = results.get(timeout=AFTER_A_FAILURE if failures else 3 * 3600)
+                key, result = results.get(timeout=after_a_failure if failures else patience)
             except queue.Empty:
                 if failures:
                     break
-                raise
+                silent = len(workers) - len(outcomes)
+                raise WorkerFailedError(
+                    f"{silent} worker(s) reported nothing within {patience:g} s"
+                ) from None
             if isinstance(result, str):
                 failures[key] = result
             else:
                 outcomes[key] = result
     finally:
         for worker in workers:
-            worker.join(timeout=60 if not failures else 0)
+            worker.join(timeout=60 if len(outcomes) == len(workers) else 0)
             if worker.is_alive():
                 worker.terminate()
     if failures:
