@@ -26,13 +26,13 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time, __getattr_
     from diloco_anywhere.training.training import Training
 
 
-def _installed_version() -> str:
-    """The version of the distribution that installed this package: diloco-anywhere, or a
+def _installed_version(distribution: str = "diloco-anywhere") -> str:
+    """The version of the distribution that installed this package: ``distribution``, or a
     project rendered from the template, which ships this runtime under its own name."""
     try:
-        return version("diloco-anywhere")
+        return version(distribution)
     except PackageNotFoundError:
-        names = packages_distributions().get(__name__, ["diloco-anywhere"])
+        names = packages_distributions().get(__name__, [distribution])
         return version(names[0])
 
 

@@ -148,6 +148,36 @@ def test_delete_one_key_and_missing_keys_are_fine(backend):
     assert store.list_prefix("leases") == ["leases/2"]
 
 
+def test_keys_another_deleter_removed_first_are_not_an_error_and_the_rest_go(tmp_path):
+    """Two deleters of one prefix (two replicas collecting the same round): a local ``rm`` of
+    a list fails on the first path the other removed; the rest are then deleted one by one."""
+    store = Store(str(tmp_path))
+    for key in ("r/1", "r/2", "r/3"):
+        store.put(key, b"x")
+
+    def the_other_deleter_goes_first(key: str) -> bool:  # called after the listing, before rm
+        if key == "r/3":
+            store.delete("r/1")
+        return False  # keep nothing
+
+    assert store.delete_prefix("r", keep=the_other_deleter_goes_first) == 3
+    assert store.list_prefix("r") == []
+
+
+def test_a_local_file_that_changes_size_while_read_is_an_error_naming_the_key(tmp_path):
+    """Local objects are written once (a temp file renamed): one that shrinks between its size
+    and its bytes was tampered with, and is not returned short."""
+    store = Store(str(tmp_path))
+    store.put("a/b", b"x" * 100)
+
+    def allocate_as_another_process_truncates(size: int) -> memoryview:
+        os.truncate(tmp_path / "a" / "b", 10)  # between the file's size and its reading
+        return memoryview(bytearray(size))
+
+    with pytest.raises(StoreError, match=r"'a/b'.*changed size while being read"):
+        store.get_into("a/b", allocate_as_another_process_truncates, limit=1000)
+
+
 def test_the_time_a_store_records_for_a_key_is_its_clocks_and_a_missing_key_is_named(backend):
     """``modified``: what a replica measures its clock against (the stand-ins run on this
     machine, so their clock is ours, to within the stores' whole seconds)."""

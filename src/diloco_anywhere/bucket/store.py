@@ -370,10 +370,7 @@ class Store(WholeFiles):
             with self._one_at_a_time:
                 return self._fs.find(base)
 
-        try:
-            paths = self._run("list", prefix, attempt)
-        except FileNotFoundError:
-            return []
+        paths = self._run("list", prefix, attempt)  # a folder that is not there lists empty
         start = len(self._root) + 1
         names = (p[start:] for p in paths if not os.path.basename(p).startswith(TEMP_PREFIX))
         return sorted(name for name in names if self._is_key(name))
@@ -441,9 +438,7 @@ class Store(WholeFiles):
 
         def attempt() -> float:
             self._add(gets=1)
-            when = self._fs.modified(self._path(key))
-            if isinstance(when, (int, float)):
-                return float(when)
+            when = self._fs.modified(self._path(key))  # a datetime on every supported scheme
             return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
 
         return self._run("modified", key, attempt)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from diloco_anywhere.bench.tools.processes import worker_context
+from diloco_anywhere.bucket.feedback import ErrorFeedback
 from diloco_anywhere.bucket.format.layout import RunLayout
 from diloco_anywhere.bucket.format.record import encode_record
 from diloco_anywhere.bucket.store import Store
@@ -271,7 +272,8 @@ def test_rounds_gone_from_the_bucket_stop_healing_with_the_round_named(run, capl
 
 def test_a_replica_whose_state_diverged_says_so_and_heals(run) -> None:
     """What the training loop does on a ``DivergedError``: a loud ``diverged`` event, then a
-    heal from the bucket back to the run's state."""
+    heal from the bucket back to the run's state, where the error feedback held for rounds
+    onto the diverged weights starts again from zero."""
     final = final_checkpoint(run)
     config = load_config(run / "run.toml")
     store = Store(config.store_url())
@@ -283,6 +285,8 @@ def test_a_replica_whose_state_diverged_says_so_and_heals(run) -> None:
             state = parts.global_state()
             loop = Training(parts, collective, metrics, ReplicaGroup())
             loop.heal(state, from_initial=True)
+            feedback = parts.manager.feedback = ErrorFeedback()  # as with codec = "sparse"
+            feedback.compensate(0, [torch.ones(3)])  # what a codec left out of earlier rounds
             tree = state.fragments_tree()
             weights = tree["StreamingDiLoCoFragment_0"]["original_parameters"]
             next(iter(weights.values())).add_(1e-3)  # a commit the others did not make
@@ -291,6 +295,7 @@ def test_a_replica_whose_state_diverged_says_so_and_heals(run) -> None:
             parts.manager.last_sync_error = DivergedError("round 9: this replica's state differs")
             loop.after_divergence(state)
             assert_holds_the_runs_final_state(state, parts, final)
+            assert feedback.residual(0) is None
     finally:
         collective.close()
     events = MetricsReader(store, LAYOUT).read()["local-0"].events
