@@ -12,6 +12,7 @@ import torch
 
 from diloco_anywhere.bench.store import sample_tensor
 from diloco_anywhere.bench.tools.processes import worker_context
+from diloco_anywhere.bucket.errors import StoreError
 from diloco_anywhere.bucket.format.layout import RunLayout
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective
@@ -108,6 +109,30 @@ def test_rounds_older_than_keep_rounds_are_deleted():
     assert {(r, f) for r, f, kind in kept if kind == "SEAL"} == {
         (f"{r:010d}", f) for r in range(5) for f in ("0", "1")
     }
+
+
+def test_a_collection_that_fails_is_logged_and_the_rounds_go_on(caplog):
+    """Garbage collection is off the round's path: when what it needs cannot be read (here
+    the newest checkpoint healing replays from), the round stands, the failure is logged, and
+    the next round's collection tries again."""
+    store = Store("memory://allreduce-gc-fails")
+    config = CollectiveConfig(round=RoundPolicy(grace=3600.0, timeout=3600.0), keep_rounds=1)
+
+    def checkpoints_unreadable() -> int:
+        raise StoreError("list 'run/checkpoints' failed: the store's credentials expired")
+
+    caplog.set_level(logging.WARNING)
+    with BucketCollective(
+        store, "run", "solo", config, retained_after=checkpoints_unreadable
+    ) as collective:
+        for round_ in range(3):
+            mean = torch.ones(4)
+            collective.allreduce(mean, round_=round_).wait()
+            assert torch.equal(mean, torch.ones(4))  # a mean of one: its own contribution
+    assert caplog.text.count("garbage collection after round") == 3
+    assert "the store's credentials expired" in caplog.text
+    kept = {key.split("/")[2] for key in store.list_prefix("run/rounds") if "SEAL" not in key}
+    assert kept == {f"{r:010d}" for r in range(3)}  # nothing collected
 
 
 KILL_CONFIG = CollectiveConfig(
