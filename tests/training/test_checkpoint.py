@@ -191,6 +191,25 @@ def test_a_last_checkpoint_that_cannot_be_written_is_raised_not_logged(store) ->
     assert committed_rounds(store, RUN) == []
 
 
+def test_a_checkpoint_due_while_the_previous_one_is_written_is_skipped_saying_why(
+    store, caplog
+) -> None:
+    """Checkpoints are written beside training, one at a time: one due while the previous is
+    still being written (here the committer waits out its grace for two writers that never
+    write) is skipped with the setting to raise, not queued behind it."""
+    caplog.set_level(logging.WARNING)
+    state = diloco_like_state()
+    writer = CheckpointWriter(
+        store, RUN, "a-0", CheckpointPolicy.of(RunConfig(), orphan_grace=1.0, poll=0.02)
+    )
+    assert writer.write(3, CONTRIBUTORS, state | {"manager": counters_after(3)}, last=False)
+    assert not writer.write(4, CONTRIBUTORS, state | {"manager": counters_after(4)}, last=False)
+    writer.close()
+    assert "checkpoint of round 4 skipped: the previous one is still being written" in caplog.text
+    assert "(raise checkpoint.every)" in caplog.text
+    assert committed_rounds(store, RUN) == [3]
+
+
 def test_a_checkpoint_without_commit_does_not_exist(store) -> None:
     write_checkpoint(store, 3, diloco_like_state(0))
     write_checkpoint(store, 6, diloco_like_state(1), writers=("b-0", "c-0"))  # the committer died
@@ -557,6 +576,21 @@ def test_rank_0_never_commits_a_part_of_another_state(store, caplog) -> None:
     writer.close()
     assert committed_rounds(store, RUN) == []
     assert "rank-0001/PART: another part than this replica's rank wrote" in caplog.text
+
+
+def test_rank_0_commits_nothing_over_a_part_record_it_cannot_read(store, caplog) -> None:
+    """A PART record that is not one (cut short, or another tool's file) stops the commit
+    with its key named, as a part of another state does."""
+    caplog.set_level(logging.WARNING)
+    key = RUN.checkpoint_rank_done(3, 1)
+    store.put(key, b"not a record")
+    policy = CheckpointPolicy.of(RunConfig(), poll=0.01, part_wait=30.0)
+    ours = split_in_ranks(diloco_like_state(), 2)
+    writer = CheckpointWriter(store, RUN, "a", policy, shard=ShardOf(0, 2))
+    writer.write(3, ("a",), ours[0], last=False, parts=part_fingerprints(ours))
+    writer.close()
+    assert committed_rounds(store, RUN) == []
+    assert f"checkpoint of round 3 not written: {key}" in caplog.text
 
 
 def test_a_one_rank_fsdp_checkpoint_loads_whole_and_an_unsharded_commit_is_as_before(store):
