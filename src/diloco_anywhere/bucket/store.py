@@ -128,6 +128,12 @@ class Store(WholeFiles):
         self._replace = self._overwriter(protocols)
         self._strangers: set[str] = set()  # listed objects that are not keys, logged once
 
+    @property
+    def on_this_machine(self) -> bool:
+        """A local or in-memory store: reading an object again is a copy in this machine's
+        memory, not a request across a network (nor egress billed per GiB)."""
+        return self._is_local or self._one_at_a_time is _MEMORY_LOCK
+
     def _exclusive_writer(self, protocols: frozenset[str]) -> Callable[[str, Buffer], None]:
         if self._is_local:
             return create_local

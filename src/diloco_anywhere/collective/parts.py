@@ -4,8 +4,9 @@ Every part passes through a pooled buffer (``transfers.py``), at most a window o
 time. A part read from the bucket is checked against the manifest that names it (size and
 checksum, then header), and its values are checked as they stream (``wire.WireReader``).
 
-A replica's own parts are never kept after upload: where a reduction needs one, it is encoded
-again from the caller's tensors, which the caller leaves untouched until the round ends
+A replica's own parts are kept after upload only where a gather round has room for them
+(``Round.contribute``). Any other that a reduction needs is encoded again from the caller's
+tensors, which the caller leaves untouched until the round ends
 (``BucketCollective.allreduce``). Encoding is deterministic, so the bytes equal the uploaded
 ones; their checksum is compared with the manifest's all the same, and on a mismatch (the
 tensors changed during the round) the part is read from the bucket, so what is averaged is
@@ -151,14 +152,22 @@ class PartIO:
             )
 
     def upload(
-        self, source: FlatTensors, elements: range, codec: Codec, meta: wire.ObjectMeta, key: str
+        self,
+        source: FlatTensors,
+        elements: range,
+        codec: Codec,
+        meta: wire.ObjectMeta,
+        key: str,
+        keep: Held | None = None,
     ) -> PartEntry:
-        """Encode and put one part; the buffer is free again when this returns."""
-        held = Held(self.transfers.pool)
+        """Encode and put one part. The buffer is free again when this returns, unless the
+        caller lends one to ``keep`` the uploaded bytes in (``keep.view``), which it releases."""
+        held = keep or Held(self.transfers.pool)
         try:
             data = self.encode(source, elements, codec, meta, held)
             with self.times.measure("transfer"):
                 self.store.put(key, data)
+            held.keep(data)
             return PartEntry(
                 key=key,
                 size=len(data),
@@ -167,7 +176,8 @@ class PartIO:
                 stop=elements.stop,
             )
         finally:
-            held.release()
+            if keep is None:
+                held.release()
 
     def download(self, name: str, manifest: Manifest, shard: int) -> Part:
         """Part ``shard`` of ``manifest`` from the bucket (``MissingPartError`` if absent)."""

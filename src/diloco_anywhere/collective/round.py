@@ -32,6 +32,7 @@ from diloco_anywhere.collective.errors import (
     SealedContributionError,
 )
 from diloco_anywhere.collective.flat import FlatTensors
+from diloco_anywhere.collective.kept_parts import KeptParts, PartId
 from diloco_anywhere.collective.members.departures import Departure, hopeless
 from diloco_anywhere.collective.members.membership import (
     MembershipView,
@@ -50,10 +51,9 @@ from diloco_anywhere.collective.parts import (
 from diloco_anywhere.collective.phases import PhaseTimes
 from diloco_anywhere.collective.policy import ExchangeMode, RoundPolicy
 from diloco_anywhere.collective.records import NO_PACE, Manifest, Pace, PartEntry, Seal, same_layout
-from diloco_anywhere.collective.transfers import windowed
+from diloco_anywhere.collective.transfers import Held, windowed
 
 log = logging.getLogger(__name__)
-PartId = tuple[str, int]  # (contributor, shard)
 
 
 class Round:
@@ -95,8 +95,8 @@ class Round:
         self.parts = PartIO(store, transfers or default_transfers(policy.window), self.times)
         self.source: FlatTensors | None = None  # our contribution: the caller's tensors
         self._verified: set[str] = set()  # contributions checked in full (gather)
-        self.cache: dict[PartId, Part] = {}  # verified parts kept for a gather exchange
-        self._cached_bytes = 0
+        # parts kept for a gather exchange: others' checked ones, our own as uploaded
+        self.kept = KeptParts(policy.gather_memory, me.name, not store.on_this_machine)
 
     # -- contributing ------------------------------------------------------------------------
 
@@ -109,7 +109,9 @@ class Round:
         pace: Pace = NO_PACE,
     ) -> Manifest:
         """Encode and put the parts, ``window`` at a time, straight from ``source`` (which must
-        not change until the round is done), then the manifest (with how it was trained)."""
+        not change until the round is done), then the manifest (with how it was trained).
+        Where a gather exchange is expected, uploaded parts stay in memory while they fit
+        (``kept_parts.py``), so that it need not encode them again."""
         if isinstance(source, torch.Tensor):
             source = FlatTensors([source.reshape(-1)])
         self.source = source
@@ -117,10 +119,22 @@ class Round:
             source.numel, codec, self.policy.part_elements, self.policy.expected_replicas
         )
         me = self.me
+        payload = codec.payload_nbytes(source.numel)
+        keeping = self._mode_of(len(self.members), codec, source.numel, payload) == "gather"
 
         def upload(shard: int) -> PartEntry:
             key = self.layout.part(self.round, self.fragment, me.replica, me.incarnation, shard)
-            return self.parts.upload(source, ranges[shard], codec, self.part_meta(shard), key)
+            held = Held(self.parts.transfers.pool)
+            try:
+                entry = self.parts.upload(
+                    source, ranges[shard], codec, self.part_meta(shard), key, keep=held
+                )
+            except BaseException:
+                held.release()
+                raise
+            if not (keeping and self.kept.offer((me.name, shard), held)):
+                held.release()
+            return entry
 
         transfers = self.parts.transfers
         entries = windowed(transfers.executor, upload, range(len(ranges)), transfers.window)
@@ -207,8 +221,8 @@ class Round:
 
         def fetch(part: PartId) -> Part | framing.WireFormatError:
             name, shard = part
-            if (cached := self.cache.pop(part, None)) is not None:
-                return cached
+            if (kept := self.kept.take(part)) is not None:
+                return Part(name, shard, manifests[name], kept, trusted=True)
             own = None
             if name == self.me.name and self.source is not None:
                 own = (self.source, self.part_meta(shard))
@@ -246,19 +260,14 @@ class Round:
                 release(part)
                 self._exclude(name, exc)
                 continue
-            if self._cached_bytes + len(part.held.view) <= self.policy.gather_memory:
-                self.cache[name, part.shard] = part
-                self._cached_bytes += len(part.held.view)
-            else:
+            if not self.kept.offer((name, part.shard), part.held):
                 part.release()
         if name not in self.excluded:
             self._verified.add(name)
 
     def release(self) -> None:
         """Give back the buffers of parts still kept (the round is over)."""
-        for part in self.cache.values():
-            part.release()
-        self.cache.clear()
+        self.kept.release()
 
     def _take(self, name: str, data: bytes, prefetch: bool) -> None:
         try:
@@ -279,8 +288,12 @@ class Round:
         own = self.manifests.get(self.me.name)
         if own is None:
             return self.policy.exchange_mode(contributors, 0)
-        reduced = reduced_codec(own.codec).payload_nbytes(own.numel)
-        return self.policy.exchange_mode(contributors, sum(p.size for p in own.parts), reduced)
+        return self._mode_of(contributors, own.codec, own.numel, sum(p.size for p in own.parts))
+
+    def _mode_of(self, contributors: int, codec: Codec, numel: int, payload: int) -> ExchangeMode:
+        """The exchange for ``contributors`` contributions of ``payload`` bytes each."""
+        reduced = reduced_codec(codec).payload_nbytes(numel)
+        return self.policy.exchange_mode(contributors, payload, reduced)
 
     def _sealable(self) -> list[str]:
         """Checked contributions of members, each the newest incarnation of its replica that

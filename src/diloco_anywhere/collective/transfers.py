@@ -22,7 +22,9 @@ import torch
 
 from diloco_anywhere.bucket.format.framing import MAX_HEADER_BYTES, PREFIX
 
-SIZE_CLASS = 1 << 20
+# Buffers are within 64 KiB of their part: with 1 MiB classes an int8 part (1 MiB and its
+# scales) took a 2 MiB buffer, twice its bytes, in every part a gather round keeps.
+SIZE_CLASS = 64 << 10
 HEADROOM = PREFIX.size + MAX_HEADER_BYTES  # an encode reserves room for the largest header
 T = TypeVar("T")
 R = TypeVar("R")
@@ -44,9 +46,9 @@ class BufferPool:
         self._lock = threading.Lock()
 
     def _new(self, nbytes: int) -> torch.Tensor:
-        """Sized up to the next MiB past ``nbytes`` plus a header's room, so that a buffer
-        that held a downloaded part (its exact size) also fits an encode of one (which asks
-        for the largest header), and one size class serves a round."""
+        """Sized up to the next ``SIZE_CLASS`` past ``nbytes`` plus a header's room, so that a
+        buffer that held a downloaded part (its exact size) also fits an encode of one (which
+        asks for the largest header), and one size class serves a round."""
         capacity = -(-(nbytes + HEADROOM) // SIZE_CLASS) * SIZE_CLASS
         return torch.empty(capacity, dtype=torch.uint8, pin_memory=self._pinned)
 

@@ -5,10 +5,10 @@ needs nothing from the others after the SEAL. A sealer in gather mode has checke
 contribution in full before sealing; a part that still reads back corrupt fails the round with
 its key named, on every replica that reads it, and is never averaged.
 
-The reduction streams part by part (``reduction.py``): a window of parts in flight (kept from
-the prefetch, our own encoded again, the rest downloaded), decoded and averaged where the
-destination lives, several parts at a time, each reduced part written into the destination
-as soon as it is done.
+The reduction streams part by part (``reduction.py``): a window of parts in flight (those kept
+in memory, ``kept_parts.py``; our own encoded again where it was not kept; the rest
+downloaded), decoded and averaged where the destination lives, several parts at a time, each
+reduced part written into the destination as soon as it is done.
 """
 
 from __future__ import annotations
