@@ -188,11 +188,7 @@ class Replica:
         checkpoint). Under ``torchrun`` the other ranks are torn down with it."""
         print(f"replica {self.replica_id}: {error}", file=sys.stderr, flush=True)
         if self.metrics is not None:
-            try:
-                self.metrics.flush()
-                self.metrics.event("superseded", str(error)[:2000])
-            except Exception as exc:  # a run started over may hold our keys: leave regardless
-                log.warning("could not record the supersession: %s", exc)
+            self.metrics.last_word("superseded", str(error))
         os._exit(contract.EXIT_SUPERSEDED)
 
     def _sharding(self) -> Sharding:

@@ -139,6 +139,15 @@ class MetricsWriter:
         with self._lock:
             self._flush()
 
+    def last_word(self, event: str, detail: str) -> None:
+        """``event`` as this incarnation's last line, after what it buffered, for a process
+        about to end at once: best effort, a failure is logged, not raised (a superseded
+        replica leaves regardless, and a run started over may hold its keys already)."""
+        try:
+            self.event(event, detail[:2000])
+        except Exception as exc:
+            log.warning("could not record %s: %s", event, exc)
+
     def _flush(self) -> None:
         if not self._lines:
             return
