@@ -158,25 +158,27 @@ class PartIO:
         codec: Codec,
         meta: wire.ObjectMeta,
         key: str,
-        keep: Held | None = None,
+        keep: Callable[[Held], bool] | None = None,
     ) -> PartEntry:
-        """Encode and put one part. The buffer is free again when this returns, unless the
-        caller lends one to ``keep`` the uploaded bytes in (``keep.view``), which it releases."""
-        held = keep or Held(self.transfers.pool)
+        """Encode and put one part. ``keep`` is offered the uploaded bytes (``Held.view``);
+        unless it takes them (True: it releases them later), the buffer is free again when
+        this returns."""
+        held, kept = Held(self.transfers.pool), False
         try:
             data = self.encode(source, elements, codec, meta, held)
             with self.times.measure("transfer"):
                 self.store.put(key, data)
-            held.keep(data)
-            return PartEntry(
+            entry = PartEntry(
                 key=key,
                 size=len(data),
                 crc32c=framing.stored_checksum(data),
                 start=elements.start,
                 stop=elements.stop,
             )
+            kept = keep is not None and keep(held.keep(data))
+            return entry
         finally:
-            if keep is None:
+            if not kept:
                 held.release()
 
     def download(self, name: str, manifest: Manifest, shard: int) -> Part:

@@ -16,6 +16,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 
 import torch
 
@@ -51,7 +52,7 @@ from diloco_anywhere.collective.parts import (
 from diloco_anywhere.collective.phases import PhaseTimes
 from diloco_anywhere.collective.policy import ExchangeMode, RoundPolicy
 from diloco_anywhere.collective.records import NO_PACE, Manifest, Pace, PartEntry, Seal, same_layout
-from diloco_anywhere.collective.transfers import Held, windowed
+from diloco_anywhere.collective.transfers import windowed
 
 log = logging.getLogger(__name__)
 
@@ -124,34 +125,17 @@ class Round:
 
         def upload(shard: int) -> PartEntry:
             key = self.layout.part(self.round, self.fragment, me.replica, me.incarnation, shard)
-            held = Held(self.parts.transfers.pool)
-            try:
-                entry = self.parts.upload(
-                    source, ranges[shard], codec, self.part_meta(shard), key, keep=held
-                )
-            except BaseException:
-                held.release()
-                raise
-            if not (keeping and self.kept.offer((me.name, shard), held)):
-                held.release()
-            return entry
+            keep = partial(self.kept.offer, (me.name, shard)) if keeping else None
+            return self.parts.upload(source, ranges[shard], codec, self.part_meta(shard), key, keep)
 
         transfers = self.parts.transfers
         entries = windowed(transfers.executor, upload, range(len(ranges)), transfers.window)
         manifest = Manifest(
-            run=self.layout.run,
-            round=self.round,
-            fragment=self.fragment,
-            replica=me.replica,
-            incarnation=me.incarnation,
-            weight=float(weight),
-            fingerprint=fingerprint,
-            codec=codec,
-            numel=source.numel,
-            parts=tuple(entries),
-            steps=pace.steps,
+            run=self.layout.run, round=self.round, fragment=self.fragment, replica=me.replica,
+            incarnation=me.incarnation, weight=float(weight), fingerprint=fingerprint,
+            codec=codec, numel=source.numel, parts=tuple(entries), steps=pace.steps,
             seconds=pace.seconds,
-        )
+        )  # fmt: skip
         key = self.layout.manifest(self.round, self.fragment, me.replica, me.incarnation)
         self.store.put(key, encode_record(manifest))
         self.manifests[me.name] = manifest
