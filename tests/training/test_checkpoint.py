@@ -191,6 +191,17 @@ def test_a_last_checkpoint_that_cannot_be_written_is_raised_not_logged(store) ->
     assert committed_rounds(store, RUN) == []
 
 
+def test_a_replica_outside_the_seal_writes_no_checkpoint_but_the_last(store) -> None:
+    """A round's checkpoint is its SEAL's contributors' to write (a replica that healed into
+    the round, or was left out of it, holds the same state but writes nothing of it); the
+    run's last one is everyone's (``write_last_if_missing``, tested above)."""
+    writer = CheckpointWriter(store, RUN, "d-0", CheckpointPolicy.of(RunConfig(), poll=0.02))
+    state = diloco_like_state() | {"manager": counters_after(3)}
+    assert not writer.write(3, CONTRIBUTORS, state, last=False)
+    writer.close()
+    assert store.list_prefix(RUN.checkpoint(3)) == []
+
+
 def test_a_checkpoint_due_while_the_previous_one_is_written_is_skipped_saying_why(
     store, caplog
 ) -> None:
