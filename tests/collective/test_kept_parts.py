@@ -5,18 +5,16 @@ as threads of this process through a store in memory: no process is started."""
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from diloco_anywhere.bucket.codecs.codec import make_codec
 from diloco_anywhere.bucket.format.layout import Participant, RunLayout
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.collective.allreduce import finish_round
 from diloco_anywhere.collective.kept_parts import KeptParts
 from diloco_anywhere.collective.parts import Transfers
 from diloco_anywhere.collective.round import Round, RoundPolicy
 from diloco_anywhere.collective.transfers import BufferPool, Held
+from support.rounds import finish_in_threads
 
 NAMES = ("a", "b")
 NUMEL = 40_000
@@ -33,20 +31,18 @@ def _gather_round(gather_memory: int) -> tuple[list[torch.Tensor], list[float], 
     store = Store(f"memory://kept-{gather_memory}")
     members = [Participant(name, 0) for name in NAMES]
     tensors = [torch.randn(NUMEL, generator=torch.Generator().manual_seed(i)) for i in (0, 1)]
-    rounds = [
-        Round(store, RunLayout("run"), 0, 0, member, members, policy, transfers=Transfers.create(4))
+    rounds = {
+        member.name: Round(
+            store, RunLayout("run"), 0, 0, member, members, policy, transfers=Transfers.create(4)
+        )
         for member in members
-    ]
-    for round_, tensor in zip(rounds, tensors, strict=True):
+    }
+    for round_, tensor in zip(rounds.values(), tensors, strict=True):
         round_.contribute(tensor, 1.0, make_codec("int8"))
-    contributed = [round_.times.seconds()["encode"] for round_ in rounds]
-    threads = [threading.Thread(target=finish_round, args=(round_,)) for round_ in rounds]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert not any(thread.is_alive() for thread in threads), "a round hung"
-    return tensors, contributed, [round_.times.seconds()["encode"] for round_ in rounds]
+    contributed = [round_.times.seconds()["encode"] for round_ in rounds.values()]
+    outcomes = finish_in_threads(rounds)
+    assert not any(isinstance(outcome, Exception) for outcome in outcomes.values()), outcomes
+    return tensors, contributed, [round_.times.seconds()["encode"] for round_ in rounds.values()]
 
 
 def test_a_gather_round_reduces_its_own_parts_as_uploaded_encoding_none_again():

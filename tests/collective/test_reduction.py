@@ -21,7 +21,6 @@ from diloco_anywhere.bucket.codecs.codec import make_codec
 from diloco_anywhere.bucket.format import wire
 from diloco_anywhere.bucket.format.layout import Participant, RunLayout
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.collective.allreduce import finish_round
 from diloco_anywhere.collective.errors import SealedContributionError
 from diloco_anywhere.collective.exchanges import reduction
 from diloco_anywhere.collective.exchanges.reduction import Slots, reducer_count
@@ -29,6 +28,7 @@ from diloco_anywhere.collective.mean import weighted_mean
 from diloco_anywhere.collective.parts import Transfers
 from diloco_anywhere.collective.phases import PHASES
 from diloco_anywhere.collective.round import Round, RoundPolicy
+from support.rounds import finish_in_threads
 
 RUN = RunLayout("run")
 META = wire.ObjectMeta(run="run", round=0, replica="a", incarnation=0, shard=0)
@@ -57,21 +57,7 @@ def run_round(mode: str, codec: str = "fp32", *, window: int = 8, **policy_field
         rounds[name] = Round(store, RUN, 0, 0, Participant(name, 0), members, policy,
                              transfers=transfers)  # fmt: skip
         rounds[name].contribute(received[index], index + 1.0, make_codec(codec))
-    outcomes: dict[str, object] = {}
-
-    def finish(name: str) -> None:
-        try:
-            outcomes[name] = finish_round(rounds[name])
-        except Exception as exc:
-            outcomes[name] = exc
-
-    threads = [threading.Thread(target=finish, args=(name,)) for name in NAMES]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert not any(thread.is_alive() for thread in threads), "a round hung"
-    return received, outcomes, rounds
+    return received, finish_in_threads(rounds), rounds
 
 
 def reference() -> torch.Tensor:

@@ -115,6 +115,7 @@ class Store(WholeFiles):
         self._fs, root = fsspec.url_to_fs(url, **self._options)
         self._fs_url, self._protocols = url, protocols  # for a filesystem that signs (``sign``)
         self._is_local = bool(protocols & LOCAL_PROTOCOLS)
+        self._in_memory = bool(protocols & MEMORY_PROTOCOLS)
         # a local root is resolved once (the user chose it); below it no link is followed
         self._root = os.path.realpath(root) if self._is_local else root.rstrip("/")
         for protocol in protocols:
@@ -122,8 +123,7 @@ class Store(WholeFiles):
                 setattr(self._fs, attribute, value)
         # memory:// is one dict per process, which a listing iterates: every change to it and
         # every listing holds one lock (a put during a listing raised "dictionary changed size")
-        memory = protocols & MEMORY_PROTOCOLS
-        self._one_at_a_time = _MEMORY_LOCK if memory else contextlib.nullcontext()
+        self._one_at_a_time = _MEMORY_LOCK if self._in_memory else contextlib.nullcontext()
         self._create = self._exclusive_writer(protocols)
         self._replace = self._overwriter(protocols)
         self._strangers: set[str] = set()  # listed objects that are not keys, logged once
@@ -132,7 +132,7 @@ class Store(WholeFiles):
     def on_this_machine(self) -> bool:
         """A local or in-memory store: reading an object again is a copy in this machine's
         memory, not a request across a network (nor egress billed per GiB)."""
-        return self._is_local or self._one_at_a_time is _MEMORY_LOCK
+        return self._is_local or self._in_memory
 
     def _exclusive_writer(self, protocols: frozenset[str]) -> Callable[[str, Buffer], None]:
         if self._is_local:

@@ -23,7 +23,7 @@ from diloco_anywhere.bucket.format.framing import WireFormatError
 from diloco_anywhere.bucket.format.layout import Participant, RunLayout
 from diloco_anywhere.bucket.format.record import encode_record
 from diloco_anywhere.bucket.store import Store
-from diloco_anywhere.collective.allreduce import BucketCollective, finish_round
+from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.errors import RoundTimeoutError
 from diloco_anywhere.collective.mean import weighted_mean
 from diloco_anywhere.collective.members.membership import (
@@ -44,6 +44,7 @@ from diloco_anywhere.collective.policy import CollectiveConfig, RoundPolicy
 from diloco_anywhere.collective.records import Seal
 from diloco_anywhere.collective.round import Round
 from diloco_anywhere.training.records.metrics import MetricsReader
+from support.rounds import finish_in_threads
 
 RUN = RunLayout("run")
 POLICY = LeasePolicy(period=10.0)
@@ -297,24 +298,6 @@ def claimed(store, *participants: Participant) -> None:
         )
 
 
-def finish_all(rounds: dict[Participant, Round], values: dict[Participant, torch.Tensor]):
-    """Every round's exchange in parallel (sharded mode needs every owner); the results."""
-    outcomes = {}
-
-    def finish(me: Participant) -> None:
-        try:
-            outcomes[me] = finish_round(rounds[me])
-        except Exception as exc:
-            outcomes[me] = exc
-
-    threads = [threading.Thread(target=finish, args=(me,)) for me in rounds]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return outcomes
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_a_zombie_that_sees_its_newer_incarnation_cannot_seal_both(mode):
     """The reported failure: zombie ``a-0``'s refreshed member list held ``a-1`` and, added
@@ -336,7 +319,7 @@ def test_a_zombie_that_sees_its_newer_incarnation_cannot_seal_both(mode):
     assert poll_once(newer) is None  # a-1 alone is not enough (min_replicas = 2)
     other = round_of(store, B0, [A1, B0], mode)
     other.contribute(received[B0], 1.0, make_codec("fp32"))
-    outcomes = finish_all({A1: newer, B0: other}, values)
+    outcomes = finish_in_threads({A1: newer, B0: other})
     expected = weighted_mean([(values[A1], 1.0), (values[B0], 1.0)])
     for me in (A1, B0):
         assert outcomes[me].seal.contributors == ("a-1", "b-0")
@@ -362,7 +345,7 @@ def test_a_zombie_lists_the_claims_before_it_seals(mode):
         poll_once(zombie)  # before: it sealed ("a-0", "b-0")
     newer = round_of(store, A1, [A1, B0], mode)
     newer.contribute(received[A1], 1.0, make_codec("fp32"))
-    outcomes = finish_all({A1: newer, B0: other}, values)
+    outcomes = finish_in_threads({A1: newer, B0: other})
     for me in (A1, B0):
         assert outcomes[me].seal.contributors == ("a-1", "b-0")
 
@@ -391,10 +374,10 @@ def test_a_peer_with_a_stale_member_list_never_seals_a_zombie(mode):
     assert refreshed.is_set()
     newer = round_of(store, A1, [A1, B0], mode)
     newer.contribute(received[A1], 1.0, make_codec("fp32"))
-    outcomes = finish_all({A1: newer, B0: other}, values)
+    outcomes = finish_in_threads({A1: newer, B0: other})
     for me in (A1, B0):
         assert outcomes[me].seal.contributors == ("a-1", "b-0")
-    assert isinstance(finish_all({A0: zombie}, values)[A0], SupersededError)
+    assert isinstance(finish_in_threads({A0: zombie})[A0], SupersededError)
 
 
 @pytest.mark.parametrize(
