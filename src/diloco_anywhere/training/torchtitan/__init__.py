@@ -1,0 +1,9 @@
+"""torchtitan's trainer as a replica (docs/api.md, "torchtitan as a replica"): its models,
+parallelisms and job configs, synced through the bucket by torchft's DiLoCo.
+
+- ``__main__.py``: ``python -m diloco_anywhere.training.torchtitan``, torchtitan's own command
+  line as run.toml's ``[task] command``;
+- ``job.py``: what the run decides of the job's config (steps, checkpoints, seed);
+- ``trainer.py``: ``DilocoTrainer``, torchtitan's ``Trainer`` under ``replica.diloco``;
+- ``cpu.py``: what torchtitan 0.3.0 needs on a CPU-only torch, pinned to the versions tested.
+"""

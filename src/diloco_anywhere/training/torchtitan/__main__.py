@@ -1,0 +1,63 @@
+"""A torchtitan job as this replica, started with torchtitan's own arguments (those of
+``python -m torchtitan.train``) as run.toml's ``[task] command`` (docs/api.md, "torchtitan as a
+replica"), under ``torchrun`` for a replica of several processes::
+
+    python -m diloco_anywhere.training.torchtitan --module M --config F [--section.key value]
+
+It does what ``torchtitan.train.main`` does, with the run's say over the job
+(``job.for_the_run``) and the trainer joined to the run (``trainer.DilocoTrainer``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import torch.distributed as dist
+
+from diloco_anywhere import contract
+from diloco_anywhere.training.torchtitan.cpu import check_version, prepare_cpu
+
+
+def one_process_group() -> None:
+    """torchtitan sets up its processes' group from ``torchrun``'s variables; a replica of one
+    process started without ``torchrun`` gets them as ``torchrun --nproc-per-node 1`` sets
+    them, with a free local port."""
+    if "WORLD_SIZE" in os.environ:
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+
+
+def main(arguments: list[str]) -> None:
+    check_version()
+    prepare_cpu()  # before torchtitan's modules bind the device type
+    from torchtitan.config import ConfigManager
+    from torchtitan.tools.logging import init_logger
+
+    from diloco_anywhere.training.replica import join
+    from diloco_anywhere.training.torchtitan.job import for_the_run
+    from diloco_anywhere.training.torchtitan.trainer import DilocoTrainer
+
+    init_logger()
+    run = contract.configuration(None, dict(os.environ))
+    config = for_the_run(ConfigManager().parse_args(arguments), run)
+    one_process_group()
+    trainer = DilocoTrainer(config)
+    try:
+        with join(run) as replica:
+            trainer.train_replica(replica)
+    finally:
+        trainer.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

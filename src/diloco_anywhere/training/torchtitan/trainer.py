@@ -1,0 +1,131 @@
+"""torchtitan's own ``Trainer`` as a replica of the run: ``DilocoTrainer``.
+
+torchtitan's fault tolerance (``experiments/torchft``) builds a ``torchft.Manager`` that talks
+to a Lighthouse every replica must reach; here replicas reach nothing but the bucket. So the
+core ``Trainer`` (its model, parallelisms, optimizer, schedule, data and logging, all built by
+torchtitan from the job's config) trains under ``replica.diloco`` instead: torchft's own
+``DiLoCo`` over this project's ``BucketManager``, hooked on the optimizer's ``step`` as every
+other task is (docs/api.md), with the run's outer optimizer, pace, checkpoints and heals. The
+subclass changes four things of the loop and nothing else:
+
+- where it starts and stops: at the run's inner step after the heal on entry, until the
+  run's outer steps are committed (``training.done``), not ``training.steps``;
+- the learning-rate schedule follows the run's step (a heal moves it; ``run_step`` under
+  ``pace = "time"``), through the container's own ``load_state_dict`` of ``last_epoch``;
+- the loss torchtitan logs is also the run's (``diloco status``, ``report``);
+- with ``[task] data`` in run.toml, its batches are the run's one order of the prepared
+  corpus (``replica.stream``), claimed in the bucket as for every task; otherwise the job's
+  own data loader reads its own dataset from its start, and the data plan is the job's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torchtitan.trainer import Trainer
+
+from diloco_anywhere.training.replica import Replica
+from diloco_anywhere.training.training import Training
+
+log = logging.getLogger(__name__)
+
+Batch = tuple[dict[str, torch.Tensor], torch.Tensor]  # torchtitan's (inputs, labels)
+
+
+class DilocoTrainer(Trainer):
+    """torchtitan's ``Trainer``, trained as ``replica``'s inner loop by ``train_replica``."""
+
+    training: Training | None = None
+
+    def train_replica(self, replica: Replica) -> None:
+        """Train the job's model under ``replica.diloco`` until the run's outer steps are
+        committed; the replica's ``with`` records how it ended."""
+        model = self._the_one_model_part()
+        tokens = self.config.training.local_batch_size * self.config.training.seq_len
+        tokens *= self.gradient_accumulation_steps
+        with replica.diloco(model, self.optimizers, tokens_per_step=tokens) as training:
+            self.training = training
+            if replica.config.task.data:
+                self.dataloader = run_batches(training, replica, self._batch_shape())
+            self._follow_the_run()
+            self.metrics_processor.log = logged_to_the_run(self.metrics_processor.log, training)
+            super().train()
+
+    def _the_one_model_part(self) -> torch.nn.Module:
+        if len(self.model_parts) != 1:
+            raise ValueError(
+                f"the job's model is in {len(self.model_parts)} parts (pipeline parallelism, "
+                f"parallelism.pipeline_parallel_degree > 1); a replica syncs one model: run "
+                f"the replica without pipeline parallelism (FSDP, tensor and context "
+                f"parallelism are fine)"
+            )
+        return self.model_parts[0]
+
+    def _batch_shape(self) -> BatchShape:
+        training = self.config.training
+        return BatchShape(
+            training.seq_len, training.local_batch_size, self.gradient_accumulation_steps
+        )
+
+    def _follow_the_run(self) -> None:
+        """The loop's step and the schedule at the run's inner step."""
+        assert self.training is not None
+        self.step = self.training.run_step
+        if self.lr_schedulers.schedulers[0].last_epoch != self.step:
+            self.lr_schedulers.load_state_dict({"last_epoch": self.step})
+
+    def train_step(self, data_iterator: Iterator[Batch]) -> None:
+        """torchtitan's step (its forward, backward, clipping and the optimizer's step, in
+        which DiLoCo syncs every ``sync_every / fragments`` steps), then the loop follows the
+        run (a sync that healed this replica moved it)."""
+        super().train_step(data_iterator)
+        self._follow_the_run()
+
+    def should_continue_training(self) -> bool:
+        """Until the run's outer steps are committed: a replica paced by time trains more or
+        fewer than ``training.steps`` steps."""
+        return self.training is not None and not self.training.done
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """One optimizer step of one process, as the job's ``training`` section says."""
+
+    seq_len: int
+    sequences: int  # in one micro-batch: ``local_batch_size``
+    accumulation: int  # micro-batches in one optimizer step
+
+
+def run_batches(training: Training, replica: Replica, shape: BatchShape) -> Iterator[Batch]:
+    """The run's prepared corpus as torchtitan's batches: each optimizer step's sequences
+    (``replica.stream``), split into its micro-batches of ``({"input": tokens, "positions":
+    positions}, labels)``, reopened where the run is after a heal (``training.batches``). The
+    positions run 0 to ``seq_len - 1`` along each sequence: causal attention over the packed
+    documents, as the built-in tasks train (torchtitan's own loader restarts them at each
+    document, which its attention masks then keep apart)."""
+    stream = replica.stream(shape.seq_len, shape.sequences * shape.accumulation)
+    positions = torch.arange(shape.seq_len).expand(shape.sequences, -1)
+    for batch in training.batches(stream.batches):
+        for micro in batch.split(shape.sequences):
+            yield {"input": micro[:, :-1], "positions": positions}, micro[:, 1:]
+
+
+def logged_to_the_run(log_step: Callable[..., None], training: Training) -> Callable[..., None]:
+    """torchtitan's ``MetricsProcessor.log``, also giving the loss it logs (the mean over the
+    step's tokens, every ``metrics.log_freq`` steps), its learning rate and gradient norm to
+    the run's metrics (``training.log``)."""
+
+    def log_both(
+        step: int, loss: float, max_loss: float, grad_norm: float,
+        extra_metrics: dict[str, Any] | None = None, **rest: Any,
+    ) -> None:  # fmt: skip
+        log_step(step, loss, max_loss, grad_norm, extra_metrics=extra_metrics, **rest)
+        rates = [value for name, value in (extra_metrics or {}).items() if name.startswith("lr")]
+        values = {"grad_norm": grad_norm, **({"lr": rates[0]} if rates else {})}
+        training.log(loss, **values)
+
+    return log_both
