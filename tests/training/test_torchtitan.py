@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -31,6 +32,7 @@ from diloco_anywhere.config import load_config
 from diloco_anywhere.data.claims import Claims
 from diloco_anywhere.launching.start.launch import run_metrics
 from diloco_anywhere.training.checkpoints.commits import committed_rounds
+from support.docs import example
 from support.runs import diloco, replica_logs, statuses
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,40 +44,23 @@ pytestmark = [
         reason="torchtitan's environment is missing: make .tools/torchtitan (make test does)",
     ),
 ]
-SEQ_LEN, BATCH = 64, 2
-SYNC, OUTER = 3, 4  # inner steps a round, rounds
-RUN = """
-[run]
-name = "titan"
-store = "store"
-replicas = 2
-min_replicas = 2
-[diloco]
-sync_every = {sync}
-outer_steps = {outer}
+SYNC, OUTER = 3, 4  # docs/api.md's run: inner steps a round, rounds
+TEST_SETTINGS = """
+log_every = 1
 [sync]
 timeout = 300.0
 grace = 1.0  # the checkpoint's committer writes a frozen writer's shard after 3 x grace
 [keep]
 backoff = 0.5
-[task]
-data = "corpus"
-log_every = 1
-command = {command}
 """
 
 
-def torchtitan_command(*extra: str) -> list[str]:
-    """The replica's command: torchtitan's debug model at a test's sizes, its tokenizer the
-    corpus's, its own dataset a copy of the text (built by the trainer, not read: the run's
-    data replaces it)."""
-    return [
-        str(TORCHTITAN_PYTHON), "-m", "diloco_anywhere.training.torchtitan",
-        "--module", "llama3", "--config", "llama3_debugmodel",
-        "--hf_assets_path", "tokenizer", "--dataloader.dataset_path", "documents",
-        "--training.seq_len", str(SEQ_LEN), "--training.local_batch_size", str(BATCH),
-        "--validator.no-enable", *extra,
-    ]  # fmt: skip
+def docs_run() -> str:
+    """docs/api.md's run.toml, its replicas' interpreter torchtitan's environment's, with a
+    test's settings after its last table, ``[task]``."""
+    run = example("# torchtitan's run.toml", "toml")
+    assert f"sync_every = {SYNC}\nouter_steps = {OUTER}\n" in run
+    return run.replace('"python"', f'"{TORCHTITAN_PYTHON}"') + TEST_SETTINGS
 
 
 @pytest.fixture(scope="module")
@@ -90,12 +75,12 @@ def titan_run(hf_corpus, tmp_path_factory):
     shutil.copytree(tokenizer, folder / "tokenizer")
     (folder / "documents").mkdir()
     shutil.copy(data, folder / "documents" / "data.jsonl")
-    command = "[" + ", ".join(f'"{part}"' for part in torchtitan_command()) + "]"
-    (folder / "run.toml").write_text(RUN.format(command=command, sync=SYNC, outer=OUTER))
+    (folder / "run.toml").write_text(docs_run())
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(folder)
         patch.setenv("HF_DATASETS_CACHE", str(folder / "datasets-cache"))
-        prepared = diloco("data", "prepare", str(data), "corpus", "--tokenizer", "tokenizer")
+        [prepare, _launch] = example("diloco data prepare documents/", "bash").splitlines()
+        prepared = diloco(*shlex.split(prepare.split("#")[0])[1:])  # as the page says
         assert prepared.exit_code == 0, prepared.output
         diloco_cli = Path(sys.executable).with_name("diloco")
         launch = subprocess.Popen(
@@ -147,41 +132,45 @@ def _kill_the_first_checkpoints_writer(folder: Path) -> None:
         os.killpg(groups[other], signal.SIGCONT)
 
 
-def test_two_torchtitan_replicas_train_the_run_to_one_model(titan_run, monkeypatch):
+def test_a_torchtitan_run_trains_one_model_heals_a_killed_replica_and_exports(
+    titan_run, monkeypatch
+):
+    """Every fact of the one launch (one test: xdist would give each worker running a test of
+    this module a launch of its own)."""
     monkeypatch.chdir(titan_run)
     rows = statuses("run.toml")
     assert {(row["state"], row["outer_step"]) for row in rows.values()} == {("done", OUTER)}
     metrics = run_metrics(load_config("run.toml")).read()
+    _one_model_at_each_outer_step(metrics)
+    _the_killed_replica_healed_from_the_checkpoint(metrics)
+    _each_unit_of_the_data_trained_once(Store(str(titan_run / "store")))
+    assert diloco("export", "exported", "--config", "run.toml").exit_code == 0
+    exported = load_file("exported/model.safetensors")  # torchtitan's own names
+    assert exported["tok_embeddings.weight"].shape == (2048, 256)  # llama3 debugmodel's
+
+
+def _one_model_at_each_outer_step(metrics) -> None:
     committed = {
         (sync.outer_step, sync.fingerprint)
         for replica in metrics.values()
         for sync in replica.syncs
         if sync.committed
     }
-    assert sorted(step for step, _ in committed) == list(range(1, OUTER + 1))  # one model
+    assert sorted(step for step, _ in committed) == list(range(1, OUTER + 1))
     for replica in metrics.values():  # torchtitan's logged loss, with its lr and grad norm
         assert set(replica.steps[0].values) == {"lr", "grad_norm"}
         assert replica.steps[-1].loss < replica.steps[0].loss
 
 
-def test_a_killed_torchtitan_replica_is_restarted_and_healed_to_the_run(titan_run):
-    metrics = run_metrics(load_config(titan_run / "run.toml")).read()
+def _the_killed_replica_healed_from_the_checkpoint(metrics) -> None:
     [killed] = [name for name, replica in metrics.items() if replica.incarnations == [0, 1]]
     healed = [e for e in metrics[killed].events_by_incarnation[1] if e.event == "healed"]
     assert "healed from checkpoint" in healed[0].detail
-    [other] = set(metrics) - {killed}
+    [other] = set(metrics) - {killed}  # trained on, every step logged once
     assert [line.step for line in metrics[other].steps] == list(range(1, SYNC * OUTER + 1))
 
 
-def test_torchtitan_replicas_train_each_unit_of_the_run_s_data_once(titan_run):
-    store = Store(str(titan_run / "store"))
+def _each_unit_of_the_data_trained_once(store: Store) -> None:
     claims = Claims(store, RunLayout("titan"), contributor("judge", 0), 2).every_claim()
     trained = sorted(claim.unit for claim, outcome in claims if outcome == "trained")
     assert trained == list(range(2 * OUTER))  # 2 replicas x 4 rounds, each unit once
-
-
-def test_a_torchtitan_run_exports_its_model(titan_run, monkeypatch):
-    monkeypatch.chdir(titan_run)
-    assert diloco("export", "exported", "--config", "run.toml").exit_code == 0
-    exported = load_file("exported/model.safetensors")
-    assert "tok_embeddings.weight" in exported
