@@ -11,8 +11,10 @@ replicas' entrypoint runs here; the command it starts runs there, named by its p
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -29,21 +31,22 @@ from diloco_anywhere.bucket.format.record import decode_record
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.records import Seal
 from diloco_anywhere.config import load_config
+from diloco_anywhere.contract import EXIT_BAD_CONFIG, NOT_RETRIED
 from diloco_anywhere.data.claims import Claims
 from diloco_anywhere.launching.start.launch import run_metrics
 from diloco_anywhere.training.checkpoints.commits import committed_rounds
+from diloco_anywhere.training.torchtitan.cpu import TorchtitanVersionError, check_version
 from support.docs import example
 from support.runs import diloco, replica_logs, statuses
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHTITAN_PYTHON = ROOT / ".tools" / "torchtitan" / "bin" / "python"
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(
-        not TORCHTITAN_PYTHON.exists(),
-        reason="torchtitan's environment is missing: make .tools/torchtitan (make test does)",
-    ),
-]
+needs_torchtitan = pytest.mark.skipif(
+    not TORCHTITAN_PYTHON.exists(),
+    reason="torchtitan's environment is missing: make .tools/torchtitan (make test does)",
+)
+
+
 SYNC, OUTER = 3, 4  # docs/api.md's run: inner steps a round, rounds
 TEST_SETTINGS = """
 log_every = 1
@@ -61,6 +64,54 @@ def docs_run() -> str:
     run = example("# torchtitan's run.toml", "toml")
     assert f"sync_every = {SYNC}\nouter_steps = {OUTER}\n" in run
     return run.replace('"python"', f'"{TORCHTITAN_PYTHON}"') + TEST_SETTINGS
+
+
+def test_a_torchtitan_not_installed_or_not_tested_is_refused_saying_which_to_install(
+    tmp_path, monkeypatch
+):
+    assert importlib.util.find_spec("torchtitan") is None  # it has its own environment
+    with pytest.raises(TorchtitanVersionError, match=re.escape(
+        "torchtitan is not installed: pip install 'diloco-anywhere[torchtitan]' "
+        "(torchtitan==0.3.0)"
+    )):  # fmt: skip
+        check_version()
+    metadata = tmp_path / "torchtitan-0.4.0.dist-info"  # an installed torchtitan 0.4.0
+    metadata.mkdir()
+    (metadata / "METADATA").write_text("Metadata-Version: 2.1\nName: torchtitan\nVersion: 0.4.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(TorchtitanVersionError, match=re.escape(
+        "torchtitan 0.4.0 is installed; diloco-anywhere runs torchtitan 0.3.0 (the versions "
+        "its trainer and CPU changes were tested with): pip install torchtitan==0.3.0"
+    )):  # fmt: skip
+        check_version()
+    assert TorchtitanVersionError.exit_code in NOT_RETRIED
+
+
+@pytest.mark.integration
+@needs_torchtitan
+@pytest.mark.parametrize(
+    ("job", "refusal"),
+    [
+        (["--module", "torchft.llama3", "--config", "llama3_torchft_debugmodel"],
+         "the job's config builds torchtitan.experiments.torchft.trainer.FaultTolerantTrainer; "
+         "a replica trains torchtitan's core Trainer"),
+        (["--module", "llama3", "--config", "llama3_debugmodel",
+          "--parallelism.pipeline_parallel_degree", "2", "--training.disable_cuda_graphs"],
+         "parallelism.pipeline_parallel_degree = 2: pipeline parallelism splits the model"),
+    ],
+)  # fmt: skip
+def test_a_job_that_cannot_be_a_replica_is_refused_before_it_starts_not_retried(
+    job, refusal, tmp_path
+):
+    (tmp_path / "run.toml").write_text('[run]\nname = "refused"\nstore = "store"\n')
+    refused = subprocess.run(
+        [TORCHTITAN_PYTHON, "-m", "diloco_anywhere.training.torchtitan", *job],
+        cwd=tmp_path, env={**os.environ, "DILOCO_CONFIG": str(tmp_path / "run.toml")},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert refused.returncode == EXIT_BAD_CONFIG, refused.stderr
+    assert f"error: {refusal}" in refused.stderr
+    assert not (tmp_path / "store").exists()  # nothing joined the run
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +183,8 @@ def _kill_the_first_checkpoints_writer(folder: Path) -> None:
         os.killpg(groups[other], signal.SIGCONT)
 
 
+@pytest.mark.integration
+@needs_torchtitan
 def test_a_torchtitan_run_trains_one_model_heals_a_killed_replica_and_exports(
     titan_run, monkeypatch
 ):

@@ -17,6 +17,7 @@ import sys
 import torch.distributed as dist
 
 from diloco_anywhere import contract
+from diloco_anywhere.training.mistakes import ScriptMistakeError
 from diloco_anywhere.training.torchtitan.cpu import check_version, prepare_cpu
 
 
@@ -36,6 +37,16 @@ def one_process_group() -> None:
 
 
 def main(arguments: list[str]) -> None:
+    """``train_the_job``; a job refused before it joined the run says why, and exits with a code no
+    platform retries (a refusal after it joined is the replica's end, ``Replica._end``)."""
+    try:
+        train_the_job(arguments)
+    except ScriptMistakeError as refused:
+        print(f"error: {refused}", file=sys.stderr, flush=True)
+        sys.exit(refused.exit_code)
+
+
+def train_the_job(arguments: list[str]) -> None:
     check_version()
     prepare_cpu()  # before torchtitan's modules bind the device type
     from torchtitan.config import ConfigManager
@@ -46,12 +57,12 @@ def main(arguments: list[str]) -> None:
     from diloco_anywhere.training.torchtitan.trainer import DilocoTrainer
 
     init_logger()
-    run = contract.configuration(None, dict(os.environ))
-    config = for_the_run(ConfigManager().parse_args(arguments), run)
+    run_config = contract.configuration(None, dict(os.environ))
+    config = for_the_run(ConfigManager().parse_args(arguments), run_config)
     one_process_group()
     trainer = DilocoTrainer(config)
     try:
-        with join(run) as replica:
+        with join(run_config) as replica:
             trainer.train_replica(replica)
     finally:
         trainer.close()

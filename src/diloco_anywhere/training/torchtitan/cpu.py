@@ -39,6 +39,9 @@ import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 (torch's own spelling)
 from torch.distributed import distributed_c10d
 
+from diloco_anywhere import contract
+from diloco_anywhere.training.mistakes import ScriptMistakeError
+
 TESTED = ("0.3.0",)  # torchtitan versions the changes above were read from and tested with
 KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
 KERNEL_FUNCTIONS = (
@@ -49,8 +52,10 @@ KERNEL_FUNCTIONS = (
 )  # fmt: skip
 
 
-class TorchtitanVersionError(RuntimeError):
-    """The installed torchtitan is not one this project was tested with."""
+class TorchtitanVersionError(ScriptMistakeError):
+    """The installed torchtitan is not one this project was tested with: no restart helps."""
+
+    exit_code = contract.EXIT_BAD_CONFIG
 
 
 def check_version() -> str:

@@ -17,7 +17,8 @@ each with a line in the log where it replaces what the job asked for:
 
 Only torchtitan's core ``Trainer`` is trained so: a job built for another trainer (its
 ``experiments/torchft`` fault tolerance, whose manager needs a Lighthouse) is refused, saying
-to use the model's own config, as the run takes the place of that fault tolerance.
+to use the model's own config, as the run takes the place of that fault tolerance; so is
+pipeline parallelism, whose model parts a replica cannot sync as one model.
 """
 
 from __future__ import annotations
@@ -27,15 +28,20 @@ from typing import Any
 
 from torchtitan.trainer import Trainer
 
+from diloco_anywhere import contract
 from diloco_anywhere.config import RunConfig
+from diloco_anywhere.training.mistakes import ScriptMistakeError
 from diloco_anywhere.training.torchtitan.cpu import cpu_attention
 
 log = logging.getLogger(__name__)
 DEFAULT_SEED = 0
 
 
-class TorchtitanJobError(ValueError):
-    """The job cannot train as a replica; the message says why and what to change."""
+class TorchtitanJobError(ScriptMistakeError):
+    """The job cannot train as a replica (the message says why and what to change): refused
+    before anything starts, with an exit code no platform retries."""
+
+    exit_code = contract.EXIT_BAD_CONFIG
 
 
 def for_the_run(config: Any, run: RunConfig) -> Any:
@@ -47,6 +53,13 @@ def for_the_run(config: Any, run: RunConfig) -> Any:
             f"torchtitan's core Trainer (torchtitan.trainer.Trainer), the run taking the place "
             f"of fault tolerance: use the model's own config (e.g. --module llama3 --config "
             f"llama3_debugmodel), not an experiment's"
+        )
+    if config.parallelism.pipeline_parallel_degree > 1:
+        raise TorchtitanJobError(
+            f"parallelism.pipeline_parallel_degree = "
+            f"{config.parallelism.pipeline_parallel_degree}: pipeline parallelism splits the "
+            f"model into parts, and a replica syncs one model; run the replica without it "
+            f"(FSDP, tensor and context parallelism are fine)"
         )
     _set(config.training, "steps", run.diloco.total_steps, "the run's inner steps")
     _set(config.checkpoint, "enable", False, "the run's global checkpoints hold the state")

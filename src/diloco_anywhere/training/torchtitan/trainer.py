@@ -44,7 +44,7 @@ class DilocoTrainer(Trainer):
     def train_replica(self, replica: Replica) -> None:
         """Train the job's model under ``replica.diloco`` until the run's outer steps are
         committed; the replica's ``with`` records how it ended."""
-        model = self._the_one_model_part()
+        [model] = self.model_parts  # one part: pipeline parallelism is refused (job.py)
         tokens = self.config.training.local_batch_size * self.config.training.seq_len
         tokens *= self.gradient_accumulation_steps
         with replica.diloco(model, self.optimizers, tokens_per_step=tokens) as training:
@@ -54,16 +54,6 @@ class DilocoTrainer(Trainer):
             self._follow_the_run()
             self.metrics_processor.log = logged_to_the_run(self.metrics_processor.log, training)
             super().train()
-
-    def _the_one_model_part(self) -> torch.nn.Module:
-        if len(self.model_parts) != 1:
-            raise ValueError(
-                f"the job's model is in {len(self.model_parts)} parts (pipeline parallelism, "
-                f"parallelism.pipeline_parallel_degree > 1); a replica syncs one model: run "
-                f"the replica without pipeline parallelism (FSDP, tensor and context "
-                f"parallelism are fine)"
-            )
-        return self.model_parts[0]
 
     def _batch_shape(self) -> BatchShape:
         training = self.config.training
