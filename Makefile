@@ -119,7 +119,7 @@ coverage: setup $(AZURITE) $(ACTIONLINT) $(CHECKOV) $(TORCHTITAN)
 # The folders whose tests start replicas, STRESS_RUNS times in a row, stopping at the first
 # failure: a test that fails only sometimes shows here (docs/testing.md, "Stress").
 STRESS_RUNS ?= 10
-stress: setup $(TORCHTITAN)
+stress: setup $(AZURITE) $(TORCHTITAN)
 	for run in $$(seq $(STRESS_RUNS)); do \
 		echo "stress run $$run of $(STRESS_RUNS)"; \
 		$(PY) -m pytest $(PYTEST_PARALLEL) -q -p no:cacheprovider tests/replica tests/training \

@@ -24,7 +24,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
+from transformers import AutoTokenizer, LlamaForCausalLM
 
 from diloco_anywhere.bucket.format.layout import RunLayout, contributor, parse_contributor
 from diloco_anywhere.bucket.format.record import decode_record
@@ -48,6 +50,16 @@ needs_torchtitan = pytest.mark.skipif(
 
 
 SYNC, OUTER = 3, 4  # docs/api.md's run: inner steps a round, rounds
+# torchtitan's llama3 debugmodel (models/llama3/__init__.py, _debugmodel) as transformers'
+# LlamaConfig: its dims, RoPE theta and "llama" scaling (rope.py's defaults), RMSNorm's eps.
+DEBUGMODEL_AS_HF = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 2048,
+    "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 6,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+}  # fmt: skip
 TEST_SETTINGS = """
 log_every = 1
 [sync]
@@ -198,8 +210,38 @@ def test_a_torchtitan_run_trains_one_model_heals_a_killed_replica_and_exports(
     _the_killed_replica_healed_from_the_checkpoint(metrics)
     _each_unit_of_the_data_trained_once(Store(str(titan_run / "store")))
     assert diloco("export", "exported", "--config", "run.toml").exit_code == 0
-    exported = load_file("exported/model.safetensors")  # torchtitan's own names
-    assert exported["tok_embeddings.weight"].shape == (2048, 256)  # llama3 debugmodel's
+    exported = load_file("exported/model.safetensors")  # the model's own names, no wrapper's
+    assert "layers.0.attention.qkv_linear.wqkv.weight" in exported
+    _the_export_in_hugging_face_s_layout_loads_and_predicts(titan_run)
+
+
+def _the_export_in_hugging_face_s_layout_loads_and_predicts(folder: Path) -> None:
+    """``hf_export`` with the job's own arguments, in torchtitan's environment; the model
+    config.json the job's hf_assets_path holds (a download of a Hugging Face model has it;
+    written here for the debug model) copied beside the weights. transformers then loads it
+    with no missing or unexpected weight, and it predicts the run's text about as well as the
+    run's best steps did (at these sizes RoPE hardly moves the loss: torchtitan's converter
+    owns the rotary permutation, and this checks the weights it is given)."""
+    (folder / "tokenizer" / "config.json").write_text(json.dumps(DEBUGMODEL_AS_HF))
+    job = load_config(folder / "run.toml").task.command[3:]  # after python -m <module>
+    converted = subprocess.run(
+        [TORCHTITAN_PYTHON, "-m", "diloco_anywhere.training.torchtitan.hf_export",
+         "exported", "hf", *job],
+        cwd=folder, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert converted.returncode == 0, converted.stderr
+    model, info = LlamaForCausalLM.from_pretrained(folder / "hf", output_loading_info=True)
+    assert [info[kind] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")] == [
+        set(), set(), set()
+    ]  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(folder / "hf")
+    text = (folder / "documents" / "data.jsonl").read_text().splitlines()[:8]
+    ids = tokenizer(" ".join(json.loads(line)["text"] for line in text), return_tensors="pt")
+    with torch.no_grad():
+        loss = model(ids.input_ids[:, :64], labels=ids.input_ids[:, :64]).loss.item()
+    trained = min(line.loss for r in run_metrics(load_config(folder / "run.toml")).read().values()
+                  for line in r.steps)  # fmt: skip
+    assert loss < trained + 1.0, (loss, trained)  # untrained: about 7.6, ln(2048)
 
 
 def _one_model_at_each_outer_step(metrics) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from diloco_anywhere import join
 from diloco_anywhere.bucket.format.layout import RunLayout
@@ -64,6 +65,20 @@ def test_a_compiled_model_records_the_names_of_the_model_itself():
         f"_orig_mod.{name}": name for name in ("embed.weight", "block.weight", "block.bias")
     }
     assert stored_names(compiled, [compiled])["tied"] == {"head.weight": "embed.weight"}
+
+
+def test_a_checkpoint_wrapped_layer_records_the_names_of_the_layer_itself():
+    """Activation checkpointing's wrapper (torchtitan puts one around every layer) is no part
+    of the model's names: an export under them loads into the bare model."""
+    model = TiedLM()
+    bare = stored_names(model, [model])
+    model.block = checkpoint_wrapper(model.block)
+    assert "block._checkpoint_wrapped_module.weight" in dict(model.named_parameters())
+    wrapped = stored_names(model, [model])
+    assert sorted(wrapped["fragments"][FRAGMENT_KEY.format(0)].values()) == sorted(
+        bare["fragments"][FRAGMENT_KEY.format(0)].values()
+    )  # fmt: skip
+    assert wrapped["tied"] == bare["tied"]
 
 
 def _names_and_state():

@@ -1,9 +1,13 @@
 """A parameter's name as the run stores and compares it, and the names a checkpoint records.
 
-Names lose the prefix ``torch.compile``'s wrapper puts before every name (``_orig_mod.``), so a
-compiled model and the same model uncompiled are one model to the run's initial state, to
-``init_from``, to checkpoints (DiLoCo is given the module the wrapper holds: ``uncompiled``)
-and to an export.
+Names lose the prefixes torch's wrappers put before the names of the module they wrap, none
+of them the model's own: ``torch.compile``'s (``_orig_mod.``) and activation checkpointing's
+(``_checkpoint_wrapped_module.``, which torchtitan puts around every layer), as torch's own
+distributed checkpoint drops them (``torch/distributed/checkpoint/state_dict.py``,
+``_get_fqns``). So a compiled or checkpoint-wrapped model and the same model bare are one
+model to the run's initial state, to ``init_from``, to checkpoints (DiLoCo is given the
+module the compile wrapper holds: ``uncompiled``) and to an export, whose names are then the
+ones the model's own ``state_dict`` loads.
 
 DiLoCo keys each fragment's global weights by the fragment's own names: the model's names with
 one fragment, ``params.{i}`` with several (``builders.split_fragments``), and a tied weight
@@ -23,11 +27,13 @@ from torch import nn
 
 from diloco_anywhere.training.state.global_state import FRAGMENT_KEY
 
-COMPILED_PREFIX = "_orig_mod."
+WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.")
 
 
 def parameter_name(name: str) -> str:
-    return name.replace(COMPILED_PREFIX, "")
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
 
 
 def uncompiled(model: nn.Module) -> nn.Module:

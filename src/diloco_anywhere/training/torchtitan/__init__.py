@@ -5,5 +5,6 @@ parallelisms and job configs, synced through the bucket by torchft's DiLoCo.
   line as run.toml's ``[task] command``;
 - ``job.py``: what the run decides of the job's config (steps, checkpoints, seed);
 - ``trainer.py``: ``DilocoTrainer``, torchtitan's ``Trainer`` under ``replica.diloco``;
+- ``hf_export.py``: a run's export in Hugging Face's layout, with the job's own converter;
 - ``cpu.py``: what torchtitan 0.3.0 needs on a CPU-only torch, pinned to the versions tested.
 """
