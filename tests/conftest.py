@@ -80,6 +80,7 @@ LONGEST = (
     "tests/bench/test_checkpoint_bench.py",
     "tests/bench/test_hetero_bench.py",
     "tests/project/test_workflows.py::test_the_build_context_is_enough",
+    "tests/training/test_torchtitan.py::test_a_torchtitan_run",
 )
 
 

@@ -1,7 +1,7 @@
 """torchtitan's ``Trainer`` as a replica (``training/torchtitan/``, docs/api.md): two replicas
 of its llama3 debug model started by ``diloco launch``, each ``python -m
 diloco_anywhere.training.torchtitan`` with torchtitan's own arguments, on the CPU (gloo),
-syncing only through the bucket, on the run's prepared corpus.
+syncing only through the bucket, on the run's raw text prepared with the job's tokenizer.
 
 torchtitan 0.3.0's ``datasets`` caps fsspec below the version the project's environment pins,
 so it lives in an environment of its own, as a user's ``pip install
@@ -15,7 +15,6 @@ import importlib.util
 import json
 import os
 import re
-import shlex
 import shutil
 import signal
 import subprocess
@@ -142,9 +141,6 @@ def titan_run(hf_corpus, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(folder)
         patch.setenv("HF_DATASETS_CACHE", str(folder / "datasets-cache"))
-        [prepare, _launch] = example("diloco data prepare documents/", "bash").splitlines()
-        prepared = diloco(*shlex.split(prepare.split("#")[0])[1:])  # as the page says
-        assert prepared.exit_code == 0, prepared.output
         diloco_cli = Path(sys.executable).with_name("diloco")
         launch = subprocess.Popen(
             [diloco_cli, "launch", "--config", "run.toml", "--restart-on-failure"],

@@ -50,7 +50,7 @@ from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.members.membership import SupersededError, run_hopeless
 from diloco_anywhere.config import ConfigError, RunConfig
 from diloco_anywhere.data.stream import Stream
-from diloco_anywhere.data.tokenizers import load_tokenizer
+from diloco_anywhere.data.tokenizers import ByteTokenizer, HfTokenizer, load_tokenizer
 from diloco_anywhere.training.builders import (
     build_parts,
     parallelize,
@@ -283,16 +283,20 @@ class Replica:
         outer steps are committed): as leaving ``with join() as replica`` does."""
         self.__exit__(None, None, None)
 
-    def stream(self, seq_len: int, batch_sequences: int, tokenizer: str | None = None) -> Stream:
+    def stream(
+        self, seq_len: int, batch_sequences: int,
+        tokenizer: str | ByteTokenizer | HfTokenizer | None = None,
+    ) -> Stream:  # fmt: skip
         """run.toml's ``[task] data`` as this process's share of the run's one order of it
         (docs/data.md): pass ``stream.batches`` to ``training.batches``; each batch is a
         ``[batch_sequences, seq_len + 1]`` tensor of token ids. Its units are claimed in the
         bucket at each round, so no sequence is trained twice or skipped whatever the
         replicas do; ``stream.evaluation(n)`` gives held-out batches, the same on every
-        replica. ``tokenizer`` (``bytes``, or a Hugging Face tokenizer): raw text is prepared
-        with it, and a prepared corpus must have been."""
+        replica. ``tokenizer`` (``bytes``, a Hugging Face tokenizer's name, or one loaded:
+        ``data/tokenizers.py``): raw text is prepared with it, and a prepared corpus must have
+        been."""
         context = task_context(self.config, self.index, self.group, self.collective, self.pacer)
-        loaded = None if tokenizer is None else load_tokenizer(tokenizer)
+        loaded = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         return context.stream(seq_len, batch_sequences, loaded)
 
     def add_to_export(self, name: str, text: str) -> None:

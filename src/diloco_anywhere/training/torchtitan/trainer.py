@@ -20,18 +20,16 @@ subclass changes four things of the loop and nothing else:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torchtitan.trainer import Trainer
 
+from diloco_anywhere.data.stream import Stream
+from diloco_anywhere.data.tokenizers import HfTokenizer
 from diloco_anywhere.training.replica import Replica
 from diloco_anywhere.training.training import Training
-
-log = logging.getLogger(__name__)
 
 Batch = tuple[dict[str, torch.Tensor], torch.Tensor]  # torchtitan's (inputs, labels)
 
@@ -45,21 +43,28 @@ class DilocoTrainer(Trainer):
         """Train the job's model under ``replica.diloco`` until the run's outer steps are
         committed; the replica's ``with`` records how it ended."""
         [model] = self.model_parts  # one part: pipeline parallelism is refused (job.py)
-        tokens = self.config.training.local_batch_size * self.config.training.seq_len
-        tokens *= self.gradient_accumulation_steps
+        seq_len, sequences = self._step_shape()
+        tokens = seq_len * sequences  # one optimizer step's, which weighs its contributions
         with replica.diloco(model, self.optimizers, tokens_per_step=tokens) as training:
             self.training = training
             if replica.config.task.data:
-                self.dataloader = run_batches(training, replica, self._batch_shape())
+                self.dataloader = self._the_run_s_data(replica, seq_len, sequences)
             self._follow_the_run()
             self.metrics_processor.log = logged_to_the_run(self.metrics_processor.log, training)
             super().train()
 
-    def _batch_shape(self) -> BatchShape:
+    def _step_shape(self) -> tuple[int, int]:
+        """(sequence length, sequences in one optimizer step of this process)."""
         training = self.config.training
-        return BatchShape(
-            training.seq_len, training.local_batch_size, self.gradient_accumulation_steps
-        )
+        return training.seq_len, training.local_batch_size * self.gradient_accumulation_steps
+
+    def _the_run_s_data(self, replica: Replica, seq_len: int, sequences: int) -> Iterator[Batch]:
+        """run.toml's ``[task] data`` in place of the job's data loader, read with the job's
+        own tokenizer."""
+        assert self.training is not None
+        tokenizer = HfTokenizer(self.config.hf_assets_path, JobTokenizer(self.tokenizer))
+        stream = replica.stream(seq_len, sequences, tokenizer=tokenizer)
+        return run_batches(self.training, stream, self.config.training.local_batch_size)
 
     def _follow_the_run(self) -> None:
         """The loop's step and the schedule at the run's inner step."""
@@ -81,26 +86,29 @@ class DilocoTrainer(Trainer):
         return self.training is not None and not self.training.done
 
 
-@dataclass(frozen=True)
-class BatchShape:
-    """One optimizer step of one process, as the job's ``training`` section says."""
+class JobTokenizer:
+    """The job's tokenizer (torchtitan's ``HuggingFaceTokenizer``, read from its
+    ``hf_assets_path``) as ``data/tokenizers.HfTokenizer`` reads one: the run's raw text is
+    prepared with it, and a prepared corpus must have been, so that its ids are the model's
+    (a corpus of another tokenizer is refused, naming both)."""
 
-    seq_len: int
-    sequences: int  # in one micro-batch: ``local_batch_size``
-    accumulation: int  # micro-batches in one optimizer step
+    def __init__(self, tokenizer: Any) -> None:
+        self.backend_tokenizer, self.eos_token_id = tokenizer.tokenizer, tokenizer.eos_id
+
+    def __len__(self) -> int:
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
 
 
-def run_batches(training: Training, replica: Replica, shape: BatchShape) -> Iterator[Batch]:
-    """The run's prepared corpus as torchtitan's batches: each optimizer step's sequences
-    (``replica.stream``), split into its micro-batches of ``({"input": tokens, "positions":
+def run_batches(training: Training, stream: Stream, sequences: int) -> Iterator[Batch]:
+    """The run's data as torchtitan's batches: each optimizer step's sequences (``stream``),
+    split into its micro-batches of ``sequences``, each ``({"input": tokens, "positions":
     positions}, labels)``, reopened where the run is after a heal (``training.batches``). The
     positions run 0 to ``seq_len - 1`` along each sequence: causal attention over the packed
     documents, as the built-in tasks train (torchtitan's own loader restarts them at each
     document, which its attention masks then keep apart)."""
-    stream = replica.stream(shape.seq_len, shape.sequences * shape.accumulation)
-    positions = torch.arange(shape.seq_len).expand(shape.sequences, -1)
+    positions = torch.arange(stream.shape.seq_len).expand(sequences, -1)
     for batch in training.batches(stream.batches):
-        for micro in batch.split(shape.sequences):
+        for micro in batch.split(sequences):
             yield {"input": micro[:, :-1], "positions": positions}, micro[:, 1:]
 
 
