@@ -307,7 +307,9 @@ def test_json_for_scripts_is_standard_json_whatever_the_floats(capsys):
 @pytest.mark.parametrize("skew", [-300.0, 31.0])
 def test_status_shows_a_replicas_clock_skew_and_counts_last_seen_in_the_stores_time(skew):
     """A replica whose clock is off writes times off by as much; its lease says by how much,
-    and status shows it and takes it out of "last seen"."""
+    and status shows it and takes it out of "last seen". Its newest line is 10 s old: the
+    skew's measure is off by up to half a round trip to the store (milliseconds), which must
+    not show a line just written as seen in the future (``_seconds_since`` says 0 then)."""
     store, layout = Store(f"memory://status-skew-{skew}"), RunLayout("run")
     heartbeat = Heartbeat(
         store, layout, claim_incarnation(store, layout, "local-0"), LeasePolicy(),
@@ -316,20 +318,32 @@ def test_status_shows_a_replicas_clock_skew_and_counts_last_seen_in_the_stores_t
     heartbeat.beat()  # measures
     heartbeat.beat()  # writes it
     writer = MetricsWriter(store, layout, "local-0", 0, "local")
-    writer.add(StepLine(step=1, loss=2.0, tokens=10, time=time.time() + skew))
-    writer.add(EventLine(event="superseded", time=time.time() + skew))
+    writer.add(StepLine(step=1, loss=2.0, tokens=10, time=time.time() + skew - 20))
+    writer.add(EventLine(event="superseded", time=time.time() + skew - 10))
     writer.flush()
     skews = replica_skews(store, layout)
     assert skews["local-0"] == pytest.approx(skew, abs=1.0)
     [row] = replica_statuses(MetricsReader(store, layout).read(), [], lambda _: "unknown",
                              skews=skews)  # fmt: skip
-    assert 0 <= row.last_seen_seconds < 5  # not 5 minutes, nor from the future
+    assert 9 <= row.last_seen_seconds < 15  # not 5 minutes more, nor 31 s into the future
     assert row.superseded == 1
     console = Console(width=200, record=True)
     console.print(status_table([row], "t"))
     shown = console.export_text()
     assert f"clock {skew:+.0f}s" in shown
     assert "superseded 1x" in shown
+
+
+def test_a_line_just_written_is_seen_now_not_in_the_future():
+    """A skew measured a few milliseconds short (half a round trip to the store, at most) puts
+    the newest line just ahead of now: status says it was seen now."""
+    store, layout = Store("memory://status-just-written"), RunLayout("run")
+    writer = MetricsWriter(store, layout, "local-0", 0, "local")
+    writer.add(StepLine(step=1, loss=2.0, tokens=10, time=time.time() + 0.05))
+    writer.flush()
+    [row] = replica_statuses(MetricsReader(store, layout).read(), [], lambda _: "unknown",
+                             skews={"local-0": 0.0})  # fmt: skip
+    assert row.last_seen_seconds == 0.0
 
 
 def test_the_status_table_says_which_replicas_wait_on_the_others_and_which_hold_them_up():

@@ -116,7 +116,7 @@ def replica_statuses(
                 tokens_per_second=last_sync.tokens_per_second if last_sync else None,
                 bytes_up=last_sync.bytes_up if last_sync else 0,
                 bytes_down=last_sync.bytes_down if last_sync else 0,
-                last_seen_seconds=now - seen.last_seen() + (skews.get(replica) or 0.0)
+                last_seen_seconds=_seconds_since(seen.last_seen(), skews.get(replica), now)
                 if seen
                 else None,
                 restarts=max(0, len(seen.incarnations) - 1) if seen else 0,
@@ -134,6 +134,14 @@ def replica_statuses(
             )
         )
     return rows
+
+
+def _seconds_since(written: float, skew: float | None, now: float) -> float:
+    """Seconds since a replica wrote a line at ``written`` by its clock, ``skew`` seconds ahead
+    of the store's as it measured it. The measure is off by up to half a round trip to the
+    store, so a line just written can come out a few milliseconds in the future: it was
+    seen now."""
+    return max(0.0, now - written + (skew or 0.0))
 
 
 def _why_failed(seen: ReplicaMetrics | None) -> str | None:
