@@ -11,7 +11,6 @@ It does what ``torchtitan.train.main`` does, with the run's say over the job
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 import torch.distributed as dist
@@ -24,16 +23,13 @@ from diloco_anywhere.training.torchtitan.cpu import check_version, prepare_cpu
 def one_process_group() -> None:
     """torchtitan sets up its processes' group from ``torchrun``'s variables; a replica of one
     process started without ``torchrun`` gets them as ``torchrun --nproc-per-node 1`` sets
-    them, with a free local port."""
-    if "WORLD_SIZE" in os.environ:
-        return
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    os.environ.update(
-        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
+    them, its rendezvous on a port the system picks (``MASTER_PORT=0``: one process has no
+    other to tell the port to)."""
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1", MASTER_PORT="0",
+        )  # fmt: skip
 
 
 def main(arguments: list[str]) -> None:
