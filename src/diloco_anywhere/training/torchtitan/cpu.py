@@ -25,6 +25,7 @@ refused at start, naming the versions tested, rather than half working.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import os
@@ -125,17 +126,17 @@ class _CpuDeviceModule(types.ModuleType):
         torch.manual_seed(seed)
 
 
+@functools.cache
 def prepare_cpu() -> None:
     """Apply changes 1-4 (see the module's docstring), before anything of torchtitan is
     imported; once. Nothing where CUDA is present."""
-    if torch.cuda.is_available() or getattr(torch._utils, "_diloco_cpu", False):
+    if torch.cuda.is_available():
         return
     _device_is_cpu()
     _stand_in_for_triton_kernels()
     if not hasattr(dist, "set_timeout"):
         dist.set_timeout = distributed_c10d._set_pg_timeout  # type: ignore[attr-defined]
     _force_sum_reductions()
-    torch._utils._diloco_cpu = True  # type: ignore[attr-defined]
 
 
 def _device_is_cpu() -> None:

@@ -32,8 +32,9 @@ HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenize
             "special_tokens_map.json")  # fmt: skip
 
 
-class NoConverterError(ScriptMistakeError):
-    """The job's model has no Hugging Face converter in torchtitan."""
+class HfExportError(ScriptMistakeError):
+    """The export cannot be written in Hugging Face's layout: the job's model has no
+    converter, its converter would leave weights out, or the export is another model's."""
 
 
 def export_for_hugging_face(exported: Path, destination: Path, arguments: list[str]) -> list[str]:
@@ -47,7 +48,7 @@ def export_for_hugging_face(exported: Path, destination: Path, arguments: list[s
     config = ConfigManager().parse_args(arguments)
     spec = config.model_spec
     if spec.state_dict_adapter is None:
-        raise NoConverterError(
+        raise HfExportError(
             f"torchtitan's {spec.name} model has no state_dict_adapter: it has no Hugging Face "
             f"layout to export to; {exported / WEIGHTS} holds its weights in torchtitan's names"
         )
@@ -58,7 +59,7 @@ def export_for_hugging_face(exported: Path, destination: Path, arguments: list[s
     weights = adapter.to_hf(state)
     lost = state.keys() - adapter.from_hf(weights).keys()
     if lost:
-        raise NoConverterError(
+        raise HfExportError(
             f"torchtitan's {spec.name} converter leaves out {sorted(lost)[:5]}: its Hugging "
             f"Face layout cannot hold this model; {exported / WEIGHTS} holds all of it"
         )
@@ -82,7 +83,7 @@ def model_state_dict(model_config: Any, weights: dict[str, torch.Tensor]) -> dic
         model = model_config.build()
     held = dict(model.named_parameters())
     if held.keys() != weights.keys():
-        raise NoConverterError(
+        raise HfExportError(
             f"the export's weights are not this job's model's: it has "
             f"{sorted(held.keys() - weights.keys())[:5]} that the export lacks, and the export "
             f"{sorted(weights.keys() - held.keys())[:5]} that it lacks; give the job's own "
