@@ -75,12 +75,14 @@ $(CHECKOV):
 
 # torchtitan (training/torchtitan/, tests/training/test_torchtitan.py): its datasets caps fsspec
 # below constraints.txt's, so an environment of its own, as `pip install
-# 'diloco-anywhere[torchtitan]'` makes it, pinned by constraints-torchtitan.txt.
+# 'diloco-anywhere[torchtitan]'` makes it, pinned by constraints-torchtitan.txt; with coverage
+# (make coverage measures its replicas too) and pytest (a rendered torchtitan project's own
+# tests run there, tests/project/test_template_torchtitan.py).
 $(TORCHTITAN): pyproject.toml requirements-runtime.txt constraints-torchtitan.txt
 	test -x .tools/torchtitan/bin/python || $(PYTHON) -m venv .tools/torchtitan
 	.tools/torchtitan/bin/python -m pip install --quiet "$(TORCH_SPEC)"
 	.tools/torchtitan/bin/python -m pip install --quiet -c constraints-torchtitan.txt -e ".[torchtitan]" \
-		"$$(grep -i '^coverage==' constraints.txt)"  # make coverage measures its replicas too
+		$$(grep -iE '^(coverage|pytest|pluggy|iniconfig)==' constraints.txt)
 	touch $(TORCHTITAN)
 
 # The main job: the embedded default run (4 local replicas, a local store), its summary and plot.

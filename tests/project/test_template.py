@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ast
 import importlib
-import json
 import keyword
 import os
 import subprocess
@@ -34,7 +33,7 @@ from diloco_anywhere.config import parse_config
 from diloco_anywhere.launching.start.launch import plan_launch
 from diloco_anywhere.task import TaskContext
 from support import ROOT
-from support.template import ACCOUNT, BACKENDS, render
+from support.template import ACCOUNT, BACKENDS, answers_of, assert_clean, render, rendered_files
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -44,35 +43,6 @@ else:  # pragma: no cover - Python 3.10
 from support.hf import TINY_LLAMA
 
 CLOUD = {"s3": "s3", "gcs": "gs", "azure": "az", "hf": "hf"}
-
-
-def rendered_files(project: Path) -> list[Path]:
-    return sorted(p for p in project.rglob("*") if p.is_file())
-
-
-def answers_of(project: Path) -> dict:
-    return yaml.safe_load((project / ".copier-answers.yml").read_text())
-
-
-PARSERS = {".toml": tomllib.loads, ".yml": yaml.safe_load, ".yaml": yaml.safe_load,
-           ".json": json.loads}  # fmt: skip
-
-
-def assert_clean(project: Path) -> None:
-    """Every file rendered: no Jinja markup left, no .jinja suffix, every TOML, YAML and JSON
-    file parses, and ruff passes on the project with the project's own settings."""
-    for path in rendered_files(project):
-        text = path.read_text()
-        assert path.suffix != ".jinja", path
-        assert "{{" not in text.replace("${{", ""), path  # GitHub Actions' ${{ }} stays
-        assert "{%" not in text, path
-        if path.suffix in PARSERS:
-            PARSERS[path.suffix](text)
-    ruff = subprocess.run(
-        [sys.executable, "-m", "ruff", "check", "--no-cache", "."],
-        cwd=project, capture_output=True, text=True,
-    )  # fmt: skip
-    assert ruff.returncode == 0, ruff.stdout[-2000:]
 
 
 @pytest.mark.integration

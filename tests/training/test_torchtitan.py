@@ -3,10 +3,8 @@ of its llama3 debug model started by ``diloco launch``, each ``python -m
 diloco_anywhere.training.torchtitan`` with torchtitan's own arguments, on the CPU (gloo),
 syncing only through the bucket, on the run's raw text prepared with the job's tokenizer.
 
-torchtitan 0.3.0's ``datasets`` caps fsspec below the version the project's environment pins,
-so it lives in an environment of its own, as a user's ``pip install
-'diloco-anywhere[torchtitan]'`` makes it: ``.tools/torchtitan`` (``make test`` builds it). The
-replicas' entrypoint runs here; the command it starts runs there, named by its path."""
+torchtitan lives in an environment of its own (``support/torchtitan.py``): the replicas'
+entrypoint runs here; the command it starts runs there, named by its path."""
 
 from __future__ import annotations
 
@@ -39,26 +37,9 @@ from diloco_anywhere.training.checkpoints.commits import committed_rounds
 from diloco_anywhere.training.torchtitan.cpu import TorchtitanVersionError, check_version
 from support.docs import example
 from support.runs import diloco, replica_logs, statuses
-
-ROOT = Path(__file__).resolve().parents[2]
-TORCHTITAN_PYTHON = ROOT / ".tools" / "torchtitan" / "bin" / "python"
-needs_torchtitan = pytest.mark.skipif(
-    not TORCHTITAN_PYTHON.exists(),
-    reason="torchtitan's environment is missing: make .tools/torchtitan (make test does)",
-)
-
+from support.torchtitan import DEBUG_ASSETS, TORCHTITAN_PYTHON, needs_torchtitan
 
 SYNC, OUTER = 3, 4  # docs/api.md's run: inner steps a round, rounds
-# torchtitan's llama3 debugmodel (models/llama3/__init__.py, _debugmodel) as transformers'
-# LlamaConfig: its dims, RoPE theta and "llama" scaling (rope.py's defaults), RMSNorm's eps.
-DEBUGMODEL_AS_HF = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 2048,
-    "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 6,
-    "num_attention_heads": 16, "num_key_value_heads": 16, "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-}  # fmt: skip
 TEST_SETTINGS = """
 log_every = 1
 [sync]
@@ -214,11 +195,12 @@ def test_a_torchtitan_run_trains_one_model_heals_a_killed_replica_and_exports(
 def _the_export_in_hugging_face_s_layout_loads_and_predicts(folder: Path) -> None:
     """``hf_export`` with the job's own arguments, in torchtitan's environment; the model
     config.json the job's hf_assets_path holds (a download of a Hugging Face model has it;
-    written here for the debug model) copied beside the weights. transformers then loads it
+    for the debug model, the one the template's projects ship: torchtitan's dims, RoPE theta
+    and "llama" scaling, RMSNorm's eps) copied beside the weights. transformers then loads it
     with no missing or unexpected weight, and it predicts the run's text about as well as the
     run's best steps did (at these sizes RoPE hardly moves the loss: torchtitan's converter
     owns the rotary permutation, and this checks the weights it is given)."""
-    (folder / "tokenizer" / "config.json").write_text(json.dumps(DEBUGMODEL_AS_HF))
+    shutil.copy(DEBUG_ASSETS / "config.json", folder / "tokenizer")
     job = load_config(folder / "run.toml").task.command[3:]  # after python -m <module>
     converted = subprocess.run(
         [TORCHTITAN_PYTHON, "-m", "diloco_anywhere.training.torchtitan.hf_export",

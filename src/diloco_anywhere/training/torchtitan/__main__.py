@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from diloco_anywhere import contract
 from diloco_anywhere.training.mistakes import ScriptMistakeError
-from diloco_anywhere.training.torchtitan.cpu import check_version, prepare_cpu
+from diloco_anywhere.training.torchtitan.parsing import replica_job
 
 
 def one_process_group() -> None:
@@ -43,18 +43,14 @@ def main(arguments: list[str]) -> None:
 
 
 def train_the_job(arguments: list[str]) -> None:
-    check_version()
-    prepare_cpu()  # before torchtitan's modules bind the device type
-    from torchtitan.config import ConfigManager
+    run_config = contract.configuration(None, dict(os.environ))
+    config = replica_job(arguments, run_config)  # the version checked, the CPU changes made
     from torchtitan.tools.logging import init_logger
 
     from diloco_anywhere.training.replica import join
-    from diloco_anywhere.training.torchtitan.job import for_the_run
     from diloco_anywhere.training.torchtitan.trainer import DilocoTrainer
 
     init_logger()
-    run_config = contract.configuration(None, dict(os.environ))
-    config = for_the_run(ConfigManager().parse_args(arguments), run_config)
     one_process_group()
     trainer = DilocoTrainer(config)
     try:

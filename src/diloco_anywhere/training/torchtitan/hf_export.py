@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from diloco_anywhere.training.mistakes import ScriptMistakeError
-from diloco_anywhere.training.torchtitan.cpu import check_version, prepare_cpu
+from diloco_anywhere.training.torchtitan.parsing import parse_job
 
 WEIGHTS = "model.safetensors"
 # What from_pretrained reads beside the weights, where the job's hf_assets_path has them.
@@ -41,11 +41,7 @@ def export_for_hugging_face(exported: Path, destination: Path, arguments: list[s
     """Write ``exported``'s weights (``diloco export``'s) into ``destination`` in Hugging
     Face's layout, with the files of ``HF_FILES`` the job's ``hf_assets_path`` holds; the
     names of the files written."""
-    check_version()
-    prepare_cpu()
-    from torchtitan.config import ConfigManager
-
-    config = ConfigManager().parse_args(arguments)
+    config = parse_job(arguments)
     spec = config.model_spec
     if spec.state_dict_adapter is None:
         raise HfExportError(

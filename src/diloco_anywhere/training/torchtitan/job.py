@@ -7,6 +7,8 @@ each with a line in the log where it replaces what the job asked for:
 
 - ``training.steps``: the run's inner steps (``outer_steps x sync_every``), which the
   learning-rate schedule spans (its ``total_steps`` defaults to it);
+- ``dataloader``: with run.toml's ``[task] data``, the run's loader (``run_data.py``), so
+  that the job's own dataset is never opened;
 - ``checkpoint.enable = False``: the run's global checkpoints and the replica's own state
   hold the model, the outer optimizer and the data position, and a heal restores them; a
   second checkpointer of its own would resume the trainer elsewhere than the run;
@@ -32,6 +34,7 @@ from diloco_anywhere import contract
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.training.mistakes import ScriptMistakeError
 from diloco_anywhere.training.torchtitan.cpu import cpu_attention
+from diloco_anywhere.training.torchtitan.run_data import RunDataLoader
 
 log = logging.getLogger(__name__)
 DEFAULT_SEED = 0
@@ -62,6 +65,8 @@ def for_the_run(config: Any, run: RunConfig) -> Any:
             f"(FSDP, tensor and context parallelism are fine)"
         )
     _set(config.training, "steps", run.diloco.total_steps, "the run's inner steps")
+    if run.task.data:
+        _set(config, "dataloader", RunDataLoader.Config(), "run.toml's [task] data is the data")
     _set(config.checkpoint, "enable", False, "the run's global checkpoints hold the state")
     if config.debug.seed is None:
         _set(config.debug, "seed", DEFAULT_SEED, "every replica starts from the same weights")

@@ -13,8 +13,8 @@ subclass changes four things of the loop and nothing else:
 - the learning-rate schedule follows the run's step (a heal moves it; ``run_step`` under
   ``pace = "time"``), through the container's own ``load_state_dict`` of ``last_epoch``;
 - the loss torchtitan logs is also the run's (``diloco status``, ``report``);
-- with ``[task] data`` in run.toml, its batches are the run's one order of the prepared
-  corpus (``replica.stream``), claimed in the bucket as for every task; otherwise the job's
+- with ``[task] data`` in run.toml, its loader is the run's (``run_data.py``): the run's one
+  order of the prepared corpus, claimed in the bucket as for every task; otherwise the job's
   own data loader reads its own dataset from its start, and the data plan is the job's.
 """
 
@@ -23,15 +23,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
 from torchtitan.trainer import Trainer
 
-from diloco_anywhere.data.stream import Stream
 from diloco_anywhere.data.tokenizers import HfTokenizer
 from diloco_anywhere.training.replica import Replica
+from diloco_anywhere.training.torchtitan.run_data import (
+    Batch,
+    JobTokenizer,
+    RunDataLoader,
+    run_batches,
+)
 from diloco_anywhere.training.training import Training
-
-Batch = tuple[dict[str, torch.Tensor], torch.Tensor]  # torchtitan's (inputs, labels)
 
 
 class DilocoTrainer(Trainer):
@@ -48,7 +50,7 @@ class DilocoTrainer(Trainer):
         with replica.diloco(model, self.optimizers, tokens_per_step=tokens) as training:
             self.training = training
             if replica.config.task.data:
-                self.dataloader = self._the_run_s_data(replica, seq_len, sequences)
+                self._read_the_run_s_data(replica, seq_len, sequences)
             self._follow_the_run()
             self.metrics_processor.log = logged_to_the_run(self.metrics_processor.log, training)
             super().train()
@@ -58,13 +60,15 @@ class DilocoTrainer(Trainer):
         training = self.config.training
         return training.seq_len, training.local_batch_size * self.gradient_accumulation_steps
 
-    def _the_run_s_data(self, replica: Replica, seq_len: int, sequences: int) -> Iterator[Batch]:
-        """run.toml's ``[task] data`` in place of the job's data loader, read with the job's
-        own tokenizer."""
+    def _read_the_run_s_data(self, replica: Replica, seq_len: int, sequences: int) -> None:
+        """run.toml's ``[task] data`` into the run's loader (``job.py`` put it in place of the
+        job's), read with the job's own tokenizer."""
         assert self.training is not None
+        assert isinstance(self.dataloader, RunDataLoader)
         tokenizer = HfTokenizer(self.config.hf_assets_path, JobTokenizer(self.tokenizer))
         stream = replica.stream(seq_len, sequences, tokenizer=tokenizer)
-        return run_batches(self.training, stream, self.config.training.local_batch_size)
+        sequences_a_pass = self.config.training.local_batch_size
+        self.dataloader.read(run_batches(self.training, stream, sequences_a_pass))
 
     def _follow_the_run(self) -> None:
         """The loop's step and the schedule at the run's inner step."""
@@ -84,32 +88,6 @@ class DilocoTrainer(Trainer):
         """Until the run's outer steps are committed: a replica paced by time trains more or
         fewer than ``training.steps`` steps."""
         return self.training is not None and not self.training.done
-
-
-class JobTokenizer:
-    """The job's tokenizer (torchtitan's ``HuggingFaceTokenizer``, read from its
-    ``hf_assets_path``) as ``data/tokenizers.HfTokenizer`` reads one: the run's raw text is
-    prepared with it, and a prepared corpus must have been, so that its ids are the model's
-    (a corpus of another tokenizer is refused, naming both)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.backend_tokenizer, self.eos_token_id = tokenizer.tokenizer, tokenizer.eos_id
-
-    def __len__(self) -> int:
-        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
-
-
-def run_batches(training: Training, stream: Stream, sequences: int) -> Iterator[Batch]:
-    """The run's data as torchtitan's batches: each optimizer step's sequences (``stream``),
-    split into its micro-batches of ``sequences``, each ``({"input": tokens, "positions":
-    positions}, labels)``, reopened where the run is after a heal (``training.batches``). The
-    positions run 0 to ``seq_len - 1`` along each sequence: causal attention over the packed
-    documents, as the built-in tasks train (torchtitan's own loader restarts them at each
-    document, which its attention masks then keep apart)."""
-    positions = torch.arange(stream.shape.seq_len).expand(sequences, -1)
-    for batch in training.batches(stream.batches):
-        for micro in batch.split(sequences):
-            yield {"input": micro[:, :-1], "positions": positions}, micro[:, 1:]
 
 
 def logged_to_the_run(log_step: Callable[..., None], training: Training) -> Callable[..., None]:

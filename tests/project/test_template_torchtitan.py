@@ -1,0 +1,101 @@
+"""The template's torchtitan task: the project it renders trains torchtitan's own ``Trainer``
+as every replica, on a job of ``src/<package>/jobs.py`` (its debug model on bytes, or Llama
+3.1 8B), and its own tests pass where torchtitan is installed (torchtitan's environment,
+``support/torchtitan.py``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoTokenizer
+
+from diloco_anywhere.config import parse_config
+from support.template import answers_of, assert_clean, render
+from support.torchtitan import DEBUG_ASSETS, TORCHTITAN_PYTHON, needs_torchtitan
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+TORCHTITAN_TASK = {"task": "torchtitan"}
+
+
+def run_project_tests(project, *selection: str) -> subprocess.CompletedProcess:
+    """The project's own tests in torchtitan's environment, its src first on the path (as
+    installing it would put it): the replicas import its jobs module."""
+    return subprocess.run(
+        [TORCHTITAN_PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection, "tests"],
+        cwd=project, env={**os.environ, "PYTHONPATH": str(project / "src")},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+@pytest.mark.integration
+def test_the_torchtitan_task_renders_its_jobs_module_and_a_run_of_its_debug_job(tmp_path):
+    project = render(tmp_path, **TORCHTITAN_TASK)
+    assert_clean(project)
+    config = parse_config((project / "run.toml").read_text(), "run.toml")
+    assert config.task.command == [
+        "python", "-m", "diloco_anywhere.training.torchtitan",
+        "--module", "my_diloco_run.jobs", "--config", "debug",
+    ]  # fmt: skip
+    assert config.task.data == "stdlib"  # raw text every machine has: no download
+    assert config.run.sharding == "fsdp"  # torchtitan shards a replica of several GPUs
+    package = project / "src" / "my_diloco_run"
+    assert (package / "jobs.py").exists()
+    assert not (package / "task.py").exists()  # the command is the replica: no task module
+    pyproject = tomllib.loads((project / "pyproject.toml").read_text())
+    assert pyproject["project"]["optional-dependencies"]["task"] == ["torchtitan==0.3.0"]
+    assets = pyproject["tool"]["setuptools"]["package-data"]["my_diloco_run"]
+    assert assets == ["assets/**/*"]  # installed with the package, so the image holds them
+    assert answers_of(project)["titan_model"] == "debug"
+    readme = (project / "README.md").read_text()
+    assert "--module my_diloco_run.jobs --config debug" in readme  # its hf_export
+
+
+def test_the_debug_job_s_tokenizer_is_bytes_and_its_config_the_debug_model_s():
+    """Token id b is byte b, whatever the text (no unknown token, no merge), with an end of
+    sequence after the bytes; the model's config.json is the one the torchtitan run's
+    Hugging Face export loads (``tests/training/test_torchtitan.py``)."""
+    tokenizer = AutoTokenizer.from_pretrained(DEBUG_ASSETS)
+    text = "déf f(x):\n\treturn '日本' + x  # \x00\xff"
+    assert tokenizer(text)["input_ids"] == list(text.encode())
+    assert tokenizer.decode(list(text.encode())) == text
+    assert (len(tokenizer), tokenizer.eos_token_id) == (258, 257)
+    config = (DEBUG_ASSETS / "config.json").read_text()
+    assert '"vocab_size": 2048' in config  # torchtitan's debug model: room for 258 ids
+
+
+@pytest.mark.integration
+@needs_torchtitan
+def test_the_torchtitan_project_s_own_tests_pass_where_torchtitan_is_installed(tmp_path):
+    """Its job parses as a replica's, and its smoke run (two local replicas of the debug
+    job) completes."""
+    project = render(tmp_path, **TORCHTITAN_TASK)
+    result = run_project_tests(project)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    # the job, its tokenizer, the smoke run, run.toml, the local launch request
+    assert "5 passed" in result.stdout
+
+
+@pytest.mark.integration
+@needs_torchtitan
+def test_the_llama3_8b_project_says_to_download_its_tokenizer_until_it_is_there(tmp_path):
+    """The 8B job parses as a replica's with its run.toml; its gated tokenizer is not in the
+    template, and the project's test of it says where to download it."""
+    project = render(
+        tmp_path, **TORCHTITAN_TASK, titan_model="llama3_8b", storage="s3", backends=["modal"]
+    )
+    config = parse_config((project / "run.toml").read_text(), "run.toml")
+    assert config.task.command[-2:] == ["--config", "llama3_8b"]
+    assert config.task.data.startswith("hf://datasets/")
+    assert "hf download meta-llama/Llama-3.1-8B" in (project / "README.md").read_text()
+    result = run_project_tests(project, "-k", "job")
+    assert "1 failed, 1 passed" in result.stdout, result.stdout[-3000:]
+    assert "has no tokenizer.json: download the model's assets into it (README.md)" in (
+        result.stdout
+    )
