@@ -28,8 +28,10 @@ from diloco_anywhere.collective.policy import LeasePolicy
 from diloco_anywhere.config import RunConfig
 from diloco_anywhere.launching.watch.report import summarize
 from diloco_anywhere.launching.watch.status import (
+    OWN_DATA_FIX,
     ReplicaStatus,
     advice_lines,
+    notes,
     replica_skews,
     replica_statuses,
     waiting_share,
@@ -46,6 +48,7 @@ from diloco_anywhere.training.records.metrics import (
 )
 from diloco_anywhere.training.state.global_state import GlobalState
 from diloco_anywhere.training.state.parameter_names import stored_names
+from diloco_anywhere.training.training import OWN_DATA
 
 
 def tied_model() -> nn.Module:
@@ -434,3 +437,24 @@ def test_replicas_that_wait_for_slower_ones_are_told_the_pace_fix_where_it_appli
         "lets them train instead (docs/tuning.md)"  # fmt: skip
     assert lines == [f"local-0 (75%) wait on syncs for slower replicas: {fast.advice}"]
     assert html.escape(lines[0]) in page
+
+
+def test_a_replica_whose_script_trains_on_its_own_data_is_noted_with_what_to_change():
+    """A replica's newest incarnation that said ``own_data`` (its script never opened the
+    run's data by its first sync): its row, its note and a line under the table; one whose
+    newest incarnation opened the run's data after an older one did not says nothing."""
+    store, layout = Store("memory://status-own-data"), RunLayout("run")
+    for replica, incarnations in (("local-0", [True]), ("local-1", [True, False])):
+        for incarnation, own in enumerate(incarnations):
+            writer = MetricsWriter(store, layout, replica, incarnation, "local")
+            writer.add(_sync(0, None))
+            if own:
+                writer.event("own_data", OWN_DATA)
+            writer.flush()
+    mine, theirs = replica_statuses(MetricsReader(store, layout).read(), [], lambda _: "unknown")
+    assert (mine.own_data, theirs.own_data) == (OWN_DATA, None)
+    assert ("quiet", "own data") in notes(mine)
+    assert ("quiet", "own data") not in notes(theirs)
+    assert advice_lines([mine, theirs]) == [
+        f"local-0 train on their script's own data: {OWN_DATA_FIX}"
+    ]

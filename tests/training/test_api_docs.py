@@ -14,7 +14,9 @@ from matplotlib.image import imread
 from diloco_anywhere.bucket.format.layout import RunLayout, contributor
 from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.data.claims import Claims
+from diloco_anywhere.launching.watch.status import OWN_DATA_FIX
 from diloco_anywhere.training.checkpoints.catalogue import newest_checkpoints
+from diloco_anywhere.training.training import OWN_DATA
 from support.docs import example
 from support.runs import diloco, statuses
 
@@ -35,6 +37,11 @@ def test_a_plain_loop_is_every_replica_of_diloco_launch(tmp_path, monkeypatch):
     rows = statuses("run.toml")
     assert {(row["state"], row["outer_step"]) for row in rows.values()} == {("done", 5)}
     assert all(row["loss"] is not None for row in rows.values())
+    assert all(row["own_data"] == OWN_DATA for row in rows.values())  # it draws its own batches
+    shown = diloco("status", "--config", "run.toml")
+    assert f"local-0, local-1 train on their script's own data: {OWN_DATA_FIX}" in " ".join(
+        shown.stdout.split()
+    )  # (the console wraps it)
     logs = [(tmp_path / ".diloco" / "plain-loop" / "logs" / f"{r}.log").read_text() for r in rows]
     assert all("trained 5 outer steps" in log for log in logs)
     assert all(row["values"] == {"lr": 0.01} for row in rows.values())
@@ -91,7 +98,8 @@ def test_a_loop_of_your_own_streams_the_run_s_prepared_corpus(tmp_path, monkeypa
     rounds = int(re.search(r"outer_steps = (\d+)", run).group(1))
     assert [state.unit for state in states] == list(range(2 * rounds))
     assert all(state.trained for state in states)
-    assert {row["state"] for row in statuses("run.toml").values()} == {"done"}
+    rows = statuses("run.toml").values()
+    assert {(row["state"], row["own_data"]) for row in rows} == {("done", None)}
 
 
 def test_an_existing_loop_started_and_finished_trains_as_the_with_blocks_do(tmp_path, monkeypatch):

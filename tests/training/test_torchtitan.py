@@ -182,6 +182,7 @@ def test_a_torchtitan_run_trains_one_model_heals_a_killed_replica_and_exports(
     monkeypatch.chdir(titan_run)
     rows = statuses("run.toml")
     assert {(row["state"], row["outer_step"]) for row in rows.values()} == {("done", OUTER)}
+    assert {row["own_data"] for row in rows.values()} == {None}  # [task] data: the run's loader
     metrics = run_metrics(load_config("run.toml")).read()
     _one_model_at_each_outer_step(metrics)
     _the_killed_replica_healed_from_the_checkpoint(metrics)

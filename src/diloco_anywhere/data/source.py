@@ -12,7 +12,7 @@ process's ``Stream``, without reading a token yet.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import crc32c
 
@@ -63,6 +63,14 @@ class RawText:
     max_bytes: int | None  # of the task's own text (``default``): its first files up to it
 
 
+@dataclass
+class DataUse:
+    """Whether a replica opened the run's data (``DataSource.open``): a script that never does
+    trains on data of its own, which the run claims none of, and status says so."""
+
+    opened: bool = False
+
+
 @dataclass(frozen=True)
 class DataSource:
     corpus: str  # run.toml's [task] data: a prepared folder or raw text ("": the task's own)
@@ -72,6 +80,7 @@ class DataSource:
     span_of: SpanOf | None = None  # the rounds of the replica's steps: one unit each, if None
     copy: str | None = None  # where raw text is prepared for the run (none outside a run)
     holder: str = "this process"  # who prepares it here, as waiters are told
+    use: DataUse = field(default_factory=DataUse)  # the replica's, told when a stream opens
 
     def open(
         self, seq_len: int, batch_sequences: int,
@@ -84,6 +93,7 @@ class DataSource:
         up to ``max_bytes``) is prepared with ``tokenizer`` (and ``text_field``,
         ``heldout_fraction``) into the run's copy, and a prepared corpus must have been
         prepared with it (any, without one)."""
+        self.use.opened = True
         raw = RawText(text_field, heldout_fraction, max_bytes)
         store, manifest = self._corpus(tokenizer, default, raw)
         theirs = manifest.settings.tokenizer

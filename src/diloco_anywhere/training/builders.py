@@ -22,7 +22,7 @@ from diloco_anywhere.bucket.feedback import ErrorFeedback
 from diloco_anywhere.bucket.format.layout import RunLayout
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.config import RunConfig
-from diloco_anywhere.data.source import DataSource, fixed_units
+from diloco_anywhere.data.source import DataSource, DataUse, fixed_units
 from diloco_anywhere.task import TaskContext
 from diloco_anywhere.training.managers.bucket import BucketManager
 from diloco_anywhere.training.managers.group import make_manager
@@ -201,10 +201,12 @@ def task_context(
     group: ReplicaGroup,
     collective: BucketCollective | None = None,
     pacer: Pacer | None = None,
+    use: DataUse | None = None,
 ) -> TaskContext:
     """What the task's ``build`` function is told about this replica: with ``collective``, its
     data is claimed through the run's bucket, else it takes a fixed share; ``pacer``: the
-    replica's steps per round, which its data follows (none: every round ``round_steps``)."""
+    replica's steps per round, which its data follows (none: every round ``round_steps``);
+    ``use``: the replica's, told when its data is opened."""
     return TaskContext(
         replica_index=replica_index,
         replicas=config.run.replicas,
@@ -214,7 +216,9 @@ def task_context(
         rank=group.rank,
         ranks=group.world_size,
         total_steps=config.diloco.total_steps,
-        data=data_source(config, replica_index, group, collective, pacer or Pacer(config.diloco)),
+        data=data_source(
+            config, replica_index, group, collective, pacer or Pacer(config.diloco), use
+        ),
     )
 
 
@@ -224,6 +228,7 @@ def data_source(
     group: ReplicaGroup,
     collective: BucketCollective | None,
     pacer: Pacer,
+    use: DataUse | None = None,
 ) -> DataSource:
     """The run's data (``[task] data``, else the task's own) as this process opens it, raw text
     prepared into the run's store: in a replica, its units claimed in the bucket by the
@@ -243,6 +248,7 @@ def data_source(
         span_of=pacer.span,
         copy=f"{store}/{RunLayout(config.run.name).data_corpus()}",
         holder=collective.me.name if collective is not None else f"{gethostname()}:{getpid()}",
+        use=use or DataUse(),
     )  # fmt: skip
 
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from diloco_anywhere.task import Batch, Task, build_task
-from diloco_anywhere.training.builders import inner_optimizer, task_context
+from diloco_anywhere.training.builders import inner_optimizer
 from diloco_anywhere.training.replica import Replica
 from diloco_anywhere.training.state.warm_start import warm_start
 from diloco_anywhere.training.training import TrainingResult
@@ -18,12 +18,7 @@ def train(replica: Replica) -> TrainingResult:
     """The built-in replica loop, on the public API (docs/api.md): build run.toml's task (from
     ``[task] init_from``'s weights, if given), then train it under torchft's DiLoCo until the
     run's outer steps are committed."""
-    task = build_task(
-        replica.config.task.entrypoint,
-        task_context(
-            replica.config, replica.index, replica.group, replica.collective, replica.pacer
-        ),
-    )
+    task = build_task(replica.config.task.entrypoint, replica.task_context())
     if replica.config.task.init_from:
         warm_start(task.model, replica.config.resolve(replica.config.task.init_from))
     trained = compiled(replica.parallelize(task.model), replica.config.task.compile)

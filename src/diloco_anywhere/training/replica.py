@@ -49,8 +49,10 @@ from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.members.membership import SupersededError, run_hopeless
 from diloco_anywhere.config import ConfigError, RunConfig
+from diloco_anywhere.data.source import DataUse
 from diloco_anywhere.data.stream import Stream
 from diloco_anywhere.data.tokenizers import ByteTokenizer, HfTokenizer, load_tokenizer
+from diloco_anywhere.task import TaskContext
 from diloco_anywhere.training.builders import (
     build_parts,
     parallelize,
@@ -131,6 +133,7 @@ class Replica:
         )
         self.device = resolve_device(config.task.device, self.group.local_rank)
         self.pacer = Pacer(config.diloco)  # its steps per round, which its data follows
+        self.data_use = DataUse()  # whether it opened the run's data (status notes if not)
         self.collective: BucketCollective | None = None
         self.metrics: MetricsWriter | None = None
         self.training: Training | None = None
@@ -230,7 +233,9 @@ class Replica:
             self.config, self.collective, uncompiled(model), inner_optimizer, tokens_per_step,
             evaluate, self.group,
         )  # fmt: skip
-        training = Training(parts, self.collective, self.metrics, self.group, self.pacer)
+        training = Training(
+            parts, self.collective, self.metrics, self.group, self.pacer, self.data_use
+        )
         if self.metrics is not None:
             self.metrics.event(
                 "started",
@@ -295,9 +300,15 @@ class Replica:
         replica. ``tokenizer`` (``bytes``, a Hugging Face tokenizer's name, or one loaded:
         ``data/tokenizers.py``): raw text is prepared with it, and a prepared corpus must have
         been."""
-        context = task_context(self.config, self.index, self.group, self.collective, self.pacer)
         loaded = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
-        return context.stream(seq_len, batch_sequences, loaded)
+        return self.task_context().stream(seq_len, batch_sequences, loaded)
+
+    def task_context(self) -> TaskContext:
+        """What a task's ``build`` is told of this replica (``builders.task_context``): its
+        data claimed through the run's bucket, following its pace."""
+        return task_context(
+            self.config, self.index, self.group, self.collective, self.pacer, self.data_use
+        )
 
     def add_to_export(self, name: str, text: str) -> None:
         """A file ``diloco export`` writes beside the weights (``export_files.py``): what

@@ -25,6 +25,7 @@ from diloco_anywhere.collective.allreduce import BucketCollective
 from diloco_anywhere.collective.errors import DivergedError, RoundHopelessError
 from diloco_anywhere.collective.members.membership import SupersededError
 from diloco_anywhere.collective.records import MAX_PACE_SECONDS, Pace
+from diloco_anywhere.data.source import DataUse
 from diloco_anywhere.task import Batch
 from diloco_anywhere.training.builders import ReplicaParts
 from diloco_anywhere.training.fixed_rng import fixed_random_state
@@ -39,6 +40,11 @@ from diloco_anywhere.training.recovery.own_state import OwnState
 from diloco_anywhere.training.state.global_state import GlobalState
 
 log = logging.getLogger(__name__)
+OWN_DATA = (
+    "the script trains on data of its own, not run.toml's [task] data: the run claims none of "
+    "it (no epoch coverage in diloco report), and a restart or a heal reads it where the "
+    "script does"
+)
 
 MAX_FAILED_SYNCS = 5  # in a row; then the replica stops with the last error
 
@@ -74,12 +80,15 @@ class Training:
         metrics: MetricsWriter | None,
         group: ReplicaGroup,
         pacer: Pacer | None = None,
+        data_use: DataUse | None = None,
     ) -> None:
         """``pacer``: the replica's steps per round, which its data follows too (the same
-        one: ``Replica.pacer``)."""
+        one: ``Replica.pacer``); ``data_use``: whether the replica opened the run's data,
+        said at its first sync (None: not known, nothing said)."""
         self.config, self.manager, self.evaluate = parts.config, parts.manager, parts.evaluate
         self.parts, self.collective, self.metrics, self.group = parts, collective, metrics, group
         self.pacer = pacer or Pacer(self.config.diloco)
+        self.data_use = data_use
         self.diloco: DiLoCo | None = None  # torchft's, once entered (``begin``)
         self.round_started = time.perf_counter()  # training time of the round counts from here
         self.sent_pace: Pace | None = None  # how the round's contribution was trained
@@ -221,6 +230,14 @@ class Training:
             self._healed_in_step = True
         self.stop_if_failing()
 
+    def _say_if_the_data_is_the_script_s(self) -> None:
+        """At the first sync of this process, an ``own_data`` event if the script has not
+        opened the run's data by then: it trains on data of its own, which the run claims none
+        of (``diloco status`` says so)."""
+        if self.data_use is not None and not self.data_use.opened:
+            self.metrics.event("own_data", OWN_DATA)  # type: ignore[union-attr]
+        self.data_use = None  # said once
+
     def record_sync(self, committed: bool, model: nn.Module, synced: int) -> None:
         """The sync's line in the metrics (rank 0), with the held-out loss when due: every rank
         of a sharded replica evaluates (each forward gathers the shards of all), rank 0 alone
@@ -231,6 +248,7 @@ class Training:
             self.eval_loss = self.evaluate_global_weights(model)
         if self.metrics is None:
             return
+        self._say_if_the_data_is_the_script_s()
         error = self.manager.last_sync_error
         now, (bytes_up, bytes_down) = time.perf_counter(), self.manager.traffic()
         self.metrics.add(

@@ -49,6 +49,7 @@ def test_a_two_replica_run_finishes_and_reports(run_toml, tmp_path):
     rows = statuses(config)
     assert {row["state"] for row in rows.values()} == {"done"}
     assert {row["outer_step"] for row in rows.values()} == {2}
+    assert {row["own_data"] for row in rows.values()} == {None}  # the built-in task's is the run's
     # the held-out loss is taken at the global weights: every replica gets the same number
     assert len({row["eval_loss"] for row in rows.values()}) == 1
     # ... every eval_every (2) outer steps only: not after the first

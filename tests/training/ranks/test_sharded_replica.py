@@ -32,9 +32,11 @@ from diloco_anywhere.tasks.gpt import GPT, PRESETS
 from diloco_anywhere.training.checkpoints.commits import committed_rounds, read_commit
 from diloco_anywhere.training.checkpoints.reader import load_checkpoint
 from diloco_anywhere.training.checkpoints.records import ShardOf
+from diloco_anywhere.training.ranks.replica_group import ReplicaGroup
 from diloco_anywhere.training.ranks.sharding import (
     Sharding,
     ShardingMismatchError,
+    check_sharded,
     check_sharding,
     shard_units,
 )
@@ -333,3 +335,38 @@ def test_the_entrypoint_refuses_a_run_toml_it_cannot_start_with_exit_2(tmp_path,
     (tmp_path / "run.toml").write_text("[run]\nreplicas = 0\n")
     assert replica_main(["--config", str(tmp_path / "run.toml"), "--replica-id", "local-0"]) == 2
     assert "replicas" in capsys.readouterr().err
+
+
+@pytest.fixture
+def process_group_of_one(tmp_path):
+    """A gloo group of this process alone, torn down after: FSDP2's DTensors need one."""
+    store = torch.distributed.FileStore(str(tmp_path / "group"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def test_a_model_sharded_unlike_the_run_s_sharding_is_refused_either_way(process_group_of_one):
+    """Before the first step, with exit 2 (a ConfigError): a replica of several processes
+    declared "ddp" whose trainer shards the model itself (torchtitan's FSDP2), and one declared
+    "fsdp" whose model was never sharded; one process alone is either."""
+    from torch.distributed.fsdp import fully_shard
+
+    plain, sharded = (
+        GPT(PRESETS["tiny"], torch.Generator().manual_seed(0)),
+        GPT(PRESETS["tiny"], torch.Generator().manual_seed(0)),
+    )
+    fully_shard(sharded)  # DTensors, Shard(0) over the mesh
+    as_declared = {sharding: ReplicaGroup(world_size=2, sharded=sharding == "fsdp")
+                   for sharding in ("ddp", "fsdp")}  # fmt: skip
+    unsharded = r"run.sharding = 'fsdp', but parameter \S+ is not sharded: pass the model "
+    sharded_ddp = r"run.sharding = 'ddp', but parameter \S+ is sharded over the replica's 2 "
+    with pytest.raises(ShardingMismatchError, match=sharded_ddp + r".* sharding = \"fsdp\""):
+        check_sharded(sharded, as_declared["ddp"])
+    with pytest.raises(ShardingMismatchError, match=unsharded + "through replica.parallelize"):
+        check_sharded(plain, as_declared["fsdp"])
+    check_sharded(plain, as_declared["ddp"])
+    check_sharded(sharded, as_declared["fsdp"])
+    for model in (plain, sharded):
+        check_sharded(model, ReplicaGroup())
+    assert issubclass(ShardingMismatchError, ConfigError)  # exit 2, never retried

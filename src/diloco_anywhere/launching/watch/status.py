@@ -44,6 +44,7 @@ class ReplicaStatus:
     behind: bool = False  # it said it holds the rounds up (too slow for min_round_steps)
     advice: str | None = None  # what to change about its note, where there is a fix
     last_word: str | None = None  # why it failed, as it said (its failed event's detail)
+    own_data: str | None = None  # where its script trains on data of its own, what it said
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -131,6 +132,7 @@ def replica_statuses(
                 behind=bool(seen and seen.behind()),
                 advice=waiting_fix(pace) if shown_waiting(waiting) else None,
                 last_word=_why_failed(seen),
+                own_data=seen.own_data() if seen else None,
             )
         )
     return rows
@@ -175,6 +177,14 @@ def waiting_fix(pace: str) -> str | None:
     return f'set [diloco] pace = "time" in run.toml: {PACE_FIX} (docs/tuning.md)'
 
 
+# What to say of replicas whose script reads data of its own (``Training``'s ``own_data``)
+OWN_DATA_FIX = (
+    "the data plan is the script's (the run claims none of it); for the run's one order, "
+    "claimed in the bucket, give run.toml's [task] data and read it through replica.stream "
+    "(docs/data.md)"
+)
+
+
 def advice_lines(rows: Collection[ReplicaStatus]) -> list[str]:
     """One line per fix the rows' notes call for, naming the replicas it is for: what
     ``diloco status`` and the status page print under the table."""
@@ -182,8 +192,11 @@ def advice_lines(rows: Collection[ReplicaStatus]) -> list[str]:
     for row in rows:
         if row.advice is not None:
             waiting.setdefault(row.advice, []).append(f"{row.replica} ({row.waiting:.0%})")
-    return [f"{', '.join(replicas)} wait on syncs for slower replicas: {advice}"
-            for advice, replicas in waiting.items()]  # fmt: skip
+    lines = [f"{', '.join(replicas)} wait on syncs for slower replicas: {advice}"
+             for advice, replicas in waiting.items()]  # fmt: skip
+    if own := [row.replica for row in rows if row.own_data]:
+        lines.append(f"{', '.join(own)} train on their script's own data: {OWN_DATA_FIX}")
+    return lines
 
 
 def notes(row: ReplicaStatus) -> list[tuple[str, str]]:
@@ -202,6 +215,8 @@ def notes(row: ReplicaStatus) -> list[tuple[str, str]]:
         said.append(("warn", "behind"))
     if shown_waiting(row.waiting):  # idle, and billed
         said.append(("warn", f"waits {row.waiting:.0%}"))
+    if row.own_data:  # its script reads its own data, not the run's
+        said.append(("quiet", "own data"))
     return said
 
 

@@ -102,17 +102,36 @@ def shard_model(model: nn.Module, group: ReplicaGroup) -> nn.Module:
 
 
 def check_sharded(model: nn.Module, group: ReplicaGroup) -> None:
-    """Refuse to train a sharded replica's model that is not sharded: every rank would
-    exchange the whole model in its own namespace, and the ranks would drift apart."""
-    from torch.distributed.tensor import DTensor
+    """Refuse to train a model whose sharding is not the run's, either way, before its first
+    step: a sharded replica's model not sharded (every rank would exchange the whole model in
+    its own namespace, and the ranks drift apart), or a replica of several processes declared
+    unsharded whose model is (a trainer that applies FSDP2 itself, torchtitan's: rank 0 would
+    exchange only its own shard as the whole model, and the others take rank 0's shard as
+    theirs). A configuration error: a restart would meet it again."""
+    from torch.distributed.tensor import DTensor, Shard
 
-    if group.sharded and group.world_size > 1:
-        plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if group.world_size == 1:
+        return
+    parameters = list(model.named_parameters())
+    if group.sharded:
+        plain = [name for name, p in parameters if not isinstance(p, DTensor)]
         if plain:
-            raise ValueError(
-                f"run.sharding = 'fsdp', but parameter {plain[0]} is not sharded: pass the model "
-                f"through replica.parallelize(model) before building the inner optimizer"
+            raise ShardingMismatchError(
+                f"run.sharding = 'fsdp', but parameter {plain[0]} is not sharded: pass the "
+                f"model through replica.parallelize(model) before building the inner optimizer"
             )
+        return
+    sharded = [
+        name
+        for name, p in parameters
+        if isinstance(p, DTensor) and any(isinstance(s, Shard) for s in p.placements)
+    ]
+    if sharded:
+        raise ShardingMismatchError(
+            f"run.sharding = 'ddp', but parameter {sharded[0]} is sharded over the replica's "
+            f"{group.world_size} processes (FSDP or tensor parallelism): set [run] sharding = "
+            f'"fsdp" in run.toml, so that every rank syncs its own shard'
+        )
 
 
 def reshard(model: nn.Module) -> None:

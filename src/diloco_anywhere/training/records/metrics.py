@@ -73,7 +73,7 @@ class EventLine(Record):
     kind: Literal["event"] = "event"
     event: Literal[
         "started", "done", "failed", "stopped", "diverged", "healed", "resumed", "mirror_failed",
-        "superseded", "behind", "caught_up",
+        "superseded", "behind", "caught_up", "own_data",
     ]  # fmt: skip
     detail: str = Field(default="", max_length=2000)
     parameters: Count = 0  # "started": the model's size, for comparisons with data parallel
@@ -214,6 +214,12 @@ class ReplicaMetrics:
         newest = self.events_by_incarnation.get(self.incarnation, [])
         said = [line.event for line in newest if line.event in ("behind", "caught_up")]
         return bool(said) and said[-1] == "behind"
+
+    def own_data(self) -> str | None:
+        """What its newest incarnation said of the data its script trains on, where that is
+        not the run's (``own_data``); None where it is the run's, or not said yet."""
+        newest = self.events_by_incarnation.get(self.incarnation, [])
+        return next((line.detail for line in newest if line.event == "own_data"), None)
 
     def latest_eval_loss(self) -> float | None:
         return next((s.eval_loss for s in reversed(self.syncs) if s.eval_loss is not None), None)
