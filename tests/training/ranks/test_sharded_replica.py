@@ -10,8 +10,11 @@ it, and every rank heals its own shard from its part of the checkpoint and its o
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -32,11 +35,9 @@ from diloco_anywhere.tasks.gpt import GPT, PRESETS
 from diloco_anywhere.training.checkpoints.commits import committed_rounds, read_commit
 from diloco_anywhere.training.checkpoints.reader import load_checkpoint
 from diloco_anywhere.training.checkpoints.records import ShardOf
-from diloco_anywhere.training.ranks.replica_group import ReplicaGroup
 from diloco_anywhere.training.ranks.sharding import (
     Sharding,
     ShardingMismatchError,
-    check_sharded,
     check_sharding,
     shard_units,
 )
@@ -337,36 +338,58 @@ def test_the_entrypoint_refuses_a_run_toml_it_cannot_start_with_exit_2(tmp_path,
     assert "replicas" in capsys.readouterr().err
 
 
-@pytest.fixture
-def process_group_of_one(tmp_path):
-    """A gloo group of this process alone, torn down after: FSDP2's DTensors need one."""
-    store = torch.distributed.FileStore(str(tmp_path / "group"), 1)
-    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    torch.distributed.destroy_process_group()
+REFUSALS = """
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+from diloco_anywhere.config import ConfigError
+from diloco_anywhere.tasks.gpt import GPT, PRESETS
+from diloco_anywhere.training.ranks.replica_group import ReplicaGroup
+from diloco_anywhere.training.ranks.sharding import ShardingMismatchError, check_sharded
+
+dist.init_process_group("gloo")
+declared = {sharding: ReplicaGroup(rank=dist.get_rank(), world_size=2, sharded=sharding == "fsdp")
+            for sharding in ("ddp", "fsdp")}
+plain, sharded = (GPT(PRESETS["tiny"], torch.Generator().manual_seed(0)) for _ in range(2))
+fully_shard(sharded)  # each rank holds half of every parameter
+for model, sharding in ((sharded, "ddp"), (plain, "fsdp")):
+    try:
+        check_sharded(model, declared[sharding])
+    except ShardingMismatchError as refused:
+        assert isinstance(refused, ConfigError)  # exit 2, never retried
+        print(f"refused {sharding}: {refused}")
+check_sharded(plain, declared["ddp"])
+check_sharded(sharded, declared["fsdp"])
+for model in (plain, sharded):
+    check_sharded(model, ReplicaGroup())
+dist.destroy_process_group()
+"""
 
 
-def test_a_model_sharded_unlike_the_run_s_sharding_is_refused_either_way(process_group_of_one):
-    """Before the first step, with exit 2 (a ConfigError): a replica of several processes
-    declared "ddp" whose trainer shards the model itself (torchtitan's FSDP2), and one declared
-    "fsdp" whose model was never sharded; one process alone is either."""
-    from torch.distributed.fsdp import fully_shard
-
-    plain, sharded = (
-        GPT(PRESETS["tiny"], torch.Generator().manual_seed(0)),
-        GPT(PRESETS["tiny"], torch.Generator().manual_seed(0)),
-    )
-    fully_shard(sharded)  # DTensors, Shard(0) over the mesh
-    as_declared = {sharding: ReplicaGroup(world_size=2, sharded=sharding == "fsdp")
-                   for sharding in ("ddp", "fsdp")}  # fmt: skip
-    unsharded = r"run.sharding = 'fsdp', but parameter \S+ is not sharded: pass the model "
-    sharded_ddp = r"run.sharding = 'ddp', but parameter \S+ is sharded over the replica's 2 "
-    with pytest.raises(ShardingMismatchError, match=sharded_ddp + r".* sharding = \"fsdp\""):
-        check_sharded(sharded, as_declared["ddp"])
-    with pytest.raises(ShardingMismatchError, match=unsharded + "through replica.parallelize"):
-        check_sharded(plain, as_declared["fsdp"])
-    check_sharded(plain, as_declared["ddp"])
-    check_sharded(sharded, as_declared["fsdp"])
-    for model in (plain, sharded):
-        check_sharded(model, ReplicaGroup())
-    assert issubclass(ShardingMismatchError, ConfigError)  # exit 2, never retried
+@pytest.mark.integration
+def test_a_model_sharded_unlike_the_run_s_sharding_is_refused_either_way(tmp_path):
+    """Before the first step, with exit 2 (a ConfigError), on two ranks: a replica declared
+    "ddp" whose trainer shards the model itself (torchtitan's FSDP2: rank 0 would sync its
+    shard as the whole model), and one declared "fsdp" whose model was never sharded; the
+    model as declared, and one process alone, train."""
+    (tmp_path / "refusals.py").write_text(REFUSALS)
+    ran = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "refusals.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    refused = sorted(line for line in ran.stdout.splitlines() if line.startswith("refused"))
+    assert len(refused) == 4, ran.stdout  # both ranks, both ways
+    assert re.fullmatch(
+        r"refused ddp: run.sharding = 'ddp', but parameter \S+ is sharded over the replica's 2 "
+        r"processes \(FSDP or tensor parallelism\): set \[run\] sharding = \"fsdp\" in run.toml, "
+        r"so that every rank syncs its own shard", refused[0],
+    )  # fmt: skip
+    assert re.fullmatch(
+        r"refused fsdp: run.sharding = 'fsdp', but parameter \S+ is not sharded: pass the model "
+        r"through replica.parallelize\(model\) before building the inner optimizer", refused[2],
+    )  # fmt: skip

@@ -108,7 +108,7 @@ def check_sharded(model: nn.Module, group: ReplicaGroup) -> None:
     unsharded whose model is (a trainer that applies FSDP2 itself, torchtitan's: rank 0 would
     exchange only its own shard as the whole model, and the others take rank 0's shard as
     theirs). A configuration error: a restart would meet it again."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
 
     if group.world_size == 1:
         return
@@ -121,10 +121,9 @@ def check_sharded(model: nn.Module, group: ReplicaGroup) -> None:
                 f"model through replica.parallelize(model) before building the inner optimizer"
             )
         return
+    # a rank holding part of a parameter (a replicated DTensor, HSDP's over one shard, is whole)
     sharded = [
-        name
-        for name, p in parameters
-        if isinstance(p, DTensor) and any(isinstance(s, Shard) for s in p.placements)
+        n for n, p in parameters if isinstance(p, DTensor) and p.to_local().numel() < p.numel()
     ]
     if sharded:
         raise ShardingMismatchError(
