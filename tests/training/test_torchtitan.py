@@ -121,8 +121,8 @@ def titan_run(hf_corpus, tmp_path_factory):
     it and it heals. Meanwhile the other replica is frozen, so that the run cannot end first
     (every round needs both)."""
     folder = tmp_path_factory.mktemp("titan")
-    tokenizer, data = hf_corpus
-    shutil.copytree(tokenizer, folder / "tokenizer")
+    shutil.copytree(DEBUG_ASSETS, folder / "tokenizer")  # the template's: bytes, config.json
+    _, data = hf_corpus
     (folder / "documents").mkdir()
     shutil.copy(data, folder / "documents" / "data.jsonl")
     (folder / "run.toml").write_text(docs_run())
@@ -208,7 +208,6 @@ def _the_export_in_hugging_face_s_layout_loads_and_predicts(folder: Path) -> Non
     with no missing or unexpected weight, and it predicts the run's text about as well as the
     run's best steps did (at these sizes RoPE hardly moves the loss: torchtitan's converter
     owns the rotary permutation, and this checks the weights it is given)."""
-    shutil.copy(DEBUG_ASSETS / "config.json", folder / "tokenizer")
     job = load_config(folder / "run.toml").task.command[3:]  # after python -m <module>
     converted = subprocess.run(
         [TORCHTITAN_PYTHON, "-m", "diloco_anywhere.training.torchtitan.hf_export",
