@@ -25,7 +25,7 @@ from diloco_anywhere.collective.mean import weighted_mean
 from diloco_anywhere.collective.parts import PartIO, Transfers
 from diloco_anywhere.collective.policy import CollectiveConfig, RoundPolicy
 from diloco_anywhere.collective.records import MAX_WEIGHT, Manifest, check_weight
-from diloco_anywhere.collective.transfers import windowed
+from diloco_anywhere.collective.transfers import AdaptiveWindow, windowed
 
 META = wire.ObjectMeta(run="run", round=0, replica="a", incarnation=0, shard=0)
 
@@ -185,7 +185,7 @@ def _collector(owners: list[str], window: int) -> _ShardedExchange:
     """Only what choosing the next reads needs: who owns each shard, and the window."""
     exchange = _ShardedExchange.__new__(_ShardedExchange)
     exchange.owners = owners
-    exchange.transfers = Transfers(executor=None, pool=None, window=window)  # type: ignore[arg-type]
+    exchange.transfers = Transfers(executor=None, pool=None, control=AdaptiveWindow(window))  # type: ignore[arg-type]
     return exchange
 
 

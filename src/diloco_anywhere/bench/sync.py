@@ -74,6 +74,7 @@ class SyncBench:
     straggler: float = 0.0  # seconds the last replica is late every round
     wan: WanShape | None = None
     device: str = "cpu"  # where each replica's pseudo-gradient is: "cuda" syncs from GPU tensors
+    window_max: int = RoundPolicy.window_max  # the window widens up to this (= window: fixed)
 
     def policy(self) -> RoundPolicy:
         return RoundPolicy(
@@ -83,6 +84,7 @@ class SyncBench:
             mode=self.mode,  # type: ignore[arg-type]
             expected_replicas=self.replicas,
             window=self.window,
+            window_max=max(self.window, self.window_max),
             part_elements=max(1, self.part_bytes // 4),
         )
 
@@ -94,6 +96,7 @@ class RoundMeasure:
     mode: str
     memory_added: int | None
     phases: dict[str, float]  # thread-seconds per phase (``collective/phases.py``)
+    window: int  # parts in flight it ran with (``transfers.AdaptiveWindow``)
 
 
 def _replica(url, options, index, bench: SyncBench, barrier, results) -> None:
@@ -116,6 +119,7 @@ def _measured_rounds(url, options, index, bench: SyncBench, barrier) -> list[Rou
             barrier.wait()
             time.sleep(late)
             before, started = store.stats(), time.perf_counter()
+            window = collective.window  # this round's, before it widens the next
             with PeakMemory() as peak:
                 work = collective.allreduce(tensor, round_=round_)
                 work.wait()
@@ -128,6 +132,7 @@ def _measured_rounds(url, options, index, bench: SyncBench, barrier) -> list[Rou
                     result.seal.mode,
                     added,
                     result.seconds,
+                    window,
                 )
             )
     return measured
@@ -382,6 +387,7 @@ def bench_sync(url: str, options: list[dict[str, Any]], bench: SyncBench, progre
         "s3_request_usd_per_1000_rounds_per_replica": request_cost(requests),
         "round_seconds": round_seconds,
         "round_seconds_each": [max(m[r].seconds for m in outcomes) for r in rounds],
+        "window_each": [outcomes[0][r].window for r in rounds],  # replica 0's, round by round
         # thread-seconds per phase of a replica's round (medians; they overlap: phases.py)
         "phase_seconds": phase_split(rows),
         "phase_seconds_each": [

@@ -167,11 +167,17 @@ class BucketCollective:
             thread_name_prefix="allreduce",
             initializer=one_intra_op_thread,
         )
+        policy = self.config.round
         self._transfers = Transfers.create(
-            self.config.round.window, self.config.max_rounds_in_flight
+            policy.window, self.config.max_rounds_in_flight, policy.window_max
         )
         self._latest: dict[int, Future[RoundResult]] = {}  # per fragment
         self._collecting = ThreadPoolExecutor(1, thread_name_prefix="collect")
+
+    @property
+    def window(self) -> int:
+        """Parts in flight for the rounds starting now (``transfers.AdaptiveWindow``)."""
+        return self._transfers.window
 
     def allreduce(
         self,

@@ -30,7 +30,7 @@ from diloco_anywhere.bucket.store import Store
 from diloco_anywhere.collective.flat import FlatTensors
 from diloco_anywhere.collective.phases import PhaseTimes
 from diloco_anywhere.collective.records import Manifest, PartEntry
-from diloco_anywhere.collective.transfers import BufferPool, Held
+from diloco_anywhere.collective.transfers import AdaptiveWindow, BufferPool, Held
 
 log = logging.getLogger(__name__)
 
@@ -50,20 +50,28 @@ def one_intra_op_thread() -> None:
 @dataclass(frozen=True)
 class Transfers:
     """What a round moves parts with: threads, reused buffers, and how many parts may be in
-    flight at once (``window``: the bound on memory and on concurrent requests)."""
+    flight at once (``window``: the bound on memory and on concurrent requests, adapted
+    between rounds by ``control``)."""
 
     executor: Executor
     pool: BufferPool
-    window: int
+    control: AdaptiveWindow
+
+    @property
+    def window(self) -> int:
+        """Parts in flight for a phase starting now (read once per phase)."""
+        return self.control.size
 
     @classmethod
-    def create(cls, window: int, rounds: int = 1) -> Transfers:
-        """For ``rounds`` rounds in flight at a time, each with ``window`` parts."""
-        threads = window * rounds
+    def create(cls, window: int, rounds: int = 1, most: int | None = None) -> Transfers:
+        """For ``rounds`` rounds in flight at a time, each with ``window`` parts, widened up
+        to ``most`` where the link pays for it (``AdaptiveWindow``); threads start as needed."""
+        control = AdaptiveWindow(window, most)
+        threads = control.most * rounds
         executor = ThreadPoolExecutor(
             threads, thread_name_prefix="transfer", initializer=one_intra_op_thread
         )
-        return cls(executor, BufferPool(keep=threads + 2 * rounds), window)
+        return cls(executor, BufferPool(keep=threads + 2 * rounds), control)
 
 
 @dataclass

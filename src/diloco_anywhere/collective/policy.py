@@ -54,8 +54,11 @@ class RoundPolicy:
     # a WAN", where the size was chosen).
     part_elements: int = 1 << 20
     # Parts in flight per round (encoding, uploading, downloading, waiting to be reduced): the
-    # bound on a round's host memory (window x part size) and its concurrent requests.
+    # bound on a round's host memory (window x part size) and its concurrent requests. The
+    # window starts here and widens between rounds, up to window_max, while a wider one moves
+    # a round's parts faster (``transfers.AdaptiveWindow``); window_max = window: fixed.
     window: int = 8
+    window_max: int = 32
     # Shards reduced at once, each by a thread of its own (``exchanges/reduction.py``); None:
     # one per core this process may use on the CPU (at most ``window``), two on a GPU.
     reducers: int | None = None

@@ -52,7 +52,7 @@ from diloco_anywhere.collective.parts import (
 from diloco_anywhere.collective.phases import PhaseTimes
 from diloco_anywhere.collective.policy import ExchangeMode, RoundPolicy
 from diloco_anywhere.collective.records import NO_PACE, Manifest, Pace, PartEntry, Seal, same_layout
-from diloco_anywhere.collective.transfers import windowed
+from diloco_anywhere.collective.transfers import FLOAT32_BYTES, windowed
 
 log = logging.getLogger(__name__)
 
@@ -128,12 +128,16 @@ class Round:
             keep = partial(self.kept.offer, (me.name, shard)) if keeping else None
             return self.parts.upload(source, ranges[shard], codec, self.part_meta(shard), key, keep)
 
-        transfers = self.parts.transfers
-        entries = windowed(transfers.executor, upload, range(len(ranges)), transfers.window)
+        transfers, started = self.parts.transfers, time.perf_counter()
+        entries = tuple(windowed(transfers.executor, upload, range(len(ranges)), transfers.window))
+        transfers.control.observe(
+            len(ranges), source.numel * FLOAT32_BYTES,
+            self.policy.part_elements * FLOAT32_BYTES, time.perf_counter() - started,
+        )  # fmt: skip
         manifest = Manifest(
             run=self.layout.run, round=self.round, fragment=self.fragment, replica=me.replica,
             incarnation=me.incarnation, weight=float(weight), fingerprint=fingerprint,
-            codec=codec, numel=source.numel, parts=tuple(entries), steps=pace.steps,
+            codec=codec, numel=source.numel, parts=entries, steps=pace.steps,
             seconds=pace.seconds,
         )  # fmt: skip
         key = self.layout.manifest(self.round, self.fragment, me.replica, me.incarnation)

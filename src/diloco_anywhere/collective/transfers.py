@@ -7,11 +7,16 @@ buffer from the collective's ``BufferPool``. That bound (``window`` x the part s
 in flight) is also the number of concurrent requests, which is what a round's bandwidth over
 a WAN comes from: each connection to an object store runs at tens of MB/s, so throughput
 comes from requests in parallel (``diloco bench sync --standin``; docs/benchmarks.md).
+
+How many requests a link is worth is not known ahead (a connection's rate, the link's, the
+host's cores for the codec), so the window adapts between rounds (``AdaptiveWindow``): it
+widens while a wider one moves a round's parts faster, and stays within the sync's memory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -22,6 +27,7 @@ import torch
 
 from diloco_anywhere.bucket.format.framing import MAX_HEADER_BYTES, PREFIX
 
+log = logging.getLogger(__name__)
 # Buffers are within 64 KiB of their part: with 1 MiB classes an int8 part (1 MiB and its
 # scales) took a 2 MiB buffer, twice its bytes, in every part a gather round keeps.
 SIZE_CLASS = 64 << 10
@@ -113,3 +119,66 @@ def windowed(
         for future in pending:
             with contextlib.suppress(Exception):
                 release(future.result())
+
+
+# A wider window is kept only if it moves a round's parts this much faster: less is noise, or
+# a link (or a host) already full, where more requests only cost more (stores bill them).
+WIDER_GAIN = 1.1
+# Rounds at a settled window before a wider one is tried again: the link may have changed.
+SETTLED_ROUNDS = 20
+FLOAT32_BYTES = 4  # a part holds float32 values: what a sync's memory is counted in
+# A round's window of parts, at most this share of its payload's float32 bytes: with the
+# others' reduced shards read meanwhile (as many again) and a gather's kept parts (at most
+# a quarter of a payload of 1 GiB), a sync stays within half its payload (docs/collective.md).
+MEMORY_SHARE = 0.125
+
+
+class AdaptiveWindow:
+    """A round's parts in flight, adapted between rounds to what the link and the host allow:
+    from ``least`` (run.toml's ``[sync] window``), doubled while the wider window uploads a
+    round's contribution at least ``WIDER_GAIN`` times faster, back to the narrower one when
+    it does not, tried again after ``SETTLED_ROUNDS`` rounds; never past ``most``, nor past
+    ``MEMORY_SHARE`` of a round's payload in parts in flight (the sync's host memory bound;
+    rounds in flight together are fragments', each of its own payload). A probe of TCP's
+    kind (grow while it pays), measured where a round's phase has at least twice the
+    window's parts, so that it ran full; thread-safe (rounds of several fragments report)."""
+
+    def __init__(self, least: int, most: int | None = None) -> None:
+        self.least, self.most = least, max(least, most or least)
+        self.size = least
+        self._narrower: tuple[int, float] | None = None  # (size, rate) before a probe
+        self._settled = SETTLED_ROUNDS  # rounds since the last probe: the first round probes
+        self._lock = threading.Lock()
+
+    def observe(self, parts: int, payload_bytes: int, part_bytes: int, seconds: float) -> None:
+        """One round's upload of its contribution: ``parts`` parts of at most ``part_bytes``
+        float32 bytes each, ``payload_bytes`` in all, in ``seconds``."""
+        if seconds <= 0 or parts < 2 * self.size:
+            return  # too few parts to fill the window: says nothing of a wider one
+        rate = payload_bytes / seconds
+        fits = int(MEMORY_SHARE * payload_bytes // part_bytes)
+        with self._lock:
+            self._next(rate, max(self.least, min(self.most, fits)))
+
+    def _next(self, rate: float, most: int) -> None:
+        if self._narrower is not None:  # this round tried a wider window
+            size, narrower_rate = self._narrower
+            if rate >= narrower_rate * WIDER_GAIN:
+                self._widen(rate, most)
+                return
+            log.info("window %d moved parts at %.0f MB/s, %d at %.0f MB/s: back to %d",
+                     self.size, rate / 1e6, size, narrower_rate / 1e6, size)  # fmt: skip
+            self.size, self._narrower, self._settled = size, None, 0
+            return
+        self._settled += 1
+        if self._settled >= SETTLED_ROUNDS:
+            self._widen(rate, most)
+
+    def _widen(self, rate: float, most: int) -> None:
+        """Try twice the window next round, where memory allows; else settle here."""
+        wider = min(most, 2 * self.size)
+        if wider <= self.size:
+            self._narrower, self._settled = None, 0
+            return
+        log.info("window %d moved parts at %.0f MB/s: trying %d", self.size, rate / 1e6, wider)
+        self._narrower, self.size = (self.size, rate), wider

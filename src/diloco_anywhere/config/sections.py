@@ -14,10 +14,10 @@ from diloco_anywhere.collective.policy import (
     LeasePolicy,
     RoundPolicy,
 )
+from diloco_anywhere.collective.transfers import FLOAT32_BYTES  # part_size / 4 elements a part
 
 PositiveInt = Annotated[int, Field(ge=1)]
 Seconds = Annotated[float, Field(gt=0)]
-FLOAT32_BYTES = 4  # a part holds float32 values: part_size bytes are part_size / 4 elements
 
 
 class _Section(BaseModel):
@@ -58,6 +58,8 @@ class SyncSection(_Section):
     # Parts in flight per round, and the float32 bytes of each: a sync's host memory
     # (window x part_size) and its concurrent requests (docs/collective.md, "Memory").
     window: Annotated[int, Field(ge=1, le=256)] = RoundPolicy.window
+    # The widest it may grow to where a wider window moves parts faster (docs/run-toml.md)
+    window_max: Annotated[int, Field(ge=1, le=256)] = RoundPolicy.window_max
     part_size: Annotated[ByteSize, Field(ge=64 << 10, le=1 << 30)] = ByteSize(
         RoundPolicy.part_elements * FLOAT32_BYTES
     )
@@ -66,6 +68,7 @@ class SyncSection(_Section):
         return RoundPolicy(
             min_replicas=run.min_replicas, expected_replicas=run.replicas, grace=self.grace,
             timeout=self.timeout, mode=self.mode, window=self.window,
+            window_max=max(self.window, self.window_max),
             part_elements=self.part_size // FLOAT32_BYTES,
         )  # fmt: skip
 

@@ -13,8 +13,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -35,9 +33,11 @@ from diloco_anywhere.tasks.gpt import GPT, PRESETS
 from diloco_anywhere.training.checkpoints.commits import committed_rounds, read_commit
 from diloco_anywhere.training.checkpoints.reader import load_checkpoint
 from diloco_anywhere.training.checkpoints.records import ShardOf
+from diloco_anywhere.training.ranks.replica_group import ReplicaGroup
 from diloco_anywhere.training.ranks.sharding import (
     Sharding,
     ShardingMismatchError,
+    check_sharded,
     check_sharding,
     shard_units,
 )
@@ -338,58 +338,50 @@ def test_the_entrypoint_refuses_a_run_toml_it_cannot_start_with_exit_2(tmp_path,
     assert "replicas" in capsys.readouterr().err
 
 
-REFUSALS = """
-import sys
+@pytest.fixture
+def mesh_of_one(tmp_path):
+    """A device mesh of this process alone (a gloo group of one, torn down after): what a
+    DTensor needs."""
+    from torch.distributed.device_mesh import init_device_mesh
 
-import torch
-import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
-
-from diloco_anywhere.config import ConfigError
-from diloco_anywhere.tasks.gpt import GPT, PRESETS
-from diloco_anywhere.training.ranks.replica_group import ReplicaGroup
-from diloco_anywhere.training.ranks.sharding import ShardingMismatchError, check_sharded
-
-dist.init_process_group("gloo")
-declared = {sharding: ReplicaGroup(rank=dist.get_rank(), world_size=2, sharded=sharding == "fsdp")
-            for sharding in ("ddp", "fsdp")}
-plain, sharded = (GPT(PRESETS["tiny"], torch.Generator().manual_seed(0)) for _ in range(2))
-fully_shard(sharded)  # each rank holds half of every parameter
-for model, sharding in ((sharded, "ddp"), (plain, "fsdp")):
-    try:
-        check_sharded(model, declared[sharding])
-    except ShardingMismatchError as refused:
-        assert isinstance(refused, ConfigError)  # exit 2, never retried
-        print(f"refused {sharding}: {refused}")
-check_sharded(plain, declared["ddp"])
-check_sharded(sharded, declared["fsdp"])
-for model in (plain, sharded):
-    check_sharded(model, ReplicaGroup())
-dist.destroy_process_group()
-"""
+    store = torch.distributed.FileStore(str(tmp_path / "group"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    torch.distributed.destroy_process_group()
 
 
-@pytest.mark.integration
-def test_a_model_sharded_unlike_the_run_s_sharding_is_refused_either_way(tmp_path):
-    """Before the first step, with exit 2 (a ConfigError), on two ranks: a replica declared
-    "ddp" whose trainer shards the model itself (torchtitan's FSDP2: rank 0 would sync its
-    shard as the whole model), and one declared "fsdp" whose model was never sharded; the
-    model as declared, and one process alone, train."""
-    (tmp_path / "refusals.py").write_text(REFUSALS)
-    ran = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "refusals.py"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert ran.returncode == 0, ran.stderr[-3000:]
-    refused = sorted(line for line in ran.stdout.splitlines() if line.startswith("refused"))
-    assert len(refused) == 4, ran.stdout  # both ranks, both ways
-    assert re.fullmatch(
-        r"refused ddp: run.sharding = 'ddp', but parameter \S+ is sharded over the replica's 2 "
-        r"processes \(FSDP or tensor parallelism\): set \[run\] sharding = \"fsdp\" in run.toml, "
-        r"so that every rank syncs its own shard", refused[0],
-    )  # fmt: skip
-    assert re.fullmatch(
-        r"refused fsdp: run.sharding = 'fsdp', but parameter \S+ is not sharded: pass the model "
-        r"through replica.parallelize\(model\) before building the inner optimizer", refused[2],
-    )  # fmt: skip
+def test_a_model_sharded_unlike_the_run_s_sharding_is_refused_either_way(mesh_of_one):
+    """Before the first step, with exit 2 (a ConfigError): a replica of two processes
+    declared "ddp" whose trainer sharded the model itself (torchtitan's FSDP2: rank 0 would
+    sync its half as the whole), and one declared "fsdp" whose model was never sharded. A
+    DTensor whose rank holds it whole (HSDP's replicated one), the model as declared, and one
+    process alone, train. Rank 0's half of a parameter is a DTensor of the whole's shape
+    holding half its rows (``DTensor.from_local`` with the whole's shape)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def model(*parameters: torch.Tensor) -> torch.nn.Module:
+        module = torch.nn.Module()
+        for k, parameter in enumerate(parameters):
+            module.register_parameter(f"w{k}", torch.nn.Parameter(parameter))
+        return module
+
+    half = DTensor.from_local(torch.ones(2, 4), mesh_of_one, [Shard(0)], run_check=False,
+                              shape=torch.Size([4, 4]), stride=(4, 1))  # fmt: skip
+    whole = DTensor.from_local(torch.ones(4, 4), mesh_of_one, [Replicate()], run_check=False)
+    ddp, fsdp = (ReplicaGroup(world_size=2, sharded=sharded) for sharded in (False, True))
+    with pytest.raises(ShardingMismatchError, match=re.escape(
+        "run.sharding = 'ddp', but parameter w1 is sharded over the replica's 2 processes (FSDP "
+        'or tensor parallelism): set [run] sharding = "fsdp" in run.toml, so that every rank '
+        "syncs its own shard"
+    )):  # fmt: skip
+        check_sharded(model(whole, half), ddp)
+    with pytest.raises(ShardingMismatchError, match=re.escape(
+        "run.sharding = 'fsdp', but parameter w0 is not sharded: pass the model through "
+        "replica.parallelize(model) before building the inner optimizer"
+    )):  # fmt: skip
+        check_sharded(model(torch.ones(4)), fsdp)
+    check_sharded(model(whole), ddp)
+    check_sharded(model(half, whole), fsdp)
+    for alone in (model(half), model(torch.ones(4))):
+        check_sharded(alone, ReplicaGroup())
+    assert issubclass(ShardingMismatchError, ConfigError)  # exit 2, never retried

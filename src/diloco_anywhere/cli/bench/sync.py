@@ -90,6 +90,14 @@ def bench_sync_command(
     window: Annotated[
         int, typer.Option(min=1, help="Parts in flight per round (memory and concurrency).")
     ] = 8,
+    window_max: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="The widest the window may grow to between rounds while a wider one moves "
+            "parts faster ([sync] window_max); --window's value keeps it fixed.",
+        ),
+    ] = 32,
     part_size: Annotated[
         int, typer.Option(parser=parse_size, help="Bytes of float32 per part.")
     ] = "4MiB",  # type: ignore[assignment]
@@ -136,7 +144,8 @@ def bench_sync_command(
         raise typer.BadParameter(f"{device!r}: cpu or cuda", param_hint="--device")
     shape = wan_shape(bandwidth, latency, link)
     bench = SyncBench(
-        replicas, size, rounds, codec, mode, window, part_size, straggler, shape, device
+        replicas, size, rounds, codec, mode, window, part_size, straggler, shape, device,
+        window_max,
     )  # fmt: skip
     with user_errors(), ExitStack() as stack, progress_display() as status:
         url, options = bench_target(stack, store_url, standin_name, status)
