@@ -1,10 +1,7 @@
 """torchtitan's ``Trainer`` as a replica (``training/torchtitan/``, docs/api.md): two replicas
-of its llama3 debug model started by ``diloco launch``, each two ranks of ``python -m
-diloco_anywhere.training.torchtitan`` with torchtitan's own arguments under ``torchrun``,
-torchtitan sharding the model over them with FSDP2, on the CPU (gloo), every rank syncing its
-shard only through the bucket, on the run's raw text prepared with the job's tokenizer. A
-replica of one process is the template's torchtitan project's smoke run
-(``tests/project/test_template_torchtitan.py``).
+of its llama3 debug model started by ``diloco launch``, each ``python -m
+diloco_anywhere.training.torchtitan`` with torchtitan's own arguments, on the CPU (gloo),
+syncing only through the bucket, on the run's raw text prepared with the job's tokenizer.
 
 torchtitan lives in an environment of its own (``support/torchtitan.py``): the replicas'
 entrypoint runs here; the command it starts runs there, named by its path."""
@@ -43,8 +40,8 @@ from support.runs import diloco, replica_logs, statuses
 from support.torchtitan import DEBUG_ASSETS, TORCHTITAN_PYTHON, needs_torchtitan
 
 SYNC, OUTER = 3, 4  # docs/api.md's run: inner steps a round, rounds
-RANKS = 2  # each replica's: torchrun's processes, FSDP2 over them
 TEST_SETTINGS = """
+log_every = 1
 [sync]
 timeout = 300.0
 grace = 1.0  # the checkpoint's committer writes a frozen writer's shard after 3 x grace
@@ -54,15 +51,11 @@ backoff = 0.5
 
 
 def docs_run() -> str:
-    """docs/api.md's run.toml, its replicas' interpreter torchtitan's environment's, a loss
-    line at every step, and a test's settings after its tables."""
+    """docs/api.md's run.toml, its replicas' interpreter torchtitan's environment's, with a
+    test's settings after its last table, ``[task]``."""
     run = example("# torchtitan's run.toml", "toml")
     assert f"sync_every = {SYNC}\nouter_steps = {OUTER}\n" in run
-    assert f"processes_per_replica = {RANKS} " in run
-    run = run.replace('"python"', f'"{TORCHTITAN_PYTHON}"').replace(
-        "[task]\n", "[task]\nlog_every = 1\n"
-    )
-    return run + TEST_SETTINGS
+    return run.replace('"python"', f'"{TORCHTITAN_PYTHON}"') + TEST_SETTINGS
 
 
 def test_a_torchtitan_not_installed_or_not_tested_is_refused_saying_which_to_install(
@@ -253,4 +246,4 @@ def _the_killed_replica_healed_from_the_checkpoint(metrics) -> None:
 def _each_unit_of_the_data_trained_once(store: Store) -> None:
     claims = Claims(store, RunLayout("titan"), contributor("judge", 0), 2).every_claim()
     trained = sorted(claim.unit for claim, outcome in claims if outcome == "trained")
-    assert trained == list(range(2 * RANKS * OUTER))  # 2 replicas x 4 rounds x a unit a rank
+    assert trained == list(range(2 * OUTER))  # 2 replicas x 4 rounds, each unit once

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 ExchangeMode = Literal["gather", "sharded"]
 ExchangeChoice = Literal["auto", "gather", "sharded"]
+FLOAT32_BYTES = 4  # a part holds float32 values: its size, and a sync's memory, count in them
 
 
 def _codec(name: CodecName) -> Codec:

@@ -50,9 +50,9 @@ from diloco_anywhere.collective.parts import (
     release,
 )
 from diloco_anywhere.collective.phases import PhaseTimes
-from diloco_anywhere.collective.policy import ExchangeMode, RoundPolicy
+from diloco_anywhere.collective.policy import FLOAT32_BYTES, ExchangeMode, RoundPolicy
 from diloco_anywhere.collective.records import NO_PACE, Manifest, Pace, PartEntry, Seal, same_layout
-from diloco_anywhere.collective.transfers import FLOAT32_BYTES, windowed
+from diloco_anywhere.collective.transfers import windowed
 
 log = logging.getLogger(__name__)
 

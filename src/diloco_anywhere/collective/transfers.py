@@ -126,7 +126,6 @@ def windowed(
 WIDER_GAIN = 1.1
 # Rounds at a settled window before a wider one is tried again: the link may have changed.
 SETTLED_ROUNDS = 20
-FLOAT32_BYTES = 4  # a part holds float32 values: what a sync's memory is counted in
 # A round's window of parts, at most this share of its payload's float32 bytes: with the
 # others' reduced shards read meanwhile (as many again) and a gather's kept parts (at most
 # a quarter of a payload of 1 GiB), a sync stays within half its payload (docs/collective.md).

@@ -9,12 +9,12 @@ from pydantic import AfterValidator, BaseModel, ByteSize, ConfigDict, Field, mod
 from diloco_anywhere.bucket.format.layout import NAME
 from diloco_anywhere.bucket.schemes import check_store_url
 from diloco_anywhere.collective.policy import (
+    FLOAT32_BYTES,
     CollectiveConfig,
     ExchangeChoice,
     LeasePolicy,
     RoundPolicy,
 )
-from diloco_anywhere.collective.transfers import FLOAT32_BYTES  # part_size / 4 elements a part
 
 PositiveInt = Annotated[int, Field(ge=1)]
 Seconds = Annotated[float, Field(gt=0)]
