@@ -79,30 +79,47 @@ def test_a_torchtitan_not_installed_or_not_tested_is_refused_saying_which_to_ins
     assert TorchtitanVersionError.exit_code in NOT_RETRIED
 
 
+REFUSED = {
+    "the job's config builds torchtitan.experiments.torchft.trainer.FaultTolerantTrainer; a "
+    "replica trains torchtitan's core Trainer": [
+        "--module", "torchft.llama3", "--config", "llama3_torchft_debugmodel",
+    ],
+    "parallelism.pipeline_parallel_degree = 2: pipeline parallelism splits the model": [
+        "--module", "llama3", "--config", "llama3_debugmodel",
+        "--parallelism.pipeline_parallel_degree", "2", "--training.disable_cuda_graphs",
+    ],
+}  # fmt: skip
+# Each job through the replica's own main, in one process of torchtitan's environment (one
+# import of torchtitan for both): its exit code and what it printed, on an 'ended' line each.
+REFUSING = """
+import contextlib, io, json, sys
+from diloco_anywhere.training.torchtitan.__main__ import main
+for job in json.loads(sys.argv[1]):
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        try:
+            main(job)
+            code = 0
+        except SystemExit as end:
+            code = end.code
+    print("ended", json.dumps([code, said.getvalue()]))
+"""
+
+
 @pytest.mark.integration
 @needs_torchtitan
-@pytest.mark.parametrize(
-    ("job", "refusal"),
-    [
-        (["--module", "torchft.llama3", "--config", "llama3_torchft_debugmodel"],
-         "the job's config builds torchtitan.experiments.torchft.trainer.FaultTolerantTrainer; "
-         "a replica trains torchtitan's core Trainer"),
-        (["--module", "llama3", "--config", "llama3_debugmodel",
-          "--parallelism.pipeline_parallel_degree", "2", "--training.disable_cuda_graphs"],
-         "parallelism.pipeline_parallel_degree = 2: pipeline parallelism splits the model"),
-    ],
-)  # fmt: skip
-def test_a_job_that_cannot_be_a_replica_is_refused_before_it_starts_not_retried(
-    job, refusal, tmp_path
-):
+def test_a_job_that_cannot_be_a_replica_is_refused_before_it_starts_not_retried(tmp_path):
     (tmp_path / "run.toml").write_text('[run]\nname = "refused"\nstore = "store"\n')
-    refused = subprocess.run(
-        [TORCHTITAN_PYTHON, "-m", "diloco_anywhere.training.torchtitan", *job],
+    ran = subprocess.run(
+        [TORCHTITAN_PYTHON, "-c", REFUSING, json.dumps(list(REFUSED.values()))],
         cwd=tmp_path, env={**os.environ, "DILOCO_CONFIG": str(tmp_path / "run.toml")},
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    assert refused.returncode == EXIT_BAD_CONFIG, refused.stderr
-    assert f"error: {refusal}" in refused.stderr
+    assert ran.returncode == 0, ran.stderr
+    ends = [json.loads(line[6:]) for line in ran.stdout.splitlines() if line.startswith("ended ")]
+    for refusal, (code, said) in zip(REFUSED, ends, strict=True):
+        assert code == EXIT_BAD_CONFIG, said
+        assert f"error: {refusal}" in said
     assert not (tmp_path / "store").exists()  # nothing joined the run
 
 
