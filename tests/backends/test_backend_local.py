@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from diloco_anywhere.backends import local
 from diloco_anywhere.backends.local import LocalBackend, zombie
 from diloco_anywhere.config import load_config
 from diloco_anywhere.launching.start.launch import plan_launch, run_metrics
@@ -23,10 +24,13 @@ def test_nothing_ends_a_local_attempt_and_it_has_no_list_price():
 
 
 @pytest.mark.integration
-def test_a_replica_started_again_is_a_new_process_with_its_id_and_shard(tmp_path):
+def test_a_replica_started_again_is_a_new_process_with_its_id_and_shard(tmp_path, monkeypatch):
     """The one spec of replica local-1 of a 3-replica run, launched, stopped and launched
     again: each time one process, training as local-1 on shard 1 (alone: min_replicas = 1,
-    so that it need not wait out the sync timeout for the others, which never start)."""
+    so that it need not wait out the sync timeout for the others, which never start). A stop
+    returns once the replica has ended: the first on its SIGTERM, the second SIGKILLed at
+    once (no grace), which ends a process soon but not at once (a loaded machine showed it
+    running right after)."""
     text = RUN_TOML.format(replicas=3, outer_steps=500)
     (tmp_path / "run.toml").write_text(text.replace("min_replicas = 2", "min_replicas = 1"))
     config = load_config(tmp_path / "run.toml")
@@ -38,6 +42,8 @@ def test_a_replica_started_again_is_a_new_process_with_its_id_and_shard(tmp_path
         handles.append(handle)
         starts = wait_for_starts(config, "local-1", incarnation)
         assert [start.split(",")[0] for start in starts] == ["shard 1 of 3"] * incarnation
+        if incarnation == 2:
+            monkeypatch.setattr(local, "STOP_GRACE", 0.0)
         backend.stop(handle)
         assert backend.state(handle) != "running"
 

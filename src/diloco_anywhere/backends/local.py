@@ -42,6 +42,7 @@ from diloco_anywhere.replica_forks import (
 # Seconds a stopped replica gets to write its last lines and leave (then SIGKILL); platforms
 # give 30 s or more, a local run is stopped by a person waiting at the terminal.
 STOP_GRACE = 15.0
+KILL_WAIT = 30.0  # seconds for a SIGKILLed process to be gone (a loaded machine)
 
 
 class LocalBackend(Backend):
@@ -170,11 +171,16 @@ class LocalBackend(Backend):
         if self.state(handle) != "running" or not (own or _is_replica(pid)):
             return
         _signal(pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE
+        if self._running_after(handle, STOP_GRACE):
+            _signal(pid, signal.SIGKILL)  # which no process outlives, but not at once:
+            self._running_after(handle, KILL_WAIT)  # the kernel ends it, then it is reaped
+
+    def _running_after(self, handle: ReplicaHandle, seconds: float) -> bool:
+        """Whether the replica still runs after waiting up to ``seconds`` for it to end."""
+        deadline = time.monotonic() + seconds
         while self.state(handle) == "running" and time.monotonic() < deadline:
             time.sleep(0.05)
-        if self.state(handle) == "running":
-            _signal(pid, signal.SIGKILL)
+        return self.state(handle) == "running"
 
 
 def _elsewhere(handle: ReplicaHandle) -> str | None:
