@@ -17,7 +17,7 @@ from diloco_anywhere.collective.transfers import (
 )
 from diloco_anywhere.config import parse_config
 
-PART = 4 << 20  # bytes of float32 a part
+PART = 1 << 20  # float32 values a part (4 MiB)
 PARTS = 1024  # a 4 GiB contribution (a 1B model's): room for a window of 128
 
 
@@ -25,7 +25,7 @@ def upload(window: AdaptiveWindow, per_connection: float, link: float, parts: in
     """One round's upload through such a link at the window in use; the window it ran at."""
     used = window.size
     rate = min(used * per_connection, link)
-    window.observe(parts, parts * PART, PART, parts * PART / rate)
+    window.observe(used, parts, parts * PART, PART, parts * PART * 4 / rate)
     return used
 
 
@@ -65,6 +65,17 @@ def test_the_window_stays_within_the_sync_s_memory_and_its_most(parts, most):
     assert most * PART <= MEMORY_SHARE * parts * PART
 
 
+def test_a_round_that_ran_at_a_window_since_changed_says_nothing():
+    """Rounds of several fragments overlap: one that started before another's upload
+    changed the window does not judge the new one by its rate."""
+    window = AdaptiveWindow(8, 32)
+    upload(window, 2e6, 1e12)  # 8, then tries 16
+    window.observe(8, PARTS, PARTS * PART, PART, 1e-3)  # a late round at 8, however fast
+    assert window.size == 16
+    assert upload(window, 2e6, 1e12) == 16  # 16 judged on its own rate: wider still
+    assert window.size == 32
+
+
 def test_a_round_of_too_few_parts_to_fill_the_window_says_nothing():
     window = AdaptiveWindow(8, 32)
     for _ in range(5):
@@ -80,4 +91,5 @@ def test_run_toml_s_window_is_the_start_and_window_max_the_most():
     ).sync.round_policy(parse_config('[run]\nname = "w"\n', "run.toml").run)
     assert (round_.window, round_.window_max) == (4, 64)
     below = parse_config('[run]\nname = "w"\n[sync]\nwindow = 16\nwindow_max = 8\n', "run.toml")
-    assert below.sync.round_policy(below.run).window_max == 16  # below window: fixed there
+    policy = below.sync.round_policy(below.run)
+    assert AdaptiveWindow(policy.window, policy.window_max).most == 16  # below: fixed there

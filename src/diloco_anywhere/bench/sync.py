@@ -84,7 +84,7 @@ class SyncBench:
             mode=self.mode,  # type: ignore[arg-type]
             expected_replicas=self.replicas,
             window=self.window,
-            window_max=max(self.window, self.window_max),
+            window_max=self.window_max,
             part_elements=max(1, self.part_bytes // 4),
         )
 

@@ -50,7 +50,7 @@ from diloco_anywhere.collective.parts import (
     release,
 )
 from diloco_anywhere.collective.phases import PhaseTimes
-from diloco_anywhere.collective.policy import FLOAT32_BYTES, ExchangeMode, RoundPolicy
+from diloco_anywhere.collective.policy import ExchangeMode, RoundPolicy
 from diloco_anywhere.collective.records import NO_PACE, Manifest, Pace, PartEntry, Seal, same_layout
 from diloco_anywhere.collective.transfers import windowed
 
@@ -129,11 +129,10 @@ class Round:
             return self.parts.upload(source, ranges[shard], codec, self.part_meta(shard), key, keep)
 
         transfers, started = self.parts.transfers, time.perf_counter()
-        entries = tuple(windowed(transfers.executor, upload, range(len(ranges)), transfers.window))
-        transfers.control.observe(
-            len(ranges), source.numel * FLOAT32_BYTES,
-            self.policy.part_elements * FLOAT32_BYTES, time.perf_counter() - started,
-        )  # fmt: skip
+        window = transfers.window
+        entries = tuple(windowed(transfers.executor, upload, range(len(ranges)), window))
+        transfers.control.observe(window, len(ranges), source.numel, self.policy.part_elements,
+                                  time.perf_counter() - started)  # fmt: skip
         manifest = Manifest(
             run=self.layout.run, round=self.round, fragment=self.fragment, replica=me.replica,
             incarnation=me.incarnation, weight=float(weight), fingerprint=fingerprint,

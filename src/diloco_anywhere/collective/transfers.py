@@ -26,6 +26,7 @@ from typing import TypeVar
 import torch
 
 from diloco_anywhere.bucket.format.framing import MAX_HEADER_BYTES, PREFIX
+from diloco_anywhere.collective.policy import FLOAT32_BYTES
 
 log = logging.getLogger(__name__)
 # Buffers are within 64 KiB of their part: with 1 MiB classes an int8 part (1 MiB and its
@@ -149,15 +150,18 @@ class AdaptiveWindow:
         self._settled = SETTLED_ROUNDS  # rounds since the last probe: the first round probes
         self._lock = threading.Lock()
 
-    def observe(self, parts: int, payload_bytes: int, part_bytes: int, seconds: float) -> None:
-        """One round's upload of its contribution: ``parts`` parts of at most ``part_bytes``
-        float32 bytes each, ``payload_bytes`` in all, in ``seconds``."""
-        if seconds <= 0 or parts < 2 * self.size:
+    def observe(
+        self, window: int, parts: int, numel: int, part_elements: int, seconds: float
+    ) -> None:
+        """One round's upload of its contribution at ``window``: ``parts`` parts of at most
+        ``part_elements`` float32 values each, ``numel`` in all, in ``seconds``."""
+        if seconds <= 0 or parts < 2 * window:
             return  # too few parts to fill the window: says nothing of a wider one
-        rate = payload_bytes / seconds
-        fits = int(MEMORY_SHARE * payload_bytes // part_bytes)
+        rate = numel * FLOAT32_BYTES / seconds  # bytes/s of the float32 payload
+        fits = int(MEMORY_SHARE * numel // part_elements)
         with self._lock:
-            self._next(rate, max(self.least, min(self.most, fits)))
+            if window == self.size:  # not a round that started before another changed it
+                self._next(rate, max(self.least, min(self.most, fits)))
 
     def _next(self, rate: float, most: int) -> None:
         if self._narrower is not None:  # this round tried a wider window

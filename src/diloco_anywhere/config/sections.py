@@ -68,7 +68,7 @@ class SyncSection(_Section):
         return RoundPolicy(
             min_replicas=run.min_replicas, expected_replicas=run.replicas, grace=self.grace,
             timeout=self.timeout, mode=self.mode, window=self.window,
-            window_max=max(self.window, self.window_max),
+            window_max=self.window_max,  # below window: fixed there (AdaptiveWindow)
             part_elements=self.part_size // FLOAT32_BYTES,
         )  # fmt: skip
 
